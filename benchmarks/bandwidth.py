@@ -1,0 +1,141 @@
+"""Machine read bandwidth, measured the way the kernels read: a STREAM-like loop generated with llvmlite.
+
+Every decode benchmark divides its effective bandwidth by this number, measured in the same run at
+the same thread count. (NumPy's a.sum() is compute-bound near 9 GB/s here, so it cannot measure it.)
+The loop XORs 64-byte loads into 8 independent accumulators; threads are Python threads, each
+calling the native function on its own contiguous slice (ctypes releases the GIL); best of `reps`.
+
+    python benchmarks/bandwidth.py [--gib 1] [--threads 1,2] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from llvmlite import ir  # noqa: E402
+
+from cflow.codegen.library import Library  # noqa: E402
+from cflow.passes.tile import aligned_empty  # noqa: E402
+
+CHUNK = 512  # bytes per loop iteration: 8 accumulators x 64 B
+_kernel = None
+_buffers: dict[int, np.ndarray] = {}
+
+
+def read_kernel_module() -> ir.Module:
+    """i64 read_xor(i8* p, i64 nbytes): XOR of all 64-byte vectors in p[0:nbytes] (nbytes % 512 == 0)."""
+    i8, i64 = ir.IntType(8), ir.IntType(64)
+    vt = ir.VectorType(i64, 8)
+    mod = ir.Module(name="bandwidth")
+    fn = ir.Function(mod, ir.FunctionType(i64, [i8.as_pointer(), i64]), "read_xor")
+    p, n = fn.args
+    entry = fn.append_basic_block("entry")
+    head, body, done = (fn.append_basic_block(s) for s in ("head", "body", "done"))
+    b = ir.IRBuilder(entry)
+    b.branch(head)
+    b.position_at_end(head)
+    off = b.phi(i64)
+    accs = [b.phi(vt) for _ in range(CHUNK // 64)]
+    zero = ir.Constant(vt, [0] * 8)
+    off.add_incoming(ir.Constant(i64, 0), entry)
+    for a in accs:
+        a.add_incoming(zero, entry)
+    b.cbranch(b.icmp_signed("<", off, n), body, done)
+    b.position_at_end(body)
+    new = []
+    for j, a in enumerate(accs):
+        ptr = b.bitcast(b.gep(p, [b.add(off, ir.Constant(i64, 64 * j))]), vt.as_pointer())
+        new.append(b.xor(a, b.load(ptr, align=64)))
+    nxt = b.add(off, ir.Constant(i64, CHUNK))
+    off.add_incoming(nxt, body)
+    for a, v in zip(accs, new):
+        a.add_incoming(v, body)
+    b.branch(head)
+    b.position_at_end(done)
+    tot = accs[0]
+    for a in accs[1:]:
+        tot = b.xor(tot, a)
+    r = b.extract_element(tot, ir.Constant(ir.IntType(32), 0))
+    for j in range(1, 8):
+        r = b.xor(r, b.extract_element(tot, ir.Constant(ir.IntType(32), j)))
+    b.ret(r)
+    return mod
+
+
+def read_kernel():
+    global _kernel
+    if _kernel is None:
+        lib = Library(name="bandwidth")
+        lib.add_ir(read_kernel_module())
+        _kernel = lib.get_cfunc("read_xor", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+    return _kernel
+
+
+def _buffer(nbytes: int) -> np.ndarray:
+    """A 64-B aligned, fully written buffer (untouched pages would all map the shared zero page)."""
+    if nbytes not in _buffers:
+        buf = aligned_empty(nbytes)
+        buf.view(np.uint64)[:] = np.uint64(0x0123456789ABCDEF)
+        _buffers[nbytes] = buf
+    return _buffers[nbytes]
+
+
+def run_threads(calls) -> float:
+    """Run each zero-argument callable on its own Python thread, started together; wall seconds."""
+    start = threading.Barrier(len(calls) + 1)
+    done = []
+
+    def worker(fn):
+        start.wait()
+        fn()
+        done.append(time.perf_counter())
+
+    ts = [threading.Thread(target=worker, args=(c,)) for c in calls]
+    for t in ts:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join()
+    return max(done) - t0
+
+
+def measure_read_bandwidth(threads: int = 1, nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Best-of-`reps` read bandwidth in GB/s (1e9 B/s) over `nbytes` split evenly across `threads`."""
+    fn = read_kernel()
+    per = (nbytes // threads) // CHUNK * CHUNK
+    buf = _buffer(per * threads)
+    base = buf.ctypes.data
+    calls = [lambda o=t * per: fn(base + o, per) for t in range(threads)]
+    fn(base, min(per, 1 << 20))  # warm the code path
+    best = min(run_threads(calls) for _ in range(reps))
+    return per * threads / best / 1e9
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    nbytes = int(args.gib * (1 << 30))
+    res = {int(t): measure_read_bandwidth(int(t), nbytes, args.reps) for t in args.threads.split(",")}
+    for t, bw in res.items():
+        print(f"read bandwidth  threads={t}  {bw:6.2f} GB/s   ({nbytes / 2**30:.2f} GiB, best of {args.reps})")
+    if 1 in res:
+        for t, bw in res.items():
+            if t != 1:
+                print(f"scaling {t} threads / 1 thread = {bw / res[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,493 @@
+"""Tile kernels as pure llvmlite.ir builders, specialised to one matrix shape, tile and ISA.
+
+Stage: codegen. Input: a passes.tile.TileLayout (the byte layout is defined there) and an ISA
+('avx512vnni' | 'avx2' | 'generic', from Target.isa). Output: functions emitted into a caller's
+ir.Module (external for ctypes, or internal for a compiled schedule in the same module).
+
+Signatures (plain pointers + i64, callable from ctypes and from generated code):
+  quantize_act(f32* x, i8* xq, f32* xd, i32* xs)            x[K] -> int8 blocks of K' inputs
+  matvec(u8* w, f32* x, i8* xq, f32* xd, i32* xs, f32* y, i64 r0, i64 r1)
+      y[r0*TR : r1*TR] = W x for tile-rows [r0, r1). Q4/Q8 read (xq, xd, xs); F16/F32 read x,
+      which must hold K' floats with zero padding. y is indexed by the output row (M' long).
+  gate_up(same args, y = h): h[rows of tile-rows r0..r1) = silu(gate x) * (up x) on the
+      interleaved gate+up stream (tile.pack_gate_up); h is M' long.
+Numerics (Q4/Q8): per 32-block the exact integer dot of weight codes and int8 activation, times
+fp16 weight scale times f32 activation scale, summed in f32 (quant.quantize_activation_q8).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from llvmlite import ir
+
+from ..errors import CodegenError
+from ..ir.quant import BLOCK, DType
+from ..passes.tile import GROUP_ROWS, TileLayout, aligned_empty
+
+ISAS = ("avx512vnni", "avx2", "generic")
+
+i1, i8, i16, i32, i64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
+f16, f32 = ir.HalfType(), ir.FloatType()
+V = ir.VectorType
+P = ir.PointerType
+MATVEC_ARGS = (P(i8), P(f32), P(i8), P(f32), P(i32), P(f32), i64, i64)
+QUANT_ARGS = (P(f32), P(i8), P(f32), P(i32))
+
+
+def _llvm_major() -> int:
+    import llvmlite.binding as llvm
+
+    return llvm.llvm_version_info[0]
+
+
+# -- small IR helpers ---------------------------------------------------------------------
+
+
+def _intrinsic(module: ir.Module, name: str, ret, args) -> ir.Function:
+    fn = module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(module, ir.FunctionType(ret, list(args)), name)
+    return fn
+
+
+def _const_vec(ty, n, value):
+    return ir.Constant(V(ty, n), [value] * n)
+
+
+def _splat(b: ir.IRBuilder, scalar, n: int):
+    vt = V(scalar.type, n)
+    v = b.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(i32, 0))
+    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(V(i32, n), [0] * n))
+
+
+def _ptr(b: ir.IRBuilder, base, offset, ty=None):
+    """base (any pointer) + offset *elements of base* -> pointer to ty."""
+    p = b.gep(base, [offset if isinstance(offset, ir.Value) else ir.Constant(i64, offset)])
+    return b.bitcast(p, P(ty)) if ty is not None and p.type.pointee != ty else p
+
+
+def _load(b, base, offset, ty, align=1):
+    return b.load(_ptr(b, base, offset, ty), align=align)
+
+
+def _shuffle(b, v, idx):
+    return b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), ir.Constant(V(i32, len(idx)), list(idx)))
+
+
+class _Loop:
+    """for i in range(start, stop): a counted loop; `with _Loop(b, lo, hi) as i:` emits the body."""
+
+    def __init__(self, b: ir.IRBuilder, start, stop, name: str = "i"):
+        self.b, self.start, self.stop, self.name = b, start, stop, name
+
+    def __enter__(self):
+        b = self.b
+        pre = b.block
+        self.head = b.append_basic_block(f"{self.name}.head")
+        self.body = b.append_basic_block(f"{self.name}.body")
+        self.end = b.append_basic_block(f"{self.name}.end")
+        b.branch(self.head)
+        b.position_at_end(self.head)
+        self.i = b.phi(i64, name=self.name)
+        self.i.add_incoming(self.start, pre)
+        b.cbranch(b.icmp_signed("<", self.i, self.stop), self.body, self.end)
+        b.position_at_end(self.body)
+        return self.i
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return False
+        b = self.b
+        nxt = b.add(self.i, ir.Constant(i64, 1), name=f"{self.name}.next")
+        self.i.add_incoming(nxt, b.block)
+        b.branch(self.head)
+        b.position_at_end(self.end)
+        return False
+
+
+def _new_function(module, name, args, linkage, arg_names):
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), list(args)), name)
+    fn.linkage = linkage
+    fn.attributes.add("nounwind")
+    for a, n in zip(fn.args, arg_names):
+        a.name = n
+        if isinstance(a.type, ir.PointerType):
+            a.add_attribute("noalias")
+    return fn
+
+
+def _half_to_float(b, h16, isa):
+    """<16 x half> bits (as <16 x i16>) -> <16 x float>. F16C does it in one instruction; the
+    generic path uses integer ops (no libcalls): exponent rebias by multiply, inf/nan fixed up."""
+    if isa != "generic":
+        return b.fpext(b.bitcast(h16, V(f16, 16)), V(f32, 16))
+    w = b.zext(h16, V(i32, 16))
+    mag = b.shl(b.and_(w, _const_vec(i32, 16, 0x7FFF)), _const_vec(i32, 16, 13))
+    f = b.fmul(b.bitcast(mag, V(f32, 16)), _const_vec(f32, 16, 2.0**112))
+    inf = b.icmp_unsigned(">=", mag, _const_vec(i32, 16, 0x7C00 << 13))
+    fb = b.select(inf, b.or_(mag, _const_vec(i32, 16, 0x7F800000)), b.bitcast(f, V(i32, 16)))
+    sign = b.shl(b.and_(w, _const_vec(i32, 16, 0x8000)), _const_vec(i32, 16, 16))
+    return b.bitcast(b.or_(fb, sign), V(f32, 16))
+
+
+def _fma(b, x, y, acc, isa):
+    if isa == "generic":
+        return b.fadd(b.fmul(x, y), acc)
+    fn = _intrinsic(b.module, "llvm.fma.v16f32", V(f32, 16), [V(f32, 16)] * 3)
+    return b.call(fn, [x, y, acc])
+
+
+# -- activation quantiser -----------------------------------------------------------------
+
+
+def emit_quantize_act(module: ir.Module, name: str, cols: int, cols_p: int | None = None,
+                      linkage: str = "external") -> ir.Function:
+    """quantize_act(x, xq, xd, xs): f32 x[cols] -> per 32-block int8 codes, f32 scale, i32 code sum.
+
+    Bit-exact with quant.quantize_activation_q8 (d = amax/127 in f32, q = round-half-away(x/d)).
+    Blocks past `cols` up to cols_p (K') are written as zeros.
+    """
+    cols_p = cols if cols_p is None else cols_p
+    nfull, rem, nblk_p = cols // BLOCK, cols % BLOCK, cols_p // BLOCK
+    if cols_p % BLOCK or cols_p < cols:
+        raise CodegenError(f"quantize_act: padded width {cols_p} must be a multiple of {BLOCK} >= {cols}")
+    fn = _new_function(module, name, QUANT_ARGS, linkage, ("x", "xq", "xd", "xs"))
+    x, xq, xd, xs = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    vf = V(f32, BLOCK)
+    fabs = _intrinsic(module, "llvm.fabs.v32f32", vf, [vf])
+    fmax = _intrinsic(module, "llvm.vector.reduce.fmax.v32f32", f32, [vf])
+    rnd = _intrinsic(module, "llvm.round.v32f32", vf, [vf])
+    radd = _intrinsic(module, "llvm.vector.reduce.add.v32i32", i32, [V(i32, BLOCK)])
+    tmp = b.alloca(vf, name="tail")
+
+    def block(v, k):
+        amax = b.call(fmax, [b.call(fabs, [v])])
+        d = b.fdiv(amax, ir.Constant(f32, 127.0))
+        inv = b.select(b.fcmp_ordered("==", d, ir.Constant(f32, 0.0)), ir.Constant(f32, 0.0),
+                       b.fdiv(ir.Constant(f32, 1.0), d))
+        q = b.fptosi(b.call(rnd, [b.fmul(v, _splat(b, inv, BLOCK))]), V(i32, BLOCK))
+        b.store(b.trunc(q, V(i8, BLOCK)), _ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)), V(i8, BLOCK)), align=1)
+        b.store(d, _ptr(b, xd, k), align=4)
+        b.store(b.call(radd, [q]), _ptr(b, xs, k), align=4)
+
+    with _Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nfull), "blk") as k:
+        block(_load(b, x, b.mul(k, ir.Constant(i64, BLOCK)), vf, align=4), k)
+    if rem:  # partial last block: copy the valid inputs into a zeroed vector
+        b.store(ir.Constant(vf, [0.0] * BLOCK), tmp)
+        ftmp = b.bitcast(tmp, P(f32))
+        for j in range(rem):
+            b.store(b.load(_ptr(b, x, nfull * BLOCK + j), align=4), _ptr(b, ftmp, j), align=4)
+        block(b.load(tmp), ir.Constant(i64, nfull))
+    first_zero = nfull + (1 if rem else 0)
+    if nblk_p > first_zero:
+        with _Loop(b, ir.Constant(i64, first_zero), ir.Constant(i64, nblk_p), "pad") as k:
+            b.store(ir.Constant(V(i8, BLOCK), [0] * BLOCK),
+                    _ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)), V(i8, BLOCK)), align=1)
+            b.store(ir.Constant(f32, 0.0), _ptr(b, xd, k), align=4)
+            b.store(ir.Constant(i32, 0), _ptr(b, xs, k), align=4)
+    b.ret_void()
+    return fn
+
+
+# -- integer block dots: one 32-input block of one 16-row group -> <16 x i32> ----------------
+
+
+def _vpdpbusd(b, acc, w_u8, a_s8):
+    """acc[i] += sum_j w_u8[4i+j] * a_s8[4i+j] (AVX-512 VNNI)."""
+    if _llvm_major() >= 22:
+        fn = _intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16), V(i8, 64), V(i8, 64)])
+        return b.call(fn, [acc, w_u8, a_s8])
+    fn = _intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16)] * 3)
+    return b.call(fn, [acc, b.bitcast(w_u8, V(i32, 16)), b.bitcast(a_s8, V(i32, 16))])
+
+
+def _act4(b, aptr, off, n_lanes):
+    """Activation bytes aptr[off .. off+3] repeated over n_lanes dwords (a broadcast load)."""
+    a = b.load(_ptr(b, aptr, off, i32), align=1)
+    return b.bitcast(_splat(b, a, n_lanes), V(i8, 4 * n_lanes))
+
+
+def _avx2_dot(b, w32, a32):
+    """<32 x u8> * <32 x s8>, adjacent pairs summed: <16 x i16> (vpmaddubsw)."""
+    fn = _intrinsic(b.module, "llvm.x86.avx2.pmadd.ub.sw", V(i16, 16), [V(i8, 32), V(i8, 32)])
+    return b.call(fn, [w32, a32])
+
+
+def _avx2_madd(b, v16):
+    """<16 x i16> adjacent pairs summed into <8 x i32> (vpmaddwd with ones)."""
+    fn = _intrinsic(b.module, "llvm.x86.avx2.pmadd.wd", V(i32, 8), [V(i16, 16), V(i16, 16)])
+    return b.call(fn, [v16, _const_vec(i16, 16, 1)])
+
+
+def _halves(b, v64):
+    return _shuffle(b, v64, range(32)), _shuffle(b, v64, range(32, 64))
+
+
+def _sum4(b, v64_i32):
+    """<64 x i32> -> <16 x i32>: lane i = sum of lanes 4i..4i+3 (generic path)."""
+    s = b.add(_shuffle(b, v64_i32, range(0, 64, 2)), _shuffle(b, v64_i32, range(1, 64, 2)))
+    return b.add(_shuffle(b, s, range(0, 32, 2)), _shuffle(b, s, range(1, 32, 2)))
+
+
+def _q4_block_int(b, isa, codes, aptr):
+    """Q4: 4 chunks of 64 B; low nibbles = inputs 4c.., high nibbles = inputs 16+4c..
+    Returns sum_k q[i,k] * a[k] with unsigned codes 0..15 (the caller subtracts 8 * sum(a))."""
+    lo_m, hi_m = _const_vec(i8, 64, 0x0F), _const_vec(i8, 64, 0xF0)
+    chunks = [_load(b, codes, 64 * c, V(i8, 64)) for c in range(4)]
+    if isa == "avx512vnni":
+        zero = _const_vec(i32, 16, 0)
+        acc_lo, acc_hi = zero, zero
+        for c, v in enumerate(chunks):
+            # High nibbles stay in place (16 * q): no shift per chunk, one exact >> 4 per block.
+            acc_lo = _vpdpbusd(b, acc_lo, b.and_(v, lo_m), _act4(b, aptr, 4 * c, 16))
+            acc_hi = _vpdpbusd(b, acc_hi, b.and_(v, hi_m), _act4(b, aptr, 16 + 4 * c, 16))
+        return b.add(acc_lo, b.ashr(acc_hi, _const_vec(i32, 16, 4)))
+    if isa == "avx2":
+        # i16 partial sums stay exact: 8 products-pairs of at most 2*15*128 = 3840 < 32767.
+        s16 = [None, None]
+        for c, v in enumerate(chunks):
+            lo, hi = b.and_(v, lo_m), b.lshr(v, _const_vec(i8, 64, 4))
+            for part, off in ((lo, 4 * c), (hi, 16 + 4 * c)):
+                a = _act4(b, aptr, off, 8)
+                for h, w in enumerate(_halves(b, part)):
+                    p = _avx2_dot(b, w, a)
+                    s16[h] = p if s16[h] is None else b.add(s16[h], p)
+        r = [_avx2_madd(b, s) for s in s16]
+        return b.shuffle_vector(r[0], r[1], ir.Constant(V(i32, 16), list(range(16))))
+    acc = None
+    for c, v in enumerate(chunks):
+        lo, hi = b.and_(v, lo_m), b.lshr(v, _const_vec(i8, 64, 4))
+        for part, off in ((lo, 4 * c), (hi, 16 + 4 * c)):
+            p = b.mul(b.zext(part, V(i32, 64)), b.sext(_act4(b, aptr, off, 16), V(i32, 64)))
+            acc = p if acc is None else b.add(acc, p)
+    return _sum4(b, acc)
+
+
+def _q8_block_int(b, isa, codes, aptr):
+    """Q8: 8 chunks of 64 B of int8 codes (inputs 4c..4c+3). VNNI returns sum (q+128)*a (the
+    caller subtracts 128 * sum(a)); the other paths return sum q*a exactly."""
+    chunks = [_load(b, codes, 64 * c, V(i8, 64)) for c in range(8)]
+    if isa == "avx512vnni":
+        flip = _const_vec(i8, 64, 0x80)
+        accs = [_const_vec(i32, 16, 0)] * 2
+        for c, v in enumerate(chunks):
+            accs[c % 2] = _vpdpbusd(b, accs[c % 2], b.xor(v, flip), _act4(b, aptr, 4 * c, 16))
+        return b.add(accs[0], accs[1])
+    if isa == "avx2":
+        sign = _intrinsic(b.module, "llvm.x86.avx2.psign.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
+        absb = _intrinsic(b.module, "llvm.abs.v32i8", V(i8, 32), [V(i8, 32), i1])
+        r = [None, None]
+        for c, v in enumerate(chunks):
+            a = _act4(b, aptr, 4 * c, 8)
+            for h, w in enumerate(_halves(b, v)):
+                # |w| * (a * sign(w)) = w * a, and 2 * 127 * 128 fits vpmaddubsw's i16.
+                p = _avx2_madd(b, _avx2_dot(b, b.call(absb, [w, ir.Constant(i1, 0)]), b.call(sign, [a, w])))
+                r[h] = p if r[h] is None else b.add(r[h], p)
+        return b.shuffle_vector(r[0], r[1], ir.Constant(V(i32, 16), list(range(16))))
+    acc = None
+    for c, v in enumerate(chunks):
+        p = b.mul(b.sext(v, V(i32, 64)), b.sext(_act4(b, aptr, 4 * c, 16), V(i32, 64)))
+        acc = p if acc is None else b.add(acc, p)
+    return _sum4(b, acc)
+
+
+# -- mat-vec --------------------------------------------------------------------------------
+
+
+def _check_isa(isa: str) -> str:
+    if isa not in ISAS:
+        raise CodegenError(f"unknown kernel ISA {isa!r} (expected one of {', '.join(ISAS)})")
+    return isa
+
+
+def _emit_tile_row(b, L: TileLayout, isa, w_row, x, xq, xd, xs, acc, groups_per_iter, prefetch):
+    """acc[0:TR] = (one tile-row of W) x; w_row points at the tile-row's first tile.
+
+    Loop order: tile-col (tc) outer, row-group inner, blocks unrolled; the TC-input activation
+    slice is reused by every group of the tile. `groups_per_iter` groups are interleaved block by
+    block (independent load streams and accumulators for the out-of-order core)."""
+    ng, nb, G = L.groups_per_tile, L.blocks_per_tile, groups_per_iter
+    GB, TB = L.group_nbytes, L.tile_nbytes
+    accv = b.bitcast(acc, P(V(f32, 16)))
+    zf = ir.Constant(V(f32, 16), [0.0] * 16)
+    for g in range(ng):
+        b.store(zf, _ptr(b, accv, g), align=4)
+    with _Loop(b, ir.Constant(i64, 0), ir.Constant(i64, L.n_tile_cols), "tc") as tc:
+        tile = _ptr(b, w_row, b.mul(tc, ir.Constant(i64, TB)))
+        with _Loop(b, ir.Constant(i64, 0), ir.Constant(i64, ng // G), "grp") as gi:
+            g0 = b.mul(gi, ir.Constant(i64, G))
+            gptr = _ptr(b, tile, b.mul(g0, ir.Constant(i64, GB)))
+            if prefetch:
+                pf = _intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
+                for off in range(0, G * GB, 64):
+                    b.call(pf, [_ptr(b, gptr, prefetch + off), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                ir.Constant(i32, 1)])
+            parts = [zf] * G
+            if L.dtype in (DType.Q4, DType.Q8):
+                parts = _q_groups(b, L, isa, gptr, tc, xq, xd, xs, parts)
+            else:
+                parts = _f_groups(b, L, isa, gptr, tc, x, parts)
+            for gg in range(G):
+                p = _ptr(b, accv, b.add(g0, ir.Constant(i64, gg)))
+                b.store(b.fadd(b.load(p, align=4), parts[gg]), p, align=4)
+
+
+def _q_groups(b, L, isa, gptr, tc, xq, xd, xs, parts):
+    nb, GB = L.blocks_per_tile, L.group_nbytes
+    a_tile = _ptr(b, xq, b.mul(tc, ir.Constant(i64, L.tc)))
+    blk0 = b.mul(tc, ir.Constant(i64, nb))
+    bias = 8 if L.dtype == DType.Q4 else (128 if isa == "avx512vnni" else 0)
+    for blk in range(nb):
+        aptr = _ptr(b, a_tile, blk * BLOCK)
+        ad = b.load(_ptr(b, xd, b.add(blk0, ir.Constant(i64, blk))), align=4)
+        asum = b.load(_ptr(b, xs, b.add(blk0, ir.Constant(i64, blk))), align=4)
+        for gg in range(len(parts)):
+            grp = _ptr(b, gptr, gg * GB)
+            codes = _ptr(b, grp, blk * L.code_nbytes)
+            if L.dtype == DType.Q4:
+                isum = _q4_block_int(b, isa, codes, aptr)
+            else:
+                isum = _q8_block_int(b, isa, codes, aptr)
+            if bias:
+                isum = b.sub(isum, _splat(b, b.mul(asum, ir.Constant(i32, bias)), 16))
+            ws = _half_to_float(b, _load(b, grp, L.scales_offset + 32 * blk, V(i16, 16)), isa)
+            scale = b.fmul(ws, _splat(b, ad, 16))
+            parts[gg] = _fma(b, b.sitofp(isum, V(f32, 16)), scale, parts[gg], isa)
+    return parts
+
+
+def _f_groups(b, L, isa, gptr, tc, x, parts):
+    """F32/F16: group bytes k*64 (resp. k*32) hold input k of the 16 rows; 4 accumulators per group."""
+    G, GB, tc_n = len(parts), L.group_nbytes, L.tc
+    esz = 4 if L.dtype == DType.F32 else 2
+    x_tile = _ptr(b, x, b.mul(tc, ir.Constant(i64, tc_n)))
+    accs = [[parts[gg]] + [ir.Constant(V(f32, 16), [0.0] * 16)] * 3 for gg in range(G)]
+    for k in range(tc_n):
+        xk = _splat(b, b.load(_ptr(b, x_tile, k), align=4), 16)
+        for gg in range(G):
+            off = gg * GB + k * 16 * esz
+            if esz == 4:
+                wv = _load(b, gptr, off, V(f32, 16))
+            else:
+                wv = _half_to_float(b, _load(b, gptr, off, V(i16, 16)), isa)
+            accs[gg][k % 4] = _fma(b, wv, xk, accs[gg][k % 4], isa)
+    return [b.fadd(b.fadd(a[0], a[1]), b.fadd(a[2], a[3])) for a in accs]
+
+
+def _default_groups(L: TileLayout, groups_per_iter: int | None) -> int:
+    ng = L.groups_per_tile
+    if groups_per_iter is None:
+        groups_per_iter = 2 if L.dtype in (DType.Q4, DType.Q8) else 1
+    g = max(1, min(int(groups_per_iter), ng))
+    while ng % g:
+        g -= 1
+    return g
+
+
+def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
+                groups_per_iter: int | None = None, prefetch: int = 0, gate_up: bool = False) -> ir.Function:
+    """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
+
+    Args:
+        isa: 'avx512vnni' (needs AVX-512 VNNI), 'avx2' (needs AVX2+FMA+F16C) or 'generic'.
+        groups_per_iter: 16-row groups interleaved per inner iteration (default 2 for Q4/Q8).
+        prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetcher).
+        gate_up: the stream is pack_gate_up's; write silu(gate) * up instead of W x.
+    """
+    _check_isa(isa)
+    L = layout
+    G = _default_groups(L, groups_per_iter)
+    fn = _new_function(module, name, MATVEC_ARGS, linkage, ("w", "x", "xq", "xd", "xs", "y", "r0", "r1"))
+    w, x, xq, xd, xs, y, r0, r1 = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    acc = b.alloca(ir.ArrayType(f32, L.tr), name="acc")
+    acc2 = b.alloca(ir.ArrayType(f32, L.tr), name="acc_up") if gate_up else None
+    accf, accf2 = b.bitcast(acc, P(f32)), (b.bitcast(acc2, P(f32)) if gate_up else None)
+    row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
+    with _Loop(b, r0, r1, "t") as t:
+        w_row = _ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
+        _emit_tile_row(b, L, isa, w_row, x, xq, xd, xs, accf, G, prefetch)
+        if gate_up:  # the up tile-row follows the gate tile-row
+            w_up = _ptr(b, w_row, L.tile_row_nbytes)
+            _emit_tile_row(b, L, isa, w_up, x, xq, xd, xs, accf2, G, prefetch)
+        y_row = _ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
+        for g in range(L.groups_per_tile):
+            v = _load(b, accf, 16 * g, V(f32, 16), align=4)
+            if gate_up:
+                v = _silu_mul(b, v, _load(b, accf2, 16 * g, V(f32, 16), align=4))
+            b.store(v, _ptr(b, y_row, g), align=4)
+    b.ret_void()
+    return fn
+
+
+def _silu_mul(b, g, u):
+    """silu(g) * u = g / (1 + exp(-g)) * u."""
+    exp = _intrinsic(b.module, "llvm.exp.v16f32", V(f32, 16), [V(f32, 16)])
+    one = ir.Constant(V(f32, 16), [1.0] * 16)
+    return b.fmul(b.fdiv(g, b.fadd(one, b.call(exp, [b.fsub(ir.Constant(V(f32, 16), [0.0] * 16), g)]))), u)
+
+
+# -- ctypes convenience (tests, benchmarks) ------------------------------------------------------
+
+
+class Activation:
+    """Host buffers one activation vector lives in: x (f32, K' zero-padded), xq/xd/xs (int8 blocks)."""
+
+    def __init__(self, cols: int, cols_p: int):
+        self.cols, self.cols_p = cols, cols_p
+        self.x = np.zeros(cols_p, np.float32)
+        self.xq = aligned_empty(cols_p).view(np.int8)
+        self.xd = np.zeros(cols_p // BLOCK, np.float32)
+        self.xs = np.zeros(cols_p // BLOCK, np.int32)
+
+
+def _p(a):
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+class MatVec:
+    """A compiled quantiser + mat-vec for one layout (a thin ctypes wrapper around a Library)."""
+
+    def __init__(self, layout: TileLayout, target=None, isa: str | None = None, cache=None,
+                 gate_up: bool = False, **tuning):
+        from .library import Library
+        from .target import host_target
+
+        self.layout, self.gate_up = layout, gate_up
+        target = target if target is not None else host_target()
+        self.isa = _check_isa(isa or target.isa)
+        mod = ir.Module(name="matvec")
+        emit_quantize_act(mod, "quantize_act", layout.cols, layout.cols_p)
+        emit_matvec(mod, "matvec", layout, self.isa, gate_up=gate_up, **tuning)
+        self.library = Library(name="matvec", target=target, cache=cache)
+        self.library.add_ir(mod)
+        self.library.finalize()
+        vp = ctypes.c_void_p
+        self._quant = self.library.get_cfunc("quantize_act", None, vp, vp, vp, vp)
+        self._mv = self.library.get_cfunc("matvec", None, vp, vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64)
+
+    def activation(self, x) -> Activation:
+        L = self.layout
+        act = Activation(L.cols, L.cols_p)
+        act.x[: L.cols] = np.asarray(x, np.float32)
+        self._quant(_p(act.x), _p(act.xq), _p(act.xd), _p(act.xs))
+        return act
+
+    def __call__(self, w: np.ndarray, act: Activation, y: np.ndarray | None = None, r0: int = 0,
+                 r1: int | None = None) -> np.ndarray:
+        L = self.layout
+        need = L.nbytes * (2 if self.gate_up else 1)
+        if w.dtype != np.uint8 or w.size < need or not w.flags.c_contiguous:
+            raise CodegenError(f"matvec: weight stream must be contiguous uint8 of {need} bytes")
+        r1 = L.n_tile_rows if r1 is None else r1
+        if not 0 <= r0 <= r1 <= L.n_tile_rows:
+            raise CodegenError(f"matvec: tile-row range [{r0}, {r1}) outside [0, {L.n_tile_rows})")
+        if y is None:
+            y = np.zeros(L.rows_p, np.float32)
+        if y.dtype != np.float32 or y.size < L.rows_p:
+            raise CodegenError(f"matvec: output must be float32 with {L.rows_p} elements")
+        self._mv(_p(w), _p(act.x), _p(act.xq), _p(act.xd), _p(act.xs), _p(y), r0, r1)
+        return y

@@ -1,0 +1,145 @@
+"""Host detection in one place: the target triple, CPU name and feature string code is built for.
+
+Input: the running host (via LLVM) and the env overrides CFLOW_CPU / CFLOW_FEATURES.
+Output: a frozen `Target` whose `magic_tuple()` enters every compile-cache key.
+
+Overrides (for testing the fallback kernels on a capable host):
+    CFLOW_CPU=x86-64            use that CPU name; the feature base becomes empty (the CPU's defaults)
+    CFLOW_FEATURES=-avx512vnni  comma list of +feat / -feat applied on top of the base features
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import attrs
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+def init_llvm() -> None:
+    """Initialise LLVM's native target once per process.
+
+    NOTE: llvmlite 0.50's `llvm.initialize()` raises; only the native target and asm printer are needed.
+    """
+    global _initialised
+    if _initialised:
+        return
+    with _init_lock:
+        if not _initialised:
+            import llvmlite.binding as llvm
+
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            _initialised = True
+
+
+def _parse_features(text: str) -> dict[str, bool]:
+    """'+avx2,-avx512f' -> {'avx2': True, 'avx512f': False} (order kept, later entries win)."""
+    out: dict[str, bool] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item[0] in "+-":
+            out[item[1:]] = item[0] == "+"
+        else:
+            out[item] = True
+    return out
+
+
+def _format_features(feats: dict[str, bool]) -> str:
+    return ",".join(("+" if on else "-") + name for name, on in sorted(feats.items()))
+
+
+@attrs.frozen
+class Target:
+    """What code is generated for: LLVM triple, CPU name and the full +/- feature string."""
+
+    triple: str
+    cpu: str
+    features: str
+
+    @property
+    def feature_map(self) -> dict[str, bool]:
+        return _parse_features(self.features)
+
+    def has(self, feature: str) -> bool:
+        return self.feature_map.get(feature, False)
+
+    # Capabilities the kernels choose from. A feature only counts when everything it builds on is on,
+    # mirroring LLVM, which clears dependent features (e.g. -avx2 also disables avx512f).
+    @property
+    def has_avx2(self) -> bool:
+        return self.has("avx") and self.has("avx2")
+
+    @property
+    def has_fma(self) -> bool:
+        return self.has("avx") and self.has("fma")
+
+    @property
+    def has_f16c(self) -> bool:
+        return self.has("avx") and self.has("f16c")
+
+    @property
+    def has_avx512(self) -> bool:
+        """AVX-512 F + BW (byte/word ops on 64-byte vectors)."""
+        return self.has_avx2 and self.has_fma and self.has_f16c and self.has("avx512f") and self.has("avx512bw")
+
+    @property
+    def has_avx512_vnni(self) -> bool:
+        return self.has_avx512 and self.has("avx512vnni")
+
+    @property
+    def isa(self) -> str:
+        """The kernel family this target gets: 'avx512vnni', 'avx2' or 'generic'."""
+        if self.has_avx512_vnni:
+            return "avx512vnni"
+        if self.has_avx2 and self.has_fma and self.has_f16c:
+            return "avx2"
+        return "generic"
+
+    def magic_tuple(self) -> tuple[str, str, str]:
+        """(triple, cpu, features): everything about the target that changes emitted machine code."""
+        return (self.triple, self.cpu, self.features)
+
+    def with_features(self, edits: str) -> "Target":
+        """A copy with '+feat,-feat' edits applied (tests force fallback paths this way)."""
+        feats = self.feature_map
+        feats.update(_parse_features(edits))
+        return attrs.evolve(self, features=_format_features(feats))
+
+    def describe(self) -> str:
+        return f"{self.triple} cpu={self.cpu} isa={self.isa}"
+
+
+def host_target(cpu: str | None = None, features: str | None = None, *, env: bool = True) -> Target:
+    """Detect the host; explicit arguments win over CFLOW_CPU / CFLOW_FEATURES, which win over the host.
+
+    Args:
+        cpu: CPU name for LLVM (e.g. 'x86-64', 'haswell'); setting it empties the feature base.
+        features: '+feat,-feat' edits applied on top of the base feature set.
+        env: read the CFLOW_* overrides (False gives the plain host).
+    """
+    import llvmlite.binding as llvm
+
+    init_llvm()
+    if cpu is None and env:
+        cpu = os.environ.get("CFLOW_CPU") or None
+    if features is None and env:
+        features = os.environ.get("CFLOW_FEATURES") or None
+    if cpu is None:
+        cpu = llvm.get_host_cpu_name()
+        base = _parse_features(llvm.get_host_cpu_features().flatten())
+    else:
+        base = {}
+    if features:
+        base.update(_parse_features(features))
+    return Target(triple=llvm.get_process_triple(), cpu=cpu, features=_format_features(base))
+
+
+def generic_target() -> Target:
+    """The architecture's baseline CPU (SSE2 on x86-64): the portable-kernel path, runnable on any host."""
+    return host_target(cpu="generic", features="", env=False)

@@ -1,0 +1,109 @@
+"""Build the IR of a pipeline-native model from its ModelConfig (and weights, if any).
+
+Frontends call `build_graph` once they have a config and named weights; a graph without weights
+(`weights=None`) still knows every weight's shape, which is all the critical-path analysis needs.
+IR weight names: tok_embeddings, blocks.{i}.attn.wq ..., blocks.{i}.moe.experts.{e}.w_gate, norm, lm_head.
+"""
+
+from __future__ import annotations
+
+from ..models.config import ModelConfig
+from .graph import INPUT, OUTPUT, Graph
+from .nodes import Add, Attention, DenseFFN, Embedding, ExpertBank, LMHead, RMSNorm, Router
+
+
+def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every IR weight name -> shape ([out, in] for matrices, [d] for norms and biases)."""
+    d, hd = c.d_model, c.head_dim
+    s: dict[str, tuple[int, ...]] = {"tok_embeddings": (c.vocab_size, d), "norm": (d,)}
+    if not c.tie_embeddings:
+        s["lm_head"] = (c.vocab_size, d)
+    for i in range(c.n_blocks):
+        p = f"blocks.{i}"
+        s[f"{p}.attn_norm"] = (d,)
+        s[f"{p}.attn.wq"] = (c.n_heads * hd, d)
+        s[f"{p}.attn.wk"] = (c.n_kv_heads * hd, d)
+        s[f"{p}.attn.wv"] = (c.n_kv_heads * hd, d)
+        s[f"{p}.attn.wo"] = (d, c.n_heads * hd)
+        if c.attn_bias:
+            s[f"{p}.attn.bq"] = (c.n_heads * hd,)
+            s[f"{p}.attn.bk"] = (c.n_kv_heads * hd,)
+            s[f"{p}.attn.bv"] = (c.n_kv_heads * hd,)
+        if c.has_dense(i + 1) or any(c.has_dense(l) for l in range(i + 1, c.n_layers + 1, c.n_blocks)):
+            s[f"{p}.ffn_norm"] = (d,)
+            s[f"{p}.ffn.w_gate"] = (c.ffn_dim, d)
+            s[f"{p}.ffn.w_up"] = (c.ffn_dim, d)
+            s[f"{p}.ffn.w_down"] = (d, c.ffn_dim)
+        if c.has_moe(i + 1) or any(c.has_moe(l) for l in range(i + 1, c.n_layers + 1, c.n_blocks)):
+            s[f"{p}.moe_norm"] = (d,)
+            s[f"{p}.moe.router"] = (c.n_experts, d)
+            for e in range(c.n_experts):
+                s[f"{p}.moe.experts.{e}.w_gate"] = (c.expert_dim, d)
+                s[f"{p}.moe.experts.{e}.w_up"] = (c.expert_dim, d)
+                s[f"{p}.moe.experts.{e}.w_down"] = (d, c.expert_dim)
+            if c.shared_expert_dim:
+                s[f"{p}.moe.shared.w_gate"] = (c.shared_expert_dim, d)
+                s[f"{p}.moe.shared.w_up"] = (c.shared_expert_dim, d)
+                s[f"{p}.moe.shared.w_down"] = (d, c.shared_expert_dim)
+                if c.shared_expert_gate:
+                    s[f"{p}.moe.shared_gate"] = (1, d)
+    return s
+
+
+def build_graph(
+    c: ModelConfig,
+    weights: dict | None = None,
+    name: str | None = None,
+    trained_delays: tuple[int, int] | None = None,
+) -> Graph:
+    """The layer DAG of DESIGN.md's equations for config `c` (its delays and routing point).
+
+    trained_delays: the delays the weights were trained with (default: the config's own).
+    """
+    dd, de = c.dense_delay, c.expert_delay
+    g = Graph(
+        name or c.name,
+        meta=dict(config=c, delays=(dd, de), routing=c.routing,
+                  trained_delays=tuple(trained_delays or (dd, de)), trained_routing=c.routing, quant=None),
+        weights=weights or {},
+    )
+    g.meta["shapes"] = weight_shapes(c)
+    d, L = c.d_model, c.n_layers
+    g.add(Embedding(name="x0", inputs=(INPUT,), weight="tok_embeddings", vocab=c.vocab_size, dim=d))
+    stream = "x0"  # the residual stream x_{l-1} entering the next layer
+    experts: dict[int, str] = {}  # e_l by layer
+    for l in range(1, L + 1):
+        p = f"blocks.{c.block_of(l)}"
+        g.add(RMSNorm(name=f"attn_norm.{l}", inputs=(stream,), layer=l, weight=f"{p}.attn_norm", dim=d, eps=c.norm_eps))
+        g.add(Attention(name=f"attn.{l}", inputs=(f"attn_norm.{l}",), layer=l, prefix=f"{p}.attn", dim=d,
+                        n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                        rope_theta=float(c.rope_theta), bias=c.attn_bias))
+        g.add(Add(name=f"a.{l}", inputs=(stream, f"attn.{l}"), layer=l, dim=d))
+        b = f"a.{l}"
+        if c.has_dense(l):
+            src = f"a.{l - dd}" if l - dd >= 1 else "x0"
+            g.add(RMSNorm(name=f"ffn_norm.{l}", inputs=(src,), layer=l, weight=f"{p}.ffn_norm", dim=d, eps=c.norm_eps))
+            g.add(DenseFFN(name=f"ffn.{l}", inputs=(f"ffn_norm.{l}",), layer=l, prefix=f"{p}.ffn", dim=d, hidden=c.ffn_dim))
+            g.add(Add(name=f"b.{l}", inputs=(f"a.{l}", f"ffn.{l}"), layer=l, dim=d))
+            b = f"b.{l}"
+        if c.has_moe(l):
+            src = b if c.routing == "post" else f"a.{l}"
+            g.add(RMSNorm(name=f"moe_norm.{l}", inputs=(src,), layer=l, weight=f"{p}.moe_norm", dim=d, eps=c.norm_eps))
+            g.add(Router(name=f"route.{l}", inputs=(f"moe_norm.{l}",), layer=l, weight=f"{p}.moe.router", dim=d,
+                         n_experts=c.n_experts, top_k=c.top_k, normalize=c.norm_topk))
+            g.add(ExpertBank(name=f"moe.{l}", inputs=(f"moe_norm.{l}", f"route.{l}"), layer=l, prefix=f"{p}.moe",
+                             dim=d, hidden=c.expert_dim, n_experts=c.n_experts, top_k=c.top_k,
+                             shared_hidden=c.shared_expert_dim, shared_gate=c.shared_expert_gate))
+            experts[l] = f"moe.{l}"
+        stream = b
+        if l - de in experts:
+            g.add(Add(name=f"x.{l}", inputs=(b, experts[l - de]), layer=l, dim=d, role="inject" if de else "residual"))
+            stream = f"x.{l}"
+    pending = [experts[j] for j in range(L - de + 1, L + 1) if de and j in experts]
+    if pending:
+        g.add(Add(name="flush", inputs=(stream, *pending), layer=L + 1, dim=d, role="flush"))
+        stream = "flush"
+    g.add(RMSNorm(name="final_norm", inputs=(stream,), layer=L + 1, weight="norm", dim=d, eps=c.norm_eps))
+    head = "tok_embeddings" if c.tie_embeddings else "lm_head"
+    g.add(LMHead(name=OUTPUT, inputs=("final_norm",), layer=L + 1, weight=head, dim=d, vocab=c.vocab_size))
+    return g

@@ -1,0 +1,182 @@
+"""The NumPy reference executor of the IR: float32, prefill and incremental decode.
+
+`interpret(graph, ids)` -> logits [T, vocab]. `Interpreter(graph)` keeps the KV cache between
+calls (`prefill`, `step`). On a quantised graph it uses the dequantised weights; with
+act_quant="q8" it also quantises each activation entering a Q4/Q8 mat-vec into int8 blocks the
+way the kernels do, so it reproduces the runtime's arithmetic up to float summation order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CflowError, VerifyError
+from .graph import INPUT, OUTPUT, Graph
+from .nodes import Add, Attention, DenseFFN, Embedding, ExpertBank, LMHead, Node, RMSNorm, Router
+from .quant import DType, QTensor, dequantize, quantize_activation_q8
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    z = np.exp(x - x.max(axis=axis, keepdims=True))  # subtract the max: never overflows
+    return z / z.sum(axis=axis, keepdims=True)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """x: [T, heads, hd] in the rotate-half convention (as reference.apply_rope)."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    f = positions.astype(np.float32)[:, None] * inv[None, :].astype(np.float32)
+    emb = np.concatenate([f, f], axis=-1)
+    cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+    half = hd // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rot * sin).astype(np.float32)
+
+
+class Interpreter:
+    """Runs the graph token block by token block; holds the KV cache of each attention node."""
+
+    def __init__(self, graph: Graph, act_quant: str | None = None, max_seq_len: int | None = None):
+        if act_quant not in (None, "q8"):
+            raise ValueError(f"act_quant must be None or 'q8', not {act_quant!r}")
+        if not graph.weights:
+            raise CflowError(f"graph {graph.name} has no weights to interpret (built from shapes only)")
+        self.g = graph
+        self.act_quant = act_quant
+        self.order: list[Node] = list(graph.nodes())
+        cfg = graph.meta.get("config")
+        self.max_seq_len = max_seq_len or (cfg.max_seq_len if cfg is not None else 1 << 30)
+        self._dense: dict[str, np.ndarray] = {}
+        self._codes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.pos = 0
+        self.kv: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    # --- weights -------------------------------------------------------------------------
+    def weight(self, name: str) -> np.ndarray:
+        w = self._dense.get(name)
+        if w is None:
+            w = self._dense[name] = dequantize(self.g.weight(name))
+        return w
+
+    def matvec(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x [T, in] @ W[out, in].T, emulating int8 activation blocks for Q4/Q8 weights if asked."""
+        w = self.g.weight(name)
+        if self.act_quant == "q8" and isinstance(w, QTensor):
+            return self._matvec_q8(x, name, w)
+        return (x @ self.weight(name).T).astype(np.float32)
+
+    def _matvec_q8(self, x: np.ndarray, name: str, w: QTensor) -> np.ndarray:
+        codes = self._codes.get(name)
+        if codes is None:
+            c = w.q.astype(np.float32) - (8.0 if w.dtype == DType.Q4 else 0.0)
+            codes = self._codes[name] = (np.ascontiguousarray(c.transpose(1, 2, 0)), w.scales.astype(np.float32))
+        c, dw = codes  # c: [nblk, 32, rows]; dw: [rows, nblk]
+        qa, da = quantize_activation_q8(x)  # qa: [T, nblk, 32]
+        # Integer block dots, exact in float32 (|sum| <= 32 * 127 * 128 < 2^24).
+        isum = np.matmul(qa.astype(np.float32).transpose(1, 0, 2), c)  # [nblk, T, rows]
+        return np.einsum("btr,rb,tb->tr", isum, dw, da, optimize=True).astype(np.float32)
+
+    # --- execution -----------------------------------------------------------------------
+    def run(self, ids) -> np.ndarray:
+        """Feed T new tokens; returns logits [T, vocab] for them."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise CflowError("no tokens to run")
+        if self.pos + ids.size > self.max_seq_len:
+            raise CflowError(f"{self.pos + ids.size} tokens exceed the context of {self.max_seq_len}")
+        vals: dict[str, object] = {INPUT: ids}
+        for node in self.order:
+            try:
+                vals[node.name] = self._exec(node, vals)
+            except (CflowError, VerifyError):
+                raise
+            except Exception as e:  # name the node, as torch.fx's Interpreter does
+                raise CflowError(f"while executing %{node.name} ({node.kind}): {type(e).__name__}: {e}") from e
+        self.pos += ids.size
+        return vals[OUTPUT]
+
+    prefill = run
+
+    def step(self, token: int) -> np.ndarray:
+        return self.run([token])[0]
+
+    def _exec(self, n: Node, v: dict) -> np.ndarray:
+        if isinstance(n, Embedding):
+            ids = v[n.inputs[0]]
+            if ids.min() < 0 or ids.max() >= n.vocab:
+                raise CflowError(f"token id out of range 0..{n.vocab - 1} at %{n.name}")
+            return self.weight(n.weight)[ids]
+        if isinstance(n, RMSNorm):
+            x = v[n.inputs[0]]
+            return (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(n.eps)) * self.weight(n.weight)).astype(np.float32)
+        if isinstance(n, Add):
+            out = v[n.inputs[0]].copy()
+            for i in n.inputs[1:]:
+                out += v[i]
+            return out
+        if isinstance(n, Attention):
+            return self._attention(n, v[n.inputs[0]])
+        if isinstance(n, DenseFFN):
+            return self._swiglu(v[n.inputs[0]], n.prefix)
+        if isinstance(n, Router):
+            probs = softmax(self.matvec(v[n.inputs[0]], n.weight))
+            idx = np.argsort(-probs, axis=-1, kind="stable")[:, : n.top_k]
+            w = np.take_along_axis(probs, idx, axis=-1)
+            if n.normalize:
+                w = w / w.sum(-1, keepdims=True)
+            return (w.astype(np.float32), idx)
+        if isinstance(n, ExpertBank):
+            return self._experts(n, v[n.inputs[0]], v[n.inputs[1]])
+        if isinstance(n, LMHead):
+            return self.matvec(v[n.inputs[0]], n.weight)
+        raise CflowError(f"interpreter: unknown op {n.kind} at %{n.name}")
+
+    def _swiglu(self, x: np.ndarray, prefix: str) -> np.ndarray:
+        h = silu(self.matvec(x, f"{prefix}.w_gate")) * self.matvec(x, f"{prefix}.w_up")
+        return self.matvec(h.astype(np.float32), f"{prefix}.w_down")
+
+    def _attention(self, n: Attention, h: np.ndarray) -> np.ndarray:
+        T, hd, H, KV = h.shape[0], n.head_dim, n.n_heads, n.n_kv_heads
+        q, k, vv = (self.matvec(h, f"{n.prefix}.{w}") for w in ("wq", "wk", "wv"))
+        if n.bias:
+            q, k, vv = q + self.weight(f"{n.prefix}.bq"), k + self.weight(f"{n.prefix}.bk"), vv + self.weight(f"{n.prefix}.bv")
+        pos = np.arange(self.pos, self.pos + T)
+        q = rope(q.reshape(T, H, hd), pos, n.rope_theta)
+        k = rope(k.reshape(T, KV, hd), pos, n.rope_theta)
+        vv = vv.reshape(T, KV, hd).astype(np.float32)
+        if n.name in self.kv:
+            pk, pv = self.kv[n.name]
+            k, vv = np.concatenate([pk, k]), np.concatenate([pv, vv])
+        self.kv[n.name] = (k, vv)
+        S, rep = k.shape[0], H // KV
+        kk, vh = np.repeat(k, rep, axis=1), np.repeat(vv, rep, axis=1)  # [S, H, hd]
+        scores = np.einsum("thd,shd->hts", q, kk) / np.float32(np.sqrt(hd))
+        causal = np.arange(S)[None, :] <= (self.pos + np.arange(T))[:, None]
+        scores = np.where(causal[None], scores, -np.inf)
+        out = np.einsum("hts,shd->thd", softmax(scores), vh).reshape(T, H * hd).astype(np.float32)
+        return self.matvec(out, f"{n.prefix}.wo")
+
+    def _experts(self, n: ExpertBank, x: np.ndarray, route) -> np.ndarray:
+        w, idx = route
+        out = np.zeros_like(x)
+        for e in np.unique(idx):
+            tok, slot = np.nonzero(idx == e)
+            out[tok] += w[tok, slot, None] * self._swiglu(x[tok], f"{n.prefix}.experts.{e}")
+        if n.shared_hidden:
+            s = self._swiglu(x, f"{n.prefix}.shared")
+            if n.shared_gate:
+                s = s * (1.0 / (1.0 + np.exp(-self.matvec(x, f"{n.prefix}.shared_gate"))))
+            out += s
+        return out.astype(np.float32)
+
+
+def interpret(graph: Graph, ids, act_quant: str | None = None) -> np.ndarray:
+    """float32 logits [T, vocab] for the whole sequence `ids`, from an empty cache."""
+    return Interpreter(graph, act_quant=act_quant).run(ids)

@@ -1,0 +1,82 @@
+"""The printed IR: one line per node in canonical order, stable and diffable (`cflowc --emit ir`).
+
+    %attn.3 = attention[heads=8/8, head_dim=64, rope_theta=10000](%attn_norm.3) : f32[512]  {blocks.2.attn}
+
+Header: graph name, delays, routing, weight dtype. No addresses, no ids that change between runs.
+"""
+
+from __future__ import annotations
+
+from .graph import INPUT, OUTPUT, Graph
+from .nodes import Add, Attention, ExpertBank, LMHead, Node, Router
+
+
+def _fmt_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def _op_attrs(node: Node) -> str:
+    a = dict(node.attrs_for_print())
+    a.pop("dim", None)
+    if isinstance(node, Attention):
+        a["heads"] = f"{a.pop('n_heads')}/{a.pop('n_kv_heads')}"
+        if not a["bias"]:
+            a.pop("bias")
+    if isinstance(node, ExpertBank):
+        a["experts"] = f"{a.pop('top_k')}/{a.pop('n_experts')}"
+        if not a["shared_hidden"]:
+            a.pop("shared_hidden")
+            a.pop("shared_gate")
+    if isinstance(node, Router):
+        a["experts"] = f"{a.pop('top_k')}/{a.pop('n_experts')}"
+    if isinstance(node, Add) and a.get("role") == "residual":
+        a.pop("role")
+    if isinstance(node, LMHead):
+        a.pop("vocab")
+    body = ", ".join(f"{k}={_fmt_value(v)}" for k, v in sorted(a.items()))
+    return f"[{body}]" if body else ""
+
+
+def value_type(node: Node) -> str:
+    if isinstance(node, Router):
+        return f"route[{node.top_k}]"
+    if isinstance(node, LMHead):
+        return f"f32[{node.vocab}]"
+    return f"f32[{node.dim}]"
+
+
+def _weight_note(g: Graph, node: Node) -> str:
+    names = node.weight_names()
+    if not names:
+        return ""
+    ref = getattr(node, "weight", None) or getattr(node, "prefix", None)
+    dtypes = g.meta.get("weight_dtypes", {})
+    dts = sorted({dtypes[n] for n in names if n in dtypes})
+    return f"  {{{ref}{': ' + '/'.join(dts) if dts else ''}}}"
+
+
+def format_node(g: Graph, node: Node) -> str:
+    args = ", ".join("%" + i for i in node.inputs)
+    return f"  %{node.name} = {node.kind}{_op_attrs(node)}({args}) : {value_type(node)}{_weight_note(g, node)}"
+
+
+def format_header(g: Graph) -> str:
+    m = g.meta
+    dd, de = m.get("delays", (0, 0))
+    parts = [f"dd={dd}", f"de={de}", f"routing={m.get('routing', 'post')}"]
+    if tuple(m.get("trained_delays", (dd, de))) != (dd, de):
+        parts.append("trained_delays={},{}".format(*m["trained_delays"]))
+    if m.get("quant"):
+        parts.append(f"quant={m['quant']}")
+    return f"graph {g.name}(%{INPUT}: i32[T]) {{{', '.join(parts)}}}"
+
+
+def format_graph(g: Graph) -> str:
+    lines = [format_header(g)]
+    lines += [format_node(g, n) for n in g.nodes()]
+    lines.append(f"  return %{OUTPUT}")
+    return "\n".join(lines) + "\n"

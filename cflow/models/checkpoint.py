@@ -1,0 +1,90 @@
+"""Checkpoint directories: config.json + model.safetensors (+ tokenizer.json), what `cflowc DIR` compiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import CflowError, ConfigError
+from .config import ModelConfig
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    if not (p.is_dir() and (p / CONFIG).is_file()):
+        return False
+    try:
+        return json.loads((p / CONFIG).read_text()).get("format") == "cflow"
+    except (OSError, ValueError):
+        return False
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    p = Path(path) / CONFIG
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{p}: cannot read config ({e})") from None
+    d.pop("format", None)
+    return ModelConfig.from_dict(d)
+
+
+def save_checkpoint(model, path: str | os.PathLike, tokenizer_json: str | None = None, dtype=None) -> Path:
+    """Write `model` (a PipelineNativeLM) as a checkpoint directory, atomically (temp dir + rename)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=path.parent))
+    try:
+        cfg = {"format": "cflow", **model.config.to_dict()}
+        (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if dtype is not None:
+            sd = {k: v.to(dtype) for k, v in sd.items()}
+        if model.config.tie_embeddings:
+            sd.pop("lm_head.weight", None)
+        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if tokenizer_json is not None:
+            (tmp / TOKENIZER).write_text(tokenizer_json)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike):
+    """Checkpoint directory -> PipelineNativeLM (float32) with its weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from .reference import PipelineNativeLM
+
+    config = read_config(path)
+    model = PipelineNativeLM(config)
+    wpath = Path(path) / WEIGHTS
+    try:
+        sd = load_file(str(wpath))
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise CflowError(f"{wpath}: cannot read weights ({e})") from None
+    sd = {k: v.to(torch.float32) for k, v in sd.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise CflowError(f"{wpath}: weights do not match config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.eval()
+
+
+def tokenizer_json(path: str | os.PathLike) -> str | None:
+    p = Path(path) / TOKENIZER
+    return p.read_text() if p.is_file() else None
