@@ -31,9 +31,12 @@ _kernel = None
 _buffers: dict[int, np.ndarray] = {}
 
 
-def read_kernel_module() -> ir.Module:
-    """i64 read_xor(i8* p, i64 nbytes): XOR of all 64-byte vectors in p[0:nbytes] (nbytes % 512 == 0)."""
-    i8, i64 = ir.IntType(8), ir.IntType(64)
+def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0) -> ir.Module:
+    """i64 read_xor(i8* p, i64 nbytes): XOR of all 64-byte vectors in p[0:nbytes] (nbytes % 512 == 0).
+
+    accumulators: independent 64-byte XOR chains per iteration (must divide 8); prefetch: optional
+    software-prefetch distance in bytes (0 = hardware prefetchers only, the default)."""
+    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
     vt = ir.VectorType(i64, 8)
     mod = ir.Module(name="bandwidth")
     fn = ir.Function(mod, ir.FunctionType(i64, [i8.as_pointer(), i64]), "read_xor")
@@ -44,17 +47,22 @@ def read_kernel_module() -> ir.Module:
     b.branch(head)
     b.position_at_end(head)
     off = b.phi(i64)
-    accs = [b.phi(vt) for _ in range(CHUNK // 64)]
+    accs = [b.phi(vt) for _ in range(accumulators)]
     zero = ir.Constant(vt, [0] * 8)
     off.add_incoming(ir.Constant(i64, 0), entry)
     for a in accs:
         a.add_incoming(zero, entry)
     b.cbranch(b.icmp_signed("<", off, n), body, done)
     b.position_at_end(body)
-    new = []
-    for j, a in enumerate(accs):
+    if prefetch:
+        pf = ir.Function(mod, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+        for j in range(0, CHUNK, 64):
+            b.call(pf, [b.gep(p, [b.add(off, ir.Constant(i64, prefetch + j))]), ir.Constant(i32, 0),
+                        ir.Constant(i32, 3), ir.Constant(i32, 1)])
+    new = list(accs)
+    for j in range(CHUNK // 64):
         ptr = b.bitcast(b.gep(p, [b.add(off, ir.Constant(i64, 64 * j))]), vt.as_pointer())
-        new.append(b.xor(a, b.load(ptr, align=64)))
+        new[j % accumulators] = b.xor(new[j % accumulators], b.load(ptr, align=64))
     nxt = b.add(off, ir.Constant(i64, CHUNK))
     off.add_incoming(nxt, body)
     for a, v in zip(accs, new):

@@ -119,9 +119,9 @@ def cflowc_main(argv: Sequence[str] | None = None) -> int:
 def cflow_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cflow", description="Run, inspect and benchmark compiled cflow models.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    from . import commands
+    from .commands import load_commands
 
-    for name, (help_, add_args, _) in commands.COMMANDS.items():
+    for name, (help_, add_args, _) in load_commands().items():
         sp = sub.add_parser(name, help=help_)
         add_args(sp)
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -129,10 +129,10 @@ def cflow_parser() -> argparse.ArgumentParser:
 
 
 def cflow_main(argv: Sequence[str] | None = None) -> int:
-    from . import commands
+    from .commands import load_commands
 
     args = cflow_parser().parse_args(argv)
-    return _guard(commands.COMMANDS[args.cmd][2], args)
+    return _guard(load_commands()[args.cmd][2], args)
 
 
 if __name__ == "__main__":

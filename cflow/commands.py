@@ -1,15 +1,22 @@
-"""Sub-commands of `cflow`: name -> (help, add_arguments, run). Each grows with its stage."""
+"""Sub-commands of `cflow`, one module each in cflow/cmd/: NAME.py defines HELP, add_args(parser), run(args).
+
+The module name is the command (underscores become dashes: export_onnx.py -> `cflow export-onnx`).
+Modules are imported only to build the parser, and each should import heavy things inside run().
+"""
 
 from __future__ import annotations
 
-import argparse
+import importlib
+import pkgutil
 
-COMMANDS: dict = {}
 
+def load_commands() -> dict:
+    """name -> (help, add_args, run), sorted by name."""
+    from . import cmd
 
-def command(name: str, help_: str):
-    def wrap(fn):
-        COMMANDS[name] = (help_, getattr(fn, "add_args", lambda p: None), fn)
-        return fn
-
-    return wrap
+    out = {}
+    for info in sorted(pkgutil.iter_modules(cmd.__path__), key=lambda i: i.name):
+        mod = importlib.import_module(f"{cmd.__name__}.{info.name}")
+        if hasattr(mod, "run"):
+            out[info.name.replace("_", "-")] = (getattr(mod, "HELP", ""), getattr(mod, "add_args", lambda p: None), mod.run)
+    return out

@@ -12,7 +12,9 @@ from typing import Callable, NamedTuple
 
 import attrs
 
-from cflow.ir.quant import DType, matrix_bytes, padded
+# dtype ids are DType's values and block sizes BLOCK_SIZES' (elems, bytes): re-exported so every
+# format constant is reachable from this one module.
+from cflow.ir.quant import BLOCK_SIZES, DType, matrix_bytes, padded  # noqa: F401
 
 # PNG-style magic: the high-bit first byte catches 7-bit transfers, "\r\n" catches newline
 # translation. Both layouts share it; the layout is a preamble flag.

@@ -39,7 +39,7 @@ _TEN_AT = _field_offsets(F.TENSOR_FIELDS, F.TENSOR_ENTRY.format)
 class FileReader:
     """Read-only view of a container. Opening validates everything but data checksums (verify())."""
 
-    def __init__(self, path, *, expected_nbytes=F.expected_nbytes):
+    def __init__(self, path, *, expected_nbytes: F.NbytesHook = F.expected_nbytes):
         self.path = os.fspath(path)
         self._expected_nbytes = expected_nbytes
         self.verified: str | None = None  # None = not run, "ok", or the first failure's message
@@ -191,13 +191,13 @@ class FileReader:
                                     f"tile {tile}: expected {want}", where)
             off, nb = r["offset"], r["nbytes"]
             if off % F.ALIGN:
-                raise bad("offset", f"data offset 0x{off:x} is not a multiple of {F.ALIGN}", where)
+                raise bad("offset", f"0x{off:x} is not a multiple of {F.ALIGN}", where)
             if off < prev_end:
-                raise bad("offset", f"data offset 0x{off:x} overlaps the previous tensor's slot, which "
-                                    f"ends at 0x{prev_end:x} (entries must be in data order)", where)
+                raise bad("offset", f"0x{off:x} overlaps the previous tensor's slot, which ends at "
+                                    f"0x{prev_end:x} (entries must be in data order)", where)
             if off + F.pad(nb) > p["data_len"]:  # Python ints: no wrap-around
-                raise bad("offset", f"data offset 0x{off:x} + nbytes {nb} (padded to 0x{F.pad(nb):x}) exceeds "
-                                    f"the data section size 0x{p['data_len']:x}", where)
+                raise bad("offset", f"0x{off:x} + nbytes {nb} (padded to 0x{F.pad(nb):x}) exceeds the "
+                                    f"data section size 0x{p['data_len']:x}", where)
             prev_end = off + F.pad(nb)
             for field in ("stage", "layer", "expert"):
                 if r[field] < -1:
@@ -224,7 +224,8 @@ class FileReader:
             if layer < 0 or expert < 0:
                 raise self._err(where, "layer and expert must be >= 0", eo)
             if prev is not None and (layer, expert) <= prev:
-                raise self._err(where, f"not after {prev}: entries must be sorted by (layer, expert), no duplicates", eo)
+                raise self._err(where, f"not after {prev}: entries must be sorted by (layer, expert), "
+                                       "no duplicates", eo)
             prev = (layer, expert)
             if first != used or count < 1 or first + count > p["n_ranges"]:
                 raise self._err(where, f"ranges [{first}, +{count}) must continue at {used} and stay within "
@@ -247,7 +248,8 @@ class FileReader:
                     raise self._err(rwhere, f"lies in tensor {t.name!r} of layer {t.layer}, expert {t.expert}", rat)
                 whole = off == t.offset and nb == t.nbytes
                 if whole and crc != t.crc:
-                    raise self._err(rwhere, f"crc 0x{crc:08x} differs from tensor {t.name!r}'s 0x{t.crc:08x}", rat + 16)
+                    raise self._err(rwhere, f"crc 0x{crc:08x} differs from tensor {t.name!r}'s "
+                                            f"0x{t.crc:08x}", rat + 16)
                 rng = F.Range(p["data_offset"] + off, nb, crc)
                 if not whole:
                     self._subranges.append(((layer, expert), k - first, rng))

@@ -53,7 +53,8 @@ class FileWriter:
     Tensor data is written to the temp file as it is added; only the small tables stay in RAM.
     """
 
-    def __init__(self, path, header: dict, layout: str | None = None, *, expected_nbytes=F.expected_nbytes):
+    def __init__(self, path, header: dict, layout: str | None = None, *,
+                 expected_nbytes: F.NbytesHook = F.expected_nbytes):
         self.path = os.fspath(path)
         self.layout = layout if layout is not None else _layout_from_path(self.path)
         try:
@@ -246,7 +247,7 @@ class FileWriter:
     # -- low level -------------------------------------------------------------------------
     def _write(self, b) -> None:
         self._file.write(b)
-        self._pos += len(b) if not isinstance(b, memoryview) else b.nbytes
+        self._pos += memoryview(b).nbytes
 
     def _pad_to(self, end: int) -> None:
         if end > self._pos:

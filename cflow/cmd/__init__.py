@@ -1,0 +1,1 @@
+"""One module per `cflow` sub-command (see cflow/commands.py)."""
