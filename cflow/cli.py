@@ -86,18 +86,69 @@ def _cflowc(args: argparse.Namespace) -> int:
         if not args.output:
             raise CflowError("nothing to do: give -o OUT.vflow|OUT.cflow or --emit ir|schedule|analysis|dot|llvm")
         emit = "cflow" if args.output.endswith(".cflow") else "vflow"
-    text_only = emit in ("ir", "analysis", "dot", "schedule")
-    g = load_graph(args.model, weights=not text_only)
-    if args.delays:
-        g = Pipeline(set_delays(*args.delays), name="delays")(g)
-    if emit == "ir":
-        return _write_text(args.output, str(g))
-    if emit == "analysis":
+    needs_weights = emit in ("cflow", "vflow")
+    g = load_graph(args.model, weights=needs_weights)
+    if emit in ("ir", "analysis", "dot"):
+        if args.delays:
+            g = Pipeline(set_delays(*args.delays), name="delays")(g)
+        if emit == "ir":
+            return _write_text(args.output, str(g))
+        if emit == "dot":
+            from .ir.printer import format_dot
+
+            return _write_text(args.output, format_dot(g))
         from .passes.analysis import analyze
 
         a = analyze(g, args.quant)
         return _write_text(args.output, a.to_json() + "\n" if args.json else a.table() + "\n")
-    raise CflowError(f"--emit {emit} is not available in this build yet")
+    from .compiler import lower, write_file
+
+    layout = emit if emit in ("cflow", "vflow") else "vflow"
+    c = lower(g, args.quant, args.tile, args.delays, layout=layout)
+    if emit == "schedule":
+        from .passes.analysis import analyze
+
+        return _write_text(args.output, str(c.schedule) + "\n" + analyze(c.graph, args.quant).table() + "\n")
+    if emit == "llvm":
+        from .codegen.step import emit_step_ir
+
+        return _write_text(args.output, emit_step_ir(c))
+    if not args.output:
+        raise CflowError(f"--emit {emit} writes a binary file: give -o OUT.{emit}")
+    tokenizer = g.meta.get("tokenizer")
+    if args.tokenizer:
+        from pathlib import Path
+
+        try:
+            tokenizer = Path(args.tokenizer).read_text()
+        except OSError as e:
+            raise CflowError(f"--tokenizer {args.tokenizer}: {e.strerror}") from None
+    info = write_file(c, args.output, args.tile, tokenizer, g.meta.get("eos_token_ids"), progress=_progress_bar(args))
+    print(f"wrote {args.output}: {info['file_bytes'] / 1e6:.1f} MB, {info['tensors']} tensors, "
+          f"{info['bytes_per_token'] / 1e6:.2f} MB/token, {c.schedule.n_stages} stages, {info['seconds']:.1f} s",
+          file=sys.stderr)
+    return 0
+
+
+def _progress_bar(args):
+    """A tqdm bar on stderr for models worth waiting for (quiet for tiny ones and non-terminals)."""
+    if not sys.stderr.isatty() and not args.verbose:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = None
+
+    def tick(done, total, name):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="packing", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return tick
 
 
 def _write_text(path: str | None, text: str) -> int:

@@ -296,6 +296,8 @@ def _q8_block_int(b, isa, codes, aptr):
 
 # -- mat-vec --------------------------------------------------------------------------------
 
+MAX_GROUPS = 8  # 16-row accumulators held in registers per pass over a tile-row (TR = 128)
+
 
 def _check_isa(isa: str) -> str:
     if isa not in ISAS:
@@ -303,121 +305,109 @@ def _check_isa(isa: str) -> str:
     return isa
 
 
-def _emit_tile_row(b, L: TileLayout, isa, w_row, x, xq, xd, xs, acc, groups_per_iter, prefetch):
-    """acc[0:TR] = (one tile-row of W) x; w_row points at the tile-row's first tile.
-
-    Loop order: tile-col (tc) outer, row-group inner, blocks unrolled; the TC-input activation
-    slice is reused by every group of the tile. `groups_per_iter` groups are interleaved block by
-    block (independent load streams and accumulators for the out-of-order core)."""
-    ng, nb, G = L.groups_per_tile, L.blocks_per_tile, groups_per_iter
-    GB, TB = L.group_nbytes, L.tile_nbytes
-    accv = b.bitcast(acc, P(V(f32, 16)))
-    zf = ir.Constant(V(f32, 16), [0.0] * 16)
-    for g in range(ng):
-        b.store(zf, _ptr(b, accv, g), align=4)
-    with _Loop(b, ir.Constant(i64, 0), ir.Constant(i64, L.n_tile_cols), "tc") as tc:
-        tile = _ptr(b, w_row, b.mul(tc, ir.Constant(i64, TB)))
-        with _Loop(b, ir.Constant(i64, 0), ir.Constant(i64, ng // G), "grp") as gi:
-            g0 = b.mul(gi, ir.Constant(i64, G))
-            gptr = _ptr(b, tile, b.mul(g0, ir.Constant(i64, GB)))
-            if prefetch:
-                pf = _intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
-                for off in range(0, G * GB, 64):
-                    b.call(pf, [_ptr(b, gptr, prefetch + off), ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                ir.Constant(i32, 1)])
-            parts = [zf] * G
-            if L.dtype in (DType.Q4, DType.Q8):
-                parts = _q_groups(b, L, isa, gptr, tc, xq, xd, xs, parts)
-            else:
-                parts = _f_groups(b, L, isa, gptr, tc, x, parts)
-            for gg in range(G):
-                p = _ptr(b, accv, b.add(g0, ir.Constant(i64, gg)))
-                b.store(b.fadd(b.load(p, align=4), parts[gg]), p, align=4)
-
-
-def _q_groups(b, L, isa, gptr, tc, xq, xd, xs, parts):
-    nb, GB = L.blocks_per_tile, L.group_nbytes
-    a_tile = _ptr(b, xq, b.mul(tc, ir.Constant(i64, L.tc)))
-    blk0 = b.mul(tc, ir.Constant(i64, nb))
+def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs):
+    """One block unit (32 inputs) for the given groups: acc[g] += (codes . a) * d_w * d_a."""
+    aptr = _ptr(b, xq, b.mul(kb, ir.Constant(i64, BLOCK)))
+    ad = _splat(b, b.load(_ptr(b, xd, kb), align=4), 16)
+    asum = b.load(_ptr(b, xs, kb), align=4)
     bias = 8 if L.dtype == DType.Q4 else (128 if isa == "avx512vnni" else 0)
-    for blk in range(nb):
-        aptr = _ptr(b, a_tile, blk * BLOCK)
-        ad = b.load(_ptr(b, xd, b.add(blk0, ir.Constant(i64, blk))), align=4)
-        asum = b.load(_ptr(b, xs, b.add(blk0, ir.Constant(i64, blk))), align=4)
-        for gg in range(len(parts)):
-            grp = _ptr(b, gptr, gg * GB)
-            codes = _ptr(b, grp, blk * L.code_nbytes)
-            if L.dtype == DType.Q4:
-                isum = _q4_block_int(b, isa, codes, aptr)
-            else:
-                isum = _q8_block_int(b, isa, codes, aptr)
-            if bias:
-                isum = b.sub(isum, _splat(b, b.mul(asum, ir.Constant(i32, bias)), 16))
-            ws = _half_to_float(b, _load(b, grp, L.scales_offset + 32 * blk, V(i16, 16)), isa)
-            scale = b.fmul(ws, _splat(b, ad, 16))
-            parts[gg] = _fma(b, b.sitofp(isum, V(f32, 16)), scale, parts[gg], isa)
-    return parts
+    corr = _splat(b, b.mul(asum, ir.Constant(i32, bias)), 16) if bias else None
+    for g in groups:
+        codes = _ptr(b, unit, g * L.code_nbytes)
+        block_int = _q4_block_int if L.dtype == DType.Q4 else _q8_block_int
+        isum = block_int(b, isa, codes, aptr)
+        if corr is not None:  # unsigned-code trick: sum((q - bias) * a) = sum(q * a) - bias * sum(a)
+            isum = b.sub(isum, corr)
+        ws = _half_to_float(b, _load(b, unit, L.scales_offset + 32 * g, V(i16, 16)), isa)
+        accs[g] = _fma(b, b.sitofp(isum, V(f32, 16)), b.fmul(ws, ad), accs[g], isa)
 
 
-def _f_groups(b, L, isa, gptr, tc, x, parts):
-    """F32/F16: group bytes k*64 (resp. k*32) hold input k of the 16 rows; 4 accumulators per group."""
-    G, GB, tc_n = len(parts), L.group_nbytes, L.tc
+def _f_unit(b, L, isa, unit, kb, groups, accs, x):
+    """F32/F16 unit: input k of group g's 16 rows at g*GB + k*(16*esz); k outer so groups interleave."""
     esz = 4 if L.dtype == DType.F32 else 2
-    x_tile = _ptr(b, x, b.mul(tc, ir.Constant(i64, tc_n)))
-    accs = [[parts[gg]] + [ir.Constant(V(f32, 16), [0.0] * 16)] * 3 for gg in range(G)]
-    for k in range(tc_n):
-        xk = _splat(b, b.load(_ptr(b, x_tile, k), align=4), 16)
-        for gg in range(G):
-            off = gg * GB + k * 16 * esz
-            if esz == 4:
-                wv = _load(b, gptr, off, V(f32, 16))
-            else:
-                wv = _half_to_float(b, _load(b, gptr, off, V(i16, 16)), isa)
-            accs[gg][k % 4] = _fma(b, wv, xk, accs[gg][k % 4], isa)
-    return [b.fadd(b.fadd(a[0], a[1]), b.fadd(a[2], a[3])) for a in accs]
+    xb = _ptr(b, x, b.mul(kb, ir.Constant(i64, BLOCK)))
+    for k in range(BLOCK):
+        xk = _splat(b, b.load(_ptr(b, xb, k), align=4), 16)
+        for g in groups:
+            off = g * L.group_nbytes + k * 16 * esz
+            wv = (_load(b, unit, off, V(f32, 16)) if esz == 4
+                  else _half_to_float(b, _load(b, unit, off, V(i16, 16)), isa))
+            accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
-def _default_groups(L: TileLayout, groups_per_iter: int | None) -> int:
-    ng = L.groups_per_tile
-    if groups_per_iter is None:
-        groups_per_iter = 2 if L.dtype in (DType.Q4, DType.Q8) else 1
-    g = max(1, min(int(groups_per_iter), ng))
-    while ng % g:
-        g -= 1
-    return g
+def _emit_tile_row(b, L: TileLayout, isa, w_row, x, xq, xd, xs, slots, out, unroll, prefetch, pf_locality=2):
+    """out[0:TR] = (one tile-row of W) x, where w_row points at the tile-row's first unit.
+
+    The tile-row is K'/32 consecutive block units. Groups go in passes of len(slots) (<= 8):
+    each pass runs over all units with its group sums in registers (`slots` are entry-block
+    allocas that SROA promotes), so the 32 activation bytes of a unit are loaded once per pass."""
+    ng, UB = L.groups_per_tile, L.unit_nbytes
+    nunits = L.cols_p // BLOCK
+    zf = ir.Constant(V(f32, 16), [0.0] * 16)
+    outv = b.bitcast(out, P(V(f32, 16)))
+    for g0 in range(0, ng, len(slots)):
+        groups = list(range(g0, min(ng, g0 + len(slots))))
+        for s in slots:
+            b.store(zf, s)
+        with _Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nunits // unroll), "kb") as it:
+            for u in range(unroll):
+                kb = b.add(b.mul(it, ir.Constant(i64, unroll)), ir.Constant(i64, u))
+                unit = _ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
+                if prefetch:  # read, into L2 (locality 2 = prefetcht1), one per cache line of the unit
+                    pf = _intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
+                    for off in range(0, UB, 64):
+                        b.call(pf, [_ptr(b, unit, prefetch + off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
+                accs = {g: b.load(slots[g - g0]) for g in groups}
+                if L.dtype in (DType.Q4, DType.Q8):
+                    _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs)
+                else:
+                    _f_unit(b, L, isa, unit, kb, groups, accs, x)
+                for g in groups:
+                    b.store(accs[g], slots[g - g0])
+        for g in groups:
+            b.store(b.load(slots[g - g0]), _ptr(b, outv, g), align=4)
+
+
+def _pick_unroll(nunits: int, unroll: int) -> int:
+    u = max(1, min(int(unroll), nunits))
+    while nunits % u:
+        u -= 1
+    return u
 
 
 def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
-                groups_per_iter: int | None = None, prefetch: int = 0, gate_up: bool = False) -> ir.Function:
+                max_groups: int = MAX_GROUPS, unroll: int = 1, prefetch: int = 0,
+                gate_up: bool = False) -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
         isa: 'avx512vnni' (needs AVX-512 VNNI), 'avx2' (needs AVX2+FMA+F16C) or 'generic'.
-        groups_per_iter: 16-row groups interleaved per inner iteration (default 2 for Q4/Q8).
-        prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetcher).
-        gate_up: the stream is pack_gate_up's; write silu(gate) * up instead of W x.
+        max_groups: 16-row groups accumulated in registers per pass (TR/16 <= this: one pass).
+        unroll: block units per loop iteration.
+        prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetchers).
+        gate_up: the stream is pack_gate_up's; write silu(gate x) * (up x) instead of W x.
     """
     _check_isa(isa)
     L = layout
-    G = _default_groups(L, groups_per_iter)
     fn = _new_function(module, name, MATVEC_ARGS, linkage, ("w", "x", "xq", "xd", "xs", "y", "r0", "r1"))
     w, x, xq, xd, xs, y, r0, r1 = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    acc = b.alloca(ir.ArrayType(f32, L.tr), name="acc")
-    acc2 = b.alloca(ir.ArrayType(f32, L.tr), name="acc_up") if gate_up else None
-    accf, accf2 = b.bitcast(acc, P(f32)), (b.bitcast(acc2, P(f32)) if gate_up else None)
+    # NOTE: allocas stay in the entry block, so SROA turns the accumulators into registers.
+    slots = [b.alloca(V(f32, 16), name=f"acc{g}") for g in range(min(max(1, max_groups), L.groups_per_tile))]
+    tmp = b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name="rows"), P(f32))
+    up = b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name="up_rows"), P(f32)) if gate_up else None
+    unroll = _pick_unroll(L.cols_p // BLOCK, unroll)
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
     with _Loop(b, r0, r1, "t") as t:
         w_row = _ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
-        _emit_tile_row(b, L, isa, w_row, x, xq, xd, xs, accf, G, prefetch)
+        _emit_tile_row(b, L, isa, w_row, x, xq, xd, xs, slots, tmp, unroll, prefetch)
         if gate_up:  # the up tile-row follows the gate tile-row
-            w_up = _ptr(b, w_row, L.tile_row_nbytes)
-            _emit_tile_row(b, L, isa, w_up, x, xq, xd, xs, accf2, G, prefetch)
+            _emit_tile_row(b, L, isa, _ptr(b, w_row, L.tile_row_nbytes), x, xq, xd, xs, slots, up, unroll, prefetch)
         y_row = _ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
         for g in range(L.groups_per_tile):
-            v = _load(b, accf, 16 * g, V(f32, 16), align=4)
+            v = _load(b, tmp, 16 * g, V(f32, 16), align=4)
             if gate_up:
-                v = _silu_mul(b, v, _load(b, accf2, 16 * g, V(f32, 16), align=4))
+                v = _silu_mul(b, v, _load(b, up, 16 * g, V(f32, 16), align=4))
             b.store(v, _ptr(b, y_row, g), align=4)
     b.ret_void()
     return fn

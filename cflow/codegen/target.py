@@ -51,7 +51,13 @@ def _parse_features(text: str) -> dict[str, bool]:
 
 
 def _format_features(feats: dict[str, bool]) -> str:
-    return ",".join(("+" if on else "-") + name for name, on in sorted(feats.items()))
+    """Enables first, then disables (each group sorted, so the string is canonical for cache keys).
+
+    NOTE: LLVM applies the list in order and an enable also turns on what it implies
+    ('+avx512vnni' implies avx512f); disables go last so '-avx512f' also clears its dependents."""
+    on = sorted(n for n, v in feats.items() if v)
+    off = sorted(n for n, v in feats.items() if not v)
+    return ",".join(["+" + n for n in on] + ["-" + n for n in off])
 
 
 @attrs.frozen

@@ -80,3 +80,25 @@ def format_graph(g: Graph) -> str:
     lines += [format_node(g, n) for n in g.nodes()]
     lines.append(f"  return %{OUTPUT}")
     return "\n".join(lines) + "\n"
+
+
+def format_dot(g: Graph) -> str:
+    """The DAG for Graphviz (`cflowc MODEL --emit dot | dot -Tpng`): one cluster per layer, delayed reads dashed."""
+    lines = [f'digraph "{g.name}" {{', "  rankdir=TB; node [shape=box, fontsize=10];"]
+    by_layer: dict[int, list[Node]] = {}
+    for n in g.nodes():
+        by_layer.setdefault(n.layer, []).append(n)
+    for layer, nodes in sorted(by_layer.items()):
+        lines.append(f'  subgraph cluster_{layer} {{ label="layer {layer}"; color=gray;')
+        for n in nodes:
+            shape = "ellipse" if n.kind == "add" else "box"
+            lines.append(f'    "{n.name}" [label="{n.name}\\n{n.kind}", shape={shape}];')
+        lines.append("  }")
+    for n in g.nodes():
+        for i in n.inputs:
+            if i == INPUT:
+                continue
+            delayed = g[i].layer not in (n.layer, n.layer - 1) and g[i].layer > 0
+            lines.append(f'  "{i}" -> "{n.name}"' + (" [style=dashed, color=blue];" if delayed else ";"))
+    lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import attrs
+
 from ..ir import Graph
 from ..ir.quant import DType, QTensor, dequantize, quantize
 from .manager import Pass, graph_pass
@@ -60,6 +62,13 @@ def quantize_weights(quant: str | DType) -> Pass:
     @graph_pass(name="quantize_weights")
     def run(g: Graph, ctx) -> Graph:
         g = g.copy()
+        head = g["logits"]
+        if head.weight != "lm_head":
+            # Tied embeddings: the head streams its own quantised copy (the embedding row stays f16).
+            g.meta["shapes"] = {**g.meta["shapes"], "lm_head": g.meta["shapes"][head.weight]}
+            if g.weights:
+                g.weights = {**g.weights, "lm_head": g.weights[head.weight]}
+            g.replace(attrs.evolve(head, weight="lm_head"))
         dtypes = {name: weight_dtype(name, shape, q) for name, shape in g.meta["shapes"].items()}
         g.meta["quant"] = q.label
         g.meta["weight_dtypes"] = {n: d.label for n, d in dtypes.items()}

@@ -5,32 +5,37 @@ stream. Both the file writer and codegen/kernels.py take every offset from `Tile
 
 Matrix W[M, K] (M output rows, K inputs), tile shape TR x TC (default 128 x 256; TR a multiple
 of 16, TC a multiple of 32). W is zero-padded to M' = ceil(M/TR)*TR rows and K' = ceil(K/TC)*TC
-inputs; a padded Q4/Q8 block is the quantisation of zeros (codes 8 resp. 0, scale +0.0), so
-pack(W) == pack(quantize(W)) == pack(zero-padded W), and padding contributes exactly 0.
+inputs; a padded Q4/Q8 block is exactly quant.quantize of zeros (Q4: codes 8, scale -0.0, as
+d = amax / -8; Q8: codes 0, scale +0.0), so pack(W) == pack(quantize(W)) == pack(zero-padded W),
+and padding contributes exactly 0 to every output.
 
 Tile order (tile-row-major): for tr in range(M'/TR): for tc in range(K'/TC): tile(tr, tc), each
 tile TILE_BYTES long, so tile(tr, tc) starts at (tr * K'/TC + tc) * TILE_BYTES. A thread that owns
 tile-rows [r0, r1) streams one contiguous byte range, keeps its TR row sums in registers across
-the tc loop, and reuses the TC-input activation slice for all TR rows of a tile.
+the tc loop (TR <= 128; a taller tile is swept in passes of 128 rows), and reuses each activation
+block for all TR rows.
 
-Inside a tile: TR/16 row groups, one after the other (group g = tile rows 16g .. 16g+15); a group
-interleaves its 16 rows so that one 64-byte vector holds 4 consecutive inputs of all 16 rows
-(byte 4*i + j = row i, input 4c + j: one `vpdpbusd` advances 16 row sums). NB = TC/32 blocks,
-i = row in group (0..15), k = input within the tile, all offsets relative to the group start:
+Inside a tile: NB = TC/32 block units, one after the other; unit b holds inputs 32b .. 32b+31 of
+the tile for all TR rows (so a tile-row is simply K'/32 consecutive units, read front to back by
+a kernel whose loop runs over blocks outside and 16-row groups inside, the 32 activation bytes
+of a block shared by all groups in registers). A unit holds NG = TR/16 row groups; a group
+interleaves its 16 rows so one 64-byte vector holds 4 consecutive inputs of all 16 rows
+(byte 4*i + j = row 16g + i, input 4c + j: one `vpdpbusd` advances 16 row sums). With
+g = group, i = row in group (0..15), k = input in the block (0..31), offsets within the unit:
 
-  Q4  group = NB*256 B codes, then NB*32 B scales  (NB*288 B; 2304 B for TC=256)
-        code byte  b*256 + c*64 + 4*i + j  (c, j in 0..3)  = q[i, 32b+4c+j] | q[i, 32b+16+4c+j] << 4
-        scale      NB*256 + b*32 + 2*i                      = fp16 d[i, b]
+  Q4  unit = NG*256 B codes, then NG*32 B scales  (NG*288 B; 2304 B for TR=128)
+        code byte  g*256 + c*64 + 4*i + j  (c, j in 0..3)  = q[16g+i, 4c+j] | q[16g+i, 16+4c+j] << 4
+        scale      NG*256 + g*32 + 2*i                      = fp16 d[16g+i]
       (low nibbles of chunk c = inputs 4c..4c+3 of the block, high nibbles = inputs 16+4c..; the
        codes and fp16 scales are GGUF Q4_0's, only rearranged: 18 B per 32 weights exactly)
-  Q8  group = NB*512 B codes, then NB*32 B scales  (NB*544 B)
-        code byte  b*512 + c*64 + 4*i + j  (c in 0..7)     = int8 q[i, 32b+4c+j]
-        scale      NB*512 + b*32 + 2*i                      = fp16 d[i, b]
-  F32 group = TC*64 B:  k*64 + 4*i = f32 W[i, k]
-  F16 group = TC*32 B:  k*32 + 2*i = f16 W[i, k]
+  Q8  unit = NG*512 B codes, then NG*32 B scales  (NG*544 B)
+        code byte  g*512 + c*64 + 4*i + j  (c in 0..7)     = int8 q[16g+i, 4c+j]
+        scale      NG*512 + g*32 + 2*i                      = fp16 d[16g+i]
+  F32 unit = NG*2048 B:  g*2048 + k*64 + 4*i = f32 W[16g+i, k]
+  F16 unit = NG*1024 B:  g*1024 + k*32 + 2*i = f16 W[16g+i, k]
 
-Every chunk starts 32-byte aligned; with NB even (TC a multiple of 64) groups and tiles are
-64-byte aligned too. All multi-byte values are little-endian.
+Every code/scale chunk is 32-byte aligned; with TR a multiple of 32 (NG even) every unit, tile
+and tile-row starts 64-byte aligned too. All multi-byte values are little-endian.
 
 Fused streams: QKV = several matrices sharing the input, each padded to whole tile-rows and
 concatenated (the output vector holds each part at its row offset); gate+up = tile-rows
@@ -113,18 +118,24 @@ class TileLayout:
         return {DType.Q4: 256, DType.Q8: 512}.get(self.dtype, 0)
 
     @property
-    def group_nbytes(self) -> int:
+    def unit_nbytes(self) -> int:
+        """Bytes of one block unit: all TR rows x 32 inputs."""
         n, b = BLOCK_SIZES[self.dtype]
-        return GROUP_ROWS * self.tc // n * b
+        return self.tr * BLOCK // n * b
+
+    @property
+    def group_nbytes(self) -> int:
+        """Bytes of one 16-row group's codes (Q4/Q8) or values (F16/F32) inside a unit."""
+        return self.code_nbytes if self.code_nbytes else self.unit_nbytes // self.groups_per_tile
 
     @property
     def scales_offset(self) -> int:
-        """Offset of the fp16 scale area inside a group (Q4/Q8)."""
-        return self.blocks_per_tile * self.code_nbytes
+        """Offset of the fp16 scale area inside a unit (Q4/Q8)."""
+        return self.groups_per_tile * self.code_nbytes
 
     @property
     def tile_nbytes(self) -> int:
-        return self.groups_per_tile * self.group_nbytes
+        return self.blocks_per_tile * self.unit_nbytes
 
     @property
     def tile_row_nbytes(self) -> int:
@@ -136,11 +147,15 @@ class TileLayout:
 
     @property
     def alignment(self) -> int:
-        """Largest power of two (<= 64) dividing every group offset: what loads may assume."""
+        """Largest power of two (<= 64) dividing every unit offset (given a 64-B aligned stream)."""
         a = ALIGN
-        while self.group_nbytes % a:
+        while self.unit_nbytes % a:
             a //= 2
         return a
+
+    def unit_offset(self, tr: int, kb: int) -> int:
+        """Byte offset of the unit of tile-row tr holding inputs 32*kb .. 32*kb+31."""
+        return tr * self.tile_row_nbytes + kb * self.unit_nbytes
 
     def tile_offset(self, tr: int, tc: int) -> int:
         """Byte offset of tile(tr, tc) in the stream (tile-row-major)."""
@@ -171,10 +186,10 @@ def _as_stored(w, dtype: DType):
 
 
 def _pad_q(t: QTensor, rows_p: int, nblk_p: int) -> tuple[np.ndarray, np.ndarray]:
-    """Codes and scales padded with the quantisation of zeros (Q4 code 8, Q8 code 0, scale 0)."""
-    fill = 8 if t.dtype == DType.Q4 else 0
-    q = np.full((rows_p, nblk_p, BLOCK), fill, dtype=t.q.dtype)
-    s = np.zeros((rows_p, nblk_p), np.float16)
+    """Codes and scales padded with quant.quantize of a zero block (Q4: 8 and -0.0; Q8: 0 and +0.0)."""
+    zero = quantize(np.zeros((1, BLOCK), np.float32), t.dtype)
+    q = np.full((rows_p, nblk_p, BLOCK), zero.q[0, 0, 0], dtype=t.q.dtype)
+    s = np.full((rows_p, nblk_p), zero.scales[0, 0], np.float16)
     q[: t.rows, : t.q.shape[1]] = t.q
     s[: t.rows, : t.scales.shape[1]] = t.scales
     return q, s
@@ -192,11 +207,11 @@ def pack(w, dtype, tile=DEFAULT_TILE) -> np.ndarray:
     st = _as_stored(w, dtype)
     rows, cols = (st.rows, st.cols) if isinstance(st, QTensor) else st.shape
     L = TileLayout(dtype, rows, cols, tile)
-    nT, nC, ng, nb, tc = L.n_tile_rows, L.n_tile_cols, L.groups_per_tile, L.blocks_per_tile, L.tc
+    nT, nC, ng, nb = L.n_tile_rows, L.n_tile_cols, L.groups_per_tile, L.blocks_per_tile
     out = aligned_empty(L.nbytes)
     if dtype in (DType.Q4, DType.Q8):
         q, s = _pad_q(st, L.rows_p, L.cols_p // BLOCK)
-        # [tile-row, group, i, tile-col, block, 32] -> per group: codes then scales.
+        # [tile-row, group, i, tile-col, block, 32] -> per block unit: codes of every group, then scales.
         q = q.reshape(nT, ng, GROUP_ROWS, nC, nb, BLOCK)
         if dtype == DType.Q4:
             lo = q[..., :16].reshape(nT, ng, GROUP_ROWS, nC, nb, 4, 4)
@@ -204,16 +219,16 @@ def pack(w, dtype, tile=DEFAULT_TILE) -> np.ndarray:
             codes = (lo | (hi << np.uint8(4))).astype(np.uint8)  # [.., i, .., b, c, j]
         else:
             codes = q.view(np.uint8).reshape(nT, ng, GROUP_ROWS, nC, nb, 8, 4)
-        codes = codes.transpose(0, 3, 1, 4, 5, 2, 6).reshape(nT, nC, ng, nb * L.code_nbytes)
-        sc = s.reshape(nT, ng, GROUP_ROWS, nC, nb).transpose(0, 3, 1, 4, 2)
-        sc = np.ascontiguousarray(sc).view(np.uint8).reshape(nT, nC, ng, nb * 32)
-        out.reshape(nT, nC, ng, -1)[...] = np.concatenate([codes, sc], axis=-1)
+        codes = codes.transpose(0, 3, 4, 1, 5, 2, 6).reshape(nT, nC, nb, ng * L.code_nbytes)
+        sc = s.reshape(nT, ng, GROUP_ROWS, nC, nb).transpose(0, 3, 4, 1, 2)
+        sc = np.ascontiguousarray(sc).view(np.uint8).reshape(nT, nC, nb, ng * 32)
+        out.reshape(nT, nC, nb, -1)[...] = np.concatenate([codes, sc], axis=-1)
     else:
         npdt = np.float32 if dtype == DType.F32 else np.float16
         full = np.zeros((L.rows_p, L.cols_p), npdt)
         full[:rows, :cols] = st
-        v = full.reshape(nT, ng, GROUP_ROWS, nC, tc).transpose(0, 3, 1, 4, 2)  # [.., k, i]
-        out.reshape(nT, nC, ng, -1)[...] = np.ascontiguousarray(v).view(np.uint8).reshape(nT, nC, ng, -1)
+        v = full.reshape(nT, ng, GROUP_ROWS, nC, nb, BLOCK).transpose(0, 3, 4, 1, 5, 2)  # [.., g, k, i]
+        out.reshape(nT, nC, nb, -1)[...] = np.ascontiguousarray(v).view(np.uint8).reshape(nT, nC, nb, -1)
     return out
 
 
@@ -224,26 +239,25 @@ def unpack(buf: np.ndarray, dtype, rows: int, cols: int, tile=DEFAULT_TILE) -> n
     buf = np.asarray(buf, np.uint8)
     if buf.size != L.nbytes:
         raise ValueError(f"tile stream has {buf.size} bytes, layout needs {L.nbytes}")
-    nT, nC, ng, nb, tc = L.n_tile_rows, L.n_tile_cols, L.groups_per_tile, L.blocks_per_tile, L.tc
-    g = buf.reshape(nT, nC, ng, L.group_nbytes)
+    nT, nC, ng, nb = L.n_tile_rows, L.n_tile_cols, L.groups_per_tile, L.blocks_per_tile
+    u = buf.reshape(nT, nC, nb, L.unit_nbytes)
     if dtype in (DType.Q4, DType.Q8):
-        codes = g[..., : L.scales_offset]
-        sc = np.ascontiguousarray(g[..., L.scales_offset :]).view(np.float16).reshape(nT, nC, ng, nb, GROUP_ROWS)
-        sc = sc.transpose(0, 2, 4, 1, 3).reshape(L.rows_p, L.cols_p // BLOCK).astype(np.float32)
+        codes = u[..., : L.scales_offset]
+        sc = np.ascontiguousarray(u[..., L.scales_offset :]).view(np.float16).reshape(nT, nC, nb, ng, GROUP_ROWS)
+        sc = sc.transpose(0, 3, 4, 1, 2).reshape(L.rows_p, L.cols_p // BLOCK).astype(np.float32)
         if dtype == DType.Q4:
-            c = codes.reshape(nT, nC, ng, nb, 4, GROUP_ROWS, 4)
+            c = codes.reshape(nT, nC, nb, ng, 4, GROUP_ROWS, 4)
             lo, hi = c & np.uint8(15), c >> np.uint8(4)
-            q = np.concatenate([lo, hi], axis=4).astype(np.float32) - 8.0  # [.., b, 8 (lo c, hi c), i, j]
-            q = q.transpose(0, 2, 5, 1, 3, 4, 6)  # [T, g, i, C, b, 8, 4]
+            q = np.concatenate([lo, hi], axis=4).astype(np.float32) - 8.0  # [.., g, 8 (lo c, hi c), i, j]
         else:
-            c = np.ascontiguousarray(codes).view(np.int8).reshape(nT, nC, ng, nb, 8, GROUP_ROWS, 4)
-            q = c.astype(np.float32).transpose(0, 2, 5, 1, 3, 4, 6)
-        q = q.reshape(L.rows_p, L.cols_p // BLOCK, BLOCK)
+            c = np.ascontiguousarray(codes).view(np.int8).reshape(nT, nC, nb, ng, 8, GROUP_ROWS, 4)
+            q = c.astype(np.float32)
+        q = q.transpose(0, 3, 5, 1, 2, 4, 6).reshape(L.rows_p, L.cols_p // BLOCK, BLOCK)  # [T, g, i, C, b, 8, 4]
         full = (q * sc[..., None]).reshape(L.rows_p, L.cols_p)
     else:
         npdt = np.float32 if dtype == DType.F32 else np.float16
-        v = np.ascontiguousarray(g).view(npdt).reshape(nT, nC, ng, tc, GROUP_ROWS)
-        full = v.transpose(0, 2, 4, 1, 3).reshape(L.rows_p, L.cols_p).astype(np.float32)
+        v = np.ascontiguousarray(u).view(npdt).reshape(nT, nC, nb, ng, BLOCK, GROUP_ROWS)
+        full = v.transpose(0, 3, 5, 1, 2, 4).reshape(L.rows_p, L.cols_p).astype(np.float32)
     return np.ascontiguousarray(full[:rows, :cols])
 
 

@@ -1,0 +1,223 @@
+"""A loaded model: the mapped file, validated tensors, the compiled step, buffers, KV cache and worker threads.
+
+Load order (nothing reaches native code before it is checked):
+  1. FileReader maps the file and validates its structure (magic, tables, bounds, overlaps).
+  2. The header's config is rebuilt into the IR, lowered again, and the packing plan and schedule
+     must equal the header's; every tensor must exist with the planned dtype, shape and byte size.
+  3. The step is emitted for the host ISA and JIT-compiled (or loaded from the object cache).
+  4. Buffers are allocated and the pointer table is filled; only then may the step run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+
+import numpy as np
+
+from ..errors import CflowError, FormatError, RuntimeFault
+from ..ir import build_graph
+from ..ir.quant import DType
+from ..models.config import ModelConfig
+from .reader import FileReader
+
+
+def _aligned(nbytes: int, align: int = 4096) -> np.ndarray:
+    raw = np.zeros(nbytes + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off : off + nbytes]
+
+
+def lowered_from_header(h: dict, path: str):
+    """Rebuild the Compiled plan the header claims (config -> IR -> passes), to check it against the file."""
+    from ..compiler import lower
+
+    try:
+        cfg = ModelConfig.from_dict(h["config"])
+        tile = tuple(int(v) for v in h["tile"])
+        g = build_graph(cfg, None, name=h.get("name", cfg.name), trained_delays=tuple(h.get("trained_delays", cfg.delays)))
+        c = lower(g, h["quant"], tile, None, layout="vflow")
+    except CflowError as e:
+        raise FormatError(f"{path}: header does not describe a valid model: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"{path}: header field missing or malformed: {type(e).__name__}: {e}") from None
+    return c, tile
+
+
+class Session:
+    """Everything needed to run decode steps of one compiled file."""
+
+    def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
+                 cache=None):
+        import os
+
+        self.path = str(path)
+        self.reader = FileReader(self.path)
+        if verify:
+            self.reader.verify()
+        h = self.reader.header
+        if h.get("format") != "cflow":
+            raise FormatError(f"{self.path}: header format {h.get('format')!r} is not 'cflow'")
+        self.header = h
+        self.compiled, self.tile = lowered_from_header(h, self.path)
+        self.config: ModelConfig = self.compiled.graph.config
+        self._check_plan()
+        self.threads = max(1, int(threads or len(os.sched_getaffinity(0))))
+        self.max_seq = int(min(max_seq or self.config.max_seq_len, self.config.max_seq_len))
+        self._build(cache)
+        self._alloc()
+        self.pos = 0
+        self._pool = _Workers(self._fn, self._args, self.threads) if self.threads > 1 else None
+
+    # --- validation -----------------------------------------------------------------------------
+    def _check_plan(self) -> None:
+        c, h, p = self.compiled, self.header, self.path
+        planned = {n: {"form": t.form, "parts": list(t.parts), "part_shapes": [list(s) for s in t.part_shapes],
+                       "dtype": t.dtype.label} for n, t in c.tensors.items()}
+        if h.get("packing") != planned:
+            raise FormatError(f"{p}: header section 'packing' does not match the packing the config implies")
+        if json.dumps(h.get("schedule"), sort_keys=True) != json.dumps(c.schedule.to_json(), sort_keys=True):
+            raise FormatError(f"{p}: header section 'schedule' does not match the schedule the config implies")
+        for name, t in c.tensors.items():
+            try:
+                e = self.reader.entry(name)
+            except (KeyError, FormatError):
+                raise FormatError(f"{p}: tensor table has no entry {name!r} that the model needs") from None
+            if e.dtype != t.dtype or tuple(e.shape) != tuple(t.shape) or tuple(e.tile) != tuple(t.file_tile) \
+                    or e.nbytes != t.nbytes:
+                raise FormatError(
+                    f"{p}: tensor table entry {e.index} ({name!r}) at file offset {e.file_offset:#x}: "
+                    f"{e.dtype.label} {tuple(e.shape)} tile {tuple(e.tile)} {e.nbytes} B, expected "
+                    f"{t.dtype.label} {tuple(t.shape)} tile {tuple(t.file_tile)} {t.nbytes} B")
+
+    # --- native code ----------------------------------------------------------------------------
+    def _build(self, cache) -> None:
+        from ..codegen.library import Library
+        from ..codegen.step import emit_step
+        from ..codegen.target import host_target
+
+        target = host_target()
+        self.program = emit_step(self.compiled, target.isa, self.max_seq)
+        self.library = Library(name="cflow_step", target=target, cache=cache)
+        self.library.add_ir(self.program.module)
+        self.library.finalize()
+        vp = ctypes.c_void_p
+        self._fn = self.library.get_cfunc("cflow_step", None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp)
+
+    def _alloc(self) -> None:
+        prog, cfg = self.program, self.config
+        self.pools = {p: _aligned(4 * prog.pool_slots.get(p, 0) * prog.pool_strides[p] or 64).view(np.float32)
+                      for p in prog.pool_strides}
+        self.kv = np.zeros(2 * cfg.n_layers * prog.kv_floats_per_layer, np.float32)
+        half = cfg.head_dim // 2
+        inv = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
+        ang = np.arange(self.max_seq, dtype=np.float32)[:, None] * inv[None, :].astype(np.float32)
+        self.cos = np.ascontiguousarray(np.cos(ang), np.float32).reshape(-1)
+        self.sin = np.ascontiguousarray(np.sin(ang), np.float32).reshape(-1)
+        assert self.cos.size == self.max_seq * half
+        self.scratch = _aligned(prog.scratch.nbytes * self.threads)
+        self.params = np.zeros(8, np.int64)
+        self.barrier = _aligned(4 * 64).view(np.int32)
+        addr: list[int] = []
+        self._keep = []
+        for key in prog.bindings:
+            kind = key[0]
+            if kind == "tensor":
+                v = self.reader.tensor(key[1])
+                self._keep.append(v)
+                a = v.ctypes.data
+            elif kind == "pool":
+                a = self.pools[key[1]].ctypes.data
+            else:
+                a = {"kv": self.kv, "cos": self.cos, "sin": self.sin, "scratch": self.scratch}[kind].ctypes.data
+            addr.append(a)
+        self.ptrs = (ctypes.c_void_p * len(addr))(*addr)
+        self._args = (ctypes.cast(self.ptrs, ctypes.c_void_p), ctypes.c_void_p(self.params.ctypes.data),
+                      ctypes.c_void_p(self.barrier.ctypes.data))
+        self.logits_view = self.pools["logits"][: cfg.vocab_size]
+
+    # --- running ----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.pos = 0
+
+    def step(self, token: int) -> np.ndarray:
+        """Run one token at the current position; returns (a view of) the logits [vocab]."""
+        token = int(token)
+        if not 0 <= token < self.config.vocab_size:
+            raise RuntimeFault(f"token id {token} out of range 0..{self.config.vocab_size - 1}")
+        if self.pos >= self.max_seq:
+            raise RuntimeFault(f"context full: position {self.pos} reaches the maximum of {self.max_seq} tokens")
+        self.params[0], self.params[1] = token, self.pos
+        if self._pool is None:
+            self._fn(self._args[0], self._args[1], 0, 1, self._args[2])
+        else:
+            self._pool.run()
+        self.pos += 1
+        return self.logits_view
+
+    def prefill(self, ids) -> np.ndarray:
+        """Feed the prompt token by token; returns a copy of the last position's logits."""
+        ids = list(ids)
+        if not ids:
+            raise RuntimeFault("empty prompt")
+        if self.pos + len(ids) > self.max_seq:
+            raise RuntimeFault(f"prompt of {len(ids)} tokens does not fit the context ({self.max_seq - self.pos} left of {self.max_seq})")
+        out = None
+        for t in ids:
+            out = self.step(t)
+        return out.copy()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _Workers:
+    """One Python thread per worker calls the native step (ctypes drops the GIL); the caller is worker 0."""
+
+    def __init__(self, fn, args, n: int):
+        self.fn, self.args, self.n = fn, args, n
+        self.start = threading.Barrier(n)
+        self.done = threading.Barrier(n)
+        self.stop = False
+        self.error: BaseException | None = None
+        self.threads = [threading.Thread(target=self._loop, args=(t,), daemon=True, name=f"cflow-worker-{t}")
+                        for t in range(1, n)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, tid: int) -> None:
+        while True:
+            try:
+                self.start.wait()
+            except threading.BrokenBarrierError:
+                return
+            if self.stop:
+                return
+            self.fn(self.args[0], self.args[1], tid, self.n, self.args[2])
+            try:
+                self.done.wait()
+            except threading.BrokenBarrierError:
+                return
+
+    def run(self) -> None:
+        self.start.wait()
+        self.fn(self.args[0], self.args[1], 0, self.n, self.args[2])
+        self.done.wait()
+
+    def close(self) -> None:
+        self.stop = True
+        try:
+            self.start.wait(timeout=1)
+        except threading.BrokenBarrierError:
+            pass
+        self.start.abort()
+        self.done.abort()

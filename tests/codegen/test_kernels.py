@@ -1,0 +1,177 @@
+"""codegen.kernels: every mat-vec path against the NumPy oracle built from ir.quant."""
+
+import ctypes
+
+import numpy as np
+import pytest
+from llvmlite import ir
+
+from cflow.codegen import kernels as K
+from cflow.codegen.library import Library
+from cflow.codegen.target import generic_target, host_target
+from cflow.ir.quant import DType, dequantize, quantize, quantize_activation_q8
+from cflow.passes import tile as T
+
+HOST = host_target(env=False)
+
+
+def isa_target(isa):
+    """A target whose auto-selected ISA is `isa` (the fallbacks are forced through features)."""
+    if isa == "avx512vnni":
+        if not HOST.has_avx512_vnni:
+            pytest.skip("host lacks AVX-512 VNNI")
+        return HOST
+    if isa == "avx2":
+        if not HOST.has_avx2:
+            pytest.skip("host lacks AVX2")
+        t = HOST.with_features("-avx512f")
+        assert t.isa == "avx2"
+        return t
+    return generic_target()
+
+
+def oracle(w, dtype, x):
+    """float64 reference with the kernels' arithmetic: exact int block dots, then the two scales."""
+    t = quantize(w, dtype)
+    if dtype in ("q4", "q8"):
+        aq, ad = quantize_activation_q8(x)
+        codes = t.q.astype(np.int64) - (8 if dtype == "q4" else 0)
+        nb = codes.shape[1]
+        isum = (codes * aq[None, :nb].astype(np.int64)).sum(-1)
+        return (isum * t.scales.astype(np.float64) * ad[None, :nb].astype(np.float64)).sum(-1)
+    return dequantize(t).astype(np.float64) @ x.astype(np.float64)
+
+
+def check(y, ref, dtype):
+    tol = 1e-5 if dtype in ("q4", "q8") else 1e-4
+    assert np.abs(y - ref).max() <= tol * np.abs(ref).max(), np.abs(y - ref).max() / np.abs(ref).max()
+
+
+@pytest.mark.parametrize("isa", K.ISAS)
+@pytest.mark.parametrize("dtype", ["q4", "q8", "f16", "f32"])
+@pytest.mark.parametrize("rows,cols,tile", [(100, 70, (32, 64)), (48, 96, (16, 32)), (64, 512, (32, 256))])
+def test_matvec_vs_oracle(rng, isa, dtype, rows, cols, tile):
+    target = isa_target(isa)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    x = rng.standard_normal(cols).astype(np.float32)
+    mv = K.MatVec(T.TileLayout(dtype, rows, cols, tile), target=target, cache=False)
+    assert mv.isa == isa
+    y = mv(T.pack(w, dtype, tile), mv.activation(x))
+    check(y[:rows], oracle(w, dtype, x), dtype)
+    assert not y[rows:].any()  # padded rows come out exactly zero
+
+
+@pytest.mark.parametrize("cols", [32, 70, 256, 33])
+def test_quantize_act_bit_exact(rng, cols):
+    x = rng.standard_normal(cols).astype(np.float32) * 3
+    x[:4] = [0.5, -0.5, 2.5, -1.5]  # ties after scaling are likely in this block
+    if cols > 40:
+        x[32:40] = 0.0
+    mv = K.MatVec(T.TileLayout("q4", 16, cols, (16, 64)), cache=False)
+    act = mv.activation(x)
+    q, d = quantize_activation_q8(x)
+    nb = q.shape[0]
+    np.testing.assert_array_equal(act.xq.reshape(-1, 32)[:nb], q)
+    np.testing.assert_array_equal(act.xd[:nb], d)
+    np.testing.assert_array_equal(act.xs[:nb], q.astype(np.int32).sum(-1))
+    assert not act.xq.reshape(-1, 32)[nb:].any() and not act.xd[nb:].any()  # padding blocks are zero
+
+
+def test_quantize_act_rounds_half_away_from_zero():
+    x = np.zeros(32, np.float32)
+    x[0] = 127.0  # d = 1 exactly, so x/d is exact and 2.5 must become 3, -0.5 -> -1
+    x[1:5] = [2.5, -0.5, 0.5, -2.5]
+    mv = K.MatVec(T.TileLayout("q8", 16, 32, (16, 32)), cache=False)
+    act = mv.activation(x)
+    assert list(act.xq[:5]) == [127, 3, -1, 1, -3]
+
+
+@pytest.mark.parametrize("dtype", ["q4", "f32"])
+def test_row_ranges_touch_only_their_rows(rng, dtype):
+    tile = (16, 32)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
+    x = rng.standard_normal(64).astype(np.float32)
+    mv = K.MatVec(T.TileLayout(dtype, 64, 64, tile), cache=False)
+    buf, act, ref = T.pack(w, dtype, tile), mv.activation(x), oracle(w, dtype, x)
+    y = np.full(64, np.nan, np.float32)
+    mv(buf, act, y, 1, 3)  # tile-rows 1 and 2 = rows 16..47
+    assert np.isnan(y[:16]).all() and np.isnan(y[48:]).all()
+    check(y[16:48], ref[16:48], dtype)
+    mv(buf, act, y, 0, 1)
+    mv(buf, act, y, 3, 4)  # two threads' worth of ranges compose into the whole vector
+    check(y, ref, dtype)
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "generic"])
+@pytest.mark.parametrize("dtype", ["q4", "q8", "f16"])
+def test_gate_up_fused_silu(rng, isa, dtype):
+    target = isa_target(isa)
+    g, u = (rng.standard_normal((40, 96)).astype(np.float32) for _ in range(2))
+    x = rng.standard_normal(96).astype(np.float32)
+    tile = (16, 64)
+    mv = K.MatVec(T.gate_up_layout(40, 96, dtype, tile), target=target, cache=False, gate_up=True)
+    h = mv(T.pack_gate_up(g, u, dtype, tile), mv.activation(x))
+    gr, ur = oracle(g, dtype, x), oracle(u, dtype, x)
+    check(h[:40], gr / (1 + np.exp(-gr)) * ur, dtype)
+
+
+@pytest.mark.parametrize("tuning", [dict(unroll=2), dict(max_groups=2), dict(prefetch=512), dict(max_groups=1, unroll=4)])
+def test_tuning_knobs_keep_results(rng, tuning):
+    w = rng.standard_normal((96, 256)).astype(np.float32)
+    x = rng.standard_normal(256).astype(np.float32)
+    L = T.TileLayout("q4", 96, 256, (96, 128))
+    mv = K.MatVec(L, cache=False, **tuning)
+    check(mv(T.pack(w, "q4", L.tile), mv.activation(x))[:96], oracle(w, "q4", x), "q4")
+
+
+def test_concat_qkv_row_offsets(rng):
+    parts = [rng.standard_normal((r, 64)).astype(np.float32) for r in (32, 8, 8)]
+    x = rng.standard_normal(64).astype(np.float32)
+    buf, cl = T.pack_concat(parts, "q4", (16, 32))
+    mv = K.MatVec(cl.layout, cache=False)
+    y = mv(buf, mv.activation(x))
+    for p, r in zip(parts, cl.row_offsets):
+        check(y[r : r + len(p)], oracle(p, "q4", x), "q4")
+
+
+def test_internal_kernel_called_from_generated_code(rng):
+    """The schedule emits kernels with internal linkage into its own module and calls them."""
+    L = T.TileLayout("q4", 32, 64, (16, 32))
+    mod = ir.Module(name="sched")
+    q = K.emit_quantize_act(mod, "k_quant", L.cols, L.cols_p, linkage="internal")
+    mv = K.emit_matvec(mod, "k_mv", L, HOST.isa, linkage="internal")
+    vp = ir.IntType(8).as_pointer()
+    f32p, i8p, i32p = ir.FloatType().as_pointer(), vp, ir.IntType(32).as_pointer()
+    step = ir.Function(mod, ir.FunctionType(ir.VoidType(), [vp, f32p, i8p, f32p, i32p, f32p]), "step")
+    b = ir.IRBuilder(step.append_basic_block())
+    w, x, xq, xd, xs, y = step.args
+    b.call(q, [x, xq, xd, xs])
+    i64 = ir.IntType(64)
+    b.call(mv, [w, x, xq, xd, xs, y, ir.Constant(i64, 0), ir.Constant(i64, L.n_tile_rows)])
+    b.ret_void()
+    lib = Library(name="sched", target=HOST, cache=False)
+    lib.add_ir(mod)
+    fn = lib.get_cfunc("step", None, *([ctypes.c_void_p] * 6))
+    wts = rng.standard_normal((32, 64)).astype(np.float32)
+    xv = rng.standard_normal(64).astype(np.float32)
+    act = K.Activation(L.cols, L.cols_p)
+    act.x[:] = xv
+    y = np.zeros(L.rows_p, np.float32)
+    buf = T.pack(wts, "q4", L.tile)
+    fn(*(ctypes.c_void_p(a.ctypes.data) for a in (buf, act.x, act.xq, act.xd, act.xs, y)))
+    check(y, oracle(wts, "q4", xv), "q4")
+    assert "k_mv" not in [f.name for f in lib._final.functions if not f.is_declaration and f.linkage == 0]
+
+
+def test_bad_arguments_raise():
+    from cflow.errors import CodegenError
+
+    L = T.TileLayout("q4", 16, 32, (16, 32))
+    with pytest.raises(CodegenError):
+        K.emit_matvec(ir.Module(), "m", L, "neon")
+    mv = K.MatVec(L, cache=False)
+    act = mv.activation(np.ones(32, np.float32))
+    with pytest.raises(CodegenError):
+        mv(np.zeros(10, np.uint8), act)
+    with pytest.raises(CodegenError):
+        mv(T.pack(np.ones((16, 32)), "q4", (16, 32)), act, r0=0, r1=2)

@@ -1,0 +1,39 @@
+"""codegen.target: host detection and the CFLOW_CPU / CFLOW_FEATURES overrides."""
+
+from cflow.codegen.target import generic_target, host_target
+
+
+def test_host_is_consistent():
+    t = host_target(env=False)
+    assert t.triple and t.cpu and t.magic_tuple() == (t.triple, t.cpu, t.features)
+    assert t.isa in ("avx512vnni", "avx2", "generic")
+    if t.has_avx512_vnni:
+        assert t.has_avx512 and t.has_avx2 and t.isa == "avx512vnni"
+
+
+def test_feature_edits_and_dependencies():
+    t = host_target(env=False).with_features("+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vnni")
+    assert t.isa == "avx512vnni"
+    assert t.with_features("-avx512vnni").isa == "avx2"
+    assert t.with_features("-avx2").isa == "generic"  # AVX-512 builds on AVX2: it goes too
+    assert not t.with_features("-avx2").has_avx512_vnni
+    assert t.with_features("-avx512vnni").magic_tuple() != t.magic_tuple()
+
+
+def test_env_overrides(monkeypatch):
+    monkeypatch.setenv("CFLOW_FEATURES", "-avx512vnni,-avx2")
+    t = host_target()
+    assert not t.has("avx512vnni") and t.isa == "generic"
+    assert host_target(env=False).features != t.features
+    monkeypatch.setenv("CFLOW_CPU", "x86-64")
+    monkeypatch.setenv("CFLOW_FEATURES", "+sse4.2")
+    t = host_target()
+    assert t.cpu == "x86-64" and t.features == "+sse4.2"
+    monkeypatch.delenv("CFLOW_FEATURES")
+    assert host_target().features == ""
+    assert host_target(cpu="haswell", features="+avx2").cpu == "haswell"
+
+
+def test_generic_target():
+    g = generic_target()
+    assert g.cpu == "generic" and g.isa == "generic"
