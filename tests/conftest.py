@@ -15,3 +15,11 @@ def _no_delay_warnings_leak():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"cflow\.passes")
         yield
+
+
+def pytest_configure(config):
+    # Compiled kernels go to a per-run cache, never the user's ~/.cache/cflow.
+    import os
+    import tempfile
+
+    os.environ.setdefault("CFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="cflow-test-cache-"))

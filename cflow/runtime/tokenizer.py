@@ -1,0 +1,55 @@
+"""Tokenizer carried inside a compiled file: Hugging Face `tokenizers` JSON; absent -> ids in, ids out."""
+
+from __future__ import annotations
+
+from ..errors import CflowError
+
+
+class Tokenizer:
+    def __init__(self, json_text: str, eos_ids=()):
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise CflowError("this model carries a tokenizer: install the 'tokenizers' package") from None
+        try:
+            self.tk = HFTokenizer.from_str(json_text)
+        except Exception as e:
+            raise CflowError(f"stored tokenizer is not valid tokenizer.json: {e}") from None
+        self.eos_ids = set(int(i) for i in eos_ids)
+        for tok in ("<|endoftext|>", "</s>", "<eos>", "<|im_end|>"):
+            i = self.tk.token_to_id(tok)
+            if i is not None and not eos_ids:
+                self.eos_ids.add(i)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=True)
+
+
+class StreamDecoder:
+    """Turn a growing id list into text pieces without splitting multi-byte characters."""
+
+    def __init__(self, tok: Tokenizer, prefix=()):
+        self.tok, self.ids, self.text = tok, list(prefix), tok.decode(prefix) if prefix else ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        full = self.tok.decode(self.ids)
+        if full.endswith("\ufffd"):  # incomplete UTF-8 sequence: wait for the next token
+            return ""
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+
+def parse_id_prompt(prompt: str, vocab: int) -> list[int]:
+    """A prompt for a model without tokenizer: space-separated token ids."""
+    try:
+        ids = [int(t) for t in prompt.split()]
+    except ValueError:
+        raise CflowError("this model has no tokenizer: give the prompt as space-separated token ids (e.g. --prompt '1 2 3')") from None
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise CflowError(f"token id {bad[0]} out of range 0..{vocab - 1}")
+    return ids
