@@ -30,6 +30,7 @@ i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType(
 P = ir.PointerType
 STEP_ARGS = (P(P(i8)), P(i64), i64, i64, P(i32))
 PARAM_TOKEN, PARAM_POS = 0, 1
+SPINS = 4000  # pause rounds before a waiting thread starts yielding its core
 BARRIER_INTS = 32  # count at [0], generation at [16]: separate cache lines
 
 
@@ -257,6 +258,7 @@ class _Emitter:
             wait = b.append_basic_block("wait")
             last = b.append_basic_block("last")
             spin = b.append_basic_block("spin")
+            poll = b.append_basic_block("poll")
             cnt = state
             gen_p = b.gep(state, [ir.Constant(i32, 16)])
             b.cbranch(b.icmp_signed("<=", nth, c64(1)), done, wait)
@@ -270,11 +272,25 @@ class _Emitter:
             b.atomic_rmw("add", gen_p, ir.Constant(i32, 1), "release")
             b.branch(done)
             b.position_at_end(spin)
-            pause = _intrinsic(self.m, "llvm.x86.sse2.pause", ir.VoidType(), []) if self.isa != "generic" else None
-            if pause is not None:
-                b.call(pause, [])
+            # Spin with pause; after SPINS rounds yield the core (a shared or oversubscribed machine
+            # must not burn the time slice of the thread everyone is waiting for).
+            spins = alloca(b, i64)
+            b.store(c64(0), spins)
+            b.branch(poll)
+            b.position_at_end(poll)
+            if self.isa != "generic":
+                b.call(_intrinsic(self.m, "llvm.x86.sse2.pause", ir.VoidType(), []), [])
+            n = b.add(b.load(spins), c64(1))
+            b.store(n, spins)
+            yield_bb = b.append_basic_block("yield")
+            check = b.append_basic_block("check")
+            b.cbranch(b.icmp_signed(">", n, c64(SPINS)), yield_bb, check)
+            b.position_at_end(yield_bb)
+            b.call(_sched_yield(self.m), [])
+            b.branch(check)
+            b.position_at_end(check)
             now = b.load_atomic(gen_p, "acquire", 4)
-            b.cbranch(b.icmp_signed("==", now, gen), spin, done)
+            b.cbranch(b.icmp_signed("==", now, gen), poll, done)
             b.position_at_end(done)
             b.ret_void()
 
@@ -612,6 +628,14 @@ class _Emitter:
         x = self.prologue(b, step, L.cols, t.dtype in (DType.Q4, DType.Q8))
         lo, hi = self.rows(b, L.n_tile_rows)
         self.call_mv(b, L, self.pointer(b, ("tensor", t.name), i8), x, self.value_ptr(b, step.writes[0]), lo, hi)
+
+
+def _sched_yield(module: ir.Module) -> ir.Function:
+    """libc's sched_yield (resolved by the JIT from the process)."""
+    fn = module.globals.get("sched_yield")
+    if fn is None:
+        fn = ir.Function(module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+    return fn
 
 
 def _half_bits_to_float(b, h):

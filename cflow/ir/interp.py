@@ -40,13 +40,15 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
 class Interpreter:
     """Runs the graph token block by token block; holds the KV cache of each attention node."""
 
-    def __init__(self, graph: Graph, act_quant: str | None = None, max_seq_len: int | None = None):
+    def __init__(self, graph: Graph, act_quant: str | None = None, max_seq_len: int | None = None,
+                 cache_weights: bool = True):
         if act_quant not in (None, "q8"):
             raise ValueError(f"act_quant must be None or 'q8', not {act_quant!r}")
         if not graph.weights:
             raise CflowError(f"graph {graph.name} has no weights to interpret (built from shapes only)")
         self.g = graph
         self.act_quant = act_quant
+        self.cache_weights = cache_weights  # False: re-derive float weights per use (models near RAM size)
         self.order: list[Node] = list(graph.nodes())
         cfg = graph.meta.get("config")
         self.max_seq_len = max_seq_len or (cfg.max_seq_len if cfg is not None else 1 << 30)
@@ -62,7 +64,9 @@ class Interpreter:
     def weight(self, name: str) -> np.ndarray:
         w = self._dense.get(name)
         if w is None:
-            w = self._dense[name] = dequantize(self.g.weight(name))
+            w = dequantize(self.g.weight(name))
+            if self.cache_weights:
+                self._dense[name] = w
         return w
 
     def matvec(self, x: np.ndarray, name: str) -> np.ndarray:
@@ -76,7 +80,9 @@ class Interpreter:
         codes = self._codes.get(name)
         if codes is None:
             c = w.q.astype(np.float32) - (8.0 if w.dtype == DType.Q4 else 0.0)
-            codes = self._codes[name] = (np.ascontiguousarray(c.transpose(1, 2, 0)), w.scales.astype(np.float32))
+            codes = (np.ascontiguousarray(c.transpose(1, 2, 0)), w.scales.astype(np.float32))
+            if self.cache_weights:
+                self._codes[name] = codes
         c, dw = codes  # c: [nblk, 32, rows]; dw: [rows, nblk]
         qa, da = quantize_activation_q8(x)  # qa: [T, nblk, 32]
         # Integer block dots, exact in float32 (|sum| <= 32 * 127 * 128 < 2^24).

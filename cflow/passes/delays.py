@@ -52,6 +52,7 @@ def dense_delay(dd: int) -> Pass:
             if n.name.startswith("ffn_norm."):
                 g.replace(n.with_inputs(f"a.{n.layer - dd}" if n.layer - dd >= 1 else "x0"))
         g.meta["delays"] = (dd, g.meta["delays"][1])
+        g.meta["config"] = g.config.evolve(dense_delay=dd)  # the config always describes the DAG
         _warn_if_changed(g, "dense_delay")
         return g
 
@@ -91,6 +92,7 @@ def expert_delay(de: int) -> Pass:
             g.add(Add(name="flush", inputs=(final.inputs[0], *pending), layer=L + 1, dim=final.dim, role="flush"))
             g.replace(final.with_inputs("flush"))
         g.meta["delays"] = (g.meta["delays"][0], de)
+        g.meta["config"] = g.config.evolve(expert_delay=de)
         _warn_if_changed(g, "expert_delay")
         return g
 
@@ -109,6 +111,7 @@ def routing_point(where: str) -> Pass:
             if n.name.startswith("moe_norm."):
                 g.replace(n.with_inputs(_stream_after_ffn(g, n.layer) if where == "post" else f"a.{n.layer}"))
         g.meta["routing"] = where
+        g.meta["config"] = g.config.evolve(routing=where)
         _warn_if_changed(g, "routing_point")
         return g
 
