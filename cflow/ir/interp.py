@@ -106,6 +106,7 @@ class Interpreter:
             except Exception as e:  # name the node, as torch.fx's Interpreter does
                 raise CflowError(f"while executing %{node.name} ({node.kind}): {type(e).__name__}: {e}") from e
         self.pos += ids.size
+        self.values = vals  # every node's value of the last call (e.g. which experts were routed)
         return vals[OUTPUT]
 
     prefill = run
