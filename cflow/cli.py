@@ -6,7 +6,6 @@ Every failure is one line `error: ...` and a non-zero exit; a traceback only wit
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 from typing import Callable, Sequence

@@ -82,7 +82,6 @@ def build_schedule(g: Graph, tile=T.DEFAULT_TILE) -> Schedule:
     """Assign every step to the earliest stage its reads allow; allocate buffers by liveness."""
     ready: dict[str, int] = {}  # value -> stage at whose end it is complete
     steps: list[Step] = []
-    c = g.config
 
     def add_step(n, phase, stage, full=(), rows=(), writes=(), tensors=(), nbytes=0, norm=None):
         steps.append(Step(op=n.name, phase=phase, layer=n.layer, stage=stage, full_reads=tuple(full),

@@ -18,7 +18,6 @@ import numpy as np
 
 from ..errors import CflowError, FormatError, RuntimeFault
 from ..ir import build_graph
-from ..ir.quant import DType
 from ..models.config import ModelConfig
 from .reader import FileReader
 
