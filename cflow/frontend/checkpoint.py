@@ -1,4 +1,7 @@
-"""cflow checkpoint directory -> Graph, tensor by tensor from the safetensors file (no torch model built)."""
+"""cflow checkpoint directory -> Graph, tensor by tensor from the safetensors file (no torch model built).
+
+tokenizer.json beside config.json goes to graph.meta["tokenizer"], eos ids to graph.meta["eos_token_ids"].
+"""
 
 from __future__ import annotations
 
@@ -53,4 +56,8 @@ def from_checkpoint(path) -> Graph:
             raise CflowError(f"{path}: weight {name!r} missing from {WEIGHTS}")
         if tuple(w.shape) != tuple(shape):
             raise CflowError(f"{path}: weight {name!r} has shape {tuple(w.shape)}, config says {tuple(shape)}")
+    from .hf_weights import eos_token_ids, read_tokenizer
+
+    g.meta["tokenizer"] = read_tokenizer(path)
+    g.meta["eos_token_ids"] = eos_token_ids(path)
     return verify(g)

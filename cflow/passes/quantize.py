@@ -36,11 +36,11 @@ class QuantizedWeights(Mapping):
     so streaming every weight once (the compiler) holds one tensor at a time.
     """
 
-    def __init__(self, source: Mapping, dtypes: Mapping[str, DType]):
-        self.source, self.dtypes = source, dtypes
+    def __init__(self, source: Mapping, dtypes: Mapping[str, DType], aliases: Mapping[str, str] | None = None):
+        self.source, self.dtypes, self.aliases = source, dtypes, dict(aliases or {})
 
     def __getitem__(self, name: str):
-        w = self.source[name]
+        w = self.source[self.aliases.get(name, name)]
         dt = self.dtypes.get(name, DType.F32)
         if isinstance(w, QTensor):
             if w.dtype == dt:
@@ -49,10 +49,11 @@ class QuantizedWeights(Mapping):
         return quantize(w, dt) if getattr(w, "ndim", 2) == 2 or dt != DType.F32 else w
 
     def __iter__(self):
-        return iter(self.source)
+        yield from self.source
+        yield from (a for a in self.aliases if a not in self.source)
 
     def __len__(self) -> int:
-        return len(self.source)
+        return len(self.source) + sum(a not in self.source for a in self.aliases)
 
 
 def quantize_weights(quant: str | DType) -> Pass:
@@ -63,17 +64,17 @@ def quantize_weights(quant: str | DType) -> Pass:
     def run(g: Graph, ctx) -> Graph:
         g = g.copy()
         head = g["logits"]
+        aliases = {}
         if head.weight != "lm_head":
             # Tied embeddings: the head streams its own quantised copy (the embedding row stays f16).
             g.meta["shapes"] = {**g.meta["shapes"], "lm_head": g.meta["shapes"][head.weight]}
-            if g.weights:
-                g.weights = {**g.weights, "lm_head": g.weights[head.weight]}
+            aliases["lm_head"] = head.weight
             g.replace(attrs.evolve(head, weight="lm_head"))
         dtypes = {name: weight_dtype(name, shape, q) for name, shape in g.meta["shapes"].items()}
         g.meta["quant"] = q.label
         g.meta["weight_dtypes"] = {n: d.label for n, d in dtypes.items()}
         if g.weights:
-            g.weights = QuantizedWeights(g.weights, dtypes)
+            g.weights = QuantizedWeights(g.weights, dtypes, aliases)
         return g
 
     return run

@@ -1,0 +1,42 @@
+"""Shared fixtures. ONNX export costs ~3 s of CPU per layer, so every file the tests need is exported
+once per session, split between this process and one spawned worker (the machine has 2 cores)."""
+
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import pytest
+
+from ._models import custom_pipeline_native, export_task, exported_hf_model
+
+WORKER_JOBS = ("arch2_4_combined", "qwen2_moe")
+LOCAL_JOBS = ("knobs", "llama", "mistral", "mixtral")
+
+
+@pytest.fixture(scope="session")
+def onnx_files(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("onnx")
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(export_task, key, str(out)) for key in WORKER_JOBS]
+        for key in LOCAL_JOBS:
+            export_task(key, str(out))
+        for f in futures:
+            f.result()
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_onnx(onnx_files):
+    """family -> (the HF model, its exported .onnx)."""
+    return lambda family: (exported_hf_model(family), onnx_files / f"{family}.onnx")
+
+
+@pytest.fixture(scope="session")
+def knobs_onnx(onnx_files):
+    return custom_pipeline_native(), onnx_files / "knobs.onnx"
+
+
+@pytest.fixture(scope="session")
+def arch24_onnx(onnx_files):
+    """preset:arch2_4_combined@tiny exported by `cflow export-onnx`."""
+    return onnx_files / "arch2_4_combined.onnx"
