@@ -115,6 +115,9 @@ def _round_half_away(x: np.ndarray) -> np.ndarray:
     return np.sign(x) * (f + np.floor(2 * (a - f)))
 
 
+CHUNK_ELEMS = 1 << 22  # quantise ~4M weights at a time: temporaries stay ~16 MB whatever the matrix
+
+
 def quantize(x: np.ndarray, dtype: DType | str) -> QTensor | np.ndarray:
     """Quantise a 2-D float matrix. F32/F16 return plain arrays; Q4/Q8 return a QTensor."""
     dtype = DType.parse(dtype) if isinstance(dtype, str) else DType(dtype)
@@ -122,6 +125,16 @@ def quantize(x: np.ndarray, dtype: DType | str) -> QTensor | np.ndarray:
         return np.ascontiguousarray(x, dtype=np.float32)
     if dtype == DType.F16:
         return np.ascontiguousarray(x, dtype=np.float16)
+    rows, cols = np.shape(x)
+    step = max(1, CHUNK_ELEMS // max(cols, 1))
+    if rows > step:  # row chunks: blocks never span rows, so this changes nothing but peak memory
+        parts = [_quantize_rows(x[r : r + step], dtype) for r in range(0, rows, step)]
+        return QTensor(dtype=dtype, rows=rows, cols=cols, scales=np.concatenate([p.scales for p in parts]),
+                       q=np.concatenate([p.q for p in parts]))
+    return _quantize_rows(x, dtype)
+
+
+def _quantize_rows(x: np.ndarray, dtype: DType) -> QTensor:
     rows, cols = np.shape(x)
     b = _blocks(x)
     if dtype == DType.Q4:
