@@ -107,6 +107,38 @@ def time_decode(m, prompt, tokens: int, reps: int = 3) -> float:
     return best
 
 
+def profile(path: str, threads: int, prompt, tokens: int) -> str:
+    """Where the time goes: per-stage cycle stamps of a profiling build, grouped by what the stage does."""
+    from cflow.runtime.session import Session
+
+    s = Session(path, threads=threads, profile=True)
+    logits = s.prefill(prompt)
+    ticks = np.zeros(s.compiled.schedule.n_stages)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        logits = s.step(int(np.argmax(logits)))
+        ticks += np.diff(s.prof)
+    wall = (time.perf_counter() - t0) / tokens
+    s.close()
+    per_tick = wall / ticks.sum() * tokens  # seconds per cycle-counter tick, from the same run
+    groups: dict[str, list] = {}
+    for st, t in zip(s.compiled.schedule.stages, ticks):
+        kinds = sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st if x.nbytes}) or ["no weights: " + ",".join(
+            sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st}))]
+        key = " + ".join(kinds)
+        g = groups.setdefault(key, [0.0, 0, 0])
+        g[0] += t * per_tick / tokens
+        g[1] += sum(x.nbytes for x in st)
+        g[2] += 1
+    lines = [f"profile ({threads} threads, {tokens} tokens, {1e3 * wall:.2f} ms/token; stage times are cycle-counter "
+             "stamps after each stage's barrier, scaled to the measured wall time):",
+             f"  {'stage kind':<44} {'stages':>6} {'ms/token':>9} {'share':>6} {'MB':>8} {'GB/s':>7}"]
+    for k, (sec, nb, n) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"  {k:<44} {n:>6} {1e3 * sec:9.3f} {100 * sec / wall:5.1f}% {nb / 1e6:8.1f} "
+                     f"{(nb / sec / 1e9 if sec and nb else 0):7.2f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tinyllama", choices=list(MODELS))
@@ -116,6 +148,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="read-bandwidth buffer")
     ap.add_argument("--no-check", action="store_true", help="skip the interpreter token check")
     ap.add_argument("--json", help="write one record per thread count")
+    ap.add_argument("--profile", action="store_true", help="also print where the time goes (per-stage cycle stamps)")
     args = ap.parse_args(argv)
 
     path, c = compiled_model(args.model)
@@ -138,6 +171,8 @@ def main(argv=None) -> None:
         print(f"threads={threads}  read {read:6.2f} GB/s | cflow {tps:6.2f} tok/s x {bpt / 1e6:7.1f} MB/token = "
               f"{eff:6.2f} GB/s = {100 * eff / read:5.1f}% of read bandwidth", flush=True)
         m.close()
+        if args.profile:
+            print(profile(path, threads, prompt, args.tokens), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=2)

@@ -82,7 +82,7 @@ class ScratchLayout:
 @attrs.frozen
 class StepProgram:
     module: ir.Module
-    bindings: tuple  # ptr-table index -> key: ("tensor", name) | ("pool", pool) | ("kv",) | ("cos",) | ("sin",) | ("scratch",)
+    bindings: tuple  # ptr-table index -> key: ("tensor", name) | ("pool", pool) | ("kv",) | ("cos",) | ("sin",) | ("scratch",) | ("prof",)
     pool_strides: dict  # pool -> floats per slot (padded)
     pool_slots: dict  # pool -> slots
     scratch: ScratchLayout
@@ -92,7 +92,8 @@ class StepProgram:
 
 
 class _Emitter:
-    def __init__(self, compiled, isa: str, max_seq: int):
+    def __init__(self, compiled, isa: str, max_seq: int, profile: bool = False):
+        self.profile = profile
         self.c = compiled
         self.g = compiled.graph
         self.cfg = self.g.config
@@ -209,16 +210,29 @@ class _Emitter:
                                 [b.mul(self.tid, c64(self.scratch.nbytes))])
         self.token = b.load(b.gep(self.params, [c64(PARAM_TOKEN)]))
         self.pos = b.load(b.gep(self.params, [c64(PARAM_POS)]))
+        n = len(self.sched.stages)
+        self.stamp(b, 0)
         for si, stage in enumerate(self.sched.stages):
             for step in stage:
                 getattr(self, f"step_{step.phase}")(b, step)
-            if si + 1 < len(self.sched.stages):
+            if si + 1 < n or self.profile:  # profiling closes the last stage with a barrier too
                 b.call(O.barrier(self.m, self.isa), [self.bar, self.nth])
+            self.stamp(b, si + 1)
         b.ret_void()
         return StepProgram(module=self.m, bindings=tuple(self.bindings), pool_strides=self.strides,
                            pool_slots={p: n for p, (n, _) in self.sched.pools.items()}, scratch=self.scratch,
                            kv_floats_per_layer=self.max_seq * self.cfg.n_kv_heads * self.cfg.head_dim,
                            max_seq=self.max_seq, isa=self.isa)
+
+    def stamp(self, b, i: int) -> None:
+        """Profiling builds: worker 0 records the cycle counter after stage i-1's barrier in prof[i]."""
+        if not self.profile:
+            return
+        prof = self.pointer(b, ("prof",), i64)
+        now = b.call(O._intrinsic(self.m, "llvm.readcyclecounter", i64, []), [])
+        is0 = b.icmp_signed("==", self.tid, c64(0))
+        cur = b.load(b.gep(prof, [c64(i)]))
+        b.store(b.select(is0, now, cur), b.gep(prof, [c64(i)]))
 
     # one method per step phase ------------------------------------------------------------------
     def step_embed(self, b, step):
@@ -355,11 +369,14 @@ class _Emitter:
         self.call_mv(b, L, self.pointer(b, ("tensor", t.name), i8), x, self.value_ptr(b, step.writes[0]), lo, hi)
 
 
-def emit_step(compiled, isa: str, max_seq: int) -> StepProgram:
-    """Build the decode-step module for a lowered model (see module docstring)."""
+def emit_step(compiled, isa: str, max_seq: int, profile: bool = False) -> StepProgram:
+    """Build the decode-step module for a lowered model (see module docstring).
+
+    profile: also record a cycle-counter stamp after every stage (binding ("prof",): i64[n_stages + 1]).
+    """
     if max_seq < 1:
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
-    em = _Emitter(compiled, isa, max_seq)
+    em = _Emitter(compiled, isa, max_seq, profile)
     # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
     for n in compiled.graph.nodes():
         if isinstance(n, ExpertBank):

@@ -48,7 +48,7 @@ class Session:
     """Everything needed to run decode steps of one compiled file."""
 
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
-                 cache=None):
+                 cache=None, profile: bool = False):
         import os
 
         self.path = str(path)
@@ -64,6 +64,7 @@ class Session:
         self._check_plan()
         self.threads = max(1, int(threads or len(os.sched_getaffinity(0))))
         self.max_seq = int(min(max_seq or self.config.max_seq_len, self.config.max_seq_len))
+        self.profile = profile
         self._build(cache)
         self._alloc()
         self.pos = 0
@@ -97,7 +98,7 @@ class Session:
         from ..codegen.target import host_target
 
         target = host_target()
-        self.program = emit_step(self.compiled, target.isa, self.max_seq)
+        self.program = emit_step(self.compiled, target.isa, self.max_seq, profile=self.profile)
         self.library = Library(name="cflow_step", target=target, cache=cache)
         self.library.add_ir(self.program.module)
         self.library.finalize()
@@ -118,6 +119,7 @@ class Session:
         self.scratch = _aligned(prog.scratch.nbytes * self.threads)
         self.params = np.zeros(8, np.int64)
         self.barrier = _aligned(4 * 64).view(np.int32)
+        self.prof = np.zeros(self.compiled.schedule.n_stages + 1, np.int64)  # cycle stamps (profile builds)
         addr: list[int] = []
         self._keep = []
         for key in prog.bindings:
@@ -129,7 +131,8 @@ class Session:
             elif kind == "pool":
                 a = self.pools[key[1]].ctypes.data
             else:
-                a = {"kv": self.kv, "cos": self.cos, "sin": self.sin, "scratch": self.scratch}[kind].ctypes.data
+                a = {"kv": self.kv, "cos": self.cos, "sin": self.sin, "scratch": self.scratch,
+                     "prof": self.prof}[kind].ctypes.data
             addr.append(a)
         self.ptrs = (ctypes.c_void_p * len(addr))(*addr)
         self._args = (ctypes.cast(self.ptrs, ctypes.c_void_p), ctypes.c_void_p(self.params.ctypes.data),
