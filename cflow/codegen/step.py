@@ -81,7 +81,7 @@ class ScratchLayout:
 
 @attrs.frozen
 class StepProgram:
-    module: ir.Module
+    module: object  # ir.Module when freshly emitted, or the IR text read back from the program cache
     bindings: tuple  # ptr-table index -> key: ("tensor", name) | ("pool", pool) | ("kv",) | ("cos",) | ("sin",) | ("scratch",) | ("prof",)
     pool_strides: dict  # pool -> floats per slot (padded)
     pool_slots: dict  # pool -> slots
@@ -89,6 +89,22 @@ class StepProgram:
     kv_floats_per_layer: int  # K (or V) cache floats for one layer
     max_seq: int
     isa: str
+
+    def meta(self) -> dict:
+        """Everything but the module, JSON-able (the program cache stores it beside the IR text)."""
+        return {"bindings": [list(b) for b in self.bindings], "pool_strides": self.pool_strides,
+                "pool_slots": self.pool_slots, "scratch": attrs.asdict(self.scratch),
+                "kv_floats_per_layer": self.kv_floats_per_layer, "max_seq": self.max_seq, "isa": self.isa}
+
+    @classmethod
+    def from_meta(cls, ir_text: str, m: dict) -> "StepProgram":
+        sc = m["scratch"]
+        scratch = ScratchLayout(**{k: sc[k] for k in ("kmax", "dp", "max_seq", "n_experts", "top_k", "n_layers")})
+        if attrs.asdict(scratch) != sc:
+            raise ValueError("stored scratch layout does not match this version")
+        return cls(module=ir_text, bindings=tuple(tuple(b) for b in m["bindings"]), pool_strides=m["pool_strides"],
+                   pool_slots=m["pool_slots"], scratch=scratch, kv_floats_per_layer=m["kv_floats_per_layer"],
+                   max_seq=m["max_seq"], isa=m["isa"])
 
 
 class _Emitter:

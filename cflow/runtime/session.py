@@ -97,10 +97,25 @@ class Session:
         from ..codegen.step import emit_step
         from ..codegen.target import host_target
 
+        from ..codegen import program_cache
+        from ..codegen.step import StepProgram
+
         target = host_target()
-        self.program = emit_step(self.compiled, target.isa, self.max_seq, profile=self.profile)
+        fp = program_cache.fingerprint(self.header, target.isa, self.max_seq, self.profile) if cache is not False else None
+        hit = program_cache.load(fp) if fp else None
+        self.program = None
+        if hit is not None:
+            try:
+                self.program = StepProgram.from_meta(hit["ir"], hit["meta"])
+            except (KeyError, TypeError, ValueError):
+                self.program = None
+        if self.program is None:
+            self.program = emit_step(self.compiled, target.isa, self.max_seq, profile=self.profile)
+        ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
+        if fp and hit is None:
+            program_cache.save(fp, ir_text, self.program.meta())
         self.library = Library(name="cflow_step", target=target, cache=cache)
-        self.library.add_ir(self.program.module)
+        self.library.add_ir(ir_text)
         self.library.finalize()
         vp = ctypes.c_void_p
         self._fn = self.library.get_cfunc("cflow_step", None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp)
