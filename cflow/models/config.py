@@ -132,6 +132,9 @@ class ModelConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def evolve(self, **changes: Any) -> "ModelConfig":
+        # An unshared model stays unshared when its depth changes (n_blocks follows n_layers).
+        if "n_layers" in changes and "n_blocks" not in changes and self.n_blocks == self.n_layers:
+            changes["n_blocks"] = changes["n_layers"]
         return attrs.evolve(self, **changes)
 
     # --- sizes ---------------------------------------------------------------------------

@@ -67,3 +67,10 @@ def test_from_preset_is_deterministic():
     a, b = from_preset("arch2_4_combined", "tiny", seed=3), from_preset("arch2_4_combined", "tiny", seed=3)
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert ka == kb and (va == vb).all()
+
+
+def test_evolve_keeps_unshared_models_unshared():
+    c = get_preset("arch1", "tiny")
+    assert c.evolve(n_layers=2).n_blocks == 2
+    shared = get_preset("arch5_shared", "tiny")
+    assert shared.evolve(n_layers=6).n_blocks == shared.n_blocks
