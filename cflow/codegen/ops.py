@@ -310,3 +310,72 @@ def _half_bits_to_float(b, h):
     fb = b.select(inf, b.or_(mag, ir.Constant(i32, 0x7F800000)), b.bitcast(f, i32))
     sign = b.shl(b.and_(w, ir.Constant(i32, 0x8000)), ir.Constant(i32, 16))
     return b.bitcast(b.or_(fb, sign), f32)
+
+
+# --- persistent workers: woken per token by a futex, no Python in between ------------------------
+SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129  # x86-64 Linux
+CTL_GO, CTL_STOP = 0, 16  # i32 words of the control block: token generation, stop flag
+
+
+def _syscall(m: ir.Module) -> ir.Function:
+    fn = m.globals.get("syscall")
+    if fn is None:
+        fn = ir.Function(m, ir.FunctionType(i64, [i64], var_arg=True), "syscall")
+    return fn
+
+
+def emit_workers(m: ir.Module, step: ir.Function, isa: str) -> None:
+    """cflow_worker(ptrs, params, tid, nth, barrier, ctl): loop { wait until ctl.go changes; run the step }
+    until ctl.stop; cflow_kick(ctl): start the next token (go += 1, wake the sleepers).
+
+    A waiting worker spins briefly (the next token usually follows within microseconds), then sleeps
+    in futex_wait, so an idle loaded model costs no CPU.
+    """
+    args = [a.type for a in step.args]
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), args + [P(i32)]), "cflow_worker")
+    fn.attributes.add("nounwind")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    *step_args, ctl = fn.args
+    go_p, stop_p = b.gep(ctl, [ir.Constant(i32, CTL_GO)]), b.gep(ctl, [ir.Constant(i32, CTL_STOP)])
+    seen = alloca(b, i32)
+    spins = alloca(b, i64)
+    # NOTE: start from generation 0, the value ctl.go has when the workers are created, not from
+    # whatever it is when this thread gets going: a kick may already have happened by then.
+    b.store(ir.Constant(i32, 0), seen)
+    wait, poll, sleep, run, out = (b.append_basic_block(n) for n in ("wait", "poll", "sleep", "run", "out"))
+    b.branch(wait)
+    b.position_at_end(wait)
+    b.store(c64(0), spins)
+    b.branch(poll)
+    b.position_at_end(poll)
+    now = b.load_atomic(go_p, "acquire", 4)
+    changed = b.icmp_signed("!=", now, b.load(seen))
+    check_spin = b.append_basic_block("check_spin")
+    b.cbranch(changed, run, check_spin)
+    b.position_at_end(check_spin)
+    if isa != "generic":
+        b.call(_intrinsic(m, "llvm.x86.sse2.pause", ir.VoidType(), []), [])
+    n = b.add(b.load(spins), c64(1))
+    b.store(n, spins)
+    b.cbranch(b.icmp_signed(">", n, c64(SPINS)), sleep, poll)
+    b.position_at_end(sleep)  # futex_wait returns at once if go already moved on: no lost wake-up
+    b.call(_syscall(m), [c64(SYS_FUTEX), b.ptrtoint(go_p, i64), c64(FUTEX_WAIT_PRIVATE), b.sext(b.load(seen), i64), c64(0)])
+    b.branch(poll)
+    b.position_at_end(run)
+    b.store(now, seen)
+    stop = b.load_atomic(stop_p, "acquire", 4)
+    go_on = b.append_basic_block("go_on")
+    b.cbranch(b.icmp_signed("!=", stop, ir.Constant(i32, 0)), out, go_on)
+    b.position_at_end(go_on)
+    b.call(step, step_args)
+    b.branch(wait)
+    b.position_at_end(out)
+    b.ret_void()
+
+    kick = ir.Function(m, ir.FunctionType(ir.VoidType(), [P(i32)]), "cflow_kick")
+    kick.attributes.add("nounwind")
+    b = ir.IRBuilder(kick.append_basic_block("entry"))
+    go_p = b.gep(kick.args[0], [ir.Constant(i32, CTL_GO)])
+    b.atomic_rmw("add", go_p, ir.Constant(i32, 1), "acq_rel")
+    b.call(_syscall(m), [c64(SYS_FUTEX), b.ptrtoint(go_p, i64), c64(FUTEX_WAKE_PRIVATE), c64(1 << 30)])
+    b.ret_void()

@@ -218,7 +218,11 @@ class _Emitter:
                    [x, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
 
     def emit(self) -> StepProgram:
-        fn = ir.Function(self.m, ir.FunctionType(ir.VoidType(), list(STEP_ARGS)), "cflow_step")
+        # NOTE: the body is internal: several loaded models share one process, and MCJIT resolves
+        # external symbols by name across engines, so a call to an external "cflow_step" from this
+        # module's worker loop could land in another model's step. Only thin wrappers are exported.
+        fn = ir.Function(self.m, ir.FunctionType(ir.VoidType(), list(STEP_ARGS)), "cflow_step_body")
+        fn.linkage = "internal"
         fn.attributes.add("nounwind")
         self.ptrs, self.params, self.tid, self.nth, self.bar = fn.args
         b = ir.IRBuilder(fn.append_basic_block("entry"))
@@ -231,10 +235,16 @@ class _Emitter:
         for si, stage in enumerate(self.sched.stages):
             for step in stage:
                 getattr(self, f"step_{step.phase}")(b, step)
-            if si + 1 < n or self.profile:  # profiling closes the last stage with a barrier too
-                b.call(O.barrier(self.m, self.isa), [self.bar, self.nth])
+            # The last stage ends with a barrier too: when worker 0 returns, every worker is done.
+            b.call(O.barrier(self.m, self.isa), [self.bar, self.nth])
             self.stamp(b, si + 1)
         b.ret_void()
+        entry = ir.Function(self.m, ir.FunctionType(ir.VoidType(), list(STEP_ARGS)), "cflow_step")
+        entry.attributes.add("nounwind")
+        eb = ir.IRBuilder(entry.append_basic_block("entry"))
+        eb.call(fn, list(entry.args))
+        eb.ret_void()
+        O.emit_workers(self.m, fn, self.isa)
         return StepProgram(module=self.m, bindings=tuple(self.bindings), pool_strides=self.strides,
                            pool_slots={p: n for p, (n, _) in self.sched.pools.items()}, scratch=self.scratch,
                            kv_floats_per_layer=self.max_seq * self.cfg.n_kv_heads * self.cfg.head_dim,
@@ -246,9 +256,8 @@ class _Emitter:
             return
         prof = self.pointer(b, ("prof",), i64)
         now = b.call(O._intrinsic(self.m, "llvm.readcyclecounter", i64, []), [])
-        is0 = b.icmp_signed("==", self.tid, c64(0))
-        cur = b.load(b.gep(prof, [c64(i)]))
-        b.store(b.select(is0, now, cur), b.gep(prof, [c64(i)]))
+        with b.if_then(b.icmp_signed("==", self.tid, c64(0))):  # only worker 0 writes: no race
+            b.store(now, b.gep(prof, [c64(i)]))
 
     # one method per step phase ------------------------------------------------------------------
     def step_embed(self, b, step):

@@ -68,7 +68,7 @@ class Session:
         self._build(cache)
         self._alloc()
         self.pos = 0
-        self._pool = _Workers(self._fn, self._args, self.threads) if self.threads > 1 else None
+        self._pool = _Workers(self.library, self._args, self.threads) if self.threads > 1 else None
 
     # --- validation -----------------------------------------------------------------------------
     def _check_plan(self) -> None:
@@ -198,43 +198,31 @@ class Session:
 
 
 class _Workers:
-    """One Python thread per worker calls the native step (ctypes drops the GIL); the caller is worker 0."""
+    """Worker threads 1..n-1 live in native code (cflow_worker): each token, worker 0 (the caller)
+    kicks them through a futex and runs its share; the step's final barrier means all are done.
+    Python only starts them (one thread each, ctypes releases the GIL) and stops them."""
 
-    def __init__(self, fn, args, n: int):
-        self.fn, self.args, self.n = fn, args, n
-        self.start = threading.Barrier(n)
-        self.done = threading.Barrier(n)
-        self.stop = False
-        self.error: BaseException | None = None
-        self.threads = [threading.Thread(target=self._loop, args=(t,), daemon=True, name=f"cflow-worker-{t}")
-                        for t in range(1, n)]
+    def __init__(self, library, args, n: int):
+        self.n = n
+        self.ctl = _aligned(4 * 64).view(np.int32)
+        vp = ctypes.c_void_p
+        self.worker = library.get_cfunc("cflow_worker", None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp, vp)
+        self.kick = library.get_cfunc("cflow_kick", None, vp)
+        self.step = library.get_cfunc("cflow_step", None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp)
+        self.args = args
+        ctl = ctypes.c_void_p(self.ctl.ctypes.data)
+        self._ctl = ctl
+        self.threads = [threading.Thread(target=self.worker, args=(args[0], args[1], t, n, args[2], ctl), daemon=True,
+                                         name=f"cflow-worker-{t}") for t in range(1, n)]
         for t in self.threads:
             t.start()
 
-    def _loop(self, tid: int) -> None:
-        while True:
-            try:
-                self.start.wait()
-            except threading.BrokenBarrierError:
-                return
-            if self.stop:
-                return
-            self.fn(self.args[0], self.args[1], tid, self.n, self.args[2])
-            try:
-                self.done.wait()
-            except threading.BrokenBarrierError:
-                return
-
     def run(self) -> None:
-        self.start.wait()
-        self.fn(self.args[0], self.args[1], 0, self.n, self.args[2])
-        self.done.wait()
+        self.kick(self._ctl)
+        self.step(self.args[0], self.args[1], 0, self.n, self.args[2])
 
     def close(self) -> None:
-        self.stop = True
-        try:
-            self.start.wait(timeout=1)
-        except threading.BrokenBarrierError:
-            pass
-        self.start.abort()
-        self.done.abort()
+        self.ctl[16] = 1  # CTL_STOP, then wake everyone
+        self.kick(self._ctl)
+        for t in self.threads:
+            t.join(timeout=5)
