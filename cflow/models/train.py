@@ -278,6 +278,13 @@ class _Progress:
             self.bar.close()
 
 
+@dataclasses.dataclass
+class RunResult:
+    model: object  # the PipelineNativeLM, in eval mode
+    history: dict
+    out: Path
+
+
 # --- the loop -------------------------------------------------------------------------------
 def train(
     cfg: TrainConfig,
@@ -290,14 +297,14 @@ def train(
     progress: str = "auto",
     log: Callable[[str], None] | None = None,
     stop_after: int | None = None,
-) -> dict:
+) -> "RunResult":
     """Train cfg.preset at cfg.size on token streams and write the run directory `out`.
 
     resume: continue the run saved in `out` (exactly; cfg.steps may be raised). force: replace it.
     progress: "auto" (a bar on a terminal, else lines), "bar", "lines" or "none".
     stop_after: stop (and save) after this many steps of this call: for tests of resume.
-    Returns the history dict (also in out/history.json); its "final" entry holds the validation
-    loss, perplexity and top-1 accuracy of the last weights.
+    Returns the trained model and the history (also in out/history.json), whose "final" entry
+    holds the validation loss, perplexity and top-1 accuracy of the last weights.
     """
     import torch
     import torch.nn.functional as F
@@ -365,9 +372,12 @@ def train(
         history["val"].append({"step": step, **r})
         prog.message(f"val step {step}: loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  top-1 {100 * r['acc']:.1f}%")
 
+    saved = [step if have_run and resume else None]
+
     def save():
         history["step"], history["elapsed"] = step, elapsed()
         _save_run(out, model, opt, step, gen, history, cfg, tokenizer_json)
+        saved[0] = step
 
     try:
         if step == 0 and not history["val"]:
@@ -408,6 +418,11 @@ def train(
                 do_eval()
             history["final"] = dict(history["val"][-1])
         save()
+    except KeyboardInterrupt:
+        prog.close()
+        log(f"interrupted at step {step}: " + (f"{out} holds step {saved[0]}; continue with --resume"
+                                               if saved[0] is not None else "no checkpoint written yet"))
+        raise
     finally:
         prog.close()
         if tap is not None:
@@ -416,7 +431,7 @@ def train(
         f = history["final"]
         log(f"done: {step} steps in {_fmt_time(history['elapsed'])}; validation loss {f['loss']:.4f}, "
             f"perplexity {f['ppl']:.2f}, top-1 {100 * f['acc']:.1f}% -> {out}")
-    return history
+    return RunResult(model.eval(), history, out)
 
 
 # --- generation (reference check of a trained model) ----------------------------------------
