@@ -3,8 +3,9 @@
 Weights: TinyLlama-1.1B layer shapes (QKV 2560x2048, O 2048x2048, gate+up 2x5632x2048 fused,
 down 2048x5632), Q4 tiles, `--layers` distinct copies (22 layers = 545 MB, far past the 48 MiB
 L3). One generated driver per thread runs every layer's kernels over its half of the tile-rows
-(no barriers: this measures streaming, not synchronisation). Rounds alternate the read loop and
-the mat-vec so both see the same machine state; each number is the best over all rounds.
+(no barriers: this measures streaming, not synchronisation). Each round runs the read loop and
+then the mat-vec, so both see the same machine state; rounds during which other processes used
+the CPU are discarded and retried (up to --max-wait); each number is the best quiet round.
 
     python benchmarks/matvec.py [--layers 22] [--threads 1,2] [--rounds 5] [--emit asm]
 """
@@ -102,31 +103,18 @@ def check(lib, tile, mats, one, isa):
     return float(np.abs(y - ref).max() / np.abs(ref).max())
 
 
-def busy_fraction(fn):
-    """Run fn; return (result, CPU share used by *other* processes meanwhile, 0..1) from /proc/stat."""
-    def snap():
-        with open("/proc/stat") as f:
-            v = list(map(int, f.readline().split()[1:]))
-        with open("/proc/self/stat") as f:
-            s = f.read().rsplit(")", 1)[1].split()
-        return sum(v), v[3] + v[4], int(s[11]) + int(s[12])
-    a = snap()
-    out = fn()
-    z = snap()
-    total, idle, mine = z[0] - a[0], z[1] - a[1], z[2] - a[2]
-    return out, max(0.0, (total - idle - mine) / max(total, 1))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for quiet rounds per thread count")
     ap.add_argument("--tile", default="128x256")
     ap.add_argument("--isa", default=None, help="avx512vnni | avx2 | generic (default: host)")
     ap.add_argument("--max-groups", type=int, default=K.MAX_GROUPS, help="16-row accumulators per pass")
-    ap.add_argument("--unroll", type=int, default=1, help="block units per loop iteration")
-    ap.add_argument("--prefetch", type=int, default=0, help="software prefetch distance (bytes)")
+    ap.add_argument("--unroll", type=int, default=K.DEFAULT_UNROLL, help="block units per loop iteration")
+    ap.add_argument("--prefetch", type=int, default=K.DEFAULT_PREFETCH, help="prefetch distance (bytes, 0 = off)")
+    ap.add_argument("--prefetch-locality", type=int, default=K.DEFAULT_PREFETCH_LOCALITY, help="3 = prefetcht0, 2 = t1")
     ap.add_argument("--emit", choices=["asm", "llvm"], default=None, help="print the driver module and exit")
     args = ap.parse_args(argv)
     tile = tuple(int(v) for v in args.tile.lower().split("x"))
@@ -135,7 +123,8 @@ def main(argv=None):
     threads = [int(t) for t in args.threads.split(",")]
 
     t0 = time.perf_counter()
-    mod = build(tile, isa, dict(max_groups=args.max_groups, unroll=args.unroll, prefetch=args.prefetch))
+    mod = build(tile, isa, dict(max_groups=args.max_groups, unroll=args.unroll, prefetch=args.prefetch,
+                          prefetch_locality=args.prefetch_locality))
     t_emit = time.perf_counter() - t0
     print(f"target {target.describe()}  kernels={isa}  tile={tile[0]}x{tile[1]}")
     # Compile twice into a fresh cache directory: cold (LLVM opt + codegen), then a cache hit.
@@ -184,16 +173,13 @@ def main(argv=None):
         return nbytes / bandwidth.run_threads(calls) / 1e9
 
     run_matvec(1)  # warm up: page in everything once
-    best = {t: [0.0, 0.0, 0.0] for t in threads}  # read GB/s, matvec GB/s, max other-process load
-    for _ in range(args.rounds):
-        for t in threads:
-            bw, o1 = busy_fraction(lambda: bandwidth.measure_read_bandwidth(t, reps=2))
-            mv, o2 = busy_fraction(lambda: run_matvec(t))
-            best[t] = [max(best[t][0], bw), max(best[t][1], mv), max(best[t][2], o1, o2)]
     for t in threads:
-        bw, mv, other = best[t]
-        note = f"   (other processes used up to {other:.0%} CPU: noisy)" if other > 0.05 else ""
-        print(f"threads={t}  read {bw:6.2f} GB/s   q4 matvec {mv:6.2f} GB/s   = {mv / bw:5.1%} of read bandwidth{note}")
+        # One round = read loop then mat-vec, back to back; rounds disturbed by other processes are retried.
+        r = bandwidth.measure_rounds(lambda: (bandwidth.measure_read_bandwidth(t, reps=1), run_matvec(t)),
+                                     args.rounds, args.max_wait)
+        bw, mv = r.best()
+        print(f"threads={t}  read {bw:6.2f} GB/s   q4 matvec {mv:6.2f} GB/s   = {mv / bw:5.1%} of read bandwidth"
+              f"   (median of per-round ratios {r.median_ratio(1, 0):.1%}; {r.describe()})")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from llvmlite import ir
 
 from ..errors import CodegenError
 from ..ir.quant import BLOCK, DType
-from ..passes.tile import GROUP_ROWS, TileLayout, aligned_empty
+from ..passes.tile import TileLayout, aligned_empty
 
 ISAS = ("avx512vnni", "avx2", "generic")
 
@@ -246,7 +246,7 @@ def _q4_block_int(b, isa, codes, aptr):
             acc_hi = _vpdpbusd(b, acc_hi, b.and_(v, hi_m), _act4(b, aptr, 16 + 4 * c, 16))
         return b.add(acc_lo, b.ashr(acc_hi, _const_vec(i32, 16, 4)))
     if isa == "avx2":
-        # i16 partial sums stay exact: 8 products-pairs of at most 2*15*128 = 3840 < 32767.
+        # i16 partial sums stay exact: 8 pair sums of at most 2*15*128 = 3840 each, 30720 < 32767.
         s16 = [None, None]
         for c, v in enumerate(chunks):
             lo, hi = b.and_(v, lo_m), b.lshr(v, _const_vec(i8, 64, 4))
@@ -297,6 +297,11 @@ def _q8_block_int(b, isa, codes, aptr):
 # -- mat-vec --------------------------------------------------------------------------------
 
 MAX_GROUPS = 8  # 16-row accumulators held in registers per pass over a tile-row (TR = 128)
+# Tuned on the 2-core Xeon (benchmarks/matvec.py): prefetching one Q4 unit (2304 B) ahead into L1
+# and two units per loop iteration took 2 threads from ~81% to ~92% of the read bandwidth.
+DEFAULT_UNROLL = 2
+DEFAULT_PREFETCH = 2304  # bytes ahead of the unit being read
+DEFAULT_PREFETCH_LOCALITY = 3  # prefetcht0
 
 
 def _check_isa(isa: str) -> str:
@@ -353,7 +358,7 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, x, xq, xd, xs, slots, out, unro
             for u in range(unroll):
                 kb = b.add(b.mul(it, ir.Constant(i64, unroll)), ir.Constant(i64, u))
                 unit = _ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
-                if prefetch:  # read, into L2 (locality 2 = prefetcht1), one per cache line of the unit
+                if prefetch:  # one per cache line of the unit, `prefetch` bytes ahead (never faults)
                     pf = _intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
                     for off in range(0, UB, 64):
                         b.call(pf, [_ptr(b, unit, prefetch + off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
@@ -376,8 +381,8 @@ def _pick_unroll(nunits: int, unroll: int) -> int:
 
 
 def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
-                max_groups: int = MAX_GROUPS, unroll: int = 1, prefetch: int = 0,
-                gate_up: bool = False) -> ir.Function:
+                max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int = DEFAULT_PREFETCH,
+                prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False) -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
@@ -385,6 +390,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
         max_groups: 16-row groups accumulated in registers per pass (TR/16 <= this: one pass).
         unroll: block units per loop iteration.
         prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetchers).
+        prefetch_locality: llvm.prefetch locality (3 = prefetcht0 into L1, 2 = prefetcht1 into L2).
         gate_up: the stream is pack_gate_up's; write silu(gate x) * (up x) instead of W x.
     """
     _check_isa(isa)
@@ -400,9 +406,10 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
     with _Loop(b, r0, r1, "t") as t:
         w_row = _ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
-        _emit_tile_row(b, L, isa, w_row, x, xq, xd, xs, slots, tmp, unroll, prefetch)
+        _emit_tile_row(b, L, isa, w_row, x, xq, xd, xs, slots, tmp, unroll, prefetch, prefetch_locality)
         if gate_up:  # the up tile-row follows the gate tile-row
-            _emit_tile_row(b, L, isa, _ptr(b, w_row, L.tile_row_nbytes), x, xq, xd, xs, slots, up, unroll, prefetch)
+            _emit_tile_row(b, L, isa, _ptr(b, w_row, L.tile_row_nbytes), x, xq, xd, xs, slots, up, unroll, prefetch,
+                           prefetch_locality)
         y_row = _ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
         for g in range(L.groups_per_tile):
             v = _load(b, tmp, 16 * g, V(f32, 16), align=4)
@@ -449,6 +456,8 @@ class MatVec:
         self.layout, self.gate_up = layout, gate_up
         target = target if target is not None else host_target()
         self.isa = _check_isa(isa or target.isa)
+        if ISAS.index(self.isa) < ISAS.index(target.isa):
+            raise CodegenError(f"kernel ISA {self.isa} needs CPU features the target lacks ({target.describe()})")
         mod = ir.Module(name="matvec")
         emit_quantize_act(mod, "quantize_act", layout.cols, layout.cols_p)
         emit_matvec(mod, "matvec", layout, self.isa, gate_up=gate_up, **tuning)
@@ -477,7 +486,7 @@ class MatVec:
             raise CodegenError(f"matvec: tile-row range [{r0}, {r1}) outside [0, {L.n_tile_rows})")
         if y is None:
             y = np.zeros(L.rows_p, np.float32)
-        if y.dtype != np.float32 or y.size < L.rows_p:
+        if y.dtype != np.float32 or y.size < L.rows_p or not y.flags.c_contiguous:
             raise CodegenError(f"matvec: output must be float32 with {L.rows_p} elements")
         self._mv(_p(w), _p(act.x), _p(act.xq), _p(act.xd), _p(act.xs), _p(y), r0, r1)
         return y

@@ -10,6 +10,7 @@ functions may run: dropping it frees their code.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 
@@ -29,6 +30,23 @@ def _llvm():
     return llvm
 
 
+@functools.lru_cache(maxsize=1)
+def _host() -> Target:
+    return host_target(env=False)
+
+
+def _check_runnable(target: Target) -> None:
+    """Refuse a JIT target that enables a feature this CPU lacks: its code would die on SIGILL."""
+    host = _host()
+    if target.triple != host.triple:
+        raise CodegenError(f"cannot JIT for {target.triple} on a {host.triple} host")
+    have = host.feature_map
+    missing = sorted(f for f, on in target.feature_map.items() if on and not have.get(f, False))
+    if missing:
+        raise CodegenError(f"target enables CPU features this host lacks: {', '.join(missing)} "
+                           f"(check CFLOW_CPU / CFLOW_FEATURES)")
+
+
 class Library:
     """A set of IR modules compiled together into one MCJIT engine.
 
@@ -44,6 +62,7 @@ class Library:
         llvm = _llvm()
         self.name = name
         self.target = target if target is not None else host_target()
+        _check_runnable(self.target)
         self.opt = int(opt)
         if cache is None or cache is True:
             cache = ObjectCache()
@@ -58,7 +77,6 @@ class Library:
         self._final = None  # the module the engine owns (optimised, or unoptimised on a cache hit)
         self._key: CacheKey | None = None
         self._object: bytes | None = None  # object code from the cache (hit) or from codegen (miss)
-        self._optimised_str: str | None = None
         self.stats: dict[str, float | bool] = {}
 
     # -- building -----------------------------------------------------------------------------
@@ -86,11 +104,13 @@ class Library:
         """Link, then optimise + codegen, or take the object code from the cache on a hit."""
         if self.finalized:
             return
-        if not self._modules:
-            raise CodegenError(f"library {self.name!r}: no IR added")
         llvm = _llvm()
-        t0 = time.perf_counter()
         with compiler_lock:
+            if self.finalized:  # another thread finished it while we waited for the lock
+                return
+            if not self._modules:
+                raise CodegenError(f"library {self.name!r}: no IR added")
+            t0 = time.perf_counter()
             # Key on the emitted IR (as added), before any LLVM transformation touches it.
             self._key = make_key("\n".join(self._texts), self.target, self.opt)
             cached = self.cache.load(self._key) if self.cache is not None else None
@@ -106,12 +126,11 @@ class Library:
             engine.finalize_object()
             engine.run_static_constructors()
             self._engine, self._final = engine, mod
-        t3 = time.perf_counter()
+            t3 = time.perf_counter()
         self.stats = {"cache_hit": cached is not None, "link_s": t1 - t0, "optimise_s": t2 - t1,
                       "codegen_s": t3 - t2, "total_s": t3 - t0}
 
     def _link(self):
-        llvm = _llvm()
         mod = self._modules[0]
         for other in self._modules[1:]:
             mod.link_in(other)
@@ -132,7 +151,6 @@ class Library:
             mod.verify()  # again after link + optimise (numba does the same)
         except RuntimeError as e:
             raise CodegenError(f"library {self.name!r}: IR invalid after optimisation: {e}") from None
-        self._optimised_str = str(mod)
 
     # MCJIT object-cache hooks (called inside finalize_object, under compiler_lock).
     def _get_object(self, module) -> bytes | None:
@@ -168,30 +186,30 @@ class Library:
         return "\n".join(self._texts)
 
     def get_llvm_str(self) -> str:
-        """The optimised IR (recomputed from the source when the object came from the cache)."""
-        self.finalize()
-        if self._optimised_str is None:
-            self._optimised_str = str(self._recompile())
-        return self._optimised_str
+        """The optimised IR (re-derived from the source when the object came from the cache)."""
+        return str(self._optimised_module())
 
     def get_asm_str(self) -> str:
-        """Assembly for the optimised module (recompiled on demand; the engine keeps no text)."""
-        self.finalize()
+        """Assembly of the optimised module (emitted on demand; the engine keeps no text)."""
+        mod = self._optimised_module()
         with compiler_lock:
-            return self._tm.emit_assembly(self._recompile())
+            return self._tm.emit_assembly(mod)
 
-    def _recompile(self):
+    def _optimised_module(self):
+        """The optimised module, re-derived from the source IR (the pipeline is deterministic).
+
+        NOTE: not the engine's module: MCJIT codegen rewrites IR in place (CodeGenPrepare), and on
+        a cache hit that module was never optimised. Dumps are debug aids; recomputing is fine."""
+        self.finalize()
         llvm = _llvm()
         with compiler_lock:
-            mod = llvm.parse_assembly(self._optimised_str) if self._optimised_str else None
-            if mod is None:
-                parts = [llvm.parse_assembly(t) for t in self._texts]
-                mod = parts[0]
-                for other in parts[1:]:
-                    mod.link_in(other)
-                mod.triple = self.target.triple
-                mod.data_layout = str(self._tm.target_data)
-                self._optimise(mod)
+            parts = [llvm.parse_assembly(t) for t in self._texts]
+            mod = parts[0]
+            for other in parts[1:]:
+                mod.link_in(other)
+            mod.triple = self.target.triple
+            mod.data_layout = str(self._tm.target_data)
+            self._optimise(mod)
             return mod
 
     @property

@@ -9,7 +9,7 @@ from llvmlite import ir
 from cflow.codegen import kernels as K
 from cflow.codegen.library import Library
 from cflow.codegen.target import generic_target, host_target
-from cflow.ir.quant import DType, dequantize, quantize, quantize_activation_q8
+from cflow.ir.quant import dequantize, quantize, quantize_activation_q8
 from cflow.passes import tile as T
 
 HOST = host_target(env=False)
@@ -115,7 +115,9 @@ def test_gate_up_fused_silu(rng, isa, dtype):
     check(h[:40], gr / (1 + np.exp(-gr)) * ur, dtype)
 
 
-@pytest.mark.parametrize("tuning", [dict(unroll=2), dict(max_groups=2), dict(prefetch=512), dict(max_groups=1, unroll=4)])
+@pytest.mark.parametrize("tuning", [
+    dict(unroll=1, prefetch=0), dict(max_groups=2), dict(prefetch=512, prefetch_locality=2), dict(max_groups=1, unroll=4),
+])
 def test_tuning_knobs_keep_results(rng, tuning):
     w = rng.standard_normal((96, 256)).astype(np.float32)
     x = rng.standard_normal(256).astype(np.float32)

@@ -59,3 +59,35 @@ def test_isa_reaches_machine_code():
     if "avx2" in asm:
         assert "vpmaddubsw" in asm["avx2"] and "zmm" not in asm["avx2"]
     assert "ymm" not in asm["generic"] and "zmm" not in asm["generic"]
+
+
+def test_features_the_host_lacks_are_refused():
+    lacking = next(f for f, on in HOST.feature_map.items() if not on)
+    with pytest.raises(CodegenError, match="lacks"):
+        Library(target=HOST.with_features("+" + lacking), cache=False)
+
+
+def test_kernel_isa_above_target_is_refused():
+    with pytest.raises(CodegenError, match="lacks"):
+        K.MatVec(TileLayout("q4", 16, 32, (16, 32)), target=generic_target(), isa="avx2", cache=False)
+
+
+def test_concurrent_lookups_finalize_once():
+    import threading
+
+    lib = Library(name="conc", target=HOST, cache=False)
+    lib.add_ir(add_module("add"))
+    addrs, errors = [], []
+
+    def look():
+        try:
+            addrs.append(lib.get_function_address("add"))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=look) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors and len(set(addrs)) == 1
