@@ -415,5 +415,7 @@ def emit_step_ir(compiled, isa: str | None = None, max_seq: int | None = None) -
     """The LLVM IR text of the decode step (`cflowc --emit llvm`)."""
     from .target import host_target
 
-    isa = isa or host_target().isa
-    return str(emit_step(compiled, isa, max_seq or compiled.graph.config.max_seq_len).module)
+    target = host_target()
+    mod = emit_step(compiled, isa or target.isa, max_seq or compiled.graph.config.max_seq_len).module
+    mod.triple = target.triple
+    return str(mod)
