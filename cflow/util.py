@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write text so that `path` is either untouched or complete (temp file, fsync, rename)."""
+def _atomic(path: str | os.PathLike, fill: Callable[[str], None]) -> None:
+    """Let `fill(tmp)` write a temp file beside `path`, fsync it, rename it over `path`.
+
+    `path` is either untouched or complete; on any failure the temp file is removed.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
+        fill(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -23,19 +28,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Copy a file so that `dst` is either untouched or complete."""
-    import shutil
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    _atomic(path, lambda tmp: Path(tmp).write_text(text))
 
-    dst = Path(dst)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent or ".")
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    _atomic(dst, lambda tmp: shutil.copyfile(src, tmp))
