@@ -2,7 +2,7 @@
 
     nice -n 19 python benchmarks/architectures.py              # train what is missing, write table + plot
     nice -n 19 python benchmarks/architectures.py --bundle --long arch4_async_experts
-        # ... and train arch2_4_combined 4x longer, ship it as cflow/data/default, and train arch4 as long
+        # ... and train arch2_4_combined 3x longer, ship it as cflow/data/default, and train arch4 as long
     python benchmarks/architectures.py --report-only           # rebuild table/plot/samples from finished runs
 
 Every preset trains at one size (`small`) with the same tokenizer, data, step count, batch, sequence
@@ -242,37 +242,59 @@ def setup_line(args, rows: list[dict]) -> str:
             f"{args.threads} torch thread(s), niced on a shared 2-core machine.")
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], longs: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    (ax1, ax2), (ax3, ax4) = axes
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     order = list(ARCHS)
+    base = next((r for r in rows if r["preset"] == "arch1" and r["seed"] == rows[0]["seed"]), None)
+    base_val = {v["step"]: v["loss"] for v in base["history"]["val"]} if base else {}
     for r in rows:
         h, col = r["history"], colors[order.index(r["preset"]) % len(colors)]
         style = "-" if r["seed"] == rows[0]["seed"] else ":"
         label = r["preset"] + ("" if style == "-" else f" (seed {r['seed']})")
         steps = [s for s, _ in h["train"]]
-        vals, ema, sm = [v for _, v in h["train"]], None, []
-        for v in vals:
+        ema, sm = None, []
+        for _, v in h["train"]:
             ema = v if ema is None else 0.9 * ema + 0.1 * v
             sm.append(ema)
         ax1.plot(steps, sm, style, color=col, label=label, lw=1.2)
         vs = [v for v in h["val"] if v["step"] > 0]
         ax2.plot([v["step"] for v in vs], [v["loss"] for v in vs], style, marker=".", color=col, label=label, lw=1.2)
-    ax1.set(title="training loss (EMA 0.9)", xlabel="step", ylabel="cross-entropy (nats/token)")
-    ax2.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/token)")
+        ds = [v for v in vs if v["step"] in base_val]
+        ax3.plot([v["step"] for v in ds], [v["loss"] - base_val[v["step"]] for v in ds], style, marker=".",
+                 color=col, label=label, lw=1.2)
+    for r in longs:
+        h, col = r["history"], colors[order.index(r["preset"]) % len(colors)]
+        vs = [v for v in h["val"] if v["step"] > 0]
+        ax4.plot([v["step"] for v in vs], [v["loss"] for v in vs], "-", marker=".", color=col,
+                 label=f"{r['preset']} validation", lw=1.2)
+        tr = h["train"]
+        ax4.plot([s for s, _ in tr[::5]], [sum(v for _, v in tr[max(0, i - 9):i + 1]) / len(tr[max(0, i - 9):i + 1])
+                                          for i in range(0, len(tr), 5)], "--", color=col, lw=0.8,
+                 label=f"{r['preset']} training (mean of 10)")
     lo = min((v["loss"] for r in rows for v in r["history"]["val"]), default=2)
-    for ax in (ax1, ax2):
-        ax.set_ylim(lo - 0.2, lo + 2.5)
+    ax1.set(title="training loss (EMA 0.9)", xlabel="step", ylabel="cross-entropy (nats/token)", ylim=(lo - 0.3, lo + 2.5))
+    ax2.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/token)", ylim=(lo - 0.1, lo + 2.0))
+    ax3.set(title="validation loss minus arch1's (seed 0)", xlabel="step", ylabel="Δ nats/token (lower is better)")
+    ax3.axhline(0, color="grey", lw=0.6)
+    ax4.set(title=f"longer runs ({longs[0]['steps']} steps)" if longs else "longer runs (none)", xlabel="step",
+            ylabel="cross-entropy (nats/token)")
+    if longs:
+        llo = min(v["loss"] for r in longs for v in r["history"]["val"])
+        ax4.set_ylim(llo - 1.2, llo + 1.5)
+    for ax in (ax1, ax2, ax3, ax4):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=100)
     os.replace(tmp, path)
     plt.close(fig)
 
@@ -362,7 +384,7 @@ def report(args, rows: list[dict]) -> None:
     doc = replace_region(doc, "bundle", bundle_line(args, b))
     doc = replace_region(doc, "long", long_table(args))
     atomic_write_text(doc_path, doc)
-    plot(rows, args.plot)
+    plot(rows, long_rows(args), args.plot)
     results = [{k: (str(v) if isinstance(v, Path) else v) for k, v in r.items() if k not in ("history", "config")}
                for r in rows]
     atomic_write_text(Path(args.runs) / "results.json", json.dumps(results, indent=2) + "\n")
@@ -388,10 +410,13 @@ def bundle(args, rows: list[dict]) -> None:
     c = r["config"]
     atomic_write_text(dest / "README.md", f"""# Bundled default model
 
-`{c.name}` (dense delay {c.dense_delay}, expert delay {c.expert_delay}) at size `{args.size}`:
-{r['params'] / 1e6:.2f}M parameters ({r['active'] / 1e6:.2f}M active), vocabulary {c.vocab_size} (byte-level BPE,
-`<|endoftext|>` = 0 between stories), weights in float16. Trained by `benchmarks/architectures.py --bundle`
-({r['steps']} steps, {r['tokens']:,} tokens, seed {args.seed}); validation perplexity {r['ppl']:.2f},
+`{c.name}` (dense delay {c.dense_delay}, expert delay {c.expert_delay}): d_model {c.d_model}, {c.n_layers} layers, \
+{c.n_heads} heads, dense FFN {c.ffn_dim},
+{c.n_experts} experts of width {c.expert_dim} (top-{c.top_k}), vocabulary {c.vocab_size} (byte-level BPE, \
+`<|endoftext|>` = 0 between
+stories), {r['params'] / 1e6:.2f}M parameters, weights in float16. Trained by `benchmarks/architectures.py --bundle`
+(run `{r['dir'].name}`: {r['steps']} steps of {args.batch} x {args.seq} tokens, seed {args.seed}); \
+validation perplexity {r['ppl']:.2f},
 top-1 accuracy {100 * r['acc']:.1f}% on held-out TinyStories stories. See docs/architectures.md.
 
 Locate it with `cflow.models.bundled.default_model_dir()`; it is a cflow checkpoint directory
@@ -400,6 +425,9 @@ Locate it with `cflow.models.bundled.default_model_dir()`; it is a cflow checkpo
 ## Data licence
 
 {DATA_NOTICE}""")
+    dest.chmod(0o755)  # temp files and dirs are created private; package data must be world-readable
+    for f in dest.iterdir():
+        f.chmod(0o644)
     size = sum(f.stat().st_size for f in dest.iterdir())
     print(f"bundled {r['dir'].name} -> {dest} ({size / 1e6:.1f} MB)")
 

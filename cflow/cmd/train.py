@@ -16,14 +16,19 @@ def add_args(p):
     p.add_argument("--seq", type=int, default=d.seq, help=f"tokens per sequence (default {d.seq})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"linear warmup steps (default {d.warmup})")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"AdamW weight decay (default {d.weight_decay})")
-    p.add_argument("--aux-loss", type=float, default=d.aux_loss, help=f"MoE load-balance loss weight (default {d.aux_loss})")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"validate every N steps (default {d.eval_every})")
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help=f"checkpoint every N steps (default {d.ckpt_every})")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help=f"AdamW weight decay (default {d.weight_decay})")
+    p.add_argument("--aux-loss", type=float, default=d.aux_loss,
+                   help=f"MoE load-balance loss weight (default {d.aux_loss})")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help=f"validate every N steps (default {d.eval_every})")
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every,
+                   help=f"checkpoint every N steps (default {d.ckpt_every})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"initialisation and data-order seed (default {d.seed})")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--tokenizer", help="tokenizer.json to use (default: train a byte-level BPE on the training split)")
-    p.add_argument("--vocab", type=int, default=d.vocab_size, help=f"vocabulary of a trained tokenizer (default {d.vocab_size})")
+    p.add_argument("--vocab", type=int, default=d.vocab_size,
+                   help=f"vocabulary of a trained tokenizer (default {d.vocab_size})")
     p.add_argument("--out", help="run / checkpoint directory (default runs/PRESET-SIZE)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--force", action="store_true", help="replace an existing run in --out")

@@ -4,6 +4,7 @@
 """
 
 from .config import ModelConfig
+from .bundled import default_model_dir
 from .presets import ARCHS, PRESETS, SIZES, get_preset, parse_preset_spec
 
 
@@ -31,4 +32,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["ModelConfig", "PRESETS", "SIZES", "ARCHS", "PipelineNativeLM", "from_preset", "get_preset", "parse_preset_spec"]
+__all__ = ["ModelConfig", "PRESETS", "SIZES", "ARCHS", "PipelineNativeLM", "from_preset", "get_preset", "parse_preset_spec", "default_model_dir"]

@@ -45,7 +45,7 @@ def split_stories(text: str) -> list[str]:
     If the text carries `<|endoftext|>` markers they are the boundaries. Otherwise a story starts at
     a paragraph opening with "Once upon a time" / "Once there was|were|lived" (with or without a
     comma), or right after a paragraph that begins "The end" or "The moral of the story". On
-    tinystories_val.txt this finds ~790 stories (the README counts ~700). A missed boundary merges
+    tinystories_val.txt this finds 805 stories (the README counts ~700). A missed boundary merges
     two stories, which is harmless for a train/validation split (both land on the same side); the
     opening paragraphs before the first boundary form one (partial) story.
     """

@@ -254,9 +254,12 @@ class _Progress:
         self.bar = None
         self.t_last = 0.0
         if mode == "bar":
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+            try:
+                from tqdm import tqdm
+            except ImportError:  # tqdm is optional: fall back to progress lines
+                self.mode = "lines"
+            else:
+                self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
     def update(self, step: int, loss: float, lr: float, tok_s: float, eta: float, elapsed: float) -> None:
         if self.bar is not None:

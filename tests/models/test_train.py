@@ -82,7 +82,8 @@ def test_loss_falls_and_checkpoint_loads_back(corpus, tmp_path):
     first = sum(v for _, v in h["train"][:5]) / 5
     last = sum(v for _, v in h["train"][-5:]) / 5
     assert last < first - 1.0
-    assert h["final"]["loss"] < h["val"][0]["loss"] - 1.0 and h["final"]["ppl"] == pytest.approx(math.exp(h["final"]["loss"]))
+    assert h["final"]["loss"] < h["val"][0]["loss"] - 1.0
+    assert h["final"]["ppl"] == pytest.approx(math.exp(h["final"]["loss"]))
     out = tmp_path / "run"
     assert is_checkpoint_dir(out) and is_complete(out, 40)
     assert read_config(out).vocab_size == tok.get_vocab_size() == 320
