@@ -39,12 +39,7 @@ def _dense_moe_forward(self, h):
     y = torch.matmul(F.silu(torch.matmul(xe, self.w_gate.transpose(1, 2))) * torch.matmul(xe, self.w_up.transpose(1, 2)),
                      self.w_down.transpose(1, 2))  # [E, T, d]
     out = (y * dense.t().unsqueeze(-1)).sum(0)
-    if self.shared is not None:
-        s = self.shared(x)
-        if self.shared_gate is not None:
-            s = s * torch.sigmoid(self.shared_gate(x))
-        out = out + s
-    return out.reshape(shape)
+    return self.add_shared(x, out).reshape(shape)
 
 
 @contextlib.contextmanager

@@ -122,12 +122,16 @@ class MoE(nn.Module):
             xe = x[tok]
             ye = F.linear(F.silu(F.linear(xe, self.w_gate[e])) * F.linear(xe, self.w_up[e]), self.w_down[e])
             out.index_add_(0, tok, ye * w[tok, slot, None])
-        if self.shared is not None:
-            s = self.shared(x)
-            if self.shared_gate is not None:
-                s = s * torch.sigmoid(self.shared_gate(x))
-            out = out + s
-        return out.reshape(shape)
+        return self.add_shared(x, out).reshape(shape)
+
+    def add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out + the shared expert's output (gated by sigmoid if the model has a gate)."""
+        if self.shared is None:
+            return out
+        s = self.shared(x)
+        if self.shared_gate is not None:
+            s = s * torch.sigmoid(self.shared_gate(x))
+        return out + s
 
 
 class Block(nn.Module):
