@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import sys
 import time
@@ -89,7 +88,7 @@ def jobs(args):
 
 # --- training -------------------------------------------------------------------------------
 def train_all(args) -> None:
-    from cflow.models.tokenizer import load_tokenizer
+    from cflow.models.bpe import load_tokenizer
     from cflow.models.train import STATE, is_complete, prepare_data, train
 
     runs = Path(args.runs)
@@ -248,6 +247,8 @@ def plot(rows: list[dict], longs: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from cflow.util import atomic_path
+
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     (ax1, ax2), (ax3, ax4) = axes
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -293,17 +294,16 @@ def plot(rows: list[dict], longs: list[dict], path: str) -> None:
         if ax.lines:
             ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # keeps the .png name, so savefig picks the format from it
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
 
 
 def samples(r: dict | None, prompts=PROMPTS) -> str:
     import torch
 
+    from cflow.models.bpe import load_tokenizer
     from cflow.models.checkpoint import load_checkpoint
-    from cflow.models.tokenizer import load_tokenizer
     from cflow.models.train import generate_text
 
     if r is None:

@@ -22,7 +22,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 from cflow.codegen.bandwidth import (  # noqa: E402,F401  (the measurement lives in the package)
-    CHUNK, PREFETCH_VARIANTS, _buffer, measure_read_bandwidth, read_kernel, read_kernel_module, run_threads,
+    CHUNK,
+    PREFETCH_VARIANTS,
+    _buffer,
+    measure_read_bandwidth,
+    read_kernel,
+    read_kernel_module,
+    run_threads,
 )
 
 

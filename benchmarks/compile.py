@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from cflow.ir.build import weight_shapes  # noqa: E402
-from cflow.models.config import ModelConfig  # noqa: E402
+from cflow.ir.config import ModelConfig  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "bench")
 # ~256M parameters = ~1.0 GB float32 (Llama-style, no MoE so every byte is a dense matrix)

@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bandwidth import measure_read_bandwidth  # noqa: E402
 
 import cflow  # noqa: E402
-from cflow.compiler import lower, write_file  # noqa: E402
+from cflow.compiler import compile_file, lower  # noqa: E402
 from cflow.ir import Interpreter, build_graph  # noqa: E402
-from cflow.models.config import ModelConfig  # noqa: E402
+from cflow.ir.config import ModelConfig  # noqa: E402
 
 MODELS = {
     "tinyllama": ModelConfig(name="tinyllama_geometry", vocab_size=32000, d_model=2048, n_layers=22, n_heads=32,
@@ -64,7 +64,7 @@ def compiled_model(key: str, quant: str = "q4"):
     print(f"# random weights + lowering: {time.perf_counter() - t0:.1f} s", flush=True)
     if not os.path.exists(path):
         os.makedirs(OUT, exist_ok=True)
-        info = write_file(c, path)
+        info = compile_file(g, path, quant).file
         print(f"# compiled {path}: {info['file_bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", flush=True)
     return path, c
 

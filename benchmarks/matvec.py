@@ -25,15 +25,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+import bandwidth  # noqa: E402
 from llvmlite import ir  # noqa: E402
 
-import bandwidth  # noqa: E402
 from cflow.codegen import kernels as K  # noqa: E402
 from cflow.codegen.cache import ObjectCache  # noqa: E402
 from cflow.codegen.library import Library  # noqa: E402
 from cflow.codegen.target import host_target  # noqa: E402
-from cflow.ir.quant import DType, quantize, quantize_activation_q8  # noqa: E402
-from cflow.passes.tile import TileLayout, pack, pack_concat, pack_gate_up  # noqa: E402
+from cflow.layout.quant import DType, quantize, quantize_activation_q8  # noqa: E402
+from cflow.layout.tile import TileLayout, pack, pack_concat, pack_gate_up  # noqa: E402
 
 D, FF, KV = 2048, 5632, 256
 SHAPES = {"qkv": (D + 2 * KV, D), "o": (D, D), "gate_up": (FF, D), "down": (D, FF)}

@@ -4,7 +4,7 @@
                                [--no-torch] [--no-llama] [--json out.json]
 
 Weights: benchmarks/decode.py's fixed random model (TinyLlama-1.1B geometry, seed 0), lowered to Q4 once.
-The Q4 graph is exported to GGUF (cflow.runtime.gguf_export; Q4_0 blocks copied bit-identically, Q/K
+The Q4 graph is exported to GGUF (cflow.runtime.format.gguf; Q4_0 blocks copied bit-identically, Q/K
 rows permuted for llama.cpp's RoPE layout) into out/bench/ once. Then, for each thread count:
   - the machine's read bandwidth (llvmlite STREAM-like loop, same thread count), before and after;
   - cflow: greedy decode tok/s (decode.py's time_decode: best of reps over `tokens` steps);
@@ -36,7 +36,7 @@ from bandwidth import measure_read_bandwidth  # noqa: E402
 from decode import MODELS, OUT, compiled_model, random_weights, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
-from cflow.runtime.gguf_export import export_gguf  # noqa: E402
+from cflow.runtime.format.gguf import export_gguf  # noqa: E402
 
 try:  # optional: the share of CPU other processes used while measuring (bandwidth.py, if it has it)
     from bandwidth import busy_fraction  # noqa: E402

@@ -1,6 +1,6 @@
 """cflow: a compiler and CPU runtime for pipeline-native transformer decode.
 
-Public surface: ``cflow.compile``, ``cflow.load`` (see api.py) and the CLI (cli.py).
+Public surface: ``cflow.compile``, ``cflow.load`` (see api.py) and the CLI (cli/).
 Stages live in sub-packages and data flows one way: frontend -> ir -> passes -> codegen/runtime.
 """
 

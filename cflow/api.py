@@ -12,16 +12,17 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 from .errors import CflowError
+from .layout.tile import DEFAULT_TILE
 
 
 def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tokenizer: str | None = None,
-            threads: int | None = None, tile=(128, 256), layout: str = "vflow") -> "CompiledModel":
+            threads: int | None = None, tile=DEFAULT_TILE, layout: str = "vflow") -> CompiledModel:
     """Compile a model to tile-native weights and a JIT-compiled decode step.
 
     Args:
@@ -32,21 +33,21 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
         quant: q4 | q8 | f16 | f32.
         tokenizer: path to a tokenizer.json (directories bring their own).
     """
-    from .compiler import lower, write_file
+    from .compiler import compile_file
     from .frontend.load import load_graph
+    from .layout.packed import FileLayout
 
+    layout = FileLayout.parse(layout)
     g = load_graph(model)
-    tok = g.meta.get("tokenizer")
+    tok = g.meta.tokenizer
     if tokenizer is not None:
-        try:
-            tok = Path(tokenizer).read_text()
-        except OSError as e:
-            raise CflowError(f"tokenizer {tokenizer}: {e.strerror}") from None
-    c = lower(g, quant, tile, delays, layout=layout)
+        from .runtime.tokenizer import read_tokenizer_file
+
+        tok = read_tokenizer_file(tokenizer)
     tmp = tempfile.mkdtemp(prefix="cflow-")
     path = os.path.join(tmp, f"{g.name}.{layout}")
     try:
-        write_file(c, path, tile, tok, g.meta.get("eos_token_ids"))
+        compile_file(g, path, quant, tile, delays, layout, tok, g.meta.eos_token_ids)
         m = load(path, threads=threads)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -55,7 +56,7 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
     return m
 
 
-def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None) -> "CompiledModel":
+def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None) -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode."""
     from .runtime.session import Session
 

@@ -1,36 +1,194 @@
-"""Small shared helpers with no pipeline-stage meaning: atomic file writes."""
+"""Small shared helpers with no pipeline-stage meaning: atomic file (and directory) writes.
+
+Every "write somewhere private, then rename over the target" in cflow goes through `atomic_path`:
+
+    with atomic_path("model.gguf") as tmp:   # tmp: .../.model.gguf.<random>.tmp/model.gguf
+        write_it(tmp)
+    # clean exit: fsync, rename onto model.gguf, fsync the directory; exception: nothing is left
+
+`atomic_write_bytes`, `atomic_write_text` and `atomic_copy` are the one-liners on top of it.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+
+from .errors import CflowError
 
 
-def _atomic(path: str | os.PathLike, fill: Callable[[str], None]) -> None:
-    """Let `fill(tmp)` write a temp file beside `path`, fsync it, rename it over `path`.
+class atomic_path:  # lower case: used like a function, `with atomic_path(p) as tmp`
+    """Publish `path` all at once: readers see the old version or the complete new one, never a part.
 
-    `path` is either untouched or complete; on any failure the temp file is removed.
+    The body gets `tmp`, a fresh path with `path`'s own name inside a private temp directory
+    (`.NAME.<random>.tmp`) beside `path`, so writers that name companion files after it still work:
+    anything else the body puts beside `tmp` (e.g. ONNX external data `NAME.data`) is published
+    beside `path` too, before `path` itself. Files get the usual umask permissions.
+
+    directory=False: the body creates a file at `tmp` (an existing directory at `path` is an error).
+    directory=True: `tmp` is an empty directory to fill; a directory already at `path` is swapped out
+    (renamed to `.NAME.old`, then removed; `recover_atomic` finishes a swap a crash interrupted).
+    durable=True: fsync everything written, and the parent directory after the rename. Pass False
+    for caches whose entries are validated on read anyway.
+
+    Parent directories are not created. A missing parent directory, `path` being a directory, or a
+    permission problem raise CflowError naming `path`. Without `with` (FileWriter streams across
+    calls): `tmp = a.open()`, then `a.commit()` or `a.abort()`; both are idempotent after the first.
     """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    os.close(fd)
-    try:
-        fill(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    def __init__(self, path: str | os.PathLike, *, directory: bool = False, durable: bool = True):
+        self.path = Path(path)
+        self.directory = directory
+        self.durable = durable
+        self.tmp: Path | None = None
+        self._stage: Path | None = None
+
+    def open(self) -> Path:
+        if self._stage is not None:
+            raise RuntimeError(f"atomic_path({self.path}) is already open")
+        path = self.path
+        if not self.directory and path.is_dir():
+            raise CflowError(f"{path} is a directory")
+        if self.directory and path.exists() and not path.is_dir():
+            raise CflowError(f"{path} exists and is not a directory")
+        try:
+            self._stage = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+            self.tmp = self._stage / path.name
+            if self.directory:
+                self.tmp.mkdir()
+        except OSError as e:
+            self.abort()
+            raise _write_error(path, e) from None
+        return self.tmp
+
+    def commit(self) -> None:
+        """Publish what the body wrote. On any failure nothing is published and the temp is removed."""
+        stage, tmp, path = self._stage, self.tmp, self.path
+        if stage is None:
+            return
+        try:
+            if not os.path.lexists(tmp) or self.directory != tmp.is_dir():
+                what = "a directory" if self.directory else "a file"
+                raise CflowError(f"cannot write {path}: {tmp} is not {what} (nothing was written?)")
+            if self.durable:
+                _fsync_tree(stage)
+            for extra in sorted(stage.iterdir()):  # companions first: `path` appears complete
+                if extra.name != path.name:
+                    os.replace(extra, path.parent / extra.name)
+            if self.directory:
+                _swap_dir(tmp, path)
+            else:
+                os.replace(tmp, path)
+        except OSError as e:
+            self.abort()
+            raise _write_error(path, e) from None
+        except BaseException:
+            self.abort()
+            raise
+        self.abort()  # removes the (now empty) stage
+        if self.durable:
+            _fsync_dir(path.parent)
+
+    def abort(self) -> None:
+        """Remove the temp directory and everything in it; `path` is not touched."""
+        stage, self._stage = self._stage, None
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    def __enter__(self) -> Path:
+        return self.open()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+    with atomic_path(path, durable=durable) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, durable: bool = True) -> None:
+    with atomic_path(path, durable=durable) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    _atomic(dst, lambda tmp: shutil.copyfile(src, tmp))
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
+
+
+def recover_atomic(path: str | os.PathLike) -> None:
+    """Clean up after a process killed inside `atomic_path(path)`: finish an interrupted directory
+    swap (restore `.NAME.old` if `path` is gone, else drop it) and remove stale `.NAME.*.tmp` temps.
+    Only call it while nothing else is writing `path`."""
+    path = Path(path)
+    _finish_swap(path)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _old(path: Path) -> Path:
+    return path.parent / f".{path.name}.old"
+
+
+def _finish_swap(path: Path) -> None:
+    old = _old(path)
+    if not old.exists():
+        return
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(old, path)
+
+
+def _swap_dir(new: Path, path: Path) -> None:
+    # Two renames, not one: POSIX cannot rename a directory over a non-empty one. A crash between
+    # them leaves `path` missing and `.NAME.old` complete; _finish_swap puts it back.
+    _finish_swap(path)
+    old = _old(path)
+    if path.exists():
+        os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_error(path: Path, e: OSError) -> CflowError:
+    parent = path.parent
+    if e.errno == errno.ENOENT and not parent.is_dir():
+        return CflowError(f"cannot write {path}: directory {parent} does not exist")
+    if e.errno == errno.ENOTDIR:
+        return CflowError(f"cannot write {path}: {parent} is not a directory")
+    if e.errno == errno.EISDIR:
+        return CflowError(f"{path} is a directory")
+    if isinstance(e, PermissionError):
+        return CflowError(f"cannot write {path}: permission denied")
+    return CflowError(f"cannot write {path}: {e.strerror or e}")
+
+
+def _fsync_tree(root: Path) -> None:
+    for d, _, files in os.walk(root):
+        for name in files:
+            _fsync(os.path.join(d, name))
+        _fsync_dir(Path(d))
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(d: Path) -> None:
+    # Makes renames durable; best effort (not every platform or filesystem can fsync a directory).
+    try:
+        _fsync(str(d))
+    except OSError:
+        pass

@@ -13,5 +13,8 @@ def test_cflow_bench_writes_records(tmp_path):
                         "bench", str(out), "--threads", "1", "--tokens", "4", "--reps", "1", "--json", str(rec)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    header, row = r.stdout.splitlines()[:2]
+    assert header.split() == ["threads", "tok/s", "MB/token", "GB/s", "read", "GB/s", "%", "of", "read"]
+    assert len(row.split()) == 6 and row.split()[0] == "1"
     d = json.loads(rec.read_text())
     assert d[0]["threads"] == 1 and d[0]["tok_s"] > 0 and d[0]["read_gbps"] > 0

@@ -15,7 +15,7 @@ import time
 import numpy as np
 from llvmlite import ir
 
-from ..passes.tile import aligned_empty
+from ..layout.tile import aligned_empty
 from .library import Library
 
 CHUNK = 512  # bytes per loop iteration: 8 accumulators x 64 B

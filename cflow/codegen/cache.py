@@ -6,8 +6,8 @@ Key = sha256 over (IR text, triple, cpu, features, opt level, llvmlite version, 
 Entry file `<dir>/<key>.o` = b"CFLOWOBJ" | u32 stamp length | stamp JSON | object bytes.
 The stamp repeats every key field plus the object's sha256: a stamp that does not match what
 the caller asked for (other version, other features) is a miss; a corrupt or truncated entry is
-ignored (and overwritten by the next save). Writes go to a temp file, then `os.replace`, so a
-concurrent reader sees either no entry or a whole one.
+ignored (and overwritten by the next save). Writes go through cflow.util.atomic_write_bytes (temp
+file, then `os.replace`), so a concurrent reader sees either no entry or a whole one.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import threading
 from pathlib import Path
 
 import attrs
 
+from ..errors import CflowError
+from ..util import atomic_write_bytes
 from .target import Target
 
 ENTRY_MAGIC = b"CFLOWOBJ"
@@ -117,18 +118,9 @@ class ObjectCache:
         stamp = dict(key.stamp, obj_sha256=hashlib.sha256(obj).hexdigest())
         blob = json.dumps(stamp, sort_keys=True).encode()
         payload = ENTRY_MAGIC + struct.pack("<I", len(blob)) + blob + bytes(obj)
-        tmp = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".o", dir=self.directory)
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, self.path(key))
+            atomic_write_bytes(self.path(key), payload, durable=False)  # a torn entry fails its sha256
             return True
-        except OSError:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+        except (OSError, CflowError):
             return False

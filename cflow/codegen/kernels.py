@@ -23,15 +23,29 @@ import numpy as np
 from llvmlite import ir
 
 from ..errors import CodegenError
-from ..ir.quant import BLOCK, DType
-from ..passes.tile import TileLayout, aligned_empty
+from ..layout.quant import BLOCK, DType
+from ..layout.tile import TileLayout, aligned_empty
+from .cgutils import (
+    Loop,
+    P,
+    V,
+    const_vec,
+    f32,
+    half_to_float,
+    i1,
+    i8,
+    i16,
+    i32,
+    i64,
+    intrinsic,
+    load,
+    new_function,
+    ptr,
+    shuffle,
+    splat,
+)
+from .target import ISA
 
-ISAS = ("avx512vnni", "avx2", "generic")
-
-i1, i8, i16, i32, i64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
-f16, f32 = ir.HalfType(), ir.FloatType()
-V = ir.VectorType
-P = ir.PointerType
 MATVEC_ARGS = (P(i8), P(f32), P(i8), P(f32), P(i32), P(f32), i64, i64)
 QUANT_ARGS = (P(f32), P(i8), P(f32), P(i32))
 
@@ -42,100 +56,10 @@ def _llvm_major() -> int:
     return llvm.llvm_version_info[0]
 
 
-# -- small IR helpers ---------------------------------------------------------------------
-
-
-def _intrinsic(module: ir.Module, name: str, ret, args) -> ir.Function:
-    fn = module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(module, ir.FunctionType(ret, list(args)), name)
-    return fn
-
-
-def _const_vec(ty, n, value):
-    return ir.Constant(V(ty, n), [value] * n)
-
-
-def _splat(b: ir.IRBuilder, scalar, n: int):
-    vt = V(scalar.type, n)
-    v = b.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(i32, 0))
-    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(V(i32, n), [0] * n))
-
-
-def _ptr(b: ir.IRBuilder, base, offset, ty=None):
-    """base (any pointer) + offset *elements of base* -> pointer to ty."""
-    p = b.gep(base, [offset if isinstance(offset, ir.Value) else ir.Constant(i64, offset)])
-    return b.bitcast(p, P(ty)) if ty is not None and p.type.pointee != ty else p
-
-
-def _load(b, base, offset, ty, align=1):
-    return b.load(_ptr(b, base, offset, ty), align=align)
-
-
-def _shuffle(b, v, idx):
-    return b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), ir.Constant(V(i32, len(idx)), list(idx)))
-
-
-class _Loop:
-    """for i in range(start, stop): a counted loop; `with _Loop(b, lo, hi) as i:` emits the body."""
-
-    def __init__(self, b: ir.IRBuilder, start, stop, name: str = "i"):
-        self.b, self.start, self.stop, self.name = b, start, stop, name
-
-    def __enter__(self):
-        b = self.b
-        pre = b.block
-        self.head = b.append_basic_block(f"{self.name}.head")
-        self.body = b.append_basic_block(f"{self.name}.body")
-        self.end = b.append_basic_block(f"{self.name}.end")
-        b.branch(self.head)
-        b.position_at_end(self.head)
-        self.i = b.phi(i64, name=self.name)
-        self.i.add_incoming(self.start, pre)
-        b.cbranch(b.icmp_signed("<", self.i, self.stop), self.body, self.end)
-        b.position_at_end(self.body)
-        return self.i
-
-    def __exit__(self, *exc):
-        if exc[0] is not None:
-            return False
-        b = self.b
-        nxt = b.add(self.i, ir.Constant(i64, 1), name=f"{self.name}.next")
-        self.i.add_incoming(nxt, b.block)
-        b.branch(self.head)
-        b.position_at_end(self.end)
-        return False
-
-
-def _new_function(module, name, args, linkage, arg_names):
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), list(args)), name)
-    fn.linkage = linkage
-    fn.attributes.add("nounwind")
-    for a, n in zip(fn.args, arg_names):
-        a.name = n
-        if isinstance(a.type, ir.PointerType):
-            a.add_attribute("noalias")
-    return fn
-
-
-def _half_to_float(b, h16, isa):
-    """<16 x half> bits (as <16 x i16>) -> <16 x float>. F16C does it in one instruction; the
-    generic path uses integer ops (no libcalls): exponent rebias by multiply, inf/nan fixed up."""
-    if isa != "generic":
-        return b.fpext(b.bitcast(h16, V(f16, 16)), V(f32, 16))
-    w = b.zext(h16, V(i32, 16))
-    mag = b.shl(b.and_(w, _const_vec(i32, 16, 0x7FFF)), _const_vec(i32, 16, 13))
-    f = b.fmul(b.bitcast(mag, V(f32, 16)), _const_vec(f32, 16, 2.0**112))
-    inf = b.icmp_unsigned(">=", mag, _const_vec(i32, 16, 0x7C00 << 13))
-    fb = b.select(inf, b.or_(mag, _const_vec(i32, 16, 0x7F800000)), b.bitcast(f, V(i32, 16)))
-    sign = b.shl(b.and_(w, _const_vec(i32, 16, 0x8000)), _const_vec(i32, 16, 16))
-    return b.bitcast(b.or_(fb, sign), V(f32, 16))
-
-
 def _fma(b, x, y, acc, isa):
-    if isa == "generic":
+    if isa == ISA.GENERIC:
         return b.fadd(b.fmul(x, y), acc)
-    fn = _intrinsic(b.module, "llvm.fma.v16f32", V(f32, 16), [V(f32, 16)] * 3)
+    fn = intrinsic(b.module, "llvm.fma.v16f32", V(f32, 16), [V(f32, 16)] * 3)
     return b.call(fn, [x, y, acc])
 
 
@@ -153,14 +77,14 @@ def emit_quantize_act(module: ir.Module, name: str, cols: int, cols_p: int | Non
     nfull, rem, nblk_p = cols // BLOCK, cols % BLOCK, cols_p // BLOCK
     if cols_p % BLOCK or cols_p < cols:
         raise CodegenError(f"quantize_act: padded width {cols_p} must be a multiple of {BLOCK} >= {cols}")
-    fn = _new_function(module, name, QUANT_ARGS, linkage, ("x", "xq", "xd", "xs"))
+    fn = new_function(module, name, QUANT_ARGS, linkage, ("x", "xq", "xd", "xs"))
     x, xq, xd, xs = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     vf = V(f32, BLOCK)
-    fabs = _intrinsic(module, "llvm.fabs.v32f32", vf, [vf])
-    fmax = _intrinsic(module, "llvm.vector.reduce.fmax.v32f32", f32, [vf])
-    rnd = _intrinsic(module, "llvm.round.v32f32", vf, [vf])
-    radd = _intrinsic(module, "llvm.vector.reduce.add.v32i32", i32, [V(i32, BLOCK)])
+    fabs = intrinsic(module, "llvm.fabs.v32f32", vf, [vf])
+    fmax = intrinsic(module, "llvm.vector.reduce.fmax.v32f32", f32, [vf])
+    rnd = intrinsic(module, "llvm.round.v32f32", vf, [vf])
+    radd = intrinsic(module, "llvm.vector.reduce.add.v32i32", i32, [V(i32, BLOCK)])
     tmp = b.alloca(vf, name="tail")
 
     def block(v, k):
@@ -168,26 +92,26 @@ def emit_quantize_act(module: ir.Module, name: str, cols: int, cols_p: int | Non
         d = b.fdiv(amax, ir.Constant(f32, 127.0))
         inv = b.select(b.fcmp_ordered("==", d, ir.Constant(f32, 0.0)), ir.Constant(f32, 0.0),
                        b.fdiv(ir.Constant(f32, 1.0), d))
-        q = b.fptosi(b.call(rnd, [b.fmul(v, _splat(b, inv, BLOCK))]), V(i32, BLOCK))
-        b.store(b.trunc(q, V(i8, BLOCK)), _ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)), V(i8, BLOCK)), align=1)
-        b.store(d, _ptr(b, xd, k), align=4)
-        b.store(b.call(radd, [q]), _ptr(b, xs, k), align=4)
+        q = b.fptosi(b.call(rnd, [b.fmul(v, splat(b, inv, BLOCK))]), V(i32, BLOCK))
+        b.store(b.trunc(q, V(i8, BLOCK)), ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)), V(i8, BLOCK)), align=1)
+        b.store(d, ptr(b, xd, k), align=4)
+        b.store(b.call(radd, [q]), ptr(b, xs, k), align=4)
 
-    with _Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nfull), "blk") as k:
-        block(_load(b, x, b.mul(k, ir.Constant(i64, BLOCK)), vf, align=4), k)
+    with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nfull), "blk") as k:
+        block(load(b, x, b.mul(k, ir.Constant(i64, BLOCK)), vf, align=4), k)
     if rem:  # partial last block: copy the valid inputs into a zeroed vector
         b.store(ir.Constant(vf, [0.0] * BLOCK), tmp)
         ftmp = b.bitcast(tmp, P(f32))
         for j in range(rem):
-            b.store(b.load(_ptr(b, x, nfull * BLOCK + j), align=4), _ptr(b, ftmp, j), align=4)
+            b.store(b.load(ptr(b, x, nfull * BLOCK + j), align=4), ptr(b, ftmp, j), align=4)
         block(b.load(tmp), ir.Constant(i64, nfull))
     first_zero = nfull + (1 if rem else 0)
     if nblk_p > first_zero:
-        with _Loop(b, ir.Constant(i64, first_zero), ir.Constant(i64, nblk_p), "pad") as k:
+        with Loop(b, ir.Constant(i64, first_zero), ir.Constant(i64, nblk_p), "pad") as k:
             b.store(ir.Constant(V(i8, BLOCK), [0] * BLOCK),
-                    _ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)), V(i8, BLOCK)), align=1)
-            b.store(ir.Constant(f32, 0.0), _ptr(b, xd, k), align=4)
-            b.store(ir.Constant(i32, 0), _ptr(b, xs, k), align=4)
+                    ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)), V(i8, BLOCK)), align=1)
+            b.store(ir.Constant(f32, 0.0), ptr(b, xd, k), align=4)
+            b.store(ir.Constant(i32, 0), ptr(b, xs, k), align=4)
     b.ret_void()
     return fn
 
@@ -198,58 +122,58 @@ def emit_quantize_act(module: ir.Module, name: str, cols: int, cols_p: int | Non
 def _vpdpbusd(b, acc, w_u8, a_s8):
     """acc[i] += sum_j w_u8[4i+j] * a_s8[4i+j] (AVX-512 VNNI)."""
     if _llvm_major() >= 22:
-        fn = _intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16), V(i8, 64), V(i8, 64)])
+        fn = intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16), V(i8, 64), V(i8, 64)])
         return b.call(fn, [acc, w_u8, a_s8])
-    fn = _intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16)] * 3)
+    fn = intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16)] * 3)
     return b.call(fn, [acc, b.bitcast(w_u8, V(i32, 16)), b.bitcast(a_s8, V(i32, 16))])
 
 
 def _act4(b, aptr, off, n_lanes):
     """Activation bytes aptr[off .. off+3] repeated over n_lanes dwords (a broadcast load)."""
-    a = b.load(_ptr(b, aptr, off, i32), align=1)
-    return b.bitcast(_splat(b, a, n_lanes), V(i8, 4 * n_lanes))
+    a = b.load(ptr(b, aptr, off, i32), align=1)
+    return b.bitcast(splat(b, a, n_lanes), V(i8, 4 * n_lanes))
 
 
 def _avx2_dot(b, w32, a32):
     """<32 x u8> * <32 x s8>, adjacent pairs summed: <16 x i16> (vpmaddubsw)."""
-    fn = _intrinsic(b.module, "llvm.x86.avx2.pmadd.ub.sw", V(i16, 16), [V(i8, 32), V(i8, 32)])
+    fn = intrinsic(b.module, "llvm.x86.avx2.pmadd.ub.sw", V(i16, 16), [V(i8, 32), V(i8, 32)])
     return b.call(fn, [w32, a32])
 
 
 def _avx2_madd(b, v16):
     """<16 x i16> adjacent pairs summed into <8 x i32> (vpmaddwd with ones)."""
-    fn = _intrinsic(b.module, "llvm.x86.avx2.pmadd.wd", V(i32, 8), [V(i16, 16), V(i16, 16)])
-    return b.call(fn, [v16, _const_vec(i16, 16, 1)])
+    fn = intrinsic(b.module, "llvm.x86.avx2.pmadd.wd", V(i32, 8), [V(i16, 16), V(i16, 16)])
+    return b.call(fn, [v16, const_vec(i16, 16, 1)])
 
 
 def _halves(b, v64):
-    return _shuffle(b, v64, range(32)), _shuffle(b, v64, range(32, 64))
+    return shuffle(b, v64, range(32)), shuffle(b, v64, range(32, 64))
 
 
 def _sum4(b, v64_i32):
     """<64 x i32> -> <16 x i32>: lane i = sum of lanes 4i..4i+3 (generic path)."""
-    s = b.add(_shuffle(b, v64_i32, range(0, 64, 2)), _shuffle(b, v64_i32, range(1, 64, 2)))
-    return b.add(_shuffle(b, s, range(0, 32, 2)), _shuffle(b, s, range(1, 32, 2)))
+    s = b.add(shuffle(b, v64_i32, range(0, 64, 2)), shuffle(b, v64_i32, range(1, 64, 2)))
+    return b.add(shuffle(b, s, range(0, 32, 2)), shuffle(b, s, range(1, 32, 2)))
 
 
 def _q4_block_int(b, isa, codes, aptr):
     """Q4: 4 chunks of 64 B; low nibbles = inputs 4c.., high nibbles = inputs 16+4c..
     Returns sum_k q[i,k] * a[k] with unsigned codes 0..15 (the caller subtracts 8 * sum(a))."""
-    lo_m, hi_m = _const_vec(i8, 64, 0x0F), _const_vec(i8, 64, 0xF0)
-    chunks = [_load(b, codes, 64 * c, V(i8, 64)) for c in range(4)]
-    if isa == "avx512vnni":
-        zero = _const_vec(i32, 16, 0)
+    lo_m, hi_m = const_vec(i8, 64, 0x0F), const_vec(i8, 64, 0xF0)
+    chunks = [load(b, codes, 64 * c, V(i8, 64)) for c in range(4)]
+    if isa == ISA.AVX512VNNI:
+        zero = const_vec(i32, 16, 0)
         acc_lo, acc_hi = zero, zero
         for c, v in enumerate(chunks):
             # High nibbles stay in place (16 * q): no shift per chunk, one exact >> 4 per block.
             acc_lo = _vpdpbusd(b, acc_lo, b.and_(v, lo_m), _act4(b, aptr, 4 * c, 16))
             acc_hi = _vpdpbusd(b, acc_hi, b.and_(v, hi_m), _act4(b, aptr, 16 + 4 * c, 16))
-        return b.add(acc_lo, b.ashr(acc_hi, _const_vec(i32, 16, 4)))
-    if isa == "avx2":
+        return b.add(acc_lo, b.ashr(acc_hi, const_vec(i32, 16, 4)))
+    if isa == ISA.AVX2:
         # i16 partial sums stay exact: 8 pair sums of at most 2*15*128 = 3840 each, 30720 < 32767.
         s16 = [None, None]
         for c, v in enumerate(chunks):
-            lo, hi = b.and_(v, lo_m), b.lshr(v, _const_vec(i8, 64, 4))
+            lo, hi = b.and_(v, lo_m), b.lshr(v, const_vec(i8, 64, 4))
             for part, off in ((lo, 4 * c), (hi, 16 + 4 * c)):
                 a = _act4(b, aptr, off, 8)
                 for h, w in enumerate(_halves(b, part)):
@@ -259,7 +183,7 @@ def _q4_block_int(b, isa, codes, aptr):
         return b.shuffle_vector(r[0], r[1], ir.Constant(V(i32, 16), list(range(16))))
     acc = None
     for c, v in enumerate(chunks):
-        lo, hi = b.and_(v, lo_m), b.lshr(v, _const_vec(i8, 64, 4))
+        lo, hi = b.and_(v, lo_m), b.lshr(v, const_vec(i8, 64, 4))
         for part, off in ((lo, 4 * c), (hi, 16 + 4 * c)):
             p = b.mul(b.zext(part, V(i32, 64)), b.sext(_act4(b, aptr, off, 16), V(i32, 64)))
             acc = p if acc is None else b.add(acc, p)
@@ -269,16 +193,16 @@ def _q4_block_int(b, isa, codes, aptr):
 def _q8_block_int(b, isa, codes, aptr):
     """Q8: 8 chunks of 64 B of int8 codes (inputs 4c..4c+3). VNNI returns sum (q+128)*a (the
     caller subtracts 128 * sum(a)); the other paths return sum q*a exactly."""
-    chunks = [_load(b, codes, 64 * c, V(i8, 64)) for c in range(8)]
-    if isa == "avx512vnni":
-        flip = _const_vec(i8, 64, 0x80)
-        accs = [_const_vec(i32, 16, 0)] * 2
+    chunks = [load(b, codes, 64 * c, V(i8, 64)) for c in range(8)]
+    if isa == ISA.AVX512VNNI:
+        flip = const_vec(i8, 64, 0x80)
+        accs = [const_vec(i32, 16, 0)] * 2
         for c, v in enumerate(chunks):
             accs[c % 2] = _vpdpbusd(b, accs[c % 2], b.xor(v, flip), _act4(b, aptr, 4 * c, 16))
         return b.add(accs[0], accs[1])
-    if isa == "avx2":
-        sign = _intrinsic(b.module, "llvm.x86.avx2.psign.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
-        absb = _intrinsic(b.module, "llvm.abs.v32i8", V(i8, 32), [V(i8, 32), i1])
+    if isa == ISA.AVX2:
+        sign = intrinsic(b.module, "llvm.x86.avx2.psign.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
+        absb = intrinsic(b.module, "llvm.abs.v32i8", V(i8, 32), [V(i8, 32), i1])
         r = [None, None]
         for c, v in enumerate(chunks):
             a = _act4(b, aptr, 4 * c, 8)
@@ -304,39 +228,37 @@ DEFAULT_PREFETCH = 2304  # bytes ahead of the unit being read
 DEFAULT_PREFETCH_LOCALITY = 3  # prefetcht0
 
 
-def _check_isa(isa: str) -> str:
-    if isa not in ISAS:
-        raise CodegenError(f"unknown kernel ISA {isa!r} (expected one of {', '.join(ISAS)})")
-    return isa
+def _check_isa(isa: str) -> ISA:
+    return ISA.parse(isa)
 
 
 def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs):
     """One block unit (32 inputs) for the given groups: acc[g] += (codes . a) * d_w * d_a."""
-    aptr = _ptr(b, xq, b.mul(kb, ir.Constant(i64, BLOCK)))
-    ad = _splat(b, b.load(_ptr(b, xd, kb), align=4), 16)
-    asum = b.load(_ptr(b, xs, kb), align=4)
-    bias = 8 if L.dtype == DType.Q4 else (128 if isa == "avx512vnni" else 0)
-    corr = _splat(b, b.mul(asum, ir.Constant(i32, bias)), 16) if bias else None
+    aptr = ptr(b, xq, b.mul(kb, ir.Constant(i64, BLOCK)))
+    ad = splat(b, b.load(ptr(b, xd, kb), align=4), 16)
+    asum = b.load(ptr(b, xs, kb), align=4)
+    bias = 8 if L.dtype == DType.Q4 else (128 if isa == ISA.AVX512VNNI else 0)
+    corr = splat(b, b.mul(asum, ir.Constant(i32, bias)), 16) if bias else None
     for g in groups:
-        codes = _ptr(b, unit, g * L.code_nbytes)
+        codes = ptr(b, unit, g * L.code_nbytes)
         block_int = _q4_block_int if L.dtype == DType.Q4 else _q8_block_int
         isum = block_int(b, isa, codes, aptr)
         if corr is not None:  # unsigned-code trick: sum((q - bias) * a) = sum(q * a) - bias * sum(a)
             isum = b.sub(isum, corr)
-        ws = _half_to_float(b, _load(b, unit, L.scales_offset + 32 * g, V(i16, 16)), isa)
+        ws = half_to_float(b, load(b, unit, L.scales_offset + 32 * g, V(i16, 16)), isa)
         accs[g] = _fma(b, b.sitofp(isum, V(f32, 16)), b.fmul(ws, ad), accs[g], isa)
 
 
 def _f_unit(b, L, isa, unit, kb, groups, accs, x):
     """F32/F16 unit: input k of group g's 16 rows at g*GB + k*(16*esz); k outer so groups interleave."""
     esz = 4 if L.dtype == DType.F32 else 2
-    xb = _ptr(b, x, b.mul(kb, ir.Constant(i64, BLOCK)))
+    xb = ptr(b, x, b.mul(kb, ir.Constant(i64, BLOCK)))
     for k in range(BLOCK):
-        xk = _splat(b, b.load(_ptr(b, xb, k), align=4), 16)
+        xk = splat(b, b.load(ptr(b, xb, k), align=4), 16)
         for g in groups:
             off = g * L.group_nbytes + k * 16 * esz
-            wv = (_load(b, unit, off, V(f32, 16)) if esz == 4
-                  else _half_to_float(b, _load(b, unit, off, V(i16, 16)), isa))
+            wv = (load(b, unit, off, V(f32, 16)) if esz == 4
+                  else half_to_float(b, load(b, unit, off, V(i16, 16)), isa))
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
@@ -354,14 +276,14 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, x, xq, xd, xs, slots, out, unro
         groups = list(range(g0, min(ng, g0 + len(slots))))
         for s in slots:
             b.store(zf, s)
-        with _Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nunits // unroll), "kb") as it:
+        with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nunits // unroll), "kb") as it:
             for u in range(unroll):
                 kb = b.add(b.mul(it, ir.Constant(i64, unroll)), ir.Constant(i64, u))
-                unit = _ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
+                unit = ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
                 if prefetch:  # one per cache line of the unit, `prefetch` bytes ahead (never faults)
-                    pf = _intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
+                    pf = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
                     for off in range(0, UB, 64):
-                        b.call(pf, [_ptr(b, unit, prefetch + off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
+                        b.call(pf, [ptr(b, unit, prefetch + off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
                 accs = {g: b.load(slots[g - g0]) for g in groups}
                 if L.dtype in (DType.Q4, DType.Q8):
                     _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs)
@@ -370,7 +292,7 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, x, xq, xd, xs, slots, out, unro
                 for g in groups:
                     b.store(accs[g], slots[g - g0])
         for g in groups:
-            b.store(b.load(slots[g - g0]), _ptr(b, outv, g), align=4)
+            b.store(b.load(slots[g - g0]), ptr(b, outv, g), align=4)
 
 
 def _pick_unroll(nunits: int, unroll: int) -> int:
@@ -395,7 +317,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     """
     _check_isa(isa)
     L = layout
-    fn = _new_function(module, name, MATVEC_ARGS, linkage, ("w", "x", "xq", "xd", "xs", "y", "r0", "r1"))
+    fn = new_function(module, name, MATVEC_ARGS, linkage, ("w", "x", "xq", "xd", "xs", "y", "r0", "r1"))
     w, x, xq, xd, xs, y, r0, r1 = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     # NOTE: allocas stay in the entry block, so SROA turns the accumulators into registers.
@@ -404,25 +326,25 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     up = b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name="up_rows"), P(f32)) if gate_up else None
     unroll = _pick_unroll(L.cols_p // BLOCK, unroll)
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
-    with _Loop(b, r0, r1, "t") as t:
-        w_row = _ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
+    with Loop(b, r0, r1, "t") as t:
+        w_row = ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
         _emit_tile_row(b, L, isa, w_row, x, xq, xd, xs, slots, tmp, unroll, prefetch, prefetch_locality)
         if gate_up:  # the up tile-row follows the gate tile-row
-            _emit_tile_row(b, L, isa, _ptr(b, w_row, L.tile_row_nbytes), x, xq, xd, xs, slots, up, unroll, prefetch,
+            _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), x, xq, xd, xs, slots, up, unroll, prefetch,
                            prefetch_locality)
-        y_row = _ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
+        y_row = ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
         for g in range(L.groups_per_tile):
-            v = _load(b, tmp, 16 * g, V(f32, 16), align=4)
+            v = load(b, tmp, 16 * g, V(f32, 16), align=4)
             if gate_up:
-                v = _silu_mul(b, v, _load(b, up, 16 * g, V(f32, 16), align=4))
-            b.store(v, _ptr(b, y_row, g), align=4)
+                v = _silu_mul(b, v, load(b, up, 16 * g, V(f32, 16), align=4))
+            b.store(v, ptr(b, y_row, g), align=4)
     b.ret_void()
     return fn
 
 
 def _silu_mul(b, g, u):
     """silu(g) * u = g / (1 + exp(-g)) * u."""
-    exp = _intrinsic(b.module, "llvm.exp.v16f32", V(f32, 16), [V(f32, 16)])
+    exp = intrinsic(b.module, "llvm.exp.v16f32", V(f32, 16), [V(f32, 16)])
     one = ir.Constant(V(f32, 16), [1.0] * 16)
     return b.fmul(b.fdiv(g, b.fadd(one, b.call(exp, [b.fsub(ir.Constant(V(f32, 16), [0.0] * 16), g)]))), u)
 
@@ -456,7 +378,7 @@ class MatVec:
         self.layout, self.gate_up = layout, gate_up
         target = target if target is not None else host_target()
         self.isa = _check_isa(isa or target.isa)
-        if ISAS.index(self.isa) < ISAS.index(target.isa):
+        if not self.isa.runs_on(target.isa):
             raise CodegenError(f"kernel ISA {self.isa} needs CPU features the target lacks ({target.describe()})")
         mod = ir.Module(name="matvec")
         emit_quantize_act(mod, "quantize_act", layout.cols, layout.cols_p)

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from ..errors import CflowError
+from ..util import atomic_write_text
 from .cache import _versions, default_cache_dir
 
-GENERATORS = ("step.py", "ops.py", "kernels.py")  # their source is part of the fingerprint
+# Sources the emitted text depends on (relative to the cflow package): part of the fingerprint.
+GENERATORS = ("codegen/step.py", "codegen/ops.py", "codegen/kernels.py", "codegen/cgutils.py", "codegen/abi.py",
+              "layout/tile.py", "layout/packed.py")
 
 
 def _source_digest() -> str:
     h = hashlib.sha256()
-    here = Path(__file__).parent
+    root = Path(__file__).parent.parent
     for name in GENERATORS:
-        h.update((here / name).read_bytes())
-    h.update((here.parent / "passes" / "tile.py").read_bytes())
+        h.update((root / name).read_bytes())
     return h.hexdigest()
 
 
@@ -51,9 +52,6 @@ def save(fp: str, ir_text: str, meta: dict) -> None:
     p = _path(fp)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"fingerprint": fp, "ir": ir_text, "meta": meta}, f)
-        os.replace(tmp, p)
-    except OSError:
+        atomic_write_text(p, json.dumps({"fingerprint": fp, "ir": ir_text, "meta": meta}), durable=False)
+    except (OSError, CflowError):
         pass  # a read-only cache directory only costs speed

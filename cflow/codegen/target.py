@@ -10,10 +10,13 @@ Overrides (for testing the fallback kernels on a capable host):
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 
 import attrs
+
+from ..errors import CodegenError
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -34,6 +37,29 @@ def init_llvm() -> None:
             llvm.initialize_native_target()
             llvm.initialize_native_asmprinter()
             _initialised = True
+
+
+class ISA(enum.StrEnum):
+    """Kernel families, from the most capable down; a kernel runs on any target whose ISA ranks >= its own."""
+
+    AVX512VNNI = "avx512vnni"  # AVX-512 F+BW+VNNI, F16C, FMA: vpdpbusd on 64-byte vectors
+    AVX2 = "avx2"  # AVX2+FMA+F16C: vpmaddubsw/vpmaddwd on 32-byte halves
+    GENERIC = "generic"  # portable IR only (SSE2 baseline on x86-64)
+
+    @property
+    def rank(self) -> int:
+        return {ISA.GENERIC: 0, ISA.AVX2: 1, ISA.AVX512VNNI: 2}[self]
+
+    def runs_on(self, target_isa: ISA | str) -> bool:
+        """Kernels of this ISA can run on a host whose best ISA is `target_isa`."""
+        return self.rank <= ISA.parse(target_isa).rank
+
+    @classmethod
+    def parse(cls, value: ISA | str) -> ISA:
+        try:
+            return cls(value)
+        except ValueError:
+            raise CodegenError(f"unknown kernel ISA {value!r} (expected one of {', '.join(cls)})") from None
 
 
 def _parse_features(text: str) -> dict[str, bool]:
@@ -99,19 +125,19 @@ class Target:
         return self.has_avx512 and self.has("avx512vnni")
 
     @property
-    def isa(self) -> str:
-        """The kernel family this target gets: 'avx512vnni', 'avx2' or 'generic'."""
+    def isa(self) -> ISA:
+        """The kernel family this target gets."""
         if self.has_avx512_vnni:
-            return "avx512vnni"
+            return ISA.AVX512VNNI
         if self.has_avx2 and self.has_fma and self.has_f16c:
-            return "avx2"
-        return "generic"
+            return ISA.AVX2
+        return ISA.GENERIC
 
     def magic_tuple(self) -> tuple[str, str, str]:
         """(triple, cpu, features): everything about the target that changes emitted machine code."""
         return (self.triple, self.cpu, self.features)
 
-    def with_features(self, edits: str) -> "Target":
+    def with_features(self, edits: str) -> Target:
         """A copy with '+feat,-feat' edits applied (tests force fallback paths this way)."""
         feats = self.feature_map
         feats.update(_parse_features(edits))

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
-import shutil
-import tempfile
 import types
 import warnings
 from pathlib import Path
 
 from ..errors import CflowError
+from ..util import atomic_path
 
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above 1 GiB go to a .data file beside the .onnx (protobuf caps at 2 GiB)
 META_PREFIX = "cflow."  # metadata_props we write: name and context only (hints, never structure)
@@ -141,24 +139,18 @@ def export_onnx(model, path, *, name: str | None = None, seq_len: int = 8, exter
     for k, v in meta.items():
         prog.model.metadata_props[k] = str(v)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            prog.save(str(tmp / path.name), external_data=external_data)
-        data = tmp / (path.name + ".data")
-        if data.exists():
-            os.replace(data, path.parent / data.name)
-        os.replace(tmp / path.name, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # atomic_path keeps the file name, so the external data ("NAME.data", which the model refers to by
+    # name) is written beside it and published with it, before the model itself.
+    with atomic_path(path) as tmp, contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog.save(str(tmp), external_data=external_data)
     return path
 
 
 def load_torch_model(spec, seed: int = 0):
     """What `cflow export-onnx MODEL` exports: preset:NAME[@SIZE] (random weights) or a checkpoint directory."""
-    from .load import is_preset_spec
     from ..models import from_preset, parse_preset_spec
+    from .load import is_preset_spec
 
     if is_preset_spec(spec):
         name, size = parse_preset_spec(spec)

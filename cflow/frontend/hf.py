@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import CflowError, UnsupportedModelError
 from ..ir import Graph, build_graph, verify, weight_shapes
-from ..models.config import ModelConfig
+from ..ir.config import ModelConfig
 from .hf_weights import eos_token_ids, hf_weight_plan, layer_kinds_from_names, read_tokenizer
 from .tensors import LazyWeights, SafetensorsDir
 
@@ -316,8 +316,8 @@ def from_hf_module(module, name: str | None = None, max_seq_len: int | None = No
     src = _ModuleSource(module)
     plan = hf_weight_plan(config, kinds, src, where=cls)
     g = build_graph(config, {k: load() for k, load in plan.items()}, name=name)
-    g.meta["eos_token_ids"] = _eos_from(getattr(module, "generation_config", None), cfg)
-    g.meta["source"] = f"transformers:{cls}"
+    g.meta.eos_token_ids = _eos_from(getattr(module, "generation_config", None), cfg)
+    g.meta.source = f"transformers:{cls}"
     return verify(g)
 
 
@@ -368,8 +368,8 @@ def from_hf_dir(path, name: str | None = None, max_seq_len: int | None = None) -
     missing = sorted(set(shapes) - set(plan))  # shapes were checked against the headers: nothing read yet
     if missing:
         raise CflowError(f"{path}: no tensor for weight {missing[0]!r}")
-    g.meta["tokenizer"] = read_tokenizer(path)
-    g.meta["eos_token_ids"] = eos_token_ids(path, cfg)
-    g.meta["source"] = f"hf-dir:{cfg.model_type}"
+    g.meta.tokenizer = read_tokenizer(path)
+    g.meta.eos_token_ids = eos_token_ids(path, cfg)
+    g.meta.source = f"hf-dir:{cfg.model_type}"
     return verify(g)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import CflowError, UnsupportedModelError
 from ..ir import weight_shapes
-from ..models.config import ModelConfig
+from ..ir.config import ModelConfig
 
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _LEGACY = {  # per-expert checkpoint names -> role

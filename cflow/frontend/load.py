@@ -39,7 +39,7 @@ def load_graph(model, weights: bool = True, seed: int = 0) -> Graph:
             from ..models.checkpoint import is_checkpoint_dir
 
             if is_checkpoint_dir(p):
-                from .checkpoint import from_checkpoint
+                from .cflow_dir import from_checkpoint
 
                 return from_checkpoint(p)
             if (p / "config.json").is_file():

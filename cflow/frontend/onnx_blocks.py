@@ -14,8 +14,7 @@ import numpy as np
 
 from ..ir.interp import rope, silu, softmax
 from .onnx_graph import OnnxModel, label
-from .onnx_patterns import (ATTN_OPS, DENSE_OPS, HEAD_OPS, MOE_OPS, Branch, check_ops, descendants, linears,
-                            unsupported)
+from .onnx_patterns import ATTN_OPS, DENSE_OPS, HEAD_OPS, MOE_OPS, Branch, check_ops, descendants, linears, unsupported
 
 
 def classify(om: OnnxModel, b: Branch, where: str) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import CflowError, UnsupportedModelError
 from ..ir import Graph, build_graph, verify
-from ..models.config import ModelConfig
+from ..ir.config import ModelConfig
 from .onnx_blocks import aux_inputs, classify, describe, reference, snap_float
 from .onnx_graph import OnnxModel, load_model_proto
 from .onnx_patterns import Decoder, segment, unsupported
@@ -46,8 +46,8 @@ def from_onnx(path_or_proto, name: str | None = None, max_seq_len: int | None = 
     if check:
         _check_blocks(om, dec, layers)
         _check_positions(om, [l["attn"] for l in layers], config.max_seq_len, config.head_dim, config.rope_theta)
-    g.meta["tokenizer"], g.meta["eos_token_ids"] = None, []  # ONNX files carry none (cflowc --tokenizer)
-    g.meta["source"] = f"onnx:{Path(where).name}"
+    g.meta.tokenizer, g.meta.eos_token_ids = None, []  # ONNX files carry none (cflowc --tokenizer)
+    g.meta.source = f"onnx:{Path(where).name}"
     return verify(g)
 
 

@@ -1,6 +1,6 @@
 """Tensors of a model directory, read lazily: one safetensors file or shards listed by an index.
 
-Shared by Hugging Face directories (hf.py) and cflow checkpoints (checkpoint.py): shapes come from
+Shared by Hugging Face directories (hf.py) and cflow checkpoints (cflow_dir.py): shapes come from
 the file headers, and a tensor (or one expert's slice of a stacked tensor) is read only when asked.
 """
 

@@ -7,8 +7,10 @@ IR weight names: tok_embeddings, blocks.{i}.attn.wq ..., blocks.{i}.moe.experts.
 
 from __future__ import annotations
 
-from ..models.config import ModelConfig
+from . import names as N
+from .config import ModelConfig
 from .graph import INPUT, OUTPUT, Graph
+from .meta import GraphMeta
 from .nodes import Add, Attention, DenseFFN, Embedding, ExpertBank, LMHead, RMSNorm, Router
 
 
@@ -61,49 +63,47 @@ def build_graph(
     trained_delays: the delays the weights were trained with (default: the config's own).
     """
     dd, de = c.dense_delay, c.expert_delay
-    g = Graph(
-        name or c.name,
-        meta=dict(config=c, delays=(dd, de), routing=c.routing,
-                  trained_delays=tuple(trained_delays or (dd, de)), trained_routing=c.routing, quant=None),
-        weights=weights or {},
-    )
-    g.meta["shapes"] = weight_shapes(c)
+    meta = GraphMeta(config=c, trained_delays=tuple(trained_delays or (dd, de)), trained_routing=c.routing,
+                     shapes=weight_shapes(c))
+    g = Graph(name or c.name, meta, weights)
     d, L = c.d_model, c.n_layers
-    g.add(Embedding(name="x0", inputs=(INPUT,), weight="tok_embeddings", vocab=c.vocab_size, dim=d))
-    stream = "x0"  # the residual stream x_{l-1} entering the next layer
+    g.add(Embedding(name=N.EMBED, inputs=(INPUT,), weight="tok_embeddings", vocab=c.vocab_size, dim=d))
+    stream = N.EMBED  # the residual stream x_{l-1} entering the next layer
     experts: dict[int, str] = {}  # e_l by layer
-    for l in range(1, L + 1):
+    for l in range(1, L + 1):  # noqa: E741 (layer index, as in DESIGN's equations)
         p = f"blocks.{c.block_of(l)}"
-        g.add(RMSNorm(name=f"attn_norm.{l}", inputs=(stream,), layer=l, weight=f"{p}.attn_norm", dim=d, eps=c.norm_eps))
-        g.add(Attention(name=f"attn.{l}", inputs=(f"attn_norm.{l}",), layer=l, prefix=f"{p}.attn", dim=d,
+        g.add(RMSNorm(name=N.attn_norm(l), inputs=(stream,), layer=l, weight=f"{p}.attn_norm", dim=d,
+                      eps=c.norm_eps))
+        g.add(Attention(name=N.attn(l), inputs=(N.attn_norm(l),), layer=l, prefix=f"{p}.attn", dim=d,
                         n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                         rope_theta=float(c.rope_theta), bias=c.attn_bias))
-        g.add(Add(name=f"a.{l}", inputs=(stream, f"attn.{l}"), layer=l, dim=d))
-        b = f"a.{l}"
+        g.add(Add(name=N.a(l), inputs=(stream, N.attn(l)), layer=l, dim=d))
+        b = N.a(l)
         if c.has_dense(l):
-            src = f"a.{l - dd}" if l - dd >= 1 else "x0"
-            g.add(RMSNorm(name=f"ffn_norm.{l}", inputs=(src,), layer=l, weight=f"{p}.ffn_norm", dim=d, eps=c.norm_eps))
-            g.add(DenseFFN(name=f"ffn.{l}", inputs=(f"ffn_norm.{l}",), layer=l, prefix=f"{p}.ffn", dim=d, hidden=c.ffn_dim))
-            g.add(Add(name=f"b.{l}", inputs=(f"a.{l}", f"ffn.{l}"), layer=l, dim=d))
-            b = f"b.{l}"
+            g.add(RMSNorm(name=N.ffn_norm(l), inputs=(N.a(l - dd),), layer=l, weight=f"{p}.ffn_norm", dim=d,
+                          eps=c.norm_eps))
+            g.add(DenseFFN(name=N.ffn(l), inputs=(N.ffn_norm(l),), layer=l, prefix=f"{p}.ffn", dim=d,
+                           hidden=c.ffn_dim))
+            g.add(Add(name=N.b(l), inputs=(N.a(l), N.ffn(l)), layer=l, dim=d))
+            b = N.b(l)
         if c.has_moe(l):
-            src = b if c.routing == "post" else f"a.{l}"
-            g.add(RMSNorm(name=f"moe_norm.{l}", inputs=(src,), layer=l, weight=f"{p}.moe_norm", dim=d, eps=c.norm_eps))
-            g.add(Router(name=f"route.{l}", inputs=(f"moe_norm.{l}",), layer=l, weight=f"{p}.moe.router", dim=d,
+            src = b if c.routing == "post" else N.a(l)
+            g.add(RMSNorm(name=N.moe_norm(l), inputs=(src,), layer=l, weight=f"{p}.moe_norm", dim=d, eps=c.norm_eps))
+            g.add(Router(name=N.route(l), inputs=(N.moe_norm(l),), layer=l, weight=f"{p}.moe.router", dim=d,
                          n_experts=c.n_experts, top_k=c.top_k, normalize=c.norm_topk))
-            g.add(ExpertBank(name=f"moe.{l}", inputs=(f"moe_norm.{l}", f"route.{l}"), layer=l, prefix=f"{p}.moe",
+            g.add(ExpertBank(name=N.moe(l), inputs=(N.moe_norm(l), N.route(l)), layer=l, prefix=f"{p}.moe",
                              dim=d, hidden=c.expert_dim, n_experts=c.n_experts, top_k=c.top_k,
                              shared_hidden=c.shared_expert_dim, shared_gate=c.shared_expert_gate))
-            experts[l] = f"moe.{l}"
+            experts[l] = N.moe(l)
         stream = b
         if l - de in experts:
-            g.add(Add(name=f"x.{l}", inputs=(b, experts[l - de]), layer=l, dim=d, role="inject" if de else "residual"))
-            stream = f"x.{l}"
+            g.add(Add(name=N.x(l), inputs=(b, experts[l - de]), layer=l, dim=d, role="inject" if de else "residual"))
+            stream = N.x(l)
     pending = [experts[j] for j in range(L - de + 1, L + 1) if de and j in experts]
     if pending:
-        g.add(Add(name="flush", inputs=(stream, *pending), layer=L + 1, dim=d, role="flush"))
-        stream = "flush"
-    g.add(RMSNorm(name="final_norm", inputs=(stream,), layer=L + 1, weight="norm", dim=d, eps=c.norm_eps))
+        g.add(Add(name=N.FLUSH, inputs=(stream, *pending), layer=L + 1, dim=d, role="flush"))
+        stream = N.FLUSH
+    g.add(RMSNorm(name=N.FINAL_NORM, inputs=(stream,), layer=L + 1, weight="norm", dim=d, eps=c.norm_eps))
     head = "tok_embeddings" if c.tie_embeddings else "lm_head"
-    g.add(LMHead(name=OUTPUT, inputs=("final_norm",), layer=L + 1, weight=head, dim=d, vocab=c.vocab_size))
+    g.add(LMHead(name=OUTPUT, inputs=(N.FINAL_NORM,), layer=L + 1, weight=head, dim=d, vocab=c.vocab_size))
     return g

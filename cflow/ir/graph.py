@@ -7,12 +7,12 @@ structure print identically however they were built or rewritten.
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Iterator
+from collections.abc import Iterator
 
 import networkx as nx
 
 from ..errors import VerifyError
+from .meta import GraphMeta
 from .nodes import Node
 
 INPUT = "ids"  # the graph input: token ids
@@ -34,16 +34,12 @@ def sort_key(node: Node) -> tuple:
 
 
 class Graph:
-    """Nodes by name, the DAG of their data dependencies, weights by name, and metadata.
+    """Nodes by name, the DAG of their data dependencies, weights by name, and metadata (ir/meta.py)."""
 
-    meta keys: config (ModelConfig), delays ((dd, de) the DAG implements), trained_delays ((dd, de)
-    the weights were trained with), routing ('post'|'pre'), quant (None or weight dtype label).
-    """
-
-    def __init__(self, name: str = "model", meta: dict[str, Any] | None = None, weights: dict | None = None):
+    def __init__(self, name: str, meta: GraphMeta, weights=None):
         self.name = name
-        self.meta: dict[str, Any] = dict(meta or {})
-        self.weights: dict[str, Any] = dict(weights or {})
+        self.meta: GraphMeta = meta
+        self.weights = weights if weights is not None else {}  # a Mapping: name -> array or QTensor
         self._nodes: dict[str, Node] = {}
         self._dag = nx.DiGraph()
 
@@ -140,11 +136,11 @@ class Graph:
 
     @property
     def config(self):
-        return self.meta["config"]
+        return self.meta.config
 
-    def copy(self) -> "Graph":
+    def copy(self) -> Graph:
         """A new graph with the same nodes and meta; weights are shared (passes never mutate arrays)."""
-        g = Graph(self.name, copy.copy(self.meta), self.weights)
+        g = Graph(self.name, self.meta.copy(), self.weights)
         for n in self._nodes.values():
             g._nodes[n.name] = n
         g._dag = self._dag.copy()

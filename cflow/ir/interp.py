@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CflowError, VerifyError
+from ..layout.quant import DType, QTensor, dequantize, quantize_activation_q8
 from .graph import INPUT, OUTPUT, Graph
 from .nodes import Add, Attention, DenseFFN, Embedding, ExpertBank, LMHead, Node, RMSNorm, Router
-from .quant import DType, QTensor, dequantize, quantize_activation_q8
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -50,8 +50,7 @@ class Interpreter:
         self.act_quant = act_quant
         self.cache_weights = cache_weights  # False: re-derive float weights per use (models near RAM size)
         self.order: list[Node] = list(graph.nodes())
-        cfg = graph.meta.get("config")
-        self.max_seq_len = max_seq_len or (cfg.max_seq_len if cfg is not None else 1 << 30)
+        self.max_seq_len = max_seq_len or graph.config.max_seq_len
         self._dense: dict[str, np.ndarray] = {}
         self._codes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.reset()

@@ -29,7 +29,7 @@ class Node:
         """Names of the weight tensors in Graph.weights this op reads (all experts for a bank)."""
         return ()
 
-    def with_inputs(self, *inputs: str) -> "Node":
+    def with_inputs(self, *inputs: str) -> Node:
         return attrs.evolve(self, inputs=inputs)
 
 

@@ -54,8 +54,8 @@ def _weight_note(g: Graph, node: Node) -> str:
     if not names:
         return ""
     ref = getattr(node, "weight", None) or getattr(node, "prefix", None)
-    dtypes = g.meta.get("weight_dtypes", {})
-    dts = sorted({dtypes[n] for n in names if n in dtypes})
+    dtypes = g.meta.weight_dtypes
+    dts = sorted({dtypes[n].label for n in names if n in dtypes})
     return f"  {{{ref}{': ' + '/'.join(dts) if dts else ''}}}"
 
 
@@ -66,12 +66,12 @@ def format_node(g: Graph, node: Node) -> str:
 
 def format_header(g: Graph) -> str:
     m = g.meta
-    dd, de = m.get("delays", (0, 0))
-    parts = [f"dd={dd}", f"de={de}", f"routing={m.get('routing', 'post')}"]
-    if tuple(m.get("trained_delays", (dd, de))) != (dd, de):
-        parts.append("trained_delays={},{}".format(*m["trained_delays"]))
-    if m.get("quant"):
-        parts.append(f"quant={m['quant']}")
+    dd, de = m.delays
+    parts = [f"dd={dd}", f"de={de}", f"routing={m.routing}"]
+    if tuple(m.trained_delays) != (dd, de):
+        parts.append("trained_delays={},{}".format(*m.trained_delays))
+    if m.quant is not None:
+        parts.append(f"quant={m.quant.label}")
     return f"graph {g.name}(%{INPUT}: i32[T]) {{{', '.join(parts)}}}"
 
 

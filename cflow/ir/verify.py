@@ -28,10 +28,10 @@ def verify(g: Graph) -> Graph:
     order = list(g.nodes())  # raises on a cycle
     if OUTPUT not in g or not isinstance(g[OUTPUT], LMHead):
         _fail(g, None, f"no %{OUTPUT} lm_head node")
-    dd, de = g.meta.get("delays", (0, 0))
+    dd, de = g.meta.delays
     if dd < 0 or de < 0:
         _fail(g, None, f"negative delays dd={dd}, de={de}")
-    shapes = g.meta.get("shapes", {})
+    shapes = g.meta.shapes
     for n in order:
         if n.kind == "embedding" and n.inputs != (INPUT,):
             _fail(g, n, f"embedding must read %{INPUT}")

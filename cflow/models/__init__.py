@@ -3,7 +3,7 @@
 `ModelConfig` and `PRESETS` import without torch; `PipelineNativeLM` and `from_preset` need torch.
 """
 
-from .config import ModelConfig
+from ..ir.config import ModelConfig
 from .bundled import default_model_dir
 from .presets import ARCHS, PRESETS, SIZES, get_preset, parse_preset_spec
 

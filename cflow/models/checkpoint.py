@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from ..errors import CflowError, ConfigError
-from .config import ModelConfig
+from ..ir.config import ModelConfig
+from ..util import atomic_path
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -37,31 +36,29 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def save_checkpoint(model, path: str | os.PathLike, tokenizer_json: str | None = None, dtype=None) -> Path:
-    """Write `model` (a PipelineNativeLM) as a checkpoint directory, atomically (temp dir + rename)."""
-    import torch
-    from safetensors.torch import save_file
-
+    """Write `model` (a PipelineNativeLM) as a checkpoint directory, atomically: a complete new
+    directory replaces any old one at `path` (cflow.util.atomic_path)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=path.parent))
-    try:
-        cfg = {"format": "cflow", **model.config.to_dict()}
-        (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        if dtype is not None:
-            sd = {k: v.to(dtype) for k, v in sd.items()}
-        if model.config.tie_embeddings:
-            sd.pop("lm_head.weight", None)
-        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        if tokenizer_json is not None:
-            (tmp / TOKENIZER).write_text(tokenizer_json)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_path(path, directory=True) as tmp:
+        write_checkpoint(model, tmp, tokenizer_json, dtype)
     return path
+
+
+def write_checkpoint(model, directory: Path, tokenizer_json: str | None = None, dtype=None) -> None:
+    """The checkpoint files, written into an existing (private, unpublished) `directory`."""
+    from safetensors.torch import save_file
+
+    cfg = {"format": "cflow", **model.config.to_dict()}
+    (directory / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(directory / WEIGHTS), metadata={"format": "pt"})
+    if tokenizer_json is not None:
+        (directory / TOKENIZER).write_text(tokenizer_json)
 
 
 def load_checkpoint(path: str | os.PathLike):
@@ -76,7 +73,7 @@ def load_checkpoint(path: str | os.PathLike):
     wpath = Path(path) / WEIGHTS
     try:
         sd = load_file(str(wpath))
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types for corrupt headers
         raise CflowError(f"{wpath}: cannot read weights ({e})") from None
     sd = {k: v.to(torch.float32) for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)

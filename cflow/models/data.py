@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 EOT = "<|endoftext|>"  # end-of-text special token, placed between stories
 

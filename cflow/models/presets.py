@@ -8,7 +8,7 @@ weight sharing). `114m` approximates the paper's 114M screening model (d_model 5
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .config import ModelConfig
+from ..ir.config import ModelConfig
 
 # Geometry per size. 114m: vocab 12288 (untied head) with MHA 8x64, dense FFN 2048 and 8 experts of
 # width 1024 gives 113.3M stored parameters (see docs/analysis.md; `ModelConfig.n_params`).

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from ..ir.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

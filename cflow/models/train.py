@@ -23,14 +23,14 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ..errors import CflowError
-from .checkpoint import TOKENIZER, save_checkpoint
+from ..util import atomic_path, recover_atomic
+from .checkpoint import TOKENIZER, write_checkpoint
 from .data import DATA_NOTICE, EOT, batches, encode_stories, eval_windows, load_split
 
 STATE = "train_state.pt"
@@ -72,7 +72,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -81,7 +81,7 @@ class TrainConfig:
 def prepare_data(data: str | os.PathLike, tokenizer=None, cfg: TrainConfig | None = None):
     """Text file -> (tokenizer, train ids, validation ids). Without a tokenizer, a byte-level BPE of
     cfg.vocab_size is trained on the training split only."""
-    from .tokenizer import load_tokenizer, train_bpe
+    from .bpe import load_tokenizer, train_bpe
 
     cfg = cfg or TrainConfig()
     p = Path(data)
@@ -188,43 +188,19 @@ def evaluate(model, windows) -> dict:
 
 
 # --- run directory --------------------------------------------------------------------------
-def _old(out: Path) -> Path:
-    return out.parent / f".{out.name}.old"
-
-
-def recover(out: Path) -> None:
-    """Finish an interrupted swap: if OUT is missing but its previous version survives, restore it."""
-    old = _old(out)
-    if not out.exists() and old.exists():
-        os.rename(old, out)
-    elif old.exists():
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in out.parent.glob(f".{out.name}.staging-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
 def _save_run(out: Path, model, opt, step: int, gen, history: dict, cfg: TrainConfig, tokenizer_json: str) -> None:
+    """The whole run directory at once: checkpoint + training state replace the previous save together
+    (a crash mid-swap is undone by recover_atomic at the next start)."""
     import torch
 
-    from ..util import atomic_write_text
-
-    staging = out.parent / f".{out.name}.staging-{os.getpid()}"
-    save_checkpoint(model, staging, tokenizer_json=tokenizer_json)
-    try:
+    with atomic_path(out, directory=True) as staging:
+        write_checkpoint(model, staging, tokenizer_json=tokenizer_json)
         state = {"step": step, "optimizer": opt.state_dict(), "data_rng": gen.get_state(),
                  "torch_rng": torch.random.get_rng_state()}
         torch.save(state, staging / STATE)
-        atomic_write_text(staging / HISTORY, json.dumps(history) + "\n")
-        atomic_write_text(staging / ARGS, json.dumps(cfg.to_dict(), indent=2) + "\n")
-        atomic_write_text(staging / NOTICE, DATA_NOTICE)
-        old = _old(out)
-        if out.exists():
-            os.rename(out, old)
-        os.rename(staging, out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        (staging / HISTORY).write_text(json.dumps(history) + "\n")
+        (staging / ARGS).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (staging / NOTICE).write_text(DATA_NOTICE)
 
 
 def read_history(out: str | os.PathLike) -> dict | None:
@@ -300,7 +276,7 @@ def train(
     progress: str = "auto",
     log: Callable[[str], None] | None = None,
     stop_after: int | None = None,
-) -> "RunResult":
+) -> RunResult:
     """Train cfg.preset at cfg.size on token streams and write the run directory `out`.
 
     resume: continue the run saved in `out` (exactly; cfg.steps may be raised). force: replace it.
@@ -312,13 +288,13 @@ def train(
     import torch
     import torch.nn.functional as F
 
+    from .bpe import load_tokenizer
     from .checkpoint import load_checkpoint
-    from .tokenizer import load_tokenizer
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    recover(out)
+    recover_atomic(out)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     vocab = load_tokenizer(tokenizer_json).get_vocab_size()
@@ -444,7 +420,7 @@ def generate_text(model, tokenizer, prompt: str = "", max_new_tokens: int = 100,
     The prompt is preceded by <|endoftext|> (the model saw it before every story)."""
     import torch
 
-    from .tokenizer import eot_id
+    from .bpe import eot_id
 
     eot = eot_id(tokenizer)
     ids = [eot] + tokenizer.encode(prompt).ids

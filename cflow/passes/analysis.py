@@ -13,7 +13,7 @@ import json
 import attrs
 
 from ..ir import Graph, Node
-from ..ir.quant import DType, matrix_bytes
+from ..layout.quant import DType, matrix_bytes
 
 F32_KINDS = ("router",)  # router weights stay f32 whatever the quantisation
 
@@ -26,7 +26,7 @@ def _tensor_bytes(shape: tuple[int, ...], dtype: DType) -> int:
 
 def op_bytes(g: Graph, n: Node, dtype: DType) -> int:
     """Weight bytes op `n` streams for one token (0 for ops without matrices)."""
-    shapes = g.meta["shapes"]
+    shapes = g.meta.shapes
     if n.kind in ("embedding", "rmsnorm", "add"):
         return 0  # one embedding row and norm vectors: negligible, not streamed as matrices
     dt = DType.F32 if n.kind in F32_KINDS else dtype
@@ -99,6 +99,6 @@ def analyze(g: Graph, quant: str | DType = "q4") -> Analysis:
     path.reverse()
     ops = [dict(name=n.name, layer=n.layer, kind=n.kind, bytes=w[n.name], inputs=list(n.inputs)) for n in order]
     return Analysis(
-        name=g.name, quant=dtype.label, delays=tuple(g.meta["delays"]), routing=g.meta["routing"], ops=ops,
+        name=g.name, quant=dtype.label, delays=g.meta.delays, routing=g.meta.routing, ops=ops,
         sequential_bytes=sum(w.values()), critical_bytes=best[end], critical_path=[p for p in path if w[p]],
     )

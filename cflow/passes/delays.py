@@ -9,7 +9,8 @@ from __future__ import annotations
 import warnings
 
 from ..errors import PassError
-from ..ir import Add, Graph
+from ..ir import Add, Graph, RMSNorm
+from ..ir import names as N
 from .manager import Pass, graph_pass
 
 
@@ -24,11 +25,12 @@ def _check_layers(g: Graph, name: str, value: int) -> None:
 
 
 def _warn_if_changed(g: Graph, what: str) -> None:
-    trained = (tuple(g.meta.get("trained_delays", g.meta["delays"])), g.meta.get("trained_routing", g.meta["routing"]))
-    if (tuple(g.meta["delays"]), g.meta["routing"]) != trained:
-        dd, de = g.meta["delays"]
+    m = g.meta
+    trained = (tuple(m.trained_delays), m.trained_routing)
+    if (m.delays, m.routing) != trained:
+        dd, de = m.delays
         warnings.warn(
-            f"{what}: the DAG now has dd={dd}, de={de}, routing={g.meta['routing']} but the weights of {g.name} were "
+            f"{what}: the DAG now has dd={dd}, de={de}, routing={m.routing} but the weights of {g.name} were "
             f"trained with dd={trained[0][0]}, de={trained[0][1]}, routing={trained[1]}; this changes the model's "
             "function (only models trained with these delays keep their quality)",
             DelayRewriteWarning,
@@ -38,7 +40,12 @@ def _warn_if_changed(g: Graph, what: str) -> None:
 
 def _stream_after_ffn(g: Graph, layer: int) -> str:
     """b_l if the layer has a dense FFN, else a_l (b_l = a_l)."""
-    return f"b.{layer}" if f"b.{layer}" in g else f"a.{layer}"
+    return N.b(layer) if N.b(layer) in g else N.a(layer)
+
+
+def _norms(g: Graph, role: str) -> list[RMSNorm]:
+    """The norms of one role (ffn_norm, moe_norm) in every layer."""
+    return [n for n in g.nodes() if isinstance(n, RMSNorm) and N.role(n.name) == role]
 
 
 def dense_delay(dd: int) -> Pass:
@@ -48,11 +55,9 @@ def dense_delay(dd: int) -> Pass:
     def run(g: Graph, ctx) -> Graph:
         _check_layers(g, "dense_delay", dd)
         g = g.copy()
-        for n in list(g.nodes()):
-            if n.name.startswith("ffn_norm."):
-                g.replace(n.with_inputs(f"a.{n.layer - dd}" if n.layer - dd >= 1 else "x0"))
-        g.meta["delays"] = (dd, g.meta["delays"][1])
-        g.meta["config"] = g.config.evolve(dense_delay=dd)  # the config always describes the DAG
+        for n in _norms(g, "ffn_norm"):
+            g.replace(n.with_inputs(N.a(n.layer - dd)))
+        g.meta.config = g.config.evolve(dense_delay=dd)  # the config always describes the DAG
         _warn_if_changed(g, "dense_delay")
         return g
 
@@ -69,16 +74,16 @@ def expert_delay(de: int) -> Pass:
         L = g.config.n_layers
         # 1. Take out the old injections: readers of x_l read the stream it extended.
         for n in reversed(list(g.nodes())):
-            if n.name.startswith("x.") or n.name == "flush":
+            if N.role(n.name) in (N.role(N.x(1)), N.FLUSH):
                 g.replace_all_uses(n.name, n.inputs[0])
                 g.remove(n.name)
         # 2. Inject e_{l-de} at layer l; later layers read the new stream version.
         stream = None
         for layer in range(1, L + 1):
             stream = _stream_after_ffn(g, layer)
-            src = f"moe.{layer - de}"
+            src = N.moe(layer - de)
             if layer - de >= 1 and src in g:
-                x = f"x.{layer}"
+                x = N.x(layer)
                 g.add(Add(name=x, inputs=(stream, src), layer=layer, dim=g[stream].dim, role="inject" if de else "residual"))
                 for u in g.users(stream):
                     if g[u].layer > layer:
@@ -86,13 +91,12 @@ def expert_delay(de: int) -> Pass:
                         g.replace(node.with_inputs(*(x if i == stream else i for i in node.inputs)))
                 stream = x
         # 3. Flush what is still pending after the last layer.
-        pending = [f"moe.{j}" for j in range(L - de + 1, L + 1) if de and f"moe.{j}" in g]
+        pending = [N.moe(j) for j in range(L - de + 1, L + 1) if de and N.moe(j) in g]
         if pending:
-            final = g["final_norm"]
-            g.add(Add(name="flush", inputs=(final.inputs[0], *pending), layer=L + 1, dim=final.dim, role="flush"))
-            g.replace(final.with_inputs("flush"))
-        g.meta["delays"] = (g.meta["delays"][0], de)
-        g.meta["config"] = g.config.evolve(expert_delay=de)
+            final = g[N.FINAL_NORM]
+            g.add(Add(name=N.FLUSH, inputs=(final.inputs[0], *pending), layer=L + 1, dim=final.dim, role="flush"))
+            g.replace(final.with_inputs(N.FLUSH))
+        g.meta.config = g.config.evolve(expert_delay=de)
         _warn_if_changed(g, "expert_delay")
         return g
 
@@ -107,11 +111,9 @@ def routing_point(where: str) -> Pass:
     @graph_pass(name="routing_point")
     def run(g: Graph, ctx) -> Graph:
         g = g.copy()
-        for n in list(g.nodes()):
-            if n.name.startswith("moe_norm."):
-                g.replace(n.with_inputs(_stream_after_ffn(g, n.layer) if where == "post" else f"a.{n.layer}"))
-        g.meta["routing"] = where
-        g.meta["config"] = g.config.evolve(routing=where)
+        for n in _norms(g, "moe_norm"):
+            g.replace(n.with_inputs(_stream_after_ffn(g, n.layer) if where == "post" else N.a(n.layer)))
+        g.meta.config = g.config.evolve(routing=where)
         _warn_if_changed(g, "routing_point")
         return g
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import attrs
 
 from ..ir import Graph
-from ..ir.quant import DType, QTensor, dequantize, quantize
+from ..layout.quant import DType, QTensor, dequantize, quantize
 from .manager import Pass, graph_pass
 
 F32_SUFFIXES = (".router", ".shared_gate")
@@ -57,7 +57,7 @@ class QuantizedWeights(Mapping):
 
 
 def quantize_weights(quant: str | DType) -> Pass:
-    """Give every weight its storage type (see module docstring); meta['quant'] records the choice."""
+    """Give every weight its storage type (see module docstring); meta.quant records the choice."""
     q = DType.parse(quant) if isinstance(quant, str) else DType(quant)
 
     @graph_pass(name="quantize_weights")
@@ -67,12 +67,12 @@ def quantize_weights(quant: str | DType) -> Pass:
         aliases = {}
         if head.weight != "lm_head":
             # Tied embeddings: the head streams its own quantised copy (the embedding row stays f16).
-            g.meta["shapes"] = {**g.meta["shapes"], "lm_head": g.meta["shapes"][head.weight]}
+            g.meta.shapes = {**g.meta.shapes, "lm_head": g.meta.shapes[head.weight]}
             aliases["lm_head"] = head.weight
             g.replace(attrs.evolve(head, weight="lm_head"))
-        dtypes = {name: weight_dtype(name, shape, q) for name, shape in g.meta["shapes"].items()}
-        g.meta["quant"] = q.label
-        g.meta["weight_dtypes"] = {n: d.label for n, d in dtypes.items()}
+        dtypes = {name: weight_dtype(name, shape, q) for name, shape in g.meta.shapes.items()}
+        g.meta.quant = q
+        g.meta.weight_dtypes = dtypes
         if g.weights:
             g.weights = QuantizedWeights(g.weights, dtypes, aliases)
         return g

@@ -10,21 +10,47 @@ pipelining). Values get buffer slots by liveness: the residual ring buffer is th
 
 from __future__ import annotations
 
-import json
+import enum
 from collections import defaultdict
 
 import attrs
 
 from ..errors import PassError
 from ..ir import Add, Attention, DenseFFN, Embedding, ExpertBank, Graph, LMHead, RMSNorm, Router
-from . import tile as T
+from ..layout import tile as T
+from .manager import state_pass
 from .pack import node_tensors
+
+
+class Phase(enum.StrEnum):
+    """One kernel phase of an op (the value is what the file's schedule section stores)."""
+
+    EMBED = "embed"  # embedding row -> stream
+    QKV = "qkv"  # norm prologue + fused QKV mat-vec
+    CORE = "core"  # RoPE, KV-cache write, softmax(qK)V
+    O = "o"  # noqa: E741 (attention output projection)
+    UP = "up"  # norm prologue + gate/up mat-vec with SiLU (dense FFN, or router + chosen experts)
+    DOWN = "down"  # down mat-vec (experts: weighted sum over the chosen k)
+    ADD = "add"  # residual / injection / flush add on this thread's rows
+    HEAD = "head"  # final norm prologue + LM head mat-vec
+
+
+class Pool(enum.StrEnum):
+    """Buffer pools: values of one kind share slots of one width (allocated by liveness)."""
+
+    STREAM = "stream"  # residual stream versions (the ring buffer): d_model
+    EXPERT = "expert"  # expert outputs pending injection: d_model
+    QKV = "qkv"  # fused q|k|v projections
+    ATTN = "attn"  # attention output before Wo
+    FFN_H = "ffn_h"  # dense FFN hidden
+    MOE_H = "moe_h"  # chosen experts' hiddens (+ shared expert)
+    LOGITS = "logits"  # vocab
 
 
 @attrs.frozen
 class Step:
     op: str  # IR node name
-    phase: str  # embed | qkv | core | o | up | down | add | head
+    phase: Phase
     layer: int
     stage: int
     full_reads: tuple[str, ...]  # values read whole (through a norm, or a whole internal buffer)
@@ -38,7 +64,7 @@ class Step:
 @attrs.frozen
 class Buffer:
     name: str
-    pool: str  # stream | expert | qkv | attn | ffn_h | moe_h | logits
+    pool: Pool
     floats: int
     slot: int
     first: int  # stage written
@@ -92,7 +118,7 @@ def build_schedule(g: Graph, tile=T.DEFAULT_TILE) -> Schedule:
     for n in g.nodes():
         ts = node_tensors(g, n, tile)
         if isinstance(n, Embedding):
-            add_step(n, "embed", 0, writes=[n.name], tensors=[t.name for t in ts], nbytes=0)
+            add_step(n, Phase.EMBED, 0, writes=[n.name], tensors=[t.name for t in ts], nbytes=0)
         elif isinstance(n, (RMSNorm, Router)):
             continue  # fused into the reading step
         elif isinstance(n, Attention):
@@ -100,16 +126,16 @@ def build_schedule(g: Graph, tile=T.DEFAULT_TILE) -> Schedule:
             s = ready[src] + 1
             by = {t.name: t for t in ts}
             qkv = [t for t in ts if t.name.endswith((".wqkv", ".bq", ".bk", ".bv"))]
-            add_step(n, "qkv", s, full=[src], writes=[f"qkv.{n.layer}"], tensors=[t.name for t in qkv],
+            add_step(n, Phase.QKV, s, full=[src], writes=[f"qkv.{n.layer}"], tensors=[t.name for t in qkv],
                      nbytes=sum(t.nbytes for t in qkv), norm=norm)
-            add_step(n, "core", s + 1, full=[f"qkv.{n.layer}"], writes=[f"att.{n.layer}"])
+            add_step(n, Phase.CORE, s + 1, full=[f"qkv.{n.layer}"], writes=[f"att.{n.layer}"])
             wo = by[f"{n.prefix}.wo"]
-            add_step(n, "o", s + 2, full=[f"att.{n.layer}"], writes=[n.name], tensors=[wo.name], nbytes=wo.nbytes)
+            add_step(n, Phase.O, s + 2, full=[f"att.{n.layer}"], writes=[n.name], tensors=[wo.name], nbytes=wo.nbytes)
         elif isinstance(n, DenseFFN):
             src, norm = _norm_source(g, n.inputs[0])
             s = ready[src] + 1
-            add_step(n, "up", s, full=[src], writes=[f"ffn_h.{n.layer}"], tensors=[ts[0].name], nbytes=ts[0].nbytes, norm=norm)
-            add_step(n, "down", s + 1, full=[f"ffn_h.{n.layer}"], writes=[n.name], tensors=[ts[1].name], nbytes=ts[1].nbytes)
+            add_step(n, Phase.UP, s, full=[src], writes=[f"ffn_h.{n.layer}"], tensors=[ts[0].name], nbytes=ts[0].nbytes, norm=norm)
+            add_step(n, Phase.DOWN, s + 1, full=[f"ffn_h.{n.layer}"], writes=[n.name], tensors=[ts[1].name], nbytes=ts[1].nbytes)
         elif isinstance(n, ExpertBank):
             src, norm = _norm_source(g, n.inputs[0])
             router = g[n.inputs[1]]
@@ -121,14 +147,14 @@ def build_schedule(g: Graph, tile=T.DEFAULT_TILE) -> Schedule:
             down = per_e(".w_down") + [t for t in shared if t.name.endswith(".w_down")]
             k_up = n.top_k * per_e(".w_gate_up")[0].nbytes + sum(t.nbytes for t in shared if not t.name.endswith(".w_down"))
             k_down = n.top_k * per_e(".w_down")[0].nbytes + sum(t.nbytes for t in shared if t.name.endswith(".w_down"))
-            add_step(n, "up", s, full=[src], writes=[f"moe_h.{n.layer}"], tensors=[t.name for t in rt + up],
+            add_step(n, Phase.UP, s, full=[src], writes=[f"moe_h.{n.layer}"], tensors=[t.name for t in rt + up],
                      nbytes=sum(t.nbytes for t in rt) + k_up, norm=norm)
-            add_step(n, "down", s + 1, full=[f"moe_h.{n.layer}"], writes=[n.name], tensors=[t.name for t in down], nbytes=k_down)
+            add_step(n, Phase.DOWN, s + 1, full=[f"moe_h.{n.layer}"], writes=[n.name], tensors=[t.name for t in down], nbytes=k_down)
         elif isinstance(n, Add):
-            add_step(n, "add", max(ready[i] for i in n.inputs), rows=n.inputs, writes=[n.name])
+            add_step(n, Phase.ADD, max(ready[i] for i in n.inputs), rows=n.inputs, writes=[n.name])
         elif isinstance(n, LMHead):
             src, norm = _norm_source(g, n.inputs[0])
-            add_step(n, "head", ready[src] + 1, full=[src], writes=[n.name], tensors=[t.name for t in ts],
+            add_step(n, Phase.HEAD, ready[src] + 1, full=[src], writes=[n.name], tensors=[t.name for t in ts],
                      nbytes=sum(t.nbytes for t in ts), norm=norm)
         else:
             raise PassError(f"schedule: no step for %{n.name} ({n.kind})")
@@ -138,22 +164,24 @@ def build_schedule(g: Graph, tile=T.DEFAULT_TILE) -> Schedule:
     return Schedule(name=g.name, stages=stages, buffers=buffers, pools=pools)
 
 
-def _pool_of(g: Graph, value: str) -> tuple[str, int]:
+def _pool_of(g: Graph, value: str) -> tuple[Pool, int]:
+    """The pool of a value and its width in floats: internal buffers by name, IR values by node kind."""
     c = g.config
     stem = value.split(".")[0]
     if stem == "qkv":
-        return "qkv", c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
+        return Pool.QKV, c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
     if stem == "att":
-        return "attn", c.head_dim * c.n_heads
+        return Pool.ATTN, c.head_dim * c.n_heads
     if stem == "ffn_h":
-        return "ffn_h", c.ffn_dim
+        return Pool.FFN_H, c.ffn_dim
     if stem == "moe_h":
-        return "moe_h", c.top_k * c.expert_dim + c.shared_expert_dim
-    if stem == "moe":
-        return "expert", c.d_model
-    if stem == "logits":
-        return "logits", c.vocab_size
-    return "stream", c.d_model
+        return Pool.MOE_H, c.top_k * c.expert_dim + c.shared_expert_dim
+    node = g.get(value)
+    if isinstance(node, ExpertBank):
+        return Pool.EXPERT, c.d_model
+    if isinstance(node, LMHead):
+        return Pool.LOGITS, c.vocab_size
+    return Pool.STREAM, c.d_model
 
 
 def _allocate(g: Graph, steps: list[Step], n_stages: int):
@@ -184,8 +212,8 @@ def _allocate(g: Graph, steps: list[Step], n_stages: int):
 
 def format_schedule(s: Schedule) -> str:
     """Readable, stable text: one line per step, grouped by stage."""
-    ring = s.pools.get("stream", (0, 0))[0]
-    pend = s.pools.get("expert", (0, 0))[0]
+    ring = s.pools.get(Pool.STREAM, (0, 0))[0]
+    pend = s.pools.get(Pool.EXPERT, (0, 0))[0]
     total = sum(st.nbytes for st in s.steps())
     lines = [f"schedule {s.name}: {s.n_stages} stages, {sum(len(x) for x in s.stages)} steps, "
              f"residual ring {ring} stream slots + {pend} expert slots, {total:,} weight bytes/token"]
@@ -204,5 +232,7 @@ def format_schedule(s: Schedule) -> str:
     return "\n".join(lines) + "\n"
 
 
-def schedule_json(s: Schedule) -> str:
-    return json.dumps(s.to_json(), sort_keys=True)
+@state_pass(name="schedule_stages", requires=("plan_packing",))
+def schedule_stages(state, ctx):
+    """Stage every kernel step and allocate buffers (the static decode schedule)."""
+    return state.evolve(schedule=build_schedule(state.graph, state.tile))

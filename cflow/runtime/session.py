@@ -12,36 +12,33 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import threading
 
 import numpy as np
 
-from ..errors import CflowError, FormatError, RuntimeFault
-from ..ir import build_graph
-from ..models.config import ModelConfig
-from .reader import FileReader
+from ..codegen.abi import (
+    BARRIER_WORDS,
+    CTL_WORDS,
+    KICK_SYMBOL,
+    PARAM_WORDS,
+    STEP_SYMBOL,
+    WORKER_SYMBOL,
+    Binding,
+    CtlWord,
+    Param,
+)
+from ..errors import FormatError, RuntimeFault
+from ..ir.config import ModelConfig
+from ..layout.tile import aligned_empty
+from ..passes.pipeline import plan_from_header
+from ..passes.schedule import Pool
+from .format import FileReader
+from .format.spec import FORMAT_NAME
 
 
-def _aligned(nbytes: int, align: int = 4096) -> np.ndarray:
-    raw = np.zeros(nbytes + align, np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off : off + nbytes]
-
-
-def lowered_from_header(h: dict, path: str):
-    """Rebuild the Compiled plan the header claims (config -> IR -> passes), to check it against the file."""
-    from ..compiler import lower
-
-    try:
-        cfg = ModelConfig.from_dict(h["config"])
-        tile = tuple(int(v) for v in h["tile"])
-        g = build_graph(cfg, None, name=h.get("name", cfg.name), trained_delays=tuple(h.get("trained_delays", cfg.delays)))
-        c = lower(g, h["quant"], tile, None, layout="vflow")
-    except CflowError as e:
-        raise FormatError(f"{path}: header does not describe a valid model: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"{path}: header field missing or malformed: {type(e).__name__}: {e}") from None
-    return c, tile
+def _zeros(nbytes: int, align: int = 4096) -> np.ndarray:
+    return aligned_empty(nbytes, align, zero=True)
 
 
 class Session:
@@ -49,17 +46,16 @@ class Session:
 
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
                  cache=None, profile: bool = False):
-        import os
-
         self.path = str(path)
         self.reader = FileReader(self.path)
         if verify:
             self.reader.verify()
         h = self.reader.header
-        if h.get("format") != "cflow":
-            raise FormatError(f"{self.path}: header format {h.get('format')!r} is not 'cflow'")
+        if h.get("format") != FORMAT_NAME:
+            raise FormatError(f"{self.path}: header format {h.get('format')!r} is not {FORMAT_NAME!r}")
         self.header = h
-        self.compiled, self.tile = lowered_from_header(h, self.path)
+        self.compiled = plan_from_header(h, self.path)  # the plan the header claims, re-derived
+        self.tile = self.compiled.tile
         self.config: ModelConfig = self.compiled.graph.config
         self._check_plan()
         self.threads = max(1, int(threads or len(os.sched_getaffinity(0))))
@@ -73,8 +69,7 @@ class Session:
     # --- validation -----------------------------------------------------------------------------
     def _check_plan(self) -> None:
         c, h, p = self.compiled, self.header, self.path
-        planned = {n: {"form": t.form, "parts": list(t.parts), "part_shapes": [list(s) for s in t.part_shapes],
-                       "dtype": t.dtype.label} for n, t in c.tensors.items()}
+        planned = {n: t.to_json() for n, t in c.tensors.items()}
         if h.get("packing") != planned:
             raise FormatError(f"{p}: header section 'packing' does not match the packing the config implies")
         if json.dumps(h.get("schedule"), sort_keys=True) != json.dumps(c.schedule.to_json(), sort_keys=True):
@@ -93,12 +88,10 @@ class Session:
 
     # --- native code ----------------------------------------------------------------------------
     def _build(self, cache) -> None:
-        from ..codegen.library import Library
-        from ..codegen.step import emit_step
-        from ..codegen.target import host_target
-
         from ..codegen import program_cache
-        from ..codegen.step import StepProgram
+        from ..codegen.library import Library
+        from ..codegen.step import StepProgram, build_step
+        from ..codegen.target import host_target
 
         target = host_target()
         fp = program_cache.fingerprint(self.header, target.isa, self.max_seq, self.profile) if cache is not False else None
@@ -110,7 +103,7 @@ class Session:
             except (KeyError, TypeError, ValueError):
                 self.program = None
         if self.program is None:
-            self.program = emit_step(self.compiled, target.isa, self.max_seq, profile=self.profile)
+            self.program = build_step(self.compiled, target.isa, self.max_seq, profile=self.profile)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())
@@ -118,11 +111,11 @@ class Session:
         self.library.add_ir(ir_text)
         self.library.finalize()
         vp = ctypes.c_void_p
-        self._fn = self.library.get_cfunc("cflow_step", None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp)
+        self._fn = self.library.get_cfunc(STEP_SYMBOL, None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp)
 
     def _alloc(self) -> None:
         prog, cfg = self.program, self.config
-        self.pools = {p: _aligned(4 * prog.pool_slots.get(p, 0) * prog.pool_strides[p] or 64).view(np.float32)
+        self.pools = {p: _zeros(4 * prog.pool_slots.get(p, 0) * prog.pool_strides[p] or 64).view(np.float32)
                       for p in prog.pool_strides}
         self.kv = np.zeros(2 * cfg.n_layers * prog.kv_floats_per_layer, np.float32)
         half = cfg.head_dim // 2
@@ -131,28 +124,28 @@ class Session:
         self.cos = np.ascontiguousarray(np.cos(ang), np.float32).reshape(-1)
         self.sin = np.ascontiguousarray(np.sin(ang), np.float32).reshape(-1)
         assert self.cos.size == self.max_seq * half
-        self.scratch = _aligned(prog.scratch.nbytes * self.threads)
-        self.params = np.zeros(8, np.int64)
-        self.barrier = _aligned(4 * 64).view(np.int32)
+        self.scratch = _zeros(prog.scratch.nbytes * self.threads)
+        self.params = np.zeros(PARAM_WORDS, np.int64)
+        self.barrier = _zeros(4 * BARRIER_WORDS, 64).view(np.int32)
         self.prof = np.zeros(self.compiled.schedule.n_stages + 1, np.int64)  # cycle stamps (profile builds)
+        fixed = {Binding.KV: self.kv, Binding.COS: self.cos, Binding.SIN: self.sin, Binding.SCRATCH: self.scratch,
+                 Binding.PROF: self.prof}
         addr: list[int] = []
         self._keep = []
         for key in prog.bindings:
-            kind = key[0]
-            if kind == "tensor":
-                v = self.reader.tensor(key[1])
+            if key.kind == Binding.TENSOR:
+                v = self.reader.tensor(key.name)
                 self._keep.append(v)
                 a = v.ctypes.data
-            elif kind == "pool":
-                a = self.pools[key[1]].ctypes.data
+            elif key.kind == Binding.POOL:
+                a = self.pools[Pool(key.name)].ctypes.data
             else:
-                a = {"kv": self.kv, "cos": self.cos, "sin": self.sin, "scratch": self.scratch,
-                     "prof": self.prof}[kind].ctypes.data
+                a = fixed[key.kind].ctypes.data
             addr.append(a)
         self.ptrs = (ctypes.c_void_p * len(addr))(*addr)
         self._args = (ctypes.cast(self.ptrs, ctypes.c_void_p), ctypes.c_void_p(self.params.ctypes.data),
                       ctypes.c_void_p(self.barrier.ctypes.data))
-        self.logits_view = self.pools["logits"][: cfg.vocab_size]
+        self.logits_view = self.pools[Pool.LOGITS][: cfg.vocab_size]
 
     # --- running ----------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -165,7 +158,7 @@ class Session:
             raise RuntimeFault(f"token id {token} out of range 0..{self.config.vocab_size - 1}")
         if self.pos >= self.max_seq:
             raise RuntimeFault(f"context full: position {self.pos} reaches the maximum of {self.max_seq} tokens")
-        self.params[0], self.params[1] = token, self.pos
+        self.params[Param.TOKEN], self.params[Param.POS] = token, self.pos
         if self._pool is None:
             self._fn(self._args[0], self._args[1], 0, 1, self._args[2])
         else:
@@ -190,6 +183,12 @@ class Session:
             self._pool.close()
             self._pool = None
 
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __del__(self):
         try:
             self.close()
@@ -204,11 +203,11 @@ class _Workers:
 
     def __init__(self, library, args, n: int):
         self.n = n
-        self.ctl = _aligned(4 * 64).view(np.int32)
+        self.ctl = _zeros(4 * CTL_WORDS, 64).view(np.int32)
         vp = ctypes.c_void_p
-        self.worker = library.get_cfunc("cflow_worker", None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp, vp)
-        self.kick = library.get_cfunc("cflow_kick", None, vp)
-        self.step = library.get_cfunc("cflow_step", None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp)
+        self.worker = library.get_cfunc(WORKER_SYMBOL, None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp, vp)
+        self.kick = library.get_cfunc(KICK_SYMBOL, None, vp)
+        self.step = library.get_cfunc(STEP_SYMBOL, None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp)
         self.args = args
         ctl = ctypes.c_void_p(self.ctl.ctypes.data)
         self._ctl = ctl
@@ -222,7 +221,7 @@ class _Workers:
         self.step(self.args[0], self.args[1], 0, self.n, self.args[2])
 
     def close(self) -> None:
-        self.ctl[16] = 1  # CTL_STOP, then wake everyone
+        self.ctl[CtlWord.STOP] = 1  # then wake everyone
         self.kick(self._ctl)
         for t in self.threads:
             t.join(timeout=5)

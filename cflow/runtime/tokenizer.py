@@ -2,7 +2,38 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 from ..errors import CflowError
+
+
+def read_tokenizer_file(path: str | os.PathLike) -> str:
+    """The text of a tokenizer.json given with --tokenizer / compile(tokenizer=...), checked to load.
+
+    Checked with the `tokenizers` package when it is installed (else as a JSON object with a model),
+    so a bad file fails at compile time, not when the compiled model is first run.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise CflowError(f"--tokenizer {os.fspath(path)}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise CflowError(f"--tokenizer {os.fspath(path)}: not a valid tokenizer.json: not UTF-8 ({e.reason})") from None
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:
+        HFTokenizer = None
+    try:
+        if HFTokenizer is not None:
+            HFTokenizer.from_str(text)
+        elif not isinstance(d := json.loads(text), dict) or not isinstance(d.get("model"), dict):
+            raise ValueError("no \"model\" object")
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exceptions for every kind of bad input
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CflowError(f"--tokenizer {os.fspath(path)}: not a valid tokenizer.json: {reason}") from None
+    return text
 
 
 class Tokenizer:
@@ -13,9 +44,9 @@ class Tokenizer:
             raise CflowError("this model carries a tokenizer: install the 'tokenizers' package") from None
         try:
             self.tk = HFTokenizer.from_str(json_text)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exceptions
             raise CflowError(f"stored tokenizer is not valid tokenizer.json: {e}") from None
-        self.eos_ids = set(int(i) for i in eos_ids)
+        self.eos_ids = {int(i) for i in eos_ids}
         for tok in ("<|endoftext|>", "</s>", "<eos>", "<|im_end|>"):
             i = self.tk.token_to_id(tok)
             if i is not None and not eos_ids:
@@ -48,7 +79,8 @@ def parse_id_prompt(prompt: str, vocab: int) -> list[int]:
     try:
         ids = [int(t) for t in prompt.split()]
     except ValueError:
-        raise CflowError("this model has no tokenizer: give the prompt as space-separated token ids (e.g. --prompt '1 2 3')") from None
+        raise CflowError("this model has no tokenizer: give the prompt as space-separated token ids "
+                         "(e.g. --prompt '1 2 3')") from None
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise CflowError(f"token id {bad[0]} out of range 0..{vocab - 1}")

@@ -8,9 +8,9 @@ from llvmlite import ir
 
 from cflow.codegen import kernels as K
 from cflow.codegen.library import Library
-from cflow.codegen.target import generic_target, host_target
-from cflow.ir.quant import dequantize, quantize, quantize_activation_q8
-from cflow.passes import tile as T
+from cflow.codegen.target import ISA, generic_target, host_target
+from cflow.layout import tile as T
+from cflow.layout.quant import dequantize, quantize, quantize_activation_q8
 
 HOST = host_target(env=False)
 
@@ -47,7 +47,7 @@ def check(y, ref, dtype):
     assert np.abs(y - ref).max() <= tol * np.abs(ref).max(), np.abs(y - ref).max() / np.abs(ref).max()
 
 
-@pytest.mark.parametrize("isa", K.ISAS)
+@pytest.mark.parametrize("isa", list(ISA))
 @pytest.mark.parametrize("dtype", ["q4", "q8", "f16", "f32"])
 @pytest.mark.parametrize("rows,cols,tile", [(100, 70, (32, 64)), (48, 96, (16, 32)), (64, 512, (32, 256))])
 def test_matvec_vs_oracle(rng, isa, dtype, rows, cols, tile):

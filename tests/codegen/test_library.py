@@ -9,7 +9,7 @@ from cflow.codegen import kernels as K
 from cflow.codegen.library import Library, compile_ir
 from cflow.codegen.target import generic_target, host_target
 from cflow.errors import CodegenError
-from cflow.passes.tile import TileLayout
+from cflow.layout.tile import TileLayout
 
 HOST = host_target(env=False)
 

@@ -93,8 +93,8 @@ def test_directory_sharded_f32_matches_model(family, tmp_path):
     g = load_graph(tmp_path / "d")
     assert str(g).splitlines()[1:] == str(from_torch(m)).splitlines()[1:]  # same IR (names differ)
     assert np.abs(interpret(g, IDS) - hf_logits(m, IDS)).max() <= 1e-4
-    assert g.meta["tokenizer"] == tok
-    assert isinstance(g.meta["eos_token_ids"], list)
+    assert g.meta.tokenizer == tok
+    assert isinstance(g.meta.eos_token_ids, list)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -109,7 +109,7 @@ def test_directory_half_precision_and_eos_from_generation_config(dtype, tmp_path
     b.generation_config.eos_token_id = [2, 7]
     b.save_pretrained(tmp_path / "d")
     g = from_hf_dir(tmp_path / "d")
-    assert g.meta["eos_token_ids"] == [2, 7] and g.meta["tokenizer"] is None
+    assert g.meta.eos_token_ids == [2, 7] and g.meta.tokenizer is None
     assert np.abs(interpret(g, IDS) - hf_logits(m, IDS)).max() <= 1e-4
 
 
@@ -169,6 +169,6 @@ def test_cflow_checkpoint_carries_tokenizer_and_eos(tmp_path):
     tok = _tokenizer_json()
     save_checkpoint(from_preset("arch1", "tiny"), tmp_path / "ck", tokenizer_json=tok)
     g = load_graph(tmp_path / "ck")
-    assert g.meta["tokenizer"] == tok and g.meta["eos_token_ids"] == [1]  # "</s>" in the tokenizer
+    assert g.meta.tokenizer == tok and g.meta.eos_token_ids == [1]  # "</s>" in the tokenizer
     (tmp_path / "ck" / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
-    assert load_graph(tmp_path / "ck").meta["eos_token_ids"] == [5]
+    assert load_graph(tmp_path / "ck").meta.eos_token_ids == [5]

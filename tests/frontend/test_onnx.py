@@ -8,11 +8,10 @@ from onnx import helper
 
 from cflow.errors import CflowError, UnsupportedModelError
 from cflow.frontend import from_onnx, from_torch
-from cflow.frontend.load import load_graph
-from cflow.ir import interpret
-
 from cflow.frontend.hf import from_hf_module
+from cflow.frontend.load import load_graph
 from cflow.frontend.onnx_import import from_onnx as import_onnx
+from cflow.ir import interpret
 
 from ._models import CONTEXT, hf_logits, incremental, ort_logits
 
@@ -38,7 +37,7 @@ def test_arch2_4_round_trips_to_the_same_ir(arch24_onnx):
     m = from_preset("arch2_4_combined", "tiny", seed=0)
     g_onnx, g_torch = from_onnx(arch24_onnx), from_torch(m)
     assert str(g_onnx) == str(g_torch)
-    assert g_onnx.meta["delays"] == g_onnx.meta["trained_delays"] == (1, 2)
+    assert g_onnx.meta.delays == g_onnx.meta.trained_delays == (1, 2)
     assert g_onnx.config.max_seq_len == m.config.max_seq_len
     ids = IDS % m.config.vocab_size
     assert np.abs(interpret(g_onnx, ids) - ort_logits(arch24_onnx, ids)).max() <= 1e-4

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cflow.frontend import from_torch
-from cflow.frontend.checkpoint import from_checkpoint
+from cflow.frontend.cflow_dir import from_checkpoint
 from cflow.ir import Interpreter, interpret
 from cflow.models import PRESETS, from_preset
 from cflow.models.checkpoint import save_checkpoint

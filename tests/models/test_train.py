@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from cflow.models.bpe import load_tokenizer, train_bpe
 from cflow.models.checkpoint import is_checkpoint_dir, load_checkpoint, read_config, tokenizer_json
 from cflow.models.data import EOT, batches, encode_stories, eval_windows, split_stories, train_val_split
-from cflow.models.tokenizer import load_tokenizer, train_bpe
-from cflow.models.train import TrainConfig, evaluate, generate_text, is_complete, lr_at, recover, train
+from cflow.models.train import TrainConfig, evaluate, generate_text, is_complete, lr_at, train
 
 DATA = Path("/work/shared/data/tinystories_val.txt")
 
@@ -29,8 +29,8 @@ def corpus(text):
 
 
 def cfg(**kw):
-    base = dict(preset="arch2_4_combined", size="tiny", steps=40, batch=8, seq=48, lr=5e-3, warmup=5,
-                eval_every=20, ckpt_every=10, threads=1, seed=3)
+    base = {"preset": "arch2_4_combined", "size": "tiny", "steps": 40, "batch": 8, "seq": 48, "lr": 5e-3,
+            "warmup": 5, "eval_every": 20, "ckpt_every": 10, "threads": 1, "seed": 3}
     return TrainConfig(**{**base, **kw})
 
 
@@ -55,7 +55,7 @@ def test_train_val_split_is_fixed_and_disjoint():
 def test_real_file_split():
     stories = split_stories(DATA.read_text(encoding="utf-8"))
     assert 700 <= len(stories) <= 900 and all(s.strip() for s in stories)
-    tr, va = train_val_split(stories)
+    _, va = train_val_split(stories)
     assert len(va) == round(0.1 * len(stories))
 
 
@@ -119,15 +119,6 @@ def test_existing_run_needs_resume_or_force(corpus, tmp_path):
     with pytest.raises(CflowError, match="batch"):
         train(cfg(steps=4, batch=4), tr, va, tok.to_str(), tmp_path / "r", resume=True, progress="none")
     assert train(cfg(steps=2), tr, va, tok.to_str(), tmp_path / "r", force=True, progress="none").history["step"] == 2
-
-
-def test_interrupted_swap_recovers(tmp_path):
-    out, old = tmp_path / "run", tmp_path / ".run.old"
-    old.mkdir()
-    (old / "config.json").write_text("{}")
-    (tmp_path / ".run.staging-123").mkdir()
-    recover(out)
-    assert (out / "config.json").is_file() and not old.exists() and not (tmp_path / ".run.staging-123").exists()
 
 
 def test_cli_train(text, tmp_path, capsys):

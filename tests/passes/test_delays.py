@@ -22,7 +22,7 @@ def test_arch1_rewritten_equals_arch2_4_combined(size):
     with pytest.warns(DelayRewriteWarning, match="changes the model's function"):
         after = Pipeline([dense_delay(1), expert_delay(2)])(before)
     assert body(after) == body(expected)
-    assert after.meta["delays"] == (1, 2)
+    assert after.meta.delays == (1, 2)
     assert body(before) == body(build_graph(get_preset("arch1", size)))  # input untouched
 
 
@@ -70,7 +70,7 @@ def test_pass_manager_requires_and_instruments(tmp_path):
         needs(g)
     ctx = PassContext(instruments=(PrintAfter(("expert_delay",), write=seen.append), DumpIR(tmp_path)))
     out = Pipeline([expert_delay(0), needs], name="p")(g, ctx)
-    assert out.meta["passes"] == ("expert_delay", "needs_delays")
+    assert out.meta.passes == ("expert_delay", "needs_delays")
     assert seen and seen[0].startswith("; IR after expert_delay")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["01_expert_delay.ir", "02_needs_delays.ir", "03_p.ir"]
 
@@ -78,4 +78,4 @@ def test_pass_manager_requires_and_instruments(tmp_path):
 def test_disabled_pass_is_skipped():
     g = build_graph(get_preset("arch1", "tiny"))
     out = Pipeline([dense_delay(1)])(g, PassContext(disabled=("dense_delay",)))
-    assert out.meta["delays"] == (0, 0)
+    assert out.meta.delays == (0, 0)

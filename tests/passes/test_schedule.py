@@ -1,12 +1,10 @@
 """The static schedule respects every dependency of the DAG (checked by simulating it), and packs as planned."""
 
-import numpy as np
 import pytest
 
 from cflow.compiler import lower
 from cflow.ir import build_graph
 from cflow.models import PRESETS, get_preset
-from cflow.passes.schedule import build_schedule
 
 
 def plan(name, size="tiny", quant="q4"):

@@ -8,12 +8,13 @@ test can plant one structured lie that gets past the checksums to the validator.
 from __future__ import annotations
 
 import zlib
+from typing import ClassVar
 
 import numpy as np
 
-from cflow.ir.quant import DType
-from cflow.runtime import format as F
-from cflow.runtime.writer import FileWriter
+from cflow.layout.quant import DType
+from cflow.runtime.format import FileWriter
+from cflow.runtime.format import spec as F
 
 HEADER = {
     "config": {"d_model": 64, "n_layers": 2, "n_experts": 2, "top_k": 1},
@@ -32,16 +33,16 @@ def sample_tensors(seed: int = 0):
     def raw(dtype, shape, tile):
         return rng.integers(0, 256, F.expected_nbytes(dtype, shape, tile), dtype=np.uint8)
 
-    out = [("tok_embeddings", DType.F16, (50, 64), raw(DType.F16, (50, 64), (1, 1)), dict(tile=(1, 1)))]
+    out = [("tok_embeddings", DType.F16, (50, 64), raw(DType.F16, (50, 64), (1, 1)), {"tile": (1, 1)})]
     for layer in range(2):
         out.append((f"layers.{layer}.attn_norm", DType.F32, (64,), rng.standard_normal(64).astype(np.float32),
-                    dict(layer=layer, stage=2 * layer)))
+                    {"layer": layer, "stage": 2 * layer}))
         out.append((f"layers.{layer}.attn.wqkv", DType.Q4, (192, 64), raw(DType.Q4, (192, 64), (32, 64)),
-                    dict(tile=(32, 64), layer=layer, stage=2 * layer)))
+                    {"tile": (32, 64), "layer": layer, "stage": 2 * layer}))
         for e in range(2):
             for part, shape in (("w13", (256, 64)), ("w2", (64, 128))):
                 out.append((f"layers.{layer}.experts.{e}.{part}", DType.Q8, shape, raw(DType.Q8, shape, (32, 64)),
-                            dict(tile=(32, 64), layer=layer, expert=e, stage=2 * layer + 1)))
+                            {"tile": (32, 64), "layer": layer, "expert": e, "stage": 2 * layer + 1}))
     out.append(("norm", DType.F32, (64,), np.ones(64, np.float32), {}))
     return out
 
@@ -93,5 +94,7 @@ class Container:
         return pre + self.header + pad + bytes(self.data) + index
 
     # Column numbers of the raw tensor-entry list (shape and tile are flattened).
-    T = dict(name_off=0, name_len=1, dtype=2, ndim=3, shape0=4, shape1=5, shape2=6, shape3=7,
-             tile0=8, tile1=9, offset=10, nbytes=11, stage=12, layer=13, expert=14, crc=15)
+    T: ClassVar[dict[str, int]] = {
+        "name_off": 0, "name_len": 1, "dtype": 2, "ndim": 3, "shape0": 4, "shape1": 5, "shape2": 6, "shape3": 7,
+        "tile0": 8, "tile1": 9, "offset": 10, "nbytes": 11, "stage": 12, "layer": 13, "expert": 14, "crc": 15,
+    }

@@ -13,14 +13,13 @@ import pytest
 SCRIPT = textwrap.dedent('''
     import ctypes, sys
     import numpy as np
-    from cflow.compiler import lower, write_file
+    from cflow.compiler import compile_file
     from cflow.frontend.load import load_graph
     from cflow.ir import Interpreter
     from cflow.runtime.session import Session
 
     name, path = sys.argv[1], sys.argv[2]
-    c = lower(load_graph(f"preset:{name}@tiny"), "q4")
-    write_file(c, path)
+    c = compile_file(load_graph(f"preset:{name}@tiny"), path, "q4")
     it = Interpreter(c.graph, act_quant="q8")
     ref = it.prefill([17])[-1]
     chosen = {}  # weight block -> experts routed there for this token
@@ -31,8 +30,8 @@ SCRIPT = textwrap.dedent('''
     s = Session(path, threads=2)
     nulled = 0
     for i, key in enumerate(s.program.bindings):
-        if key[0] == "tensor" and ".experts." in key[1]:
-            block, e = int(key[1].split(".")[1]), int(key[1].split(".")[4])
+        if key.kind == "tensor" and ".experts." in key.name:
+            block, e = int(key.name.split(".")[1]), int(key.name.split(".")[4])
             if e not in chosen[block]:
                 s.ptrs[i] = None
                 nulled += 1

@@ -8,7 +8,7 @@ and greedy tokens equal Hugging Face's own while its top-2 margin is clear.
 import numpy as np
 import pytest
 
-from cflow.compiler import lower, write_file
+from cflow.compiler import compile_file
 from cflow.frontend import from_torch
 from cflow.ir import Interpreter
 from cflow.runtime.session import Session
@@ -25,9 +25,8 @@ def _model(family):
 @pytest.mark.parametrize("family", ["llama", "mistral", "mixtral", "qwen2_moe", "knobs"])
 def test_family_runtime_matches_interpreter(tmp_path, family, quant):
     net = _model(family)
-    c = lower(from_torch(net), quant)
     path = tmp_path / "m.vflow"
-    write_file(c, path)
+    c = compile_file(from_torch(net), path, quant)
     ids = np.random.default_rng(3).integers(0, c.graph.config.vocab_size, 16 + 64)
     it = Interpreter(c.graph, act_quant="q8" if quant == "q4" else None)
     ref = np.concatenate([it.prefill(ids[:16])[-1:]] + [it.step(int(t))[None] for t in ids[16:]])

@@ -8,11 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from cflow.errors import FormatError
-from cflow.ir.quant import DType
-from cflow.runtime import format as F
-from cflow.runtime.reader import FileReader
-from cflow.runtime.writer import FileWriter
+from cflow.errors import CflowError, FormatError
+from cflow.layout.quant import DType
+from cflow.runtime.format import FileReader, FileWriter
+from cflow.runtime.format import spec as F
 
 from . import HEADER, Container, write_sample
 
@@ -169,22 +168,29 @@ def test_expert_range_rules(sample):
 # -- atomic writes ---------------------------------------------------------------------------
 def test_exception_leaves_nothing(tmp_path):
     path = tmp_path / "m.cflow"
-    with pytest.raises(RuntimeError):
-        with FileWriter(path, HEADER) as w:
-            w.add_tensor("v", DType.F32, (4,), np.zeros(4, np.float32))
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), FileWriter(path, HEADER) as w:
+        w.add_tensor("v", DType.F32, (4,), np.zeros(4, np.float32))
+        raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_exception_keeps_existing_file(tmp_path):
     path = tmp_path / "m.cflow"
     path.write_bytes(b"precious")
-    with pytest.raises(FormatError, match="duplicate"):
-        with FileWriter(path, HEADER) as w:
-            w.add_tensor("v", DType.F32, (4,), np.zeros(4, np.float32))
-            w.add_tensor("v", DType.F32, (4,), np.zeros(4, np.float32))
+    with pytest.raises(FormatError, match="duplicate"), FileWriter(path, HEADER) as w:
+        w.add_tensor("v", DType.F32, (4,), np.zeros(4, np.float32))
+        w.add_tensor("v", DType.F32, (4,), np.zeros(4, np.float32))
     assert path.read_bytes() == b"precious"
     assert sorted(os.listdir(tmp_path)) == ["m.cflow"]
+
+
+def test_unwritable_target_is_a_clear_error(tmp_path):
+    with pytest.raises(CflowError, match="directory .* does not exist"):
+        FileWriter(tmp_path / "no" / "m.cflow", HEADER).open()
+    (tmp_path / "d.cflow").mkdir()
+    with pytest.raises(CflowError, match="d.cflow is a directory"):
+        write_sample(tmp_path / "d.cflow")
+    assert [p.name for p in tmp_path.iterdir()] == ["d.cflow"]
 
 
 def test_replaces_existing_file_and_mode(tmp_path):
@@ -240,9 +246,8 @@ def test_writer_rejects(tmp_path, args, needle):
 def test_writer_rejects_bad_header_and_expert_without_layer(tmp_path):
     with pytest.raises(FormatError, match="JSON"):
         FileWriter(tmp_path / "m.cflow", {"x": object()})
-    with FileWriter(tmp_path / "m.cflow", {}) as w:
-        with pytest.raises(FormatError, match="needs a layer"):
-            w.add_tensor("e", DType.F32, (4,), np.zeros(4, np.float32), expert=0)
+    with FileWriter(tmp_path / "m.cflow", {}) as w, pytest.raises(FormatError, match="needs a layer"):
+        w.add_tensor("e", DType.F32, (4,), np.zeros(4, np.float32), expert=0)
 
 
 # -- validation on open ----------------------------------------------------------------------
@@ -332,7 +337,7 @@ def test_header_lies(sample):
     path, _ = sample
     for header, needle in ((b"[1, 2]", "JSON object"), (b"\xff{}", "UTF-8"), (b"[" * 100000, "JSON"),
                            (b'{"a": ' + b"1" * 5000 + b"}", "JSON")):
-        rewrite(path, lambda c: setattr(c, "header", header))
+        rewrite(path, lambda c, header=header: setattr(c, "header", header))
         open_fails(path, "header:", needle)
 
 
@@ -389,9 +394,8 @@ def test_verify_finds_nonzero_padding(sample):
         blob[pos] = 0x80
         p2 = path.with_name("pad.vflow")
         p2.write_bytes(blob)
-        with FileReader(p2) as r:
-            with pytest.raises(FormatError, match="padding") as ei:
-                r.verify()
+        with FileReader(p2) as r, pytest.raises(FormatError, match="padding") as ei:
+            r.verify()
         assert needle in str(ei.value) and f"0x{pos:x}" in str(ei.value)
 
 

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cflow.errors import FormatError
-from cflow.runtime import format as F
-from cflow.runtime.reader import FileReader
+from cflow.runtime.format import FileReader
+from cflow.runtime.format import spec as F
 
 from . import Container, write_sample
 
@@ -158,7 +158,7 @@ def test_structured_lies(tmp_path, base):
         desc = "; ".join(lie(c, rng, len(base)) for _ in range(rng.choice([1, 1, 1, 2, 3])))
         try:
             blob = c.tobytes()
-        except Exception as e:  # a lie the struct cannot even hold is not a test case
+        except Exception as e:  # noqa: BLE001 -- a lie the struct cannot even hold is not a test case
             pytest.fail(f"harness: {desc}: {e}")
         outcomes[run(tmp_path, blob, f"lie case {case}: {desc}")] += 1
     assert outcomes["rejected"] > 500, outcomes  # lies are mostly caught at open, before any data use

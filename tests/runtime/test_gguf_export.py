@@ -1,4 +1,4 @@
-"""GGUF export (cflow.runtime.gguf_export): metadata, tensor layout, bit-identical Q4_0/Q8_0 blocks, and the
+"""GGUF export (cflow.runtime.format.gguf): metadata, tensor layout, bit-identical Q4_0/Q8_0 blocks, and the
 function itself: a NumPy Llama forward that reads the GGUF file the way llama.cpp does (adjacent-pair RoPE
 on the permuted Q/K rows) reproduces cflow's interpreter. If llama-cpp-python is installed, llama.cpp's
 own greedy tokens on the exported file equal ours."""
@@ -8,15 +8,15 @@ import json
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
+from cflow.compiler import lower
+from cflow.errors import UnsupportedModelError
+from cflow.ir import Interpreter, build_graph, interpret
+from cflow.ir.build import weight_shapes
+from cflow.ir.config import ModelConfig
+from cflow.layout.quant import QTensor, to_gguf_bytes
+from cflow.runtime.format.gguf import export_gguf, rope_row_permutation, synthetic_spm_vocab  # imports gguf lazily
 
-from cflow.compiler import lower  # noqa: E402
-from cflow.errors import UnsupportedModelError  # noqa: E402
-from cflow.ir import Interpreter, build_graph, interpret  # noqa: E402
-from cflow.ir.build import weight_shapes  # noqa: E402
-from cflow.ir.quant import QTensor, to_gguf_bytes  # noqa: E402
-from cflow.models.config import ModelConfig  # noqa: E402
-from cflow.runtime.gguf_export import export_gguf, rope_row_permutation, synthetic_spm_vocab  # noqa: E402
+gguf = pytest.importorskip("gguf")
 
 Q = gguf.GGMLQuantizationType
 DENSE = ModelConfig(name="tiny_dense", vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,

@@ -8,7 +8,7 @@ the last float bit) moves logits by ~1e-3, hence 1e-2 there. 1 and 2 threads are
 import numpy as np
 import pytest
 
-from cflow.compiler import lower, write_file
+from cflow.compiler import compile_file
 from cflow.frontend.load import load_graph
 from cflow.ir import Interpreter
 from cflow.models import PRESETS
@@ -18,9 +18,8 @@ TOL = {"f32": 1e-4, "f16": 1e-4, "q8": 1e-2, "q4": 1e-2}
 
 
 def compiled(tmp_path, name, quant, layout="vflow"):
-    c = lower(load_graph(f"preset:{name}@tiny"), quant, layout=layout)
     path = tmp_path / f"{name}_{quant}.{layout}"
-    write_file(c, path)
+    c = compile_file(load_graph(f"preset:{name}@tiny"), path, quant)
     return c, path
 
 

@@ -1,0 +1,92 @@
+"""Command lines: `cflowc` (the compiler, gcc-like; cflowc.py) and `cflow` (run / inspect / bench / demo / train ...).
+
+Each `cflow` sub-command is one module here, named in COMMANDS, that defines HELP, add_args(parser) and
+run(args). Command modules import heavy things (torch, numpy, cflow.api) only inside run(), so that
+building the parser (`cflow --help`) stays fast.
+
+Every failure is one line `error: ...` and a non-zero exit; a traceback only with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+from .. import __version__
+from ..errors import CflowError
+
+# `cflow NAME` runs cflow/cli/NAME.py (dashes become underscores: export-onnx -> export_onnx.py).
+COMMANDS = ("bench", "demo", "export-onnx", "inspect", "run", "train")
+
+VERSION = f"cflow {__version__}"
+
+
+def _guard(main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command: CflowError -> one line + exit 1; Ctrl-C -> exit 130; anything else -> exit 2."""
+    debug = getattr(args, "debug", False)
+    if not debug:
+        warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
+    try:
+        return main(args) or 0
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except CflowError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # a bug, not bad input: still no traceback unless asked
+        if debug:
+            raise
+        print(f"internal error: {type(e).__name__}: {e} (run again with --debug for a traceback)", file=sys.stderr)
+        return 2
+
+
+def add_version(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
+
+
+# --- cflowc ------------------------------------------------------------------------------
+def cflowc_parser() -> argparse.ArgumentParser:
+    from .cflowc import cflowc_parser
+
+    return cflowc_parser()
+
+
+def cflowc_main(argv: Sequence[str] | None = None) -> int:
+    from .cflowc import _cflowc, cflowc_parser
+
+    args = cflowc_parser().parse_args(argv)
+    return _guard(_cflowc, args)
+
+
+# --- cflow -------------------------------------------------------------------------------
+def command_module(name: str) -> ModuleType:
+    """The module of `cflow NAME` (imported on first use)."""
+    if name not in COMMANDS:
+        raise KeyError(name)
+    return importlib.import_module(f".{name.replace('-', '_')}", __name__)
+
+
+def cflow_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cflow", description="Run, inspect and benchmark compiled cflow models.")
+    add_version(p)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        mod = command_module(name)
+        sp = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        mod.add_args(sp)
+        sp.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def cflow_main(argv: Sequence[str] | None = None) -> int:
+    args = cflow_parser().parse_args(argv)
+    return _guard(command_module(args.cmd).run, args)

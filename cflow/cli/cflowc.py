@@ -1,0 +1,183 @@
+"""`cflowc`: compile a transformer to a tile-native .vflow/.cflow file, or print its IR, schedule or analysis."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import CflowError
+
+EMITS = ("ir", "analysis", "schedule", "dot", "llvm", "cflow", "vflow")
+
+
+def _delays(text: str) -> tuple[int, int]:
+    try:
+        dd, de = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--delays expects DD,DE (two integers), not {text!r}") from None
+    return dd, de
+
+
+def _tile(text: str) -> tuple[int, int]:
+    from ..layout.tile import check_tile
+
+    try:
+        r, c = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tile expects ROWSxCOLS (e.g. 128x256), not {text!r}") from None
+    try:
+        return check_tile((r, c))
+    except CflowError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cflowc_parser() -> argparse.ArgumentParser:
+    from . import add_version
+
+    p = argparse.ArgumentParser(
+        prog="cflowc",
+        description="Compile a transformer (preset:NAME[@SIZE], checkpoint or Hugging Face directory, or .onnx) "
+        "to a tile-native .vflow/.cflow file, or print its IR, schedule or analysis.",
+    )
+    add_version(p)
+    p.add_argument("model", help="preset:NAME[@SIZE] | model directory | model.onnx")
+    p.add_argument("-o", "--output", help="output file: .vflow (stage-major) or .cflow (layer-major), or the file "
+                   "for a text --emit (default: text emits go to standard output)")
+    p.add_argument("--emit", choices=EMITS, help="what to produce (default: cflow or vflow, from the suffix of -o)")
+    p.add_argument("--json", action="store_true", help="machine-readable --emit analysis (default: a table)")
+    p.add_argument("--quant", default="q4", choices=("q4", "q8", "f16", "f32"), help="weight type (default q4)")
+    p.add_argument("--tile", type=_tile, default=(128, 256), metavar="ROWSxCOLS", help="tile shape (default 128x256)")
+    p.add_argument("--delays", type=_delays, metavar="DD,DE",
+                   help="rewrite the DAG to these delays (changes the function!) (default: keep the model's own)")
+    p.add_argument("--tokenizer", help="tokenizer.json to store in the compiled file "
+                   "(default: the model's own, if it has one)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show the packing progress bar even when stderr is not a terminal")
+    p.add_argument("--print-after", action="append", metavar="PASS",
+                   help="print the IR (and schedule, once planned) after this pass to stderr; repeatable; 'all' for "
+                   "every pass (default: none)")
+    p.add_argument("--time-passes", action="store_true", help="print the time each pass took to stderr")
+    p.add_argument("--debug", action="store_true", help="show tracebacks; verify the IR after every pass")
+    return p
+
+
+def _cflowc(args: argparse.Namespace) -> int:
+    from ..layout.packed import FileLayout
+    from ..passes.manager import PassContext, PrintAfter, Timing
+    from ..passes.pipeline import PASS_NAMES
+
+    emit = args.emit
+    if emit is None:
+        if not args.output:
+            raise CflowError("nothing to do: give -o OUT.vflow|OUT.cflow or --emit ir|schedule|analysis|dot|llvm")
+        try:
+            emit = str(FileLayout.from_path(args.output))
+        except ValueError as e:
+            raise CflowError(f"-o {e} (or give --emit)") from None
+    binary = emit in ("cflow", "vflow")
+    if binary and not args.output:
+        raise CflowError(f"--emit {emit} writes a binary file: give -o OUT.{emit}")
+    unknown = [n for n in args.print_after or () if n != "all" and n not in PASS_NAMES]
+    if unknown:
+        raise CflowError(f"--print-after {unknown[0]}: no such pass (passes: {', '.join(PASS_NAMES)}, or all)")
+    tokenizer = None
+    if args.tokenizer:  # checked before any work
+        from ..runtime.tokenizer import read_tokenizer_file
+
+        tokenizer = read_tokenizer_file(args.tokenizer)
+    instruments: list = []
+    if args.print_after:
+        names = () if "all" in args.print_after else tuple(args.print_after)
+        instruments.append(PrintAfter(names, write=lambda text: print(text, file=sys.stderr)))
+    timing = Timing() if args.time_passes else None
+    if timing is not None:
+        instruments.append(timing)
+    ctx = PassContext(instruments=tuple(instruments), verify_each=args.debug)
+    try:
+        return _run(args, emit, binary, tokenizer, ctx)
+    finally:
+        if timing is not None:
+            print(timing.table(), file=sys.stderr)
+
+
+def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
+    """Load the model, run the passes the emit needs, write what it asked for."""
+    from ..frontend.load import load_graph
+    from ..passes.delays import set_delays
+    from ..passes.manager import Pipeline
+    from ..passes.pipeline import lowering
+    from ..passes.state import CompileState
+
+    g = load_graph(args.model, weights=binary)
+    if emit in ("ir", "analysis", "dot"):
+        if args.delays:
+            g = Pipeline(set_delays(*args.delays), name="delays")(g, ctx)
+        if emit == "ir":
+            return _write_text(args.output, str(g))
+        if emit == "dot":
+            from ..ir.printer import format_dot
+
+            return _write_text(args.output, format_dot(g))
+        from ..passes.analysis import analyze
+
+        a = analyze(g, args.quant)
+        return _write_text(args.output, a.to_json() + "\n" if args.json else a.table() + "\n")
+    passes = [lowering(args.quant, args.delays)]
+    if emit == "llvm":
+        from ..codegen.step import emit_step
+        from ..codegen.target import host_target
+
+        target = host_target()
+        passes.append(emit_step(target.isa))
+    if binary:
+        from ..runtime.emit import emit_file
+
+        passes.append(emit_file(args.output, tokenizer or g.meta.tokenizer, g.meta.eos_token_ids,
+                                progress=_progress_bar(args)))
+    state = Pipeline(passes, name="compile")(CompileState(graph=g, tile=args.tile, layout=emit if binary else "vflow"),
+                                             ctx)
+    state.verify()
+    if emit == "schedule":
+        from ..passes.analysis import analyze
+
+        return _write_text(args.output, str(state.schedule) + "\n" + analyze(state.graph, args.quant).table() + "\n")
+    if emit == "llvm":
+        from ..codegen.step import step_ir_text
+
+        return _write_text(args.output, step_ir_text(state, target.triple))
+    info = state.file
+    print(f"wrote {args.output}: {info['file_bytes'] / 1e6:.1f} MB, {info['tensors']} tensors, "
+          f"{info['bytes_per_token'] / 1e6:.2f} MB/token, {state.schedule.n_stages} stages, {info['seconds']:.1f} s",
+          file=sys.stderr)
+    return 0
+
+
+def _progress_bar(args):
+    """A tqdm bar on stderr for models worth waiting for (quiet for tiny ones and non-terminals)."""
+    if not sys.stderr.isatty() and not args.verbose:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = None
+
+    def tick(done, total, name):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="packing", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return tick
+
+
+def _write_text(path: str | None, text: str) -> int:
+    if path:
+        from ..util import atomic_write_text
+
+        atomic_write_text(path, text)
+    else:
+        sys.stdout.write(text)
+    return 0

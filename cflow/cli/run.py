@@ -1,0 +1,54 @@
+"""cflow run FILE --prompt TEXT: generate, printing tokens as they come, then prompt and decode speed."""
+
+HELP = "generate text (or token ids) from a compiled .vflow/.cflow file"
+
+
+def add_args(p):
+    p.add_argument("file", help="compiled model (.vflow or .cflow)")
+    p.add_argument("--prompt", "-p", default="Once upon a time",
+                   help="text, or space-separated ids if the model has no tokenizer (default \"Once upon a time\")")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 = all (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens with this total probability; 1 = all (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh random seed each run)")
+    p.add_argument("--threads", type=int, default=None, help="worker threads (default: usable cores)")
+    p.add_argument("--verify", action="store_true",
+                   help="verify every checksum before running (default: no full-read check)")
+    p.add_argument("--no-stop", action="store_true",
+                   help="do not stop at end-of-text tokens (default: stop at the model's end-of-text tokens)")
+
+
+def run(args) -> int:
+    import sys
+    import time
+
+    import cflow
+
+    m = cflow.load(args.file, threads=args.threads, verify=args.verify)
+    try:
+        text = isinstance(args.prompt, str) and m.tokenizer is not None
+        ids = m._ids(args.prompt)
+        sys.stdout.write(args.prompt if text else " ".join(map(str, ids)))
+        sys.stdout.flush()
+        t0 = time.perf_counter()
+        n_new = 0
+        t_first = None
+        for piece in m.stream(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                              args.seed, stop=not args.no_stop):
+            if t_first is None:
+                t_first = time.perf_counter()
+            n_new += 1
+            sys.stdout.write(piece if text else f" {piece}")
+            sys.stdout.flush()
+        t1 = time.perf_counter()
+        sys.stdout.write("\n")
+        prompt_s = (t_first or t1) - t0
+        decode_s = t1 - (t_first or t1)
+        print(f"prompt: {len(ids)} tokens, {len(ids) / prompt_s:.1f} tok/s | decode: {n_new} tokens, "
+              f"{(n_new - 1) / decode_s if n_new > 1 and decode_s > 0 else 0:.1f} tok/s | {m.threads} threads, "
+              f"{m.bytes_per_token / 1e6:.1f} MB/token", file=sys.stderr)
+    finally:
+        m.close()
+    return 0

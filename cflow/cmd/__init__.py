@@ -1,1 +1,0 @@
-"""One module per `cflow` sub-command (see cflow/commands.py)."""

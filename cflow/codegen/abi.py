@@ -1,0 +1,150 @@
+"""The native step's ABI, defined once: what the emitter (step.py, ops.py) and the driver
+(runtime/session.py) must agree on. Change a value here and both sides move together.
+
+Exported symbols (every address comes from the pointer table, so the object code is position-free):
+
+    cflow_step(i8** ptrs, i64* params, i64 tid, i64 nthreads, i32* barrier)   one token, one thread's share
+    cflow_worker(ptrs, params, tid, nthreads, barrier, i32* ctl)             loop: wait for a kick, run a step
+    cflow_kick(i32* ctl)                                                       start the next token
+
+    ptrs[i]       address of binding i (`StepProgram.bindings[i]`: a tensor, a buffer pool, the KV cache ...)
+    params[Param] token id and position of the token being decoded (i64 words)
+    barrier[...]  arrival count and generation, on separate cache lines (i32 words)
+    ctl[...]      token generation the workers wait on, and the stop flag (i32 words)
+    scratch       per thread, ScratchLayout.nbytes apart, at ptrs[SCRATCH binding]
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from ..errors import CodegenError
+from ..layout.quant import BLOCK, padded
+
+STEP_SYMBOL, WORKER_SYMBOL, KICK_SYMBOL = "cflow_step", "cflow_worker", "cflow_kick"
+
+
+class Param(enum.IntEnum):
+    """i64 words of the parameter block."""
+
+    TOKEN = 0  # token id fed at this step
+    POS = 1  # its position (KV-cache row, RoPE angle)
+
+
+PARAM_WORDS = 8  # room for later fields; unused words are zero
+
+
+class BarrierWord(enum.IntEnum):
+    """i32 words of the barrier block: the count and the generation live on different cache lines."""
+
+    COUNT = 0
+    GENERATION = 16
+
+
+BARRIER_WORDS = 32  # two 64-byte cache lines
+
+
+class CtlWord(enum.IntEnum):
+    """i32 words of the worker control block."""
+
+    GO = 0  # token generation: a kick adds 1, workers run a step when it changes (futex word)
+    STOP = 16  # non-zero: workers return at their next wake-up
+
+
+CTL_WORDS = 32
+
+
+class Binding(enum.StrEnum):
+    """What a pointer-table entry points at."""
+
+    TENSOR = "tensor"  # a packed weight tensor of the file (name = tensor name)
+    POOL = "pool"  # a buffer pool (name = passes.schedule.Pool)
+    KV = "kv"  # f32 KV cache: [layer][K|V][max_seq][n_kv_heads * head_dim]
+    COS = "cos"  # f32 RoPE cos table [max_seq][head_dim / 2]
+    SIN = "sin"  # f32 RoPE sin table [max_seq][head_dim / 2]
+    SCRATCH = "scratch"  # per-thread scratch (ScratchLayout), nthreads copies
+    PROF = "prof"  # i64 cycle stamps [n_stages + 1] (profiling builds only)
+
+
+@attrs.frozen
+class BindingKey:
+    kind: Binding = attrs.field(converter=Binding)
+    name: str = ""
+
+    def to_json(self) -> list[str]:
+        return [str(self.kind), self.name]
+
+    @classmethod
+    def from_json(cls, v) -> BindingKey:
+        kind, name = v
+        return cls(kind, name)
+
+
+@attrs.define
+class ScratchLayout:
+    """Byte offsets inside one thread's scratch area (every field 64-byte aligned)."""
+
+    kmax: int  # widest mat-vec input (padded)
+    dp: int  # d_model padded to the tile unit
+    max_seq: int
+    n_experts: int
+    top_k: int
+    n_layers: int
+    xn: int = 0  # f32[kmax]: normalised (or copied) step input
+    xq: int = 0  # i8[kmax]: its int8 blocks
+    xd: int = 0  # f32[kmax/32]: block scales
+    xs: int = 0  # i32[kmax/32]: block code sums
+    tmp: int = 0  # f32[dp]: one expert's down output before its weighted add
+    scores: int = 0  # f32[max_seq]: attention scores of one head
+    probs: int = 0  # f32[n_experts]: router probabilities
+    route: int = 0  # per layer (0..n_layers): i32 idx[k], f32 w[k], f32 shared gate
+    nbytes: int = 0  # size of one thread's area (a multiple of 4096)
+
+    def __attrs_post_init__(self):
+        off = 0
+
+        def take(n):
+            nonlocal off
+            start = off
+            off = padded(off + n, 64)
+            return start
+
+        self.xn = take(4 * self.kmax)
+        self.xq = take(self.kmax)
+        self.xd = take(4 * (self.kmax // BLOCK))
+        self.xs = take(4 * (self.kmax // BLOCK))
+        self.tmp = take(4 * self.dp)
+        self.scores = take(4 * self.max_seq)
+        self.probs = take(4 * max(self.n_experts, 1))
+        self.route = take(self.route_stride * (self.n_layers + 1))
+        self.nbytes = padded(off, 4096)
+
+    @property
+    def route_stride(self) -> int:
+        """Per layer: i32 idx[k], f32 w[k], f32 shared gate."""
+        return padded(4 * (2 * self.top_k + 1), 16)
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> ScratchLayout:
+        s = cls(**{k: d[k] for k in ("kmax", "dp", "max_seq", "n_experts", "top_k", "n_layers")})
+        if s.to_json() != d:
+            raise ValueError("stored scratch layout does not match this version")
+        return s
+
+
+# Linux futex, used by the worker wake-up (ops.emit_workers). Syscall numbers are per architecture;
+# the kernels are x86 only today, so only x86-64 is accepted, and any other triple is refused here.
+FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
+_SYS_FUTEX = {"x86_64": 202}
+
+
+def sys_futex(triple: str) -> int:
+    arch = triple.split("-", 1)[0]
+    if arch not in _SYS_FUTEX or "linux" not in triple:
+        raise CodegenError(f"worker threads need Linux futexes on x86-64; target {triple} is not supported")
+    return _SYS_FUTEX[arch]

@@ -1,0 +1,179 @@
+"""IR-building helpers every emitter shares (kernels.py, ops.py, step.py): types, constants, loops,
+allocas, intrinsics and libc/syscall declarations, vector idioms. Pure llvmlite.ir; no target state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llvmlite import ir
+
+from .target import ISA
+
+i1, i8, i16, i32, i64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
+f16, f32 = ir.HalfType(), ir.FloatType()
+void = ir.VoidType()
+V = ir.VectorType
+P = ir.PointerType
+
+
+# -- constants ---------------------------------------------------------------------------------
+def c64(v: int) -> ir.Constant:
+    return ir.Constant(i64, int(v))
+
+
+def c32(v: int) -> ir.Constant:
+    return ir.Constant(i32, int(v))
+
+
+def cf(v: float) -> ir.Constant:
+    return ir.Constant(f32, float(v))
+
+
+def const_vec(ty, n: int, value) -> ir.Constant:
+    return ir.Constant(V(ty, n), [value] * n)
+
+
+# -- declarations ------------------------------------------------------------------------------
+def get_or_declare(module: ir.Module, name: str, ret, args, var_arg: bool = False) -> ir.Function:
+    """The module's function `name`, declared on first use (intrinsics, libc, syscall)."""
+    fn = module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(module, ir.FunctionType(ret, list(args), var_arg=var_arg), name)
+    return fn
+
+
+def intrinsic(module: ir.Module, name: str, ret, args) -> ir.Function:
+    """An LLVM intrinsic, e.g. intrinsic(m, "llvm.exp.f32", f32, [f32])."""
+    return get_or_declare(module, name, ret, args)
+
+
+def syscall(module: ir.Module) -> ir.Function:
+    """libc's variadic syscall(number, ...) (resolved by the JIT from the process)."""
+    return get_or_declare(module, "syscall", i64, [i64], var_arg=True)
+
+
+def sched_yield(module: ir.Module) -> ir.Function:
+    """libc's sched_yield."""
+    return get_or_declare(module, "sched_yield", i32, [])
+
+
+def pause(b: ir.IRBuilder, isa: str) -> None:
+    """The spin-wait hint (x86 PAUSE); nothing on the generic path."""
+    if isa != ISA.GENERIC:
+        b.call(intrinsic(b.module, "llvm.x86.sse2.pause", void, []), [])
+
+
+# -- functions -----------------------------------------------------------------------------------
+def new_function(module: ir.Module, name: str, args, linkage: str = "external", arg_names=(), ret=void,
+                 noalias: bool = True) -> ir.Function:
+    """A nounwind function with named args (pointer args noalias unless told otherwise)."""
+    fn = ir.Function(module, ir.FunctionType(ret, list(args)), name)
+    fn.linkage = linkage
+    fn.attributes.add("nounwind")
+    for a, n in zip(fn.args, arg_names):
+        a.name = n
+        if noalias and isinstance(a.type, ir.PointerType):
+            a.add_attribute("noalias")
+    return fn
+
+
+def internal_function(m: ir.Module, key: tuple, args, build: Callable, ret=void) -> ir.Function:
+    """Get or emit the internal, never-inlined function named after `key` (its specialisation);
+    build(builder, *args) emits the body on first use."""
+    name = "_".join(str(k) for k in key)
+    fn = m.globals.get(name)
+    if fn is None:
+        fn = ir.Function(m, ir.FunctionType(ret, list(args)), name)
+        fn.linkage = "internal"
+        fn.attributes.add("nounwind")
+        fn.attributes.add("noinline")
+        build(ir.IRBuilder(fn.append_basic_block("entry")), *fn.args)
+    return fn
+
+
+# -- memory --------------------------------------------------------------------------------------
+def alloca_once(b: ir.IRBuilder, ty, name: str = ""):
+    """An alloca in the entry block (never inside a loop: the stack would grow every iteration)."""
+    cur = b.block
+    b.position_at_start(b.function.entry_basic_block)
+    a = b.alloca(ty, name=name)
+    b.position_at_end(cur)
+    return a
+
+
+def ptr(b: ir.IRBuilder, base, offset, ty=None):
+    """base (any pointer) + offset *elements of base* -> pointer to ty."""
+    p = b.gep(base, [offset if isinstance(offset, ir.Value) else c64(offset)])
+    return b.bitcast(p, P(ty)) if ty is not None and p.type.pointee != ty else p
+
+
+def load(b: ir.IRBuilder, base, offset, ty, align: int = 1):
+    return b.load(ptr(b, base, offset, ty), align=align)
+
+
+# -- vectors -------------------------------------------------------------------------------------
+def splat(b: ir.IRBuilder, scalar, n: int):
+    vt = V(scalar.type, n)
+    v = b.insert_element(ir.Constant(vt, ir.Undefined), scalar, c32(0))
+    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(V(i32, n), [0] * n))
+
+
+def shuffle(b: ir.IRBuilder, v, idx):
+    return b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), ir.Constant(V(i32, len(idx)), list(idx)))
+
+
+def half_to_float(b: ir.IRBuilder, h, isa: str):
+    """IEEE half bits (i16, or <n x i16>) -> float (or <n x float>).
+
+    F16C (every non-generic ISA) converts in one instruction; the generic path uses integer ops only
+    (no libcall): exponent rebias by a multiply, normals, zeros, subnormals, inf/nan.
+    """
+    n = h.type.count if isinstance(h.type, ir.VectorType) else None
+
+    def k(ty, v):
+        return const_vec(ty, n, v) if n else ir.Constant(ty, v)
+
+    fty = V(f32, n) if n else f32
+    if isa != ISA.GENERIC:
+        return b.fpext(b.bitcast(h, V(f16, n) if n else f16), fty)
+    ity = V(i32, n) if n else i32
+    w = b.zext(h, ity)
+    mag = b.shl(b.and_(w, k(i32, 0x7FFF)), k(i32, 13))
+    f = b.fmul(b.bitcast(mag, fty), k(f32, 2.0**112))
+    inf = b.icmp_unsigned(">=", mag, k(i32, 0x7C00 << 13))
+    fb = b.select(inf, b.or_(mag, k(i32, 0x7F800000)), b.bitcast(f, ity))
+    sign = b.shl(b.and_(w, k(i32, 0x8000)), k(i32, 16))
+    return b.bitcast(b.or_(fb, sign), fty)
+
+
+# -- control flow --------------------------------------------------------------------------------
+class Loop:
+    """for i in range(start, stop): a counted loop; `with Loop(b, lo, hi) as i:` emits the body."""
+
+    def __init__(self, b: ir.IRBuilder, start, stop, name: str = "i"):
+        self.b, self.start, self.stop, self.name = b, start, stop, name
+
+    def __enter__(self):
+        b = self.b
+        pre = b.block
+        self.head = b.append_basic_block(f"{self.name}.head")
+        self.body = b.append_basic_block(f"{self.name}.body")
+        self.end = b.append_basic_block(f"{self.name}.end")
+        b.branch(self.head)
+        b.position_at_end(self.head)
+        self.i = b.phi(i64, name=self.name)
+        self.i.add_incoming(self.start, pre)
+        b.cbranch(b.icmp_signed("<", self.i, self.stop), self.body, self.end)
+        b.position_at_end(self.body)
+        return self.i
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return False
+        b = self.b
+        nxt = b.add(self.i, c64(1), name=f"{self.name}.next")
+        self.i.add_incoming(nxt, b.block)
+        b.branch(self.head)
+        b.position_at_end(self.end)
+        return False

@@ -1,0 +1,39 @@
+"""GraphMeta: what a Graph knows about its model besides the nodes (every field documented here).
+
+The config always describes the DAG as it stands: delay passes evolve it together with the edges,
+so `delays` and `routing` are read from it, never stored twice. `trained_*` record what the weights
+were trained with, so a rewrite can warn that it changes the function.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ..layout.quant import DType
+from .config import ModelConfig
+
+
+@attrs.define(kw_only=True)
+class GraphMeta:
+    config: ModelConfig  # hyper-parameters of the DAG (delays and routing point included)
+    trained_delays: tuple[int, int]  # (dd, de) the weights were trained with
+    trained_routing: str  # 'post' | 'pre' the weights were trained with
+    shapes: dict[str, tuple[int, ...]] = attrs.Factory(dict)  # IR weight name -> shape ([out, in] or [d])
+    quant: DType | None = None  # requested weight type once quantize_weights ran
+    weight_dtypes: dict[str, DType] = attrs.Factory(dict)  # IR weight name -> storage type (quantize_weights)
+    passes: tuple[str, ...] = ()  # names of the passes that produced this graph, in order
+    tokenizer: str | None = None  # tokenizer.json text the frontend found (directories), else None
+    eos_token_ids: list[int] = attrs.Factory(list)  # end-of-sequence ids the frontend found
+    source: str | None = None  # where the model came from, e.g. 'transformers:LlamaForCausalLM'
+
+    @property
+    def delays(self) -> tuple[int, int]:
+        """(dd, de) the DAG implements."""
+        return (self.config.dense_delay, self.config.expert_delay)
+
+    @property
+    def routing(self) -> str:
+        return self.config.routing
+
+    def copy(self) -> GraphMeta:
+        return attrs.evolve(self)

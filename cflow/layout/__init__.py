@@ -1,0 +1,9 @@
+"""Byte layout: how weights are stored, below every stage that reads or writes them.
+
+quant.py   weight dtypes and the GGUF-exact Q4_0/Q8_0 numerics (the NumPy oracle of every kernel)
+tile.py    THE tile layout: the byte stream a mat-vec kernel reads, pack/unpack, fused streams
+packed.py  packed tensors (form, parts, shapes, bytes) and the file layouts (stage- or layer-major)
+
+Passes plan with it, codegen takes every offset from it, the runtime unpacks with it; it imports
+nothing from cflow but errors, so the compile walk goes down into it and never back up.
+"""

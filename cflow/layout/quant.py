@@ -1,0 +1,187 @@
+"""Weight dtypes and their NumPy reference quantisers: the oracle every fast kernel is tested against.
+
+Q4 and Q8 have exactly the numerics of GGUF's Q4_0 and Q8_0, so weights we write can be exported
+bit-identically to GGUF for side-by-side runs with llama.cpp. Blocks run along the input (last) axis.
+
+    Q4 (Q4_0): 32 weights -> fp16 d + 16 bytes of nibbles = 18 B (4.5 bits/weight)
+               d = (element of largest magnitude) / -8;  q = clip(trunc(x/d + 8.5), 0, 15);  x' = (q - 8) * d
+    Q8 (Q8_0): 32 weights -> fp16 d + 32 int8 = 34 B (8.5 bits/weight)
+               d = amax / 127;  q = round-half-away(x/d);  x' = q * d
+    F16: 2 B/weight.  F32: 4 B/weight.
+
+NOTE: as in ggml, q is computed with the float32 d; only the stored (and dequantised) d is fp16.
+The in-memory form of a quantised matrix here is (scales f16[rows, nblk], q[rows, nblk, 32]) with
+q unsigned 0..15 for Q4 and int8 for Q8: the tile packer rearranges it, the interpreter dequantises it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import numpy as np
+
+BLOCK = 32  # inputs per quantisation block (Q4_0 / Q8_0)
+
+
+class DType(enum.IntEnum):
+    """Weight storage types. Values are file-format ids: never reuse a removed id."""
+
+    F32 = 0
+    F16 = 1
+    Q8 = 8
+    Q4 = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> DType:
+        try:
+            return cls[text.upper()]
+        except KeyError:
+            raise ValueError(f"unknown quantisation {text!r} (expected one of q4, q8, f16, f32)") from None
+
+
+# dtype -> (elements per block, bytes per block); sizes written as field sums.
+BLOCK_SIZES: dict[DType, tuple[int, int]] = {
+    DType.F32: (1, 4),
+    DType.F16: (1, 2),
+    DType.Q8: (BLOCK, 2 + BLOCK),  # fp16 d + 32 x int8
+    DType.Q4: (BLOCK, 2 + BLOCK // 2),  # fp16 d + 32 x 4-bit
+}
+assert BLOCK_SIZES[DType.Q4][1] == 18 and BLOCK_SIZES[DType.Q8][1] == 34
+
+
+def padded(n: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= n (shapes are zero-padded, never rejected)."""
+    return -(-n // multiple) * multiple
+
+
+def matrix_bytes(rows: int, cols: int, dtype: DType) -> int:
+    """Bytes of a [rows, cols] matrix stored at `dtype` (input axis padded to whole blocks)."""
+    n, b = BLOCK_SIZES[dtype]
+    return rows * (padded(cols, n) // n) * b
+
+
+@attrs.frozen(eq=False)
+class QTensor:
+    """A quantised 2-D weight [rows, cols]: per-block fp16 scales and the integer codes.
+
+    scales: f16[rows, nblk]; q: u8[rows, nblk, 32] (Q4, 0..15) or i8[rows, nblk, 32] (Q8).
+    cols is the logical width; the last block is zero-padded.
+    """
+
+    dtype: DType
+    rows: int
+    cols: int
+    scales: np.ndarray
+    q: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return matrix_bytes(self.rows, self.cols, self.dtype)
+
+    def dequantize(self) -> np.ndarray:
+        return dequantize(self)
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    """[rows, cols] float -> float32 [rows, nblk, 32], zero-padded along cols."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"quantise expects a 2-D matrix, got shape {x.shape}")
+    rows, cols = x.shape
+    pc = padded(cols, BLOCK)
+    if pc != cols:
+        x = np.concatenate([x, np.zeros((rows, pc - cols), np.float32)], axis=1)
+    return x.reshape(rows, pc // BLOCK, BLOCK)
+
+
+def _round_half_away(x: np.ndarray) -> np.ndarray:
+    # ggml's roundf: halves round away from zero (np.round would round to even).
+    a = np.abs(x)
+    f = np.floor(a)
+    return np.sign(x) * (f + np.floor(2 * (a - f)))
+
+
+CHUNK_ELEMS = 1 << 22  # quantise ~4M weights at a time: temporaries stay ~16 MB whatever the matrix
+
+
+def quantize(x: np.ndarray, dtype: DType | str) -> QTensor | np.ndarray:
+    """Quantise a 2-D float matrix. F32/F16 return plain arrays; Q4/Q8 return a QTensor."""
+    dtype = DType.parse(dtype) if isinstance(dtype, str) else DType(dtype)
+    if dtype == DType.F32:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if dtype == DType.F16:
+        return np.ascontiguousarray(x, dtype=np.float16)
+    rows, cols = np.shape(x)
+    step = max(1, CHUNK_ELEMS // max(cols, 1))
+    if rows > step:  # row chunks: blocks never span rows, so this changes nothing but peak memory
+        parts = [_quantize_rows(x[r : r + step], dtype) for r in range(0, rows, step)]
+        return QTensor(dtype=dtype, rows=rows, cols=cols, scales=np.concatenate([p.scales for p in parts]),
+                       q=np.concatenate([p.q for p in parts]))
+    return _quantize_rows(x, dtype)
+
+
+def _quantize_rows(x: np.ndarray, dtype: DType) -> QTensor:
+    rows, cols = np.shape(x)
+    b = _blocks(x)
+    if dtype == DType.Q4:
+        imax = np.abs(b).argmax(axis=-1)[..., None]
+        d = np.take_along_axis(b, imax, axis=-1) / np.float32(-8)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+        q = np.trunc(b * inv + np.float32(8.5)).astype(np.float32)
+        q = np.clip(q.astype(np.uint8), 0, 15).astype(np.uint8)
+    else:
+        d = np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+        q = _round_half_away(b * inv).astype(np.int8)
+    return QTensor(dtype=dtype, rows=rows, cols=cols, scales=d[..., 0].astype(np.float16), q=q)
+
+
+def dequantize(t: QTensor | np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] from any stored weight."""
+    if not isinstance(t, QTensor):
+        return np.asarray(t, dtype=np.float32)
+    codes = t.q.astype(np.float32)
+    if t.dtype == DType.Q4:
+        codes -= 8.0
+    x = codes * t.scales.astype(np.float32)[..., None]
+    return x.reshape(t.rows, -1)[:, : t.cols]
+
+
+def to_gguf_bytes(t: QTensor) -> np.ndarray:
+    """The GGUF block bytes of a Q4/Q8 tensor, u8[rows, nblk * block_bytes] (for export and tests)."""
+    d = t.scales.view(np.uint8).reshape(t.rows, -1, 2)
+    if t.dtype == DType.Q4:
+        qs = t.q[..., :16] | (t.q[..., 16:] << np.uint8(4))
+    else:
+        qs = t.q.view(np.uint8)
+    return np.concatenate([d, qs], axis=-1).reshape(t.rows, -1)
+
+
+def quantize_activation_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Emulate the kernels' int8 activation blocks: x f32[..., n] -> (q int8[..., nblk, 32], d f32[..., nblk]).
+
+    Like llama.cpp's Q8 activations (d = amax/127, round half away), but d is kept in float32:
+    the kernels hold the activation scale in a register, never round it to fp16.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    n = x.shape[-1]
+    pn = padded(n, BLOCK)
+    if pn != n:
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + (pn - n,), np.float32)], axis=-1)
+    b = x.reshape(x.shape[:-1] + (pn // BLOCK, BLOCK))
+    d = np.abs(b).max(axis=-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    q = _round_half_away(b * inv[..., None]).astype(np.int8)
+    return q, d.astype(np.float32)

@@ -1,0 +1,64 @@
+"""File emission as the lowering's last pass: the planned state's tensors, packed and streamed to disk.
+
+Input: a CompileState after order_tensors (graph with weights). Output: the .vflow/.cflow file
+(atomic: complete or absent) and `state.file` with its size and bytes per token. Tensors are
+quantised, packed and written one at a time, so memory stays near the largest tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from ..passes.manager import Pass, state_pass
+from ..passes.state import CompileState
+from .format import FileWriter
+from .format.spec import FORMAT_NAME
+
+
+def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None) -> dict:
+    """The file header: config, delays, quantisation, tile, packing plan, schedule, tokenizer."""
+    g = state.graph
+    m = g.meta
+    return {
+        "format": FORMAT_NAME,
+        "name": g.name,
+        "config": g.config.to_dict(),
+        "delays": list(m.delays),
+        "trained_delays": list(m.trained_delays),
+        "routing": m.routing,
+        "quant": m.quant.label,
+        "tile": list(state.tile),
+        "weight_dtypes": {n: d.label for n, d in m.weight_dtypes.items()},
+        "packing": {n: t.to_json() for n, t in state.tensors.items()},
+        "schedule": state.schedule.to_json(),
+        "tokenizer": tokenizer,
+        "eos_token_ids": list(eos or []),
+    }
+
+
+def emit_file(out: str | os.PathLike, tokenizer: str | None = None, eos: list[int] | None = None,
+              progress: Callable[[int, int, str], None] | None = None) -> Pass:
+    """Quantise, pack and stream every tensor of the plan into `out` in file order."""
+
+    @state_pass(name="emit_file", requires=("order_tensors",))
+    def run(state: CompileState, ctx) -> CompileState:
+        t0 = time.perf_counter()
+        total = sum(state.tensors[n].nbytes for n in state.order)
+        done = 0
+        with FileWriter(out, header_for(state, tokenizer, eos), layout=str(state.layout)) as w:
+            for name in state.order:
+                t = state.tensors[name]
+                data = t.materialize(state.graph.weights)
+                w.add_tensor(name, t.dtype, t.shape, data, tile=t.file_tile, layer=t.block, expert=t.expert,
+                             stage=state.stage_of[name])
+                del data
+                done += t.nbytes
+                if progress:
+                    progress(done, total, name)
+        info = {"path": os.fspath(out), "seconds": time.perf_counter() - t0, "file_bytes": os.path.getsize(out),
+                "bytes_per_token": state.bytes_per_token, "tensors": len(state.order)}
+        return state.evolve(file=info)
+
+    return run

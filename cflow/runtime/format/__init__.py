@@ -1,0 +1,50 @@
+"""The .cflow/.vflow container format (docs/FORMAT.md) and its GGUF export.
+
+    spec     constants, on-disk structs, size rules (MAGIC, VERSION, ALIGN, expected_nbytes, ...)
+    writer   FileWriter: streams tensors into a container, publishes it atomically
+    reader   FileReader: maps a container, validates it, hands out zero-copy views
+    summary  the text `cflow inspect` prints
+    gguf     export_gguf: a graph's weights, bit-identical, as a GGUF file for llama.cpp
+             (needs the optional `gguf` package; import cflow.runtime.format.gguf explicitly)
+"""
+
+from .reader import FileReader
+from .spec import (
+    ALIGN,
+    BLOCK_SIZES,
+    CRC_CHUNK,
+    DTYPE_IDS,
+    EXPERT_ENTRY,
+    FLAG_VFLOW,
+    FORMAT_NAME,
+    KNOWN_FLAGS,
+    LAYOUTS,
+    MAGIC,
+    MAX_DIM,
+    MAX_ELEMENTS,
+    MAX_ID,
+    MAX_NAME,
+    MAX_NDIM,
+    MAX_TILE,
+    PREAMBLE,
+    PREAMBLE_FIELDS,
+    RANGE_ENTRY,
+    TENSOR_ENTRY,
+    TENSOR_FIELDS,
+    VERSION,
+    DType,
+    NbytesHook,
+    Range,
+    TensorEntry,
+    expected_nbytes,
+    layout_flags,
+    pad,
+)
+from .writer import FileWriter
+
+__all__ = [
+    "ALIGN", "BLOCK_SIZES", "CRC_CHUNK", "DTYPE_IDS", "EXPERT_ENTRY", "FLAG_VFLOW", "FORMAT_NAME",
+    "KNOWN_FLAGS", "LAYOUTS", "MAGIC", "MAX_DIM", "MAX_ELEMENTS", "MAX_ID", "MAX_NAME", "MAX_NDIM", "MAX_TILE",
+    "PREAMBLE", "PREAMBLE_FIELDS", "RANGE_ENTRY", "TENSOR_ENTRY", "TENSOR_FIELDS", "VERSION", "DType",
+    "FileReader", "FileWriter", "NbytesHook", "Range", "TensorEntry", "expected_nbytes", "layout_flags", "pad",
+]

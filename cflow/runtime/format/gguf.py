@@ -1,0 +1,387 @@
+"""Export a dense Llama-family graph to GGUF, so llama.cpp can run the very same weights.
+
+    export_gguf(graph, "model.gguf", tokenizer_json=None) -> info dict
+
+For the peer benchmark (benchmarks/peers.py): cflow's Q4/Q8 have exactly GGUF Q4_0/Q8_0 numerics, so
+each quantised matrix is written block for block from its QTensor (`to_gguf_bytes`): llama.cpp and
+cflow then stream bit-identical weights. Only the PyPI `gguf` package is needed (GGUFWriter).
+
+What is written (architecture "llama", the tensor names llama.cpp's llama arch loads):
+  token_embd.weight          tok_embeddings at its stored type (F16 for q4/q8/f16 graphs, F32 for f32)
+  blk.N.attn_norm/ffn_norm   F32
+  blk.N.attn_q/k/v/output    Q4_0 / Q8_0 / F16 / F32 as stored in the graph (attn_q/k rows permuted, below)
+  blk.N.attn_q/k/v.bias      F32, if the model has attention biases (q/k permuted too)
+  blk.N.ffn_gate/up/down     as stored
+  output_norm.weight         F32
+  output.weight              the head as stored (omitted when the graph's head reads tok_embeddings)
+
+RoPE layout: cflow (like Hugging Face) rotates halves: dimension i of a head pairs with i + head_dim/2.
+llama.cpp's llama arch rotates adjacent pairs (2i, 2i+1). Like llama.cpp's convert_hf_to_gguf.py,
+the rows of attn_q (per query head) and attn_k (per kv head) are reordered so that row 2i + j of a
+head is HF row j * head_dim/2 + i. Only whole rows move, so every Q4_0/Q8_0 block stays bit-identical.
+
+Metadata: context/embedding/feed-forward length, block count, head counts, key/value length, rope
+dimension count and base, RMS eps, vocab size, file type (MOSTLY_Q4_0 etc.) and a tokenizer:
+  - tokenizer_json (a tokenizer.json path, a directory holding one, or the JSON text): a byte-level
+    BPE becomes a "gpt2" vocabulary with merges; a SentencePiece-style model (Unigram, or BPE with
+    byte_fallback, e.g. Llama-2/TinyLlama) becomes a "llama" vocabulary;
+  - none: a synthetic "llama" (SPM) vocabulary of vocab_size tokens: <unk>, <s>, </s>, the 256 byte
+    tokens <0x00>..<0xFF> (llama.cpp's SPM loader needs every byte token), then unique filler pieces.
+    Enough for llama.cpp to load the model and run token ids; text tokenisation is meaningless.
+Anything the llama arch cannot express is refused with UnsupportedModelError: MoE, weight sharing
+(arch5), dense/expert delays other than (0, 0), layers without a dense FFN, and Q4/Q8 rows whose
+length is not a multiple of 32 (GGUF blocks cannot be padded).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import CflowError, UnsupportedModelError
+from ...layout.quant import BLOCK, BLOCK_SIZES, DType, QTensor, to_gguf_bytes
+from ...util import atomic_path
+
+ARCH = "llama"
+
+# IR weight suffix -> GGUF tensor name inside block N
+_BLOCK_NAMES = {
+    "attn_norm": "attn_norm.weight",
+    "attn.wq": "attn_q.weight",
+    "attn.wk": "attn_k.weight",
+    "attn.wv": "attn_v.weight",
+    "attn.wo": "attn_output.weight",
+    "attn.bq": "attn_q.bias",
+    "attn.bk": "attn_k.bias",
+    "attn.bv": "attn_v.bias",
+    "ffn_norm": "ffn_norm.weight",
+    "ffn.w_gate": "ffn_gate.weight",
+    "ffn.w_up": "ffn_up.weight",
+    "ffn.w_down": "ffn_down.weight",
+}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise CflowError("GGUF export needs the 'gguf' package: pip install 'cflow[peers]' (or gguf>=0.17)") from None
+    return gguf
+
+
+def rope_row_permutation(n_heads: int, head_dim: int) -> np.ndarray:
+    """Row order that turns HF rotate-half Q/K projections into llama.cpp's adjacent-pair layout.
+
+    Output row h*head_dim + 2i + j is input row h*head_dim + j*(head_dim/2) + i (j in {0, 1})."""
+    half = head_dim // 2
+    h, i, j = np.meshgrid(np.arange(n_heads), np.arange(half), np.arange(2), indexing="ij")
+    return (h * head_dim + j * half + i).reshape(-1)
+
+
+def gguf_tensor_names(config) -> dict[str, str]:
+    """IR weight name -> GGUF tensor name for a dense Llama-family config (head: see export_gguf)."""
+    from ...ir.build import weight_shapes
+
+    out = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
+    for name in weight_shapes(config):
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            if rest not in _BLOCK_NAMES:
+                raise UnsupportedModelError(f"GGUF export: weight {name} has no llama.cpp counterpart")
+            out[name] = f"blk.{int(i)}.{_BLOCK_NAMES[rest]}"
+    return out
+
+
+def check_exportable(graph) -> None:
+    """Raise UnsupportedModelError unless the graph is a plain dense Llama-family decoder."""
+    c = graph.config
+    kinds = {n.kind for n in graph.nodes()}
+    if c.n_experts or kinds & {"router", "experts"}:
+        raise UnsupportedModelError(
+            f"GGUF export of {graph.name}: mixture-of-experts layers (n_experts={c.n_experts}) are not supported; "
+            "only dense Llama-family models export to the llama arch")
+    if c.n_blocks != c.n_layers:
+        raise UnsupportedModelError(f"GGUF export of {graph.name}: weight sharing (n_blocks={c.n_blocks} < "
+                                    f"n_layers={c.n_layers}) has no llama.cpp equivalent")
+    delays = tuple(graph.meta.delays)
+    if delays != (0, 0):
+        raise UnsupportedModelError(f"GGUF export of {graph.name}: delays (dd, de)={delays} change the function; "
+                                    "llama.cpp's llama arch computes delays (0, 0) only")
+    if c.ffn_dim <= 0 or (c.dense_layers is not None and sorted(c.dense_layers) != list(range(1, c.n_layers + 1))):
+        raise UnsupportedModelError(f"GGUF export of {graph.name}: every layer needs a dense SwiGLU FFN")
+    if c.head_dim % 2:
+        raise UnsupportedModelError(f"GGUF export of {graph.name}: head_dim={c.head_dim} is odd")
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+def synthetic_spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, types) of a placeholder SentencePiece vocabulary with vocab_size entries."""
+    gguf = _gguf()
+    TT = gguf.TokenType
+    toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [TT.UNKNOWN, TT.CONTROL, TT.CONTROL] + [TT.BYTE] * 256
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    i = 0
+    while len(toks) < vocab_size:
+        # unique pieces "▁a".."▁z", "▁ba".. (base-26 words): llama.cpp requires unique token strings
+        n, word = i, ""
+        while True:
+            word = letters[n % 26] + word
+            n = n // 26 - 1
+            if n < 0:
+                break
+        toks.append("\u2581" + word)
+        types.append(TT.NORMAL)
+        i += 1
+    toks, types = toks[:vocab_size], types[:vocab_size]
+    scores = [0.0] * min(3, vocab_size) + [-float(k) for k in range(3, vocab_size)]
+    return toks, scores, [int(t) for t in types]
+
+
+def _read_tokenizer_json(tokenizer_json) -> dict:
+    text = str(tokenizer_json)
+    if not text.lstrip().startswith("{"):
+        p = Path(text)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise CflowError(f"{p}: cannot read tokenizer.json ({e.strerror})") from None
+    try:
+        tj = json.loads(text)
+        tj["model"]["type"]
+    except (ValueError, KeyError, TypeError):
+        raise CflowError("tokenizer for GGUF export is not a valid tokenizer.json") from None
+    return tj
+
+
+def _write_tokenizer(w, tokenizer_json, vocab_size: int) -> None:
+    gguf = _gguf()
+    TT = gguf.TokenType
+    if tokenizer_json is None:
+        toks, scores, types = synthetic_spm_vocab(vocab_size)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(toks)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        return
+    tj = _read_tokenizer_json(tokenizer_json)
+    model = tj["model"]
+    kind = model["type"]
+    added = {int(t["id"]): t for t in tj.get("added_tokens", [])}
+    if kind == "Unigram":
+        pieces = [(str(p), float(s)) for p, s in model["vocab"]]
+        id_to_tok = {i: p for i, (p, _) in enumerate(pieces)}
+        id_score = {i: s for i, (_, s) in enumerate(pieces)}
+        spm = True
+    elif kind == "BPE":
+        id_to_tok = {int(i): str(t) for t, i in model["vocab"].items()}
+        id_score = {i: -float(i) for i in id_to_tok}  # BPE ids follow merge order: earlier = preferred
+        spm = bool(model.get("byte_fallback"))
+    else:
+        raise UnsupportedModelError(f"GGUF export: tokenizer model type {kind!r} is not supported (BPE, Unigram)")
+    for i, t in added.items():
+        id_to_tok[i] = str(t["content"])
+    n = max(id_to_tok) + 1 if id_to_tok else 0
+    if n > vocab_size:
+        raise UnsupportedModelError(
+            f"GGUF export: the tokenizer has {n} tokens, more than the model's vocab_size={vocab_size}")
+    toks, scores, types = [], [], []
+    used = set(id_to_tok.values())
+    pad = 0
+    for i in range(vocab_size):
+        t = id_to_tok.get(i)
+        if t is None:  # holes and the tail up to vocab_size: unique unused placeholders
+            while f"[PAD{pad}]" in used:
+                pad += 1
+            t = f"[PAD{pad}]"
+            used.add(t)
+            typ = TT.UNUSED
+        elif i in added:
+            typ = TT.CONTROL if added[i].get("special", True) else TT.USER_DEFINED
+        elif spm and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            typ = TT.BYTE
+        elif t == model.get("unk_token") or i == model.get("unk_id"):
+            typ = TT.UNKNOWN
+        else:
+            typ = TT.NORMAL
+        toks.append(t)
+        scores.append(float(id_score.get(i, 0.0)))
+        types.append(int(typ))
+    by_text = {t: i for i, t in enumerate(toks)}
+    if len(by_text) != len(toks):  # llama.cpp asserts unique token strings (an abort, not an error)
+        dup = next(t for i, t in enumerate(toks) if by_text[t] != i)
+        raise UnsupportedModelError(f"GGUF export: token {dup!r} appears twice in the tokenizer")
+
+    def special(*names):
+        return next((by_text[s] for s in names if s in by_text), None)
+
+    bos = special("<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>")
+    eos = special("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>", "<|im_end|>")
+    unk_id = model.get("unk_id")
+    if isinstance(unk_id, int) and 0 <= unk_id < vocab_size:
+        unk = unk_id
+    else:
+        unk = special(str(model.get("unk_token")), "<unk>")
+    if spm:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(toks)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+    else:
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(toks)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+    if bos is not None:
+        w.add_bos_token_id(bos)
+    if eos is not None:
+        w.add_eos_token_id(eos)
+    if unk is not None:
+        w.add_unk_token_id(unk)
+    w.add_add_bos_token(bool(spm and bos is not None))
+    w.add_add_eos_token(False)
+
+
+# --- tensors -----------------------------------------------------------------------------------
+
+def _tensor_payload(name: str, w, perm: np.ndarray | None):
+    """(array to write, raw GGML type or None) for one graph weight, rows permuted by `perm`."""
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    if isinstance(w, QTensor):
+        if w.cols % BLOCK:
+            raise UnsupportedModelError(f"GGUF export: {name} has rows of {w.cols} inputs; {w.dtype.label} rows in "
+                                        f"GGUF must be whole blocks of {BLOCK}")
+        data = to_gguf_bytes(w)
+        raw = Q.Q4_0 if w.dtype == DType.Q4 else Q.Q8_0
+    else:
+        data = np.asarray(w)
+        if data.dtype != np.float16:
+            data = data.astype(np.float32, copy=False)
+        raw = None
+    if perm is not None:
+        data = data[perm]
+    return np.ascontiguousarray(data), raw
+
+
+def _planned(graph, name: str):
+    """(byte shape, numpy dtype, raw GGML type) of a quantised graph's weight from its metadata, without
+    quantising it; (None, None, None) for a graph that records no storage types."""
+    dtypes, shapes = graph.meta.weight_dtypes, graph.meta.shapes
+    if not dtypes or name not in dtypes or name not in shapes:
+        return None, None, None
+    Q = _gguf().GGMLQuantizationType
+    dt, shape = DType(dtypes[name]), tuple(shapes[name])
+    if dt in (DType.Q4, DType.Q8):
+        if len(shape) != 2 or shape[1] % BLOCK:
+            raise UnsupportedModelError(f"GGUF export: {name} has shape {shape}; {dt.label} rows in GGUF must be "
+                                        f"whole blocks of {BLOCK} inputs")
+        per = BLOCK_SIZES[dt][1]
+        return (shape[0], shape[1] // BLOCK * per), np.dtype(np.uint8), (Q.Q4_0 if dt == DType.Q4 else Q.Q8_0)
+    return shape, np.dtype(np.float16 if dt == DType.F16 else np.float32), None
+
+
+def _file_type(graph):
+    LFT = _gguf().LlamaFileType
+    q = graph.meta.quant or DType.F32
+    return {DType.Q4: LFT.MOSTLY_Q4_0, DType.Q8: LFT.MOSTLY_Q8_0, DType.F16: LFT.MOSTLY_F16, DType.F32: LFT.ALL_F32}[q]
+
+
+def export_gguf(graph, path, tokenizer_json=None) -> dict:
+    """Write `graph` (a dense Llama-family cflow Graph, quantised or not) as a llama.cpp GGUF file.
+
+    Q4/Q8 matrices are copied bit-identically from the graph's QTensors (rows of attn_q/attn_k
+    reordered for llama.cpp's RoPE layout, see the module docstring). The file is written to a
+    temporary name beside `path` and renamed, so `path` is either complete or untouched.
+    Returns {"path", "file_bytes", "tensors", "seconds", "file_type"}.
+    """
+    gguf = _gguf()
+    check_exportable(graph)
+    c = graph.config
+    t0 = time.perf_counter()
+    names = gguf_tensor_names(c)
+    head = graph["logits"].weight  # "lm_head" (quantised graphs, also when tied) or "tok_embeddings"
+    order = ["tok_embeddings"]
+    for i in range(c.n_layers):
+        p = f"blocks.{i}"
+        order += [f"{p}.attn_norm", f"{p}.attn.wq", f"{p}.attn.wk", f"{p}.attn.wv"]
+        if c.attn_bias:
+            order += [f"{p}.attn.bq", f"{p}.attn.bk", f"{p}.attn.bv"]
+        order += [f"{p}.attn.wo", f"{p}.ffn_norm", f"{p}.ffn.w_gate", f"{p}.ffn.w_up", f"{p}.ffn.w_down"]
+    order.append("norm")
+    if head != "tok_embeddings":
+        order.append(head)
+    perm_q = rope_row_permutation(c.n_heads, c.head_dim)
+    perm_k = rope_row_permutation(c.n_kv_heads, c.head_dim)
+    perms = {}
+    for i in range(c.n_layers):
+        for s, pm in (("wq", perm_q), ("bq", perm_q), ("wk", perm_k), ("bk", perm_k)):
+            perms[f"blocks.{i}.attn.{s}"] = pm
+
+    def payload(name):
+        try:
+            w = graph.weights[name]
+        except KeyError:
+            raise CflowError(
+                f"GGUF export: graph {graph.name} has no weight {name!r} (a graph without weights?)") from None
+        return _tensor_payload(name, w, perms.get(name))
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        w = gguf.GGUFWriter(str(tmp), ARCH)
+        w.add_name(graph.name)
+        w.add_vocab_size(c.vocab_size)
+        w.add_context_length(c.max_seq_len)
+        w.add_embedding_length(c.d_model)
+        w.add_block_count(c.n_layers)
+        w.add_feed_forward_length(c.ffn_dim)
+        w.add_head_count(c.n_heads)
+        w.add_head_count_kv(c.n_kv_heads)
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_rope_dimension_count(c.head_dim)
+        w.add_rope_freq_base(float(c.rope_theta))
+        w.add_layer_norm_rms_eps(float(c.norm_eps))
+        w.add_file_type(int(_file_type(graph)))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _write_tokenizer(w, tokenizer_json, c.vocab_size)
+        # Tensor infos first (from one pass that builds each payload), then the data one tensor at a
+        # time: only one tensor's bytes are held at once (the graph's weights may be quantised lazily).
+        infos = []
+        for name in order:
+            gname = "output.weight" if name == head != "tok_embeddings" else names[name]
+            shape, dt, raw = _planned(graph, name)
+            if shape is None:  # an unquantised graph: look at the array itself (no quantisation cost)
+                data, raw = payload(name)
+                shape, dt = data.shape, data.dtype
+                del data
+            nb = int(np.prod(shape)) * dt.itemsize
+            w.add_tensor_info(gname, shape, dt, nb, raw_dtype=raw)
+            infos.append((gname, dt, nb))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for name, (gname, dt, nb) in zip(order, infos):
+            data, _ = payload(name)
+            if data.dtype != dt or data.nbytes != nb:
+                raise CflowError(
+                    f"GGUF export: {name} is {data.dtype}, {data.nbytes} B; its metadata said {dt}, {nb} B")
+            w.write_tensor_data(data)
+            del data
+        w.close()
+    return {"path": str(path), "file_bytes": path.stat().st_size, "tensors": len(order),
+            "seconds": time.perf_counter() - t0, "file_type": _file_type(graph).name}

@@ -1,0 +1,141 @@
+"""cflow.util.atomic_path and its one-liners: all or nothing, clear errors, nothing left behind."""
+
+import os
+import re
+import tempfile
+
+import pytest
+
+from cflow.errors import CflowError
+from cflow.util import atomic_copy, atomic_path, atomic_write_bytes, atomic_write_text, recover_atomic
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+# -- the three errors a user can cause ---------------------------------------------------------
+def test_missing_parent_directory_is_named(tmp_path):
+    target = tmp_path / "nope" / "m.gguf"
+    want = f"cannot write {target}: directory {target.parent} does not exist"
+    with pytest.raises(CflowError, match=f"^{re.escape(want)}$"):
+        atomic_write_bytes(target, b"x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_directory_as_target(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(CflowError, match=f"^{re.escape(str(tmp_path / 'd'))} is a directory$"):
+        atomic_write_text(tmp_path / "d", "x")
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_permission_denied_names_the_path(tmp_path, monkeypatch):
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    with pytest.raises(CflowError, match=f"^cannot write {re.escape(str(tmp_path / 'm.txt'))}: permission denied$"):
+        atomic_write_text(tmp_path / "m.txt", "x")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_directory(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(CflowError, match=f"cannot write {re.escape(str(ro / 'm.txt'))}: permission denied"):
+            atomic_write_text(ro / "m.txt", "x")
+    finally:
+        ro.chmod(0o755)
+
+
+# -- files -------------------------------------------------------------------------------------
+def test_write_replace_and_mode(tmp_path):
+    p = tmp_path / "m.txt"
+    atomic_write_text(p, "old")
+    atomic_write_text(p, "new ✓")
+    assert p.read_text(encoding="utf-8") == "new ✓"
+    atomic_write_bytes(p, b"\x00\x01", durable=False)
+    assert p.read_bytes() == b"\x00\x01"
+    atomic_copy(p, tmp_path / "c.bin")
+    assert (tmp_path / "c.bin").read_bytes() == b"\x00\x01"
+    assert os.stat(p).st_mode & 0o777 == 0o666 & ~_umask()
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["c.bin", "m.txt"]
+
+
+def test_exception_keeps_old_file_and_leaves_no_temp(tmp_path):
+    p = tmp_path / "m.txt"
+    p.write_text("precious")
+    with pytest.raises(RuntimeError), atomic_path(p) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("boom")
+    assert p.read_text() == "precious"
+    assert [x.name for x in tmp_path.iterdir()] == ["m.txt"]
+
+
+def test_temp_keeps_the_name_and_companions_are_published(tmp_path):
+    p = tmp_path / "m.onnx"
+    with atomic_path(p) as tmp:
+        assert tmp.name == "m.onnx" and tmp.parent.parent == tmp_path and tmp.parent.name.startswith(".m.onnx.")
+        tmp.write_text("model")
+        (tmp.parent / "m.onnx.data").write_text("weights")
+        assert not p.exists()
+    assert p.read_text() == "model" and (tmp_path / "m.onnx.data").read_text() == "weights"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+
+
+def test_nothing_written_is_an_error(tmp_path):
+    with pytest.raises(CflowError, match="nothing was written"), atomic_path(tmp_path / "m.txt"):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_open_commit_abort_without_with(tmp_path):
+    a = atomic_path(tmp_path / "m.txt")
+    a.open().write_text("x")
+    a.abort()
+    a.abort()
+    assert list(tmp_path.iterdir()) == []
+    a = atomic_path(tmp_path / "m.txt")
+    a.open().write_text("y")
+    a.commit()
+    a.commit()  # idempotent
+    assert (tmp_path / "m.txt").read_text() == "y"
+
+
+# -- directories -------------------------------------------------------------------------------
+def test_directory_replaces_old_version(tmp_path):
+    out = tmp_path / "run"
+    with atomic_path(out, directory=True) as d:
+        (d / "a").write_text("1")
+    with atomic_path(out, directory=True) as d:
+        (d / "b").write_text("2")
+    assert sorted(x.name for x in out.iterdir()) == ["b"]
+    assert [x.name for x in tmp_path.iterdir()] == ["run"]
+    with pytest.raises(RuntimeError), atomic_path(out, directory=True) as d:
+        (d / "c").write_text("3")
+        raise RuntimeError("boom")
+    assert sorted(x.name for x in out.iterdir()) == ["b"]
+    assert [x.name for x in tmp_path.iterdir()] == ["run"]
+
+
+def test_directory_over_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CflowError, match="exists and is not a directory"):
+        atomic_path(tmp_path / "f", directory=True).open()
+
+
+def test_recover_interrupted_swap(tmp_path):
+    out, old = tmp_path / "run", tmp_path / ".run.old"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    (tmp_path / ".run.k3j2h1.tmp").mkdir()
+    recover_atomic(out)
+    assert (out / "config.json").is_file() and [x.name for x in tmp_path.iterdir()] == ["run"]
+    old.mkdir()  # a stale previous version beside a complete one is dropped
+    recover_atomic(out)
+    assert [x.name for x in tmp_path.iterdir()] == ["run"]
