@@ -59,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--doc", default=str(ROOT / "docs" / "architectures.md"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "architectures_loss.png"))
     p.add_argument("--bundle", action="store_true",
-                   help=f"train {NOISE_PRESET} for --bundle-steps (run BUNDLE_RUN) and ship it as cflow/data/default (f16)")
+                   help=f"train {NOISE_PRESET} for --bundle-steps (run BUNDLE_RUN) "
+                        "and ship it as cflow/data/default (f16)")
     p.add_argument("--bundle-steps", type=int, default=540,
                    help="steps of the bundled model's run and of the --long runs (default 540)")
     p.add_argument("--long", nargs="*", default=[], metavar="PRESET",
@@ -142,7 +143,8 @@ def long_rows(args) -> list[dict]:
             continue
         h, c = read_history(out), read_config(out)
         best = min(h["val"], key=lambda v: v["loss"])
-        rows.append(dict(preset=preset, seed=args.seed, dir=out, history=h, ppl=h["final"]["ppl"], acc=h["final"]["acc"],
+        rows.append(dict(preset=preset, seed=args.seed, dir=out, history=h,
+                         ppl=h["final"]["ppl"], acc=h["final"]["acc"],
                          best_ppl=best["ppl"], best_step=best["step"], params=c.n_params(),
                          active=c.n_params(active=True), minutes=h["elapsed"] / 60,
                          tokens=h["step"] * args.batch * args.seq, steps=h["step"], config=c))
@@ -157,8 +159,8 @@ def long_table(args) -> str:
              f"{rows[0]['tokens'] / rows[0]['history']['train_tokens']:.1f} epochs, otherwise the same settings):", "",
              "| preset | val ppl | top-1 acc | best val ppl (step) | train time |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['preset']} | {r['ppl']:.2f} | {100 * r['acc']:.1f}% | {r['best_ppl']:.2f} ({r['best_step']}) "
-                     f"| {r['minutes']:.1f} min |")
+        lines.append(f"| {r['preset']} | {r['ppl']:.2f} | {100 * r['acc']:.1f}% "
+                     f"| {r['best_ppl']:.2f} ({r['best_step']}) | {r['minutes']:.1f} min |")
     return "\n".join(lines)
 
 
@@ -232,13 +234,14 @@ def setup_line(args, rows: list[dict]) -> str:
         return ""
     r, h = rows[0], rows[0]["history"]
     c = r["config"]
-    return (f"Size `{args.size}`: vocabulary {c.vocab_size} (byte-level BPE), d_model {c.d_model}, {c.n_layers} layers, "
-            f"{c.n_heads} heads (head_dim {c.head_dim}), dense FFN {c.ffn_dim}, {c.n_experts} experts of width "
-            f"{c.expert_dim}, top-{c.top_k}. Data: {h['train_tokens']:,} training / {h['val_tokens']:,} validation tokens "
+    return (f"Size `{args.size}`: vocabulary {c.vocab_size} (byte-level BPE), d_model {c.d_model}, "
+            f"{c.n_layers} layers, {c.n_heads} heads (head_dim {c.head_dim}), dense FFN {c.ffn_dim}, "
+            f"{c.n_experts} experts of width {c.expert_dim}, top-{c.top_k}. "
+            f"Data: {h['train_tokens']:,} training / {h['val_tokens']:,} validation tokens "
             f"(validation = 10% of the stories). Each run: {args.steps} steps x {args.batch} sequences x {args.seq} "
             f"tokens = {r['tokens']:,} tokens ({r['tokens'] / h['train_tokens']:.1f} epochs), AdamW (lr {args.lr:g}, "
-            f"warmup {args.warmup}, cosine to 10%, weight decay 0.1, clip 1.0, MoE balance loss 0.01), seed {args.seed}, "
-            f"{args.threads} torch thread(s), niced on a shared 2-core machine.")
+            f"warmup {args.warmup}, cosine to 10%, weight decay 0.1, clip 1.0, MoE balance loss 0.01), "
+            f"seed {args.seed}, {args.threads} torch thread(s), niced on a shared 2-core machine.")
 
 
 def plot(rows: list[dict], longs: list[dict], path: str) -> None:
@@ -280,7 +283,8 @@ def plot(rows: list[dict], longs: list[dict], path: str) -> None:
                                           for i in range(0, len(tr), 5)], "--", color=col, lw=0.8,
                  label=f"{r['preset']} training (mean of 10)")
     lo = min((v["loss"] for r in rows for v in r["history"]["val"]), default=2)
-    ax1.set(title="training loss (EMA 0.9)", xlabel="step", ylabel="cross-entropy (nats/token)", ylim=(lo - 0.3, lo + 2.5))
+    ax1.set(title="training loss (EMA 0.9)", xlabel="step", ylabel="cross-entropy (nats/token)",
+            ylim=(lo - 0.3, lo + 2.5))
     ax2.set(title="validation loss", xlabel="step", ylabel="cross-entropy (nats/token)", ylim=(lo - 0.1, lo + 2.0))
     ax3.set(title="validation loss minus arch1's (seed 0)", xlabel="step", ylabel="Δ nats/token (lower is better)")
     ax3.axhline(0, color="grey", lw=0.6)
@@ -313,7 +317,8 @@ def samples(r: dict | None, prompts=PROMPTS) -> str:
     out = [f"From `{r['dir'].name}` ({r['history']['step']} steps; the torch reference `PipelineNativeLM`, "
            "KV cache, f32 weights, up to 90 new tokens, stopping at `<|endoftext|>`):", ""]
     for i, prompt in enumerate(prompts):
-        for mode, kw in (("greedy", dict(temperature=0.0)), ("sampled T=0.8 top-k 40", dict(temperature=0.8, top_k=40, seed=i))):
+        for mode, kw in (("greedy", dict(temperature=0.0)),
+                         ("sampled T=0.8 top-k 40", dict(temperature=0.8, top_k=40, seed=i))):
             text = generate_text(model, tok, prompt, max_new_tokens=90, **kw)
             quoted = "\n".join(f"> {line}" if line.strip() else ">" for line in text.strip().split("\n"))
             out += [f"*{mode}* — prompt “{prompt}”:", "", quoted, ""]

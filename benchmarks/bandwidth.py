@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     nbytes = int(args.gib * (1 << 30))
     res = {}
     for t in (int(v) for v in args.threads.split(",")):
-        r = measure_rounds(lambda: (measure_read_bandwidth(t, nbytes, 1),), args.reps, args.max_wait)
+        r = measure_rounds(lambda t=t: (measure_read_bandwidth(t, nbytes, 1),), args.reps, args.max_wait)
         res[t] = r.best()[0]
         print(f"read bandwidth  threads={t}  {res[t]:6.2f} GB/s   ({nbytes / 2**30:.2f} GiB, {r.describe()})")
     if 1 in res:

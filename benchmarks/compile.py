@@ -94,9 +94,11 @@ def main(argv=None) -> None:
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1)) * 1024
     base_anon, peak_anon, peak_file = (int(v) for v in re.search(r"MEM (\d+) (\d+) (\d+)", r.stdout).groups())
     size = os.path.getsize(out)
-    print(f"cflowc {args.quant}: {secs:.1f} s wall, {size / 1e9:.3f} GB written ({total / secs / 1e6:.0f} MB/s of source)")
+    print(f"cflowc {args.quant}: {secs:.1f} s wall, {size / 1e9:.3f} GB written "
+          f"({total / secs / 1e6:.0f} MB/s of source)")
     print(f"peak RSS {rss / 1e9:.2f} GB = mapped source pages (file-backed) up to {peak_file / 1e9:.2f} GB + anonymous "
-          f"{peak_anon / 1e9:.2f} GB; anonymous memory beyond the loaded libraries: {(peak_anon - base_anon) / 1e6:.0f} MB "
+          f"{peak_anon / 1e9:.2f} GB; anonymous memory beyond the loaded libraries: "
+          f"{(peak_anon - base_anon) / 1e6:.0f} MB "
           f"= {(peak_anon - base_anon) / largest:.2f}x the largest tensor ({largest / 1e6:.0f} MB)")
     if not args.keep:
         os.unlink(out)

@@ -175,7 +175,7 @@ def main(argv=None):
     run_matvec(1)  # warm up: page in everything once
     for t in threads:
         # One round = read loop then mat-vec, back to back; rounds disturbed by other processes are retried.
-        r = bandwidth.measure_rounds(lambda: (bandwidth.measure_read_bandwidth(t, reps=1), run_matvec(t)),
+        r = bandwidth.measure_rounds(lambda t=t: (bandwidth.measure_read_bandwidth(t, reps=1), run_matvec(t)),
                                      args.rounds, args.max_wait)
         bw, mv = r.best()
         print(f"threads={t}  read {bw:6.2f} GB/s   q4 matvec {mv:6.2f} GB/s   = {mv / bw:5.1%} of read bandwidth"

@@ -259,12 +259,13 @@ def main(argv=None) -> None:
         print(describe_check("cross-check F32, llama.cpp vs cflow interpreter logits", check32), flush=True)
 
     records, check = [], None
+    read_bytes = int(args.gib * (1 << 30))
     for threads in (int(t) for t in args.threads.split(",")):
-        bw, busy_bw = measured(lambda: measure_read_bandwidth(threads, int(args.gib * (1 << 30))))
+        bw, busy_bw = measured(lambda threads=threads: measure_read_bandwidth(threads, read_bytes))
         m = cflow.load(path, threads=threads)
         bpt = m.bytes_per_token
         rows = []
-        tps, busy = measured(lambda: time_decode(m, prompt, args.tokens, args.reps))
+        tps, busy = measured(lambda m=m: time_decode(m, prompt, args.tokens, args.reps))
         rows.append(("cflow", tps, bpt, busy))
         llm = None
         if have_llama:
@@ -272,15 +273,16 @@ def main(argv=None) -> None:
             if check is None:
                 check = cross_check(m, llm, check_ids)
                 print(describe_check("cross-check Q4, llama.cpp vs cflow runtime logits", check), flush=True)
-            tps_l, busy = measured(lambda: llama_time_decode(llm, prompt, args.tokens, args.reps))
+            tps_l, busy = measured(lambda llm=llm: llama_time_decode(llm, prompt, args.tokens, args.reps))
             rows.append(("llama.cpp", tps_l, bpt, busy))
             del llm
             gc.collect()
         m.close()
         if tmodel is not None:
-            tps_t, busy = measured(lambda: torch_time_decode(tmodel, prompt, args.torch_tokens, threads))
+            tps_t, busy = measured(
+                lambda threads=threads: torch_time_decode(tmodel, prompt, args.torch_tokens, threads))
             rows.append(("torch eager f32", tps_t, torch_bytes_per_token(tweights), busy))
-        bw_after, busy_bw2 = measured(lambda: measure_read_bandwidth(threads, int(args.gib * (1 << 30))))
+        bw_after, busy_bw2 = measured(lambda threads=threads: measure_read_bandwidth(threads, read_bytes))
         read = max(bw, bw_after)  # the machine's best in this run: the honest denominator
         print(f"threads={threads}  read bandwidth {read:6.2f} GB/s (before {bw:.2f}, after {bw_after:.2f})", flush=True)
         print(f"  {'runtime':16s} {'tok/s':>8s} {'MB/token':>9s} {'GB/s':>7s} {'% read':>7s}  other-load", flush=True)

@@ -56,14 +56,24 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
     return m
 
 
-def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None) -> CompiledModel:
-    """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode."""
+def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
+         experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async") -> CompiledModel:
+    """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
+
+    Args:
+        experts: 'ram' (every weight mapped from the file) or 'disk': non-expert weights read into RAM,
+            experts read on demand with O_DIRECT into a cache of `expert_cache_mb` MiB (default: an
+            eighth of the experts, at least what one expert-delay window needs).
+        expert_io: 'async' (reads start when the router has chosen, awaited where the experts are used)
+            or 'sync' (read when needed, blocking: the baseline the overlap is measured against).
+    """
     from .runtime.session import Session
 
     p = Path(path)
     if not p.is_file():
         raise CflowError(f"{p}: no such file")
-    return CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq))
+    return CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
+                                 expert_cache_mb=expert_cache_mb, expert_io=expert_io))
 
 
 class CompiledModel:
@@ -109,6 +119,11 @@ class CompiledModel:
         from .passes.analysis import analyze
 
         return analyze(self.session.compiled.graph, self.session.header["quant"])
+
+    @property
+    def expert_stats(self):
+        """The disk expert tier's counters (hits, misses, hit_rate, bytes_read, ...), or None in RAM mode."""
+        return self.session.tier.stats if self.session.tier is not None else None
 
     @property
     def bytes_per_token(self) -> int:

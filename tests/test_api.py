@@ -64,10 +64,12 @@ def test_prompt_without_tokenizer(model):
 
 def test_cli_run_prints_ids_and_speed(tmp_path):
     out = tmp_path / "m.vflow"
-    r = subprocess.run([sys.executable, "-m", "cflow.cli", "preset:arch1@tiny", "-o", str(out)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "cflow.cli", "preset:arch1@tiny", "-o", str(out)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-c", "from cflow.cli import cflow_main; raise SystemExit(cflow_main())",
-                        "run", str(out), "--prompt", "1 2 3", "-n", "5", "--threads", "1"], capture_output=True, text=True)
+                        "run", str(out), "--prompt", "1 2 3", "-n", "5", "--threads", "1"],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[:3] == ["1", "2", "3"] and len(r.stdout.split()) == 8
     assert "tok/s" in r.stderr

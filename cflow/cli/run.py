@@ -18,6 +18,14 @@ def add_args(p):
                    help="verify every checksum before running (default: no full-read check)")
     p.add_argument("--no-stop", action="store_true",
                    help="do not stop at end-of-text tokens (default: stop at the model's end-of-text tokens)")
+    p.add_argument("--experts-on-disk", action="store_true",
+                   help="keep the experts on disk: read the chosen ones with O_DIRECT inside the expert-delay "
+                   "window (default: all weights mapped in RAM)")
+    p.add_argument("--expert-cache-mb", type=float, default=None, metavar="MB",
+                   help="with --experts-on-disk: RAM for recently used experts (default: an eighth of the experts)")
+    p.add_argument("--expert-io", choices=("async", "sync"), default="async",
+                   help="with --experts-on-disk: start reads when the router chooses (async) or read when "
+                   "needed, blocking (sync) (default async)")
 
 
 def run(args) -> int:
@@ -26,7 +34,22 @@ def run(args) -> int:
 
     import cflow
 
-    m = cflow.load(args.file, threads=args.threads, verify=args.verify)
+    from ..errors import CflowError
+
+    if (args.expert_cache_mb is not None or args.expert_io != "async") and not args.experts_on_disk:
+        raise CflowError("--expert-cache-mb and --expert-io need --experts-on-disk")
+    m = cflow.load(args.file, threads=args.threads, verify=args.verify,
+                   experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
+                   expert_io=args.expert_io)
+    if args.experts_on_disk:
+        s = m.session
+        win = sorted(s.window_stages.values())
+        de = m.config.expert_delay
+        cache_mb = s.tier.slot_bytes * len(s.tier.slots) / 2**20
+        overlap = (f"de={de}: reads overlap {win[0]}..{win[-1]} stages of compute" if de and win[-1] else
+                   f"de={de}: no overlap window, every miss waits for its read")
+        print(f"experts on disk: {len(s.tier.slots)} cached experts ({cache_mb:.1f} MiB), "
+              f"{'O_DIRECT' if s.tier.direct else 'buffered'} reads, {args.expert_io}; {overlap}", file=sys.stderr)
     try:
         text = isinstance(args.prompt, str) and m.tokenizer is not None
         ids = m._ids(args.prompt)
@@ -49,6 +72,11 @@ def run(args) -> int:
         print(f"prompt: {len(ids)} tokens, {len(ids) / prompt_s:.1f} tok/s | decode: {n_new} tokens, "
               f"{(n_new - 1) / decode_s if n_new > 1 and decode_s > 0 else 0:.1f} tok/s | {m.threads} threads, "
               f"{m.bytes_per_token / 1e6:.1f} MB/token", file=sys.stderr)
+        st = m.expert_stats
+        if st is not None:
+            steps = max(1, len(ids) + n_new - 1)
+            print(f"experts: hit rate {100 * st.hit_rate:.1f}%, {st.bytes_read / steps / 1e6:.2f} MB read from disk "
+                  f"per token, {st.wait_seconds:.2f} s waiting for reads", file=sys.stderr)
     finally:
         m.close()
     return 0

@@ -31,6 +31,8 @@ class Param(enum.IntEnum):
 
     TOKEN = 0  # token id fed at this step
     POS = 1  # its position (KV-cache row, RoPE angle)
+    STAGE_LO = 2  # segmented steps only: run stages [STAGE_LO, STAGE_HI) of the schedule
+    STAGE_HI = 3
 
 
 PARAM_WORDS = 8  # room for later fields; unused words are zero

@@ -68,7 +68,7 @@ class StepProgram:
 
 
 class _Emitter:
-    def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False):
+    def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False):
         self.profile = profile
         self.c = compiled
         self.g = compiled.graph
@@ -93,6 +93,8 @@ class _Emitter:
         self.scratch = ScratchLayout(kmax=kmax, dp=self.dp, max_seq=max_seq, n_experts=cfg.n_experts,
                                      top_k=cfg.top_k, n_layers=cfg.n_layers)
         self.strides = self._pool_strides()
+        self.routed_apart = {st.op for st in self.sched.steps() if st.phase == Phase.ROUTE}
+        self.segmented = segmented
 
     # --- binding table ---------------------------------------------------------------------
     def slot(self, key: BindingKey) -> int:
@@ -190,15 +192,24 @@ class _Emitter:
         self.token = b.load(b.gep(self.params, [c64(Param.TOKEN)]))
         self.pos = b.load(b.gep(self.params, [c64(Param.POS)]))
         emit_phase = {Phase.EMBED: self.step_embed, Phase.ADD: self.step_add, Phase.QKV: self.step_qkv,
-                      Phase.CORE: self.step_core, Phase.O: self.step_o, Phase.UP: self.step_up,
-                      Phase.DOWN: self.step_down, Phase.HEAD: self.step_head}
+                      Phase.CORE: self.step_core, Phase.O: self.step_o, Phase.ROUTE: self.step_route,
+                      Phase.UP: self.step_up, Phase.DOWN: self.step_down, Phase.HEAD: self.step_head}
+        if self.segmented:  # run only stages [lo, hi): the host reads routes and loads experts in between
+            lo = b.load(b.gep(self.params, [c64(Param.STAGE_LO)]))
+            hi = b.load(b.gep(self.params, [c64(Param.STAGE_HI)]))
         self.stamp(b, 0)
         for si, stage in enumerate(self.sched.stages):
+            if self.segmented:
+                inside = b.and_(b.icmp_signed("<=", lo, c64(si)), b.icmp_signed(">", hi, c64(si)))
+                guard = b.if_then(inside)
+                guard.__enter__()
             for step in stage:
                 emit_phase[step.phase](b, step)
             # The last stage ends with a barrier too: when worker 0 returns, every worker is done.
             b.call(O.barrier(self.m, self.isa), [self.bar, self.nth])
             self.stamp(b, si + 1)
+            if self.segmented:
+                guard.__exit__(None, None, None)
         b.ret_void()
         entry = ir.Function(self.m, ir.FunctionType(void, list(STEP_ARGS)), STEP_SYMBOL)
         entry.attributes.add("nounwind")
@@ -283,8 +294,8 @@ class _Emitter:
         L = gu0.layout
         x = self.prologue(b, step, L.cols, False)
         route = b.gep(self.scratch_ptr(b, "route", i8), [c64(n.layer * self.scratch.route_stride)])
-        b.call(O.router(self.m, self.d, n.n_experts, n.top_k, router.normalize),
-               [x, self.pointer(b, tensor_key(router.weight)), self.scratch_ptr(b, "probs"), route])
+        if router.name not in self.routed_apart:  # else a ROUTE step chose the experts stages ago
+            self.call_router(b, router, x, route)
         self.quantise_input(b, x, L.cols, gu0.dtype)
         h = self.value_ptr(b, step.writes[0])
         ip = padded(n.hidden, self.unit)
@@ -304,6 +315,17 @@ class _Emitter:
                 b.call(O.sigmoid_dot(self.m, self.d), [self.pointer(b, tensor_key(f"{n.prefix}.shared_gate")), x, gate_out])
             else:
                 b.store(cf(1.0), gate_out)
+
+    def call_router(self, b, router, x, route):
+        b.call(O.router(self.m, self.d, router.n_experts, router.top_k, router.normalize),
+               [x, self.pointer(b, tensor_key(router.weight)), self.scratch_ptr(b, "probs"), route])
+
+    def step_route(self, b, step):
+        """The router alone: route[layer] = (top-k ids, weights) in every thread's scratch (all route alike)."""
+        router = self.g[step.op]
+        x = self.prologue(b, step, self.d, False)
+        self.call_router(b, router, x, b.gep(self.scratch_ptr(b, "route", i8),
+                                             [c64(router.layer * self.scratch.route_stride)]))
 
     def expert_pointer(self, b, n: ExpertBank, which: str, e):
         """Pointer to expert e's tensor: one table entry per expert, so only the chosen ones are touched."""
@@ -355,14 +377,15 @@ class _Emitter:
         self.call_mv(b, L, self.pointer(b, tensor_key(t.name), i8), x, self.value_ptr(b, step.writes[0]), lo, hi)
 
 
-def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False) -> StepProgram:
+def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False) -> StepProgram:
     """Build the decode-step module for a lowered state (see module docstring).
 
     profile: also record a cycle-counter stamp after every stage (binding PROF: i64[n_stages + 1]).
+    segmented: each call runs only stages [params[STAGE_LO], params[STAGE_HI]) (the disk expert tier).
     """
     if max_seq < 1:
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
-    em = _Emitter(state, isa, max_seq, profile)
+    em = _Emitter(state, isa, max_seq, profile, segmented)
     # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
     for n in state.graph.nodes():
         if isinstance(n, ExpertBank):

@@ -34,8 +34,8 @@ def _dense_moe_forward(self, h):
     w, idx = self.route(x)
     dense = torch.zeros(x.shape[0], self.c.n_experts, dtype=w.dtype).scatter(1, idx, w)  # [T, E]
     xe = x.unsqueeze(0)  # [1, T, d] against [E, d, i]
-    y = torch.matmul(F.silu(torch.matmul(xe, self.w_gate.transpose(1, 2))) * torch.matmul(xe, self.w_up.transpose(1, 2)),
-                     self.w_down.transpose(1, 2))  # [E, T, d]
+    act = F.silu(torch.matmul(xe, self.w_gate.transpose(1, 2))) * torch.matmul(xe, self.w_up.transpose(1, 2))
+    y = torch.matmul(act, self.w_down.transpose(1, 2))  # [E, T, d]
     out = (y * dense.t().unsqueeze(-1)).sum(0)
     return self.add_shared(x, out).reshape(shape)
 
@@ -52,7 +52,8 @@ def export_friendly(model):
                 if isinstance(m, MoE):
                     m.forward = types.MethodType(_dense_moe_forward, m)
                     undo.append(lambda m=m: m.__dict__.pop("forward", None))
-        elif hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None) is not None:
+        elif (hasattr(model, "set_experts_implementation")
+              and getattr(model.config, "_experts_implementation", None) is not None):
             before = model.config._experts_implementation
             if any(hasattr(m, "gate_up_proj") for m in model.modules()):
                 model.set_experts_implementation("batched_mm")

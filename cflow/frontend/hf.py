@@ -90,7 +90,8 @@ def context_length(cfg, where: str = "config", max_seq_len: int | None = None) -
         return ctx
     if getattr(cfg, "model_type", "") == "qwen2_moe":
         # Qwen2-MoE windows only the layers layer_types marks, and only with use_sliding_window.
-        bites = bool(getattr(cfg, "use_sliding_window", False)) and "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+        layer_types = getattr(cfg, "layer_types", None) or []
+        bites = bool(getattr(cfg, "use_sliding_window", False)) and "sliding_attention" in layer_types
     else:
         bites = True  # Mistral / Mixtral: one window on every layer
     if bites and int(window) < ctx:
@@ -122,7 +123,8 @@ def hf_model_config(cfg, kinds: list[dict], *, name: str, where: str = "config",
     kw: dict = {}
     if moe:
         if model_type not in ("mixtral", "qwen2_moe"):
-            raise _unsupported(f"{where}.model_type={model_type!r}", "has MoE layers, which this family does not define")
+            raise _unsupported(f"{where}.model_type={model_type!r}",
+                               "has MoE layers, which this family does not define")
         n_exp = int(cfg.num_local_experts if model_type == "mixtral" else cfg.num_experts)
         e_dim = int(cfg.intermediate_size if model_type == "mixtral" else cfg.moe_intermediate_size)
         if norm_topk is None:
@@ -168,7 +170,8 @@ def _children(mod, path: str, kind: str) -> dict:
                                       f"(expected only {', '.join(sorted(_EXPECTED[kind]))} in {path or 'the model'})")
     missing = sorted(_REQUIRED[kind] - set(kids))
     if missing:
-        raise _unsupported(path or type(mod).__name__, f"has no {missing[0]} (expected {', '.join(sorted(_REQUIRED[kind]))})")
+        raise _unsupported(path or type(mod).__name__,
+                           f"has no {missing[0]} (expected {', '.join(sorted(_REQUIRED[kind]))})")
     return kids
 
 
@@ -210,8 +213,10 @@ def _walk(module, cfg) -> tuple[list[dict], dict, np.ndarray | None]:
     eps = {_check_rmsnorm(model["norm"], "model.norm", d)}
     _check_linear(top["lm_head"], "lm_head", bias_ok=False)
     rot = model.get("rotary_emb")
-    if rot is not None and (getattr(rot, "rope_type", "default") != "default" or getattr(rot, "attention_scaling", 1.0) != 1.0):
-        raise _unsupported("model.rotary_emb", f"rope_type={getattr(rot, 'rope_type', None)!r} is not modelled (default only)")
+    if rot is not None and (getattr(rot, "rope_type", "default") != "default"
+                            or getattr(rot, "attention_scaling", 1.0) != 1.0):
+        raise _unsupported("model.rotary_emb",
+                           f"rope_type={getattr(rot, 'rope_type', None)!r} is not modelled (default only)")
     kinds, head_dims, topks, norms = [], set(), set(), set()
     for i, layer in enumerate(model["layers"]):
         p = f"model.layers.{i}"
@@ -220,20 +225,23 @@ def _walk(module, cfg) -> tuple[list[dict], dict, np.ndarray | None]:
         eps.add(_check_rmsnorm(kids["post_attention_layernorm"], f"{p}.post_attention_layernorm", d))
         attn = kids["self_attn"]
         a = _children(attn, f"{p}.self_attn", "self_attn")
-        bias = {_check_linear(a[n], f"{p}.self_attn.{n}", bias_ok=n != "o_proj") for n in ("q_proj", "k_proj", "v_proj")}
+        bias = {_check_linear(a[n], f"{p}.self_attn.{n}", bias_ok=n != "o_proj")
+                for n in ("q_proj", "k_proj", "v_proj")}
         _check_linear(a["o_proj"], f"{p}.self_attn.o_proj", bias_ok=False)
         if len(bias) > 1:
             raise _unsupported(f"{p}.self_attn", "biases on only some of q/k/v are not modelled")
         hd = int(getattr(attn, "head_dim", 0))
         if not hd or not math.isclose(float(getattr(attn, "scaling", hd ** -0.5)), hd ** -0.5, rel_tol=1e-6):
-            raise _unsupported(f"{p}.self_attn.scaling", "attention scaling other than 1/sqrt(head_dim) is not modelled")
+            raise _unsupported(f"{p}.self_attn.scaling",
+                               "attention scaling other than 1/sqrt(head_dim) is not modelled")
         head_dims.add(hd)
         mlp = kids["mlp"]
         if hasattr(mlp, "experts"):
             m = _children(mlp, f"{p}.mlp", "moe")
             ex = m["experts"]
-            if getattr(ex, "has_bias", False) or not getattr(ex, "has_gate", True) or getattr(ex, "is_transposed", False) \
-                    or not getattr(ex, "is_concatenated", True) or getattr(ex, "has_post_expert_norm", False):
+            if (getattr(ex, "has_bias", False) or not getattr(ex, "has_gate", True)
+                    or getattr(ex, "is_transposed", False) or not getattr(ex, "is_concatenated", True)
+                    or getattr(ex, "has_post_expert_norm", False)):
                 raise _unsupported(f"{p}.mlp.experts", "expert layout other than fused [gate; up] SwiGLU without bias")
             _check_silu(getattr(ex, "act_fn", None), f"{p}.mlp.experts.act_fn")
             for n, child in ex.named_children():
@@ -246,7 +254,8 @@ def _walk(module, cfg) -> tuple[list[dict], dict, np.ndarray | None]:
             norms.add(bool(getattr(gate, "norm_topk_prob", True)))
             has_shared = "shared_expert" in m
             if has_shared != ("shared_expert_gate" in m):
-                raise _unsupported(f"{p}.mlp", "a shared expert without its sigmoid gate (or vice versa) is not modelled")
+                raise _unsupported(f"{p}.mlp",
+                                   "a shared expert without its sigmoid gate (or vice versa) is not modelled")
             if has_shared:
                 s = _children(m["shared_expert"], f"{p}.mlp.shared_expert", "dense")
                 for n in ("gate_proj", "up_proj", "down_proj"):

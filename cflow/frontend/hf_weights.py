@@ -106,7 +106,8 @@ def _experts(c: ModelConfig, hp: str, ip: str, orig: dict, src, take, where: str
     if fused in orig:
         gu, dn = src.shape(orig[fused]), src.shape(orig.get(f"{hp}.mlp.experts.down_proj", fused))
         if tuple(gu) != (E, 2 * I, d) or tuple(dn) != (E, d, I):
-            raise CflowError(f"{where}: {fused} {tuple(gu)} / down_proj {tuple(dn)}: expected ({E}, {2 * I}, {d}) / ({E}, {d}, {I})")
+            raise CflowError(f"{where}: {fused} {tuple(gu)} / down_proj {tuple(dn)}: "
+                             f"expected ({E}, {2 * I}, {d}) / ({E}, {d}, {I})")
         for e in range(E):  # gate rows first, then up rows (transformers' concatenated layout)
             take(f"{ip}.moe.experts.{e}.w_gate", fused, (e, slice(0, I)), (I, d))
             take(f"{ip}.moe.experts.{e}.w_up", fused, (e, slice(I, 2 * I)), (I, d))

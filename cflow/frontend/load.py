@@ -34,7 +34,8 @@ def load_graph(model, weights: bool = True, seed: int = 0) -> Graph:
     if isinstance(model, (str, os.PathLike)):
         p = Path(model)
         if not p.exists():
-            raise CflowError(f"{p}: no such file or directory (expected preset:NAME[@SIZE], a model directory or an .onnx file)")
+            raise CflowError(f"{p}: no such file or directory "
+                             "(expected preset:NAME[@SIZE], a model directory or an .onnx file)")
         if p.is_dir():
             from ..models.checkpoint import is_checkpoint_dir
 

@@ -259,7 +259,8 @@ def _expert_weights(om: OnnxModel, b: Branch, E: int, where: str) -> dict:
         up = [x for x in ins if x is not gate[0]][0]
         g, u, names = gate[0][2], up[2], (gate[0][0], up[0], dname)
     if g.shape != u.shape or g.shape[1] != down.shape[2] or g.shape[2] != down.shape[1]:
-        raise unsupported(dmm, f"MoE of {where}: expert shapes gate {g.shape}, up {u.shape}, down {down.shape} disagree")
+        raise unsupported(dmm,
+                          f"MoE of {where}: expert shapes gate {g.shape}, up {u.shape}, down {down.shape} disagree")
     return dict(e_gate=g, e_up=u, e_down=down, expert_dim=I, expert_names=names)
 
 

@@ -70,7 +70,8 @@ class OnnxModel:
                 if not v:
                     continue  # an omitted optional input
                 if v not in defined:
-                    raise CflowError(f"{where}: {label(n)} reads undefined value {v!r} (file truncated or not topologically sorted)")
+                    raise CflowError(f"{where}: {label(n)} reads undefined value {v!r} "
+                                     "(file truncated or not topologically sorted)")
                 self.consumers[v].append(n)
             for v in n.output:
                 self.producer[v] = n
@@ -94,10 +95,12 @@ class OnnxModel:
             info = {e.key: e.value for e in t.external_data}
             loc = info.get("location", "")
             if self.base_dir is None:
-                raise CflowError(f"{self.where}: tensor {t.name!r} has external data; pass the .onnx path, not a ModelProto")
+                raise CflowError(
+                    f"{self.where}: tensor {t.name!r} has external data; pass the .onnx path, not a ModelProto")
             f = (self.base_dir / loc).resolve()
             if not loc or os.path.isabs(loc) or self.base_dir.resolve() not in f.parents:
-                raise CflowError(f"{self.where}: tensor {t.name!r}: external data location {loc!r} is outside the model's directory")
+                raise CflowError(f"{self.where}: tensor {t.name!r}: "
+                                 f"external data location {loc!r} is outside the model's directory")
             if not f.is_file():
                 raise CflowError(f"{self.where}: external data file {loc!r} (tensor {t.name!r}) is missing")
             if any(d < 0 for d in t.dims):

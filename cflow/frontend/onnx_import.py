@@ -63,7 +63,8 @@ def _assemble(om: OnnxModel, dec: Decoder) -> list[dict]:
         classify(om, br, f"layer {l + 1 if opens else l}")
         if br.kind == "attention":
             if reads != s_in:
-                raise unsupported(add, f"attention of layer {l + 1} normalises {reads!r}, not the stream {s_in!r} it adds to")
+                raise unsupported(add, f"attention of layer {l + 1} normalises {reads!r}, "
+                                       f"not the stream {s_in!r} it adds to")
             layers.append(dict(attn=br, dense=None, moe=None, injects=[], reads={}))
             role[s_out] = ("a", l + 1)
             continue
@@ -193,7 +194,8 @@ def _sharing(om: OnnxModel, layers: list[dict], dec: Decoder, L: int) -> int:
     per_layer = [list(arrays(l)) for l in layers]
     for p in range(1, L):
         if L % p == 0 and all(len(per_layer[i]) == len(per_layer[i - p]) and
-                              all(k1 == k2 and same(v1, v2) for (k1, v1), (k2, v2) in zip(per_layer[i], per_layer[i - p]))
+                              all(k1 == k2 and same(v1, v2)
+                                  for (k1, v1), (k2, v2) in zip(per_layer[i], per_layer[i - p]))
                               for i in range(p, L)):
             return p
     return L
@@ -258,8 +260,8 @@ def _check_structure(g: Graph, layers: list[dict], where: str) -> None:
         want = [l - de] if g.get(f"x.{l}") is not None else []
         flush = [int(i.split(".")[1]) for i in g["flush"].inputs[1:]] if l == len(layers) and g.get("flush") else []
         if inj[: len(want)] != want or sorted(inj[len(want):]) != sorted(flush):
-            raise UnsupportedModelError(f"{where}: layer {l} adds expert outputs of layers {inj}; with one expert delay "
-                                        f"de={de} it would add {want + flush}")
+            raise UnsupportedModelError(f"{where}: layer {l} adds expert outputs of layers {inj}; "
+                                        f"with one expert delay de={de} it would add {want + flush}")
 
 
 def _probe_tokens(b) -> int:
@@ -273,7 +275,8 @@ def _probe_tokens(b) -> int:
 def _check_blocks(om: OnnxModel, dec: Decoder, layers: list[dict]) -> None:
     """Each block, run by onnx.reference on random input, must equal the IR op with the extracted weights."""
     rng = np.random.default_rng(0)
-    blocks = [(l, b) for l, lay in enumerate(layers, 1) for b in (lay["attn"], lay["dense"], lay["moe"]) if b is not None]
+    blocks = [(l, b) for l, lay in enumerate(layers, 1)
+              for b in (lay["attn"], lay["dense"], lay["moe"]) if b is not None]
     blocks.append((len(layers) + 1, dec.head))
     for l, b in blocks:
         T = _probe_tokens(b)
@@ -283,8 +286,9 @@ def _check_blocks(om: OnnxModel, dec: Decoder, layers: list[dict]) -> None:
         except CflowError:
             raise
         except Exception as e:
+            first_line = str(e).splitlines()[0] if str(e) else ""
             raise unsupported(b.nodes[-1], f"cannot evaluate the {b.kind} block of layer {l} "
-                                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                                           f"({type(e).__name__}: {first_line})") from None
         got = np.asarray(got, dtype=np.float32).reshape(T, -1)
         ref = reference(b, h.astype(np.float64)).astype(np.float32)
         err = float(np.abs(got - ref).max()) if got.shape == ref.shape else float("inf")

@@ -159,7 +159,8 @@ def match_norm(om: OnnxModel, mul, d: int) -> Norm | None:
                 if eps is None or mean is None or mean.op_type != "ReduceMean":
                     continue
                 axes = om.const(mean.input[1]) if len(mean.input) > 1 and mean.input[1] else om.attr(mean, "axes")
-                if axes is None or list(np.asarray(axes).reshape(-1)) not in ([-1], [2]) or om.attr(mean, "keepdims", 1) != 1:
+                if (axes is None or list(np.asarray(axes).reshape(-1)) not in ([-1], [2])
+                        or om.attr(mean, "keepdims", 1) != 1):
                     continue
                 sqn = om.producer.get(mean.input[0])
                 if sqn is None:
@@ -184,7 +185,8 @@ def segment(om: OnnxModel) -> Decoder:
     if len(om.inputs) != 1:
         extra = [i.name for i in om.inputs][1:]
         raise UnsupportedModelError(f"{om.where}: graph input {extra[0]!r}: only input_ids [1, T] is supported "
-                                    "(export the full-sequence forward without KV cache, attention_mask or position_ids)")
+                                    "(export the full-sequence forward without KV cache, "
+                                    "attention_mask or position_ids)")
     if len(om.outputs) != 1:
         raise UnsupportedModelError(f"{om.where}: graph output {om.outputs[1]!r}: only logits [1, T, V] is supported "
                                     "(export without KV-cache outputs)")
@@ -282,12 +284,14 @@ def _components(om: OnnxModel, bnodes: list, norms: dict) -> list[Branch]:
         ids = {id(n) for n in nodes}
         ins = sorted({v for n in nodes for v in n.input if v in norms})
         if len(ins) != 1:
-            raise unsupported(nodes[0], f"block reads {len(ins)} normalised streams {ins}; expected exactly one RMSNorm output")
+            raise unsupported(nodes[0], f"block reads {len(ins)} normalised streams {ins}; "
+                                        "expected exactly one RMSNorm output")
         # Outputs: values read outside the block (by a residual add; Shape reads do not count) or by the graph.
         outs = sorted({o for n in nodes for o in n.output
                        if o in om.outputs or any(id(u) not in ids and not _shape_only(u) for u in om.users(o))})
         if len(outs) != 1:
-            raise unsupported(nodes[-1], f"block has {len(outs)} outputs {outs}; expected one, added to the residual stream")
+            raise unsupported(nodes[-1], f"block has {len(outs)} outputs {outs}; "
+                                         "expected one, added to the residual stream")
         out.append(Branch(nodes, ins[0], outs[0]))
     return out
 

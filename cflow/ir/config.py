@@ -21,6 +21,11 @@ def _positive(name: str, value: int, minimum: int = 1) -> None:
         raise ConfigError(f"config field {name}={value!r} out of range: expected an integer >= {minimum}")
 
 
+def _layer_tuple(v) -> tuple[int, ...] | None:
+    """attrs converter of dense_layers / moe_layers: any iterable of layer numbers becomes a tuple of ints."""
+    return None if v is None else tuple(int(i) for i in v)
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """Geometry, delays and weight sharing of one model. Immutable; use `evolve` to change.
@@ -53,8 +58,8 @@ class ModelConfig:
     n_blocks: int = attrs.field(default=attrs.Factory(lambda s: s.n_layers, takes_self=True))
     tie_embeddings: bool = False
     attn_bias: bool = False
-    dense_layers: tuple[int, ...] | None = attrs.field(default=None, converter=lambda v: None if v is None else tuple(int(i) for i in v))
-    moe_layers: tuple[int, ...] | None = attrs.field(default=None, converter=lambda v: None if v is None else tuple(int(i) for i in v))
+    dense_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layer_tuple)
+    moe_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layer_tuple)
 
     def __attrs_post_init__(self) -> None:
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len"):
@@ -63,21 +68,25 @@ class ModelConfig:
             _positive(f, getattr(self, f), minimum=0)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
-                f"config field n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (grouped-query attention)"
+                f"config field n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
+                "(grouped-query attention)"
             )
         if self.head_dim % 2:
             raise ConfigError(f"config field head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if self.n_experts:
             if not 1 <= self.top_k <= self.n_experts:
-                raise ConfigError(f"config field top_k={self.top_k} out of range: expected 1..n_experts={self.n_experts}")
+                raise ConfigError(
+                    f"config field top_k={self.top_k} out of range: expected 1..n_experts={self.n_experts}")
             if self.expert_dim < 1:
-                raise ConfigError(f"config field expert_dim={self.expert_dim} out of range: expected >= 1 when n_experts > 0")
+                raise ConfigError(
+                    f"config field expert_dim={self.expert_dim} out of range: expected >= 1 when n_experts > 0")
         elif self.top_k or self.shared_expert_dim:
             raise ConfigError("config fields top_k / shared_expert_dim need n_experts >= 1")
         for f in ("dense_delay", "expert_delay"):
             v = getattr(self, f)
             if not isinstance(v, int) or not 0 <= v < self.n_layers:
-                raise ConfigError(f"config field {f}={v!r} out of range: expected 0..{self.n_layers - 1} (n_layers - 1)")
+                raise ConfigError(
+                    f"config field {f}={v!r} out of range: expected 0..{self.n_layers - 1} (n_layers - 1)")
         if self.routing not in ROUTING:
             raise ConfigError(f"config field routing={self.routing!r}: expected one of {', '.join(ROUTING)}")
         if not 1 <= self.n_blocks <= self.n_layers or self.n_layers % self.n_blocks:

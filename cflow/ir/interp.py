@@ -121,7 +121,8 @@ class Interpreter:
             return self.weight(n.weight)[ids]
         if isinstance(n, RMSNorm):
             x = v[n.inputs[0]]
-            return (x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(n.eps)) * self.weight(n.weight)).astype(np.float32)
+            rms = np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(n.eps))
+            return (x / rms * self.weight(n.weight)).astype(np.float32)
         if isinstance(n, Add):
             out = v[n.inputs[0]].copy()
             for i in n.inputs[1:]:
@@ -152,7 +153,8 @@ class Interpreter:
         T, hd, H, KV = h.shape[0], n.head_dim, n.n_heads, n.n_kv_heads
         q, k, vv = (self.matvec(h, f"{n.prefix}.{w}") for w in ("wq", "wk", "wv"))
         if n.bias:
-            q, k, vv = q + self.weight(f"{n.prefix}.bq"), k + self.weight(f"{n.prefix}.bk"), vv + self.weight(f"{n.prefix}.bv")
+            q, k, vv = (q + self.weight(f"{n.prefix}.bq"), k + self.weight(f"{n.prefix}.bk"),
+                        vv + self.weight(f"{n.prefix}.bv"))
         pos = np.arange(self.pos, self.pos + T)
         q = rope(q.reshape(T, H, hd), pos, n.rope_theta)
         k = rope(k.reshape(T, KV, hd), pos, n.rope_theta)

@@ -42,7 +42,8 @@ def verify(g: Graph) -> Graph:
             if len(ins) != 2 or ins[0].kind not in STREAM_KINDS or not isinstance(ins[1], Router):
                 _fail(g, n, "experts read (hidden stream, route)")
             if ins[1].top_k != n.top_k or ins[1].n_experts != n.n_experts:
-                _fail(g, n, f"router %{ins[1].name} routes {ins[1].top_k}/{ins[1].n_experts}, bank expects {n.top_k}/{n.n_experts}")
+                _fail(g, n, f"router %{ins[1].name} routes {ins[1].top_k}/{ins[1].n_experts}, "
+                            f"bank expects {n.top_k}/{n.n_experts}")
         else:
             for src in ins:
                 if src.kind not in STREAM_KINDS:

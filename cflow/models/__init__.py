@@ -32,4 +32,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["ModelConfig", "PRESETS", "SIZES", "ARCHS", "PipelineNativeLM", "from_preset", "get_preset", "parse_preset_spec", "default_model_dir"]
+__all__ = ["ModelConfig", "PRESETS", "SIZES", "ARCHS", "PipelineNativeLM", "from_preset", "get_preset",
+           "parse_preset_spec", "default_model_dir"]

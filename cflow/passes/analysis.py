@@ -59,14 +59,16 @@ class Analysis:
     def table(self) -> str:
         mb = 1e6
         lines = [
-            f"critical-path analysis of {self.name} (dd={self.delays[0]}, de={self.delays[1]}, routing={self.routing}, weights {self.quant})",
+            f"critical-path analysis of {self.name} (dd={self.delays[0]}, de={self.delays[1]}, "
+            f"routing={self.routing}, weights {self.quant})",
             "",
             f"{'op':<14} {'layer':>5} {'kind':<10} {'bytes/token':>14} {'critical':>8}",
         ]
         crit = set(self.critical_path)
         for op in self.ops:
             if op["bytes"]:
-                lines.append(f"{op['name']:<14} {op['layer']:>5} {op['kind']:<10} {op['bytes']:>14,} {'*' if op['name'] in crit else '':>8}")
+                mark = "*" if op["name"] in crit else ""
+                lines.append(f"{op['name']:<14} {op['layer']:>5} {op['kind']:<10} {op['bytes']:>14,} {mark:>8}")
         lines += [
             "",
             f"sequential bytes/token:    {self.sequential_bytes:>14,} ({self.sequential_bytes / mb:.2f} MB)",

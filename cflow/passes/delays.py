@@ -65,7 +65,8 @@ def dense_delay(dd: int) -> Pass:
 
 
 def expert_delay(de: int) -> Pass:
-    """MoE output of layer l joins the stream at layer l + de; outputs still pending are flushed before the final norm."""
+    """MoE output of layer l joins the stream at layer l + de; outputs still pending are flushed before the
+    final norm."""
 
     @graph_pass(name="expert_delay")
     def run(g: Graph, ctx) -> Graph:
@@ -84,7 +85,8 @@ def expert_delay(de: int) -> Pass:
             src = N.moe(layer - de)
             if layer - de >= 1 and src in g:
                 x = N.x(layer)
-                g.add(Add(name=x, inputs=(stream, src), layer=layer, dim=g[stream].dim, role="inject" if de else "residual"))
+                g.add(Add(name=x, inputs=(stream, src), layer=layer, dim=g[stream].dim,
+                          role="inject" if de else "residual"))
                 for u in g.users(stream):
                     if g[u].layer > layer:
                         node = g[u]

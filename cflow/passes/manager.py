@@ -194,7 +194,8 @@ def run_passes(passes: Sequence[Pass], unit, ctx: PassContext | None = None):
         done = _done(unit)
         missing = [r for r in p.requires if r not in done]
         if missing:
-            raise PassError(f"pass {p.name} requires {', '.join(missing)} to run first (after: {', '.join(done) or 'none'})")
+            raise PassError(f"pass {p.name} requires {', '.join(missing)} to run first "
+                            f"(after: {', '.join(done) or 'none'})")
         for ins in ctx.instruments:
             ins.before(p, unit, ctx)
         try:

@@ -57,7 +57,8 @@ def node_tensors(g: Graph, n: Node, tile=T.DEFAULT_TILE) -> list[PackedTensor]:
         return out + [mk(f"{p}.wo", Form.TILED, [f"{p}.wo"])]
     if isinstance(n, DenseFFN):
         p = n.prefix
-        return [mk(f"{p}.w_gate_up", Form.GATE_UP, [f"{p}.w_gate", f"{p}.w_up"]), mk(f"{p}.w_down", Form.TILED, [f"{p}.w_down"])]
+        return [mk(f"{p}.w_gate_up", Form.GATE_UP, [f"{p}.w_gate", f"{p}.w_up"]),
+                mk(f"{p}.w_down", Form.TILED, [f"{p}.w_down"])]
     if isinstance(n, Router):
         return [mk(n.weight, Form.ROWS, [n.weight])]
     if isinstance(n, ExpertBank):

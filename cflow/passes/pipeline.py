@@ -55,7 +55,8 @@ def plan_from_header(h: dict, path: str) -> CompileState:
     """
     try:
         cfg = ModelConfig.from_dict(h["config"])
-        g = build_graph(cfg, None, name=h.get("name", cfg.name), trained_delays=tuple(h.get("trained_delays", cfg.delays)))
+        g = build_graph(cfg, None, name=h.get("name", cfg.name),
+                        trained_delays=tuple(h.get("trained_delays", cfg.delays)))
         return lower(g, h["quant"], tuple(h["tile"]), None)
     except CflowError as e:
         raise FormatError(f"{path}: header does not describe a valid model: {e}") from None

@@ -29,6 +29,7 @@ class Phase(enum.StrEnum):
     QKV = "qkv"  # norm prologue + fused QKV mat-vec
     CORE = "core"  # RoPE, KV-cache write, softmax(qK)V
     O = "o"  # noqa: E741 (attention output projection)
+    ROUTE = "route"  # norm prologue + router alone (experts on disk: the choice is known before the experts run)
     UP = "up"  # norm prologue + gate/up mat-vec with SiLU (dense FFN, or router + chosen experts)
     DOWN = "down"  # down mat-vec (experts: weighted sum over the chosen k)
     ADD = "add"  # residual / injection / flush add on this thread's rows
@@ -104,8 +105,29 @@ def _norm_source(g: Graph, value: str) -> tuple[str, str | None]:
     return (n.inputs[0], n.weight) if isinstance(n, RMSNorm) else (value, None)
 
 
-def build_schedule(g: Graph, tile=T.DEFAULT_TILE) -> Schedule:
-    """Assign every step to the earliest stage its reads allow; allocate buffers by liveness."""
+def build_schedule(g: Graph, tile=T.DEFAULT_TILE, experts_late: bool = False) -> Schedule:
+    """Assign every step to the earliest stage its reads allow; allocate buffers by liveness.
+
+    experts_late: the schedule for experts read from disk. The router becomes its own ROUTE step (as
+    early as its input allows) and each bank's expert steps move as late as the injection of their
+    output allows: de layers of compute between the choice and the use, to hide the expert reads in.
+    Nothing else moves (the injection add runs where it did).
+    """
+    if not experts_late:
+        return _build(g, tile, None)
+    first = _build(g, tile, {})  # split routes, experts as early as possible: the stages everything else keeps
+    banks = {n.name for n in g.nodes() if isinstance(n, ExpertBank)}
+    latest: dict[str, int] = {}  # bank value -> stage of the add that injects it (it stays there)
+    for st in first.steps():
+        if st.phase == Phase.ADD:
+            for v in banks & set(st.row_reads):
+                latest[v] = st.stage
+    return _build(g, tile, latest)
+
+
+def _build(g: Graph, tile, latest: dict[str, int] | None) -> Schedule:
+    """latest is None: the file's schedule (router fused into the experts' up step); else split routes,
+    and each bank's down step placed at latest[bank] when that is later than it could run."""
     ready: dict[str, int] = {}  # value -> stage at whose end it is complete
     steps: list[Step] = []
 
@@ -147,9 +169,21 @@ def build_schedule(g: Graph, tile=T.DEFAULT_TILE) -> Schedule:
             down = per_e(".w_down") + [t for t in shared if t.name.endswith(".w_down")]
             k_up = n.top_k * per_e(".w_gate_up")[0].nbytes + sum(t.nbytes for t in shared if not t.name.endswith(".w_down"))
             k_down = n.top_k * per_e(".w_down")[0].nbytes + sum(t.nbytes for t in shared if t.name.endswith(".w_down"))
-            add_step(n, Phase.UP, s, full=[src], writes=[f"moe_h.{n.layer}"], tensors=[t.name for t in rt + up],
-                     nbytes=sum(t.nbytes for t in rt) + k_up, norm=norm)
-            add_step(n, Phase.DOWN, s + 1, full=[f"moe_h.{n.layer}"], writes=[n.name], tensors=[t.name for t in down], nbytes=k_down)
+            if latest is None:
+                add_step(n, Phase.UP, s, full=[src], writes=[f"moe_h.{n.layer}"], tensors=[t.name for t in rt + up],
+                         nbytes=sum(t.nbytes for t in rt) + k_up, norm=norm)
+                add_step(n, Phase.DOWN, s + 1, full=[f"moe_h.{n.layer}"], writes=[n.name],
+                         tensors=[t.name for t in down], nbytes=k_down)
+                continue
+            # The route is read by the host after its stage, so the experts start a stage later at the earliest.
+            add_step(router, Phase.ROUTE, s, full=[src], tensors=[t.name for t in rt],
+                     nbytes=sum(t.nbytes for t in rt), norm=norm)
+            su = max(s + 1, latest.get(n.name, 0) - 1)
+            sd = max(su + 1, latest.get(n.name, 0))
+            add_step(n, Phase.UP, su, full=[src], writes=[f"moe_h.{n.layer}"], tensors=[t.name for t in up],
+                     nbytes=k_up, norm=norm)
+            add_step(n, Phase.DOWN, sd, full=[f"moe_h.{n.layer}"], writes=[n.name], tensors=[t.name for t in down],
+                     nbytes=k_down)
         elif isinstance(n, Add):
             add_step(n, Phase.ADD, max(ready[i] for i in n.inputs), rows=n.inputs, writes=[n.name])
         elif isinstance(n, LMHead):
@@ -159,6 +193,7 @@ def build_schedule(g: Graph, tile=T.DEFAULT_TILE) -> Schedule:
         else:
             raise PassError(f"schedule: no step for %{n.name} ({n.kind})")
     n_stages = max(s.stage for s in steps) + 1
+    # NOTE: within a stage, steps keep node order, so a late expert's down step precedes the add reading it.
     stages = tuple(tuple(s for s in steps if s.stage == i) for i in range(n_stages))
     buffers, pools = _allocate(g, steps, n_stages)
     return Schedule(name=g.name, stages=stages, buffers=buffers, pools=pools)

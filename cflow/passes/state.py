@@ -56,7 +56,8 @@ class CompileState:
         parts = [str(self.graph)]
         if self.tensors is not None:
             nbytes = sum(t.nbytes for t in self.tensors.values())
-            parts.append(f"packing: {len(self.tensors)} tensors, {nbytes:,} bytes, tile {self.tile[0]}x{self.tile[1]}\n")
+            parts.append(f"packing: {len(self.tensors)} tensors, {nbytes:,} bytes, "
+                         f"tile {self.tile[0]}x{self.tile[1]}\n")
         if self.schedule is not None:
             parts.append(str(self.schedule))
         if self.order is not None:

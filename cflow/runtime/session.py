@@ -14,7 +14,9 @@ import ctypes
 import json
 import os
 import threading
+import time
 
+import attrs
 import numpy as np
 
 from ..codegen.abi import (
@@ -28,11 +30,11 @@ from ..codegen.abi import (
     CtlWord,
     Param,
 )
-from ..errors import FormatError, RuntimeFault
+from ..errors import CflowError, FormatError, RuntimeFault
 from ..ir.config import ModelConfig
 from ..layout.tile import aligned_empty
 from ..passes.pipeline import plan_from_header
-from ..passes.schedule import Pool
+from ..passes.schedule import Phase, Pool, build_schedule
 from .format import FileReader
 from .format.spec import FORMAT_NAME
 
@@ -41,11 +43,30 @@ def _zeros(nbytes: int, align: int = 4096) -> np.ndarray:
     return aligned_empty(nbytes, align, zero=True)
 
 
+@attrs.frozen
+class Segment:
+    """Stages [lo, hi) of the disk-tier schedule, run in one native call, and what the host does around it."""
+
+    lo: int
+    hi: int
+    awaits: tuple[int, ...]  # layers whose chosen experts must be in RAM before the segment runs
+    issues: tuple[int, ...]  # layers whose route is known after it: start their reads (async)
+    releases: tuple[int, ...]  # layers whose experts are no longer needed after it
+
+
 class Session:
     """Everything needed to run decode steps of one compiled file."""
 
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
-                 cache=None, profile: bool = False):
+                 cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
+                 expert_io: str = "async"):
+        if experts not in ("ram", "disk"):
+            raise CflowError(f"experts must be 'ram' or 'disk', not {experts!r}")
+        if expert_io not in ("async", "sync"):
+            raise CflowError(f"expert_io must be 'async' or 'sync', not {expert_io!r}")
+        self.experts, self.expert_io = experts, expert_io
+        self.tier = None
+        self._pool = None
         self.path = str(path)
         self.reader = FileReader(self.path)
         if verify:
@@ -61,7 +82,17 @@ class Session:
         self.threads = max(1, int(threads or len(os.sched_getaffinity(0))))
         self.max_seq = int(min(max_seq or self.config.max_seq_len, self.config.max_seq_len))
         self.profile = profile
+        self.run_state = self.compiled
+        if experts == "disk":
+            if not any(t.expert >= 0 for t in self.compiled.tensors.values()):
+                raise CflowError(f"{self.path}: --experts-on-disk: this model has no experts")
+            # The schedule for the disk tier: routes split off, experts as late as their injection allows.
+            self.run_state = self.compiled.evolve(schedule=build_schedule(self.compiled.graph, self.tile,
+                                                                          experts_late=True))
         self._build(cache)
+        if experts == "disk":
+            self._plan_segments()
+            self._open_tier(expert_cache_mb)
         self._alloc()
         self.pos = 0
         self._pool = _Workers(self.library, self._args, self.threads) if self.threads > 1 else None
@@ -94,7 +125,10 @@ class Session:
         from ..codegen.target import host_target
 
         target = host_target()
-        fp = program_cache.fingerprint(self.header, target.isa, self.max_seq, self.profile) if cache is not False else None
+        segmented = self.experts == "disk"
+        fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
+                                        self.profile, segmented)
+              if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
         self.program = None
         if hit is not None:
@@ -103,7 +137,8 @@ class Session:
             except (KeyError, TypeError, ValueError):
                 self.program = None
         if self.program is None:
-            self.program = build_step(self.compiled, target.isa, self.max_seq, profile=self.profile)
+            self.program = build_step(self.run_state, target.isa, self.max_seq, profile=self.profile,
+                                      segmented=segmented)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())
@@ -132,11 +167,16 @@ class Session:
                  Binding.PROF: self.prof}
         addr: list[int] = []
         self._keep = []
-        for key in prog.bindings:
+        self._ptr_index: dict[str, int] = {}
+        for i, key in enumerate(prog.bindings):
             if key.kind == Binding.TENSOR:
-                v = self.reader.tensor(key.name)
-                self._keep.append(v)
-                a = v.ctypes.data
+                self._ptr_index[key.name] = i
+                if self.tier is not None and key.name in self.tier_tensors:
+                    a = 0  # an expert on disk: set when chosen, before the step that reads it runs
+                else:
+                    v = self.reader.tensor(key.name) if self.tier is None else self._dense_copy(key.name)
+                    self._keep.append(v)
+                    a = v.ctypes.data
             elif key.kind == Binding.POOL:
                 a = self.pools[Pool(key.name)].ctypes.data
             else:
@@ -147,9 +187,110 @@ class Session:
                       ctypes.c_void_p(self.barrier.ctypes.data))
         self.logits_view = self.pools[Pool.LOGITS][: cfg.vocab_size]
 
+    # --- the disk expert tier --------------------------------------------------------------------------
+    def _plan_segments(self) -> None:
+        """Cut the late schedule where the host must act: after each ROUTE stage (read the choice, start the
+        reads) and before each expert UP stage (wait, point the table at the slots); release after DOWN."""
+        sched = self.run_state.schedule
+        route, up, down = {}, {}, {}
+        for st in sched.steps():
+            if st.phase == Phase.ROUTE:
+                route[st.layer] = st.stage
+            elif st.phase == Phase.UP and st.layer in route and st.op.startswith("moe"):
+                up[st.layer] = st.stage
+            elif st.phase == Phase.DOWN and st.layer in route and st.op.startswith("moe"):
+                down[st.layer] = st.stage
+        n = sched.n_stages
+        cuts = sorted({0, n} | {r + 1 for r in route.values()} | set(up.values()))
+        self.segments = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            self.segments.append(Segment(
+                lo=lo, hi=hi, awaits=tuple(l for l in up if lo <= up[l] < hi),
+                issues=tuple(l for l in route if lo <= route[l] < hi),
+                releases=tuple(l for l in down if lo <= down[l] < hi)))
+        # Experts pinned at once: a layer's choice is pinned from its issue to its release.
+        live, most = set(), 0
+        for seg in self.segments:  # in step order: sync issues at the await, async after the route; release last
+            live |= set(seg.awaits if self.expert_io == "sync" else seg.issues)
+            most = max(most, len(live))
+            live -= set(seg.releases)
+        self.window_stages = {l: up[l] - route[l] - 1 for l in route}  # stages run between a choice and its use
+        self.segment_seconds = np.zeros(len(self.segments))  # native time per segment, summed over steps
+        self._layer_misses = {l: 0 for l in route}
+        self._min_slots = max(1, most) * self.config.top_k
+        self._route_at = {l: self.program.scratch.route + l * self.program.scratch.route_stride for l in route}
+
+    def _open_tier(self, expert_cache_mb: float | None) -> None:
+        from .experts import ExpertTier
+
+        names: dict[tuple[int, int], list[str]] = {}
+        for t in self.compiled.tensors.values():
+            if t.expert >= 0:
+                names.setdefault((t.block, t.expert), []).append(t.name)
+        self.tier_tensors = {n for ns in names.values() for n in ns}
+        per = max(sum(self.reader.entry(n).nbytes for n in ns) for ns in names.values())
+        if expert_cache_mb is None:  # default: a quarter of the experts, at least what decoding needs
+            budget = max(self._min_slots * (per + 2 * 4096), sum(len(v) for v in names.values()) * per // 8)
+        else:
+            if not expert_cache_mb > 0:
+                raise CflowError(f"expert cache must be > 0 MB, not {expert_cache_mb}")
+            budget = int(expert_cache_mb * 2**20)
+        self.tier = ExpertTier(self.reader, names, budget, self._min_slots)
+        self._dense_fd = os.open(self.path, os.O_RDONLY)
+
+    def _dense_copy(self, name: str) -> np.ndarray:
+        """A non-expert tensor read into RAM (disk mode: nothing of the file stays mapped), checksummed."""
+        import zlib
+
+        e = self.reader.entry(name)
+        buf = aligned_empty(max(e.nbytes, 1), 64)
+        got = os.preadv(self._dense_fd, [memoryview(buf)[: e.nbytes]], e.file_offset)
+        if got != e.nbytes or zlib.crc32(buf[: e.nbytes]) != e.crc:
+            raise FormatError(f"{self.path}: tensor {name!r} at file offset 0x{e.file_offset:x}: "
+                              f"{'short read' if got != e.nbytes else 'checksum mismatch'}")
+        return buf
+
+    def _route(self, layer: int) -> np.ndarray:
+        """The experts layer `layer` chose (thread 0's copy; every thread routes alike)."""
+        at = self._route_at[layer]
+        return self.scratch[at : at + 4 * self.config.top_k].view(np.int32).copy()
+
+    def _step_segments(self) -> None:
+        chosen: dict[int, np.ndarray] = {}
+        blk = self.config.block_of
+        clock = time.perf_counter
+        for k, seg in enumerate(self.segments):
+            for l in seg.awaits:
+                if self.expert_io == "sync":
+                    self._layer_misses[l] += self.tier.issue(blk(l), chosen[l])
+                for name, addr in self.tier.wait(blk(l), chosen[l]).items():
+                    self.ptrs[self._ptr_index[name]] = addr
+            self.params[Param.STAGE_LO], self.params[Param.STAGE_HI] = seg.lo, seg.hi
+            t0 = clock()
+            self._run_native()
+            self.segment_seconds[k] += clock() - t0  # compute only: what the overlap model needs
+            for l in seg.issues:
+                chosen[l] = self._route(l)
+                if self.expert_io == "async":
+                    self._layer_misses[l] += self.tier.issue(blk(l), chosen[l])
+            for l in seg.releases:
+                self.tier.release(blk(l), chosen[l])
+
+    def misses_by_layer(self) -> dict[int, int]:
+        """Expert reads started per layer since load (the disk tier)."""
+        return dict(self._layer_misses)
+
+    def _run_native(self) -> None:
+        if self._pool is None:
+            self._fn(self._args[0], self._args[1], 0, 1, self._args[2])
+        else:
+            self._pool.run()
+
     # --- running ----------------------------------------------------------------------------------
     def reset(self) -> None:
         self.pos = 0
+        if self.tier is not None:
+            self.tier.reset()
 
     def step(self, token: int) -> np.ndarray:
         """Run one token at the current position; returns (a view of) the logits [vocab]."""
@@ -159,10 +300,14 @@ class Session:
         if self.pos >= self.max_seq:
             raise RuntimeFault(f"context full: position {self.pos} reaches the maximum of {self.max_seq} tokens")
         self.params[Param.TOKEN], self.params[Param.POS] = token, self.pos
-        if self._pool is None:
-            self._fn(self._args[0], self._args[1], 0, 1, self._args[2])
+        if self.tier is None:
+            self._run_native()
         else:
-            self._pool.run()
+            try:
+                self._step_segments()
+            except BaseException:
+                self.tier.reset()  # the model stays usable: no pins left, failed reads forgotten
+                raise
         self.pos += 1
         return self.logits_view
 
@@ -182,6 +327,10 @@ class Session:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
+            os.close(self._dense_fd)
 
     def __enter__(self) -> Session:
         return self

@@ -116,7 +116,8 @@ def test_gate_up_fused_silu(rng, isa, dtype):
 
 
 @pytest.mark.parametrize("tuning", [
-    dict(unroll=1, prefetch=0), dict(max_groups=2), dict(prefetch=512, prefetch_locality=2), dict(max_groups=1, unroll=4),
+    dict(unroll=1, prefetch=0), dict(max_groups=2), dict(prefetch=512, prefetch_locality=2),
+    dict(max_groups=1, unroll=4),
 ])
 def test_tuning_knobs_keep_results(rng, tuning):
     w = rng.standard_normal((96, 256)).astype(np.float32)

@@ -9,7 +9,8 @@ GOLDEN = Path(__file__).parent.parent / "golden" / "arch2_4_combined_tiny.ir"
 
 
 def test_golden_ir():
-    # To update after an intended change: cflowc preset:arch2_4_combined@tiny --emit ir > tests/golden/arch2_4_combined_tiny.ir
+    # To update after an intended change:
+    #   cflowc preset:arch2_4_combined@tiny --emit ir > tests/golden/arch2_4_combined_tiny.ir
     assert str(build_graph(get_preset("arch2_4_combined", "tiny"))) == GOLDEN.read_text()
 
 

@@ -3,7 +3,8 @@ import pytest
 from cflow.errors import ConfigError
 from cflow.models import PRESETS, ModelConfig, from_preset, get_preset
 
-BASE = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, n_experts=4, top_k=2, expert_dim=16)
+BASE = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48,
+            n_experts=4, top_k=2, expert_dim=16)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,8 @@ def test_simulated_schedule_respects_dependencies(name):
                 b = s.buffers[w]
                 prev = holder.get((b.pool, b.slot))
                 if prev is not None:
-                    assert s.buffers[prev].last < i, f"%{w} overwrites %{prev}, still read at stage {s.buffers[prev].last}"
+                    last = s.buffers[prev].last
+                    assert last < i, f"%{w} overwrites %{prev}, still read at stage {last}"
                 holder[(b.pool, b.slot)] = w
                 done[w] = i
 

@@ -375,7 +375,7 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for name, (gname, dt, nb) in zip(order, infos):
+        for name, (_gname, dt, nb) in zip(order, infos):
             data, _ = payload(name)
             if data.dtype != dt or data.nbytes != nb:
                 raise CflowError(

@@ -1,0 +1,178 @@
+"""Experts on disk: synchronous vs asynchronous expert reads inside the expert-delay window, against the overlap model.
+
+    python benchmarks/expert_tier.py --quick                 # < 5 minutes
+    python benchmarks/expert_tier.py --json docs/results/expert_tier.json
+
+For each expert delay de in {0, 1, 2, 3}, an arch2_4_combined-geometry MoE (random weights, Q4) is compiled
+with dd = 1 and that de, then decoded with its experts on disk (O_DIRECT: the page cache is bypassed) in a
+cache of a quarter of all experts, once with blocking reads (sync) and once with reads started when the
+router chooses (async). Each run is its own process (clean cache, its own peak RSS).
+
+The overlap model (the paper's, with one serial disk): from the sync run, the compute time of every
+segment of the step (the native calls between the host's expert actions) and the time of one expert read
+(reads alone, nothing in flight); per token, sync = compute + every read; async = walk the segments, each
+layer's reads queue on the disk when its router has chosen and are awaited where its experts run. The
+predicted speed-up is sync / async; the measured one is the ratio of the two runs' tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+
+GEOMETRIES = {
+    # the paper's screening size: the arch2_4_combined 114m preset (experts 0.88 MB each at Q4)
+    "114m": dict(preset="114m"),
+    # dense compute and expert reads of the same order on this machine (~1 GB/s disk, ~20 GB/s DRAM)
+    "wide": dict(preset="114m", d_model=1024, n_heads=16, n_kv_heads=16, head_dim=64, ffn_dim=8192,
+                 expert_dim=1024, n_layers=8, n_blocks=8, vocab_size=16384),
+}
+
+
+def build(geometry: str, de: int, out_dir: str) -> str:
+    from cflow.compiler import compile_file
+    from cflow.ir import build_graph
+    from cflow.models import get_preset
+
+    g = dict(GEOMETRIES[geometry])
+    cfg = get_preset("arch2_4_combined", g.pop("preset")).evolve(**g, dense_delay=1, expert_delay=de)
+    path = os.path.join(out_dir, f"expert_tier_{geometry}_de{de}.cflow")
+    if not os.path.exists(path):
+        rng = np.random.default_rng(de)
+        from cflow.ir.build import weight_shapes
+
+        weights = {n: (rng.standard_normal(s).astype(np.float32) * (0.02 if len(s) == 2 else 1.0)
+                       if len(s) == 2 else np.ones(s, np.float32)) for n, s in weight_shapes(cfg).items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compile_file(build_graph(cfg, weights, name=cfg.name), path, "q4")
+    return path
+
+
+def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -> dict:
+    """One decode run in this process: tok/s, disk bytes per token, hit rate, segment times, peak RSS."""
+    import cflow
+
+    with cflow.load(path, threads=threads, experts="disk", expert_cache_mb=budget_mb, expert_io=mode) as m:
+        s = m.session
+        rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        prompt = [1, 2, 3, 4]
+        logits = s.prefill(prompt)
+        st = m.expert_stats
+        base = (st.hits, st.misses, st.bytes_read, st.read_seconds)
+        s.segment_seconds[:] = 0
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            logits = s.step(int(np.argmax(logits)))
+        dt = time.perf_counter() - t0
+        hits, misses = st.hits - base[0], st.misses - base[1]
+        dense = sum(e.nbytes for e in s.reader.tensors if e.expert < 0)
+        return {
+            "mode": mode, "tok_s": tokens / dt, "disk_bytes_per_token": (st.bytes_read - base[2]) / tokens,
+            "hit_rate": hits / max(1, hits + misses), "misses_per_token": misses / tokens,
+            "read_s_per_expert": (st.read_seconds - base[3]) / max(1, misses),
+            "segment_s": (s.segment_seconds / tokens).tolist(),
+            "segments": [[g.lo, g.hi, list(g.awaits), list(g.issues)] for g in s.segments],
+            "misses_per_layer": {str(k): v / tokens for k, v in s.misses_by_layer().items()},
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_loaded": rss_loaded,
+            "dense_bytes": dense, "cache_bytes": s.tier.slot_bytes * len(s.tier.slots),
+            "expert_bytes_total": sum(e.nbytes for e in s.reader.tensors if e.expert >= 0),
+            "direct": s.tier.direct, "window_stages": {str(k): v for k, v in s.window_stages.items()},
+        }
+
+
+def predict(sync: dict) -> tuple[float, float]:
+    """Per-token (sync, async) seconds from the sync run's segment times and per-read time (see docstring)."""
+    seg_s, t_r = sync["segment_s"], sync["read_s_per_expert"]
+    miss = {int(k): v for k, v in sync["misses_per_layer"].items()}
+    t_sync = sum(seg_s) + sum(miss.values()) * t_r
+    t, disk, ready = 0.0, 0.0, {}
+    for (lo, hi, awaits, issues), c in zip(sync["segments"], seg_s):
+        for layer in awaits:
+            t = max(t, ready.get(layer, t))
+        t += c
+        for layer in issues:
+            disk = max(disk, t) + miss.get(layer, 0.0) * t_r
+            ready[layer] = disk
+    return t_sync, t
+
+
+def run_one(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", path, mode, str(budget_mb), str(tokens), str(threads)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"worker failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--geometry", choices=list(GEOMETRIES), default="wide", help="model geometry (default wide)")
+    ap.add_argument("--delays", default="0,1,2,3", help="expert delays to compile and run (default 0,1,2,3)")
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens per run (default 64)")
+    ap.add_argument("--threads", type=int, default=2, help="decode threads (default 2)")
+    ap.add_argument("--cache-fraction", type=float, default=0.25,
+                    help="expert cache budget as a fraction of all experts' bytes (default 0.25)")
+    ap.add_argument("--quick", action="store_true", help="the 114m geometry, 24 tokens (under 5 minutes)")
+    ap.add_argument("--out-dir", default=os.environ.get("CFLOW_BENCH_DIR", "/tmp/cflow-bench"),
+                    help="where the compiled models go (default /tmp/cflow-bench)")
+    ap.add_argument("--json", help="write one record per delay to this file")
+    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        path, mode, budget, tokens, threads = args.worker
+        print(json.dumps(worker(path, mode, float(budget), int(tokens), int(threads))))
+        return
+    if args.quick:
+        args.geometry, args.tokens = "114m", 24
+    os.makedirs(args.out_dir, exist_ok=True)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"# {cpu}, {os.cpu_count()} cores; geometry {args.geometry}; {args.threads} threads; {args.tokens} tokens;"
+          f" cache = {args.cache_fraction:.0%} of the experts; O_DIRECT reads")
+    records = []
+    head = (f"{'de':>3} {'sync tok/s':>10} {'async tok/s':>11} {'measured':>9} {'predicted':>9} "
+            f"{'disk MB/tok':>11} {'hit rate':>8} {'peak RSS MB':>11} {'dense+cache MB':>14}")
+    for de in (int(d) for d in args.delays.split(",")):
+        t0 = time.perf_counter()
+        path = build(args.geometry, de, args.out_dir)
+        probe = run_one(path, "sync", 1e6, 1, args.threads)  # a cache that holds everything: sizes only
+        budget_mb = max(args.cache_fraction * probe["expert_bytes_total"] / 2**20, 0.0)
+        sync = run_one(path, "sync", budget_mb, args.tokens, args.threads)
+        asyn = run_one(path, "async", budget_mb, args.tokens, args.threads)
+        t_sync, t_async = predict(sync)
+        rec = {"delay": de, "sync_tok_s": sync["tok_s"], "async_tok_s": asyn["tok_s"],
+               "predicted_speedup": t_sync / t_async, "measured_speedup": asyn["tok_s"] / sync["tok_s"],
+               "disk_bytes_per_token": asyn["disk_bytes_per_token"], "hit_rate": asyn["hit_rate"],
+               "peak_rss": max(sync["peak_rss"], asyn["peak_rss"]),
+               "predicted_sync_tok_s": 1 / t_sync, "predicted_async_tok_s": 1 / t_async,
+               "read_ms_per_expert": 1e3 * sync["read_s_per_expert"], "compute_ms_per_token": 1e3 * sum(sync["segment_s"]),
+               "misses_per_token": sync["misses_per_token"], "dense_bytes": sync["dense_bytes"],
+               "cache_bytes": sync["cache_bytes"], "expert_bytes_total": sync["expert_bytes_total"],
+               "window_stages": asyn["window_stages"], "cpu": cpu, "geometry": args.geometry,
+               "threads": args.threads, "tokens": args.tokens, "direct": asyn["direct"]}
+        records.append(rec)
+        if len(records) == 1:
+            print(f"# experts {rec['expert_bytes_total'] / 1e6:.0f} MB in all, cache {rec['cache_bytes'] / 1e6:.0f} MB, "
+                  f"dense weights {rec['dense_bytes'] / 1e6:.0f} MB")
+            print(head)
+        print(f"{de:>3} {rec['sync_tok_s']:>10.2f} {rec['async_tok_s']:>11.2f} {rec['measured_speedup']:>8.2f}x "
+              f"{rec['predicted_speedup']:>8.2f}x {rec['disk_bytes_per_token'] / 1e6:>11.2f} "
+              f"{100 * rec['hit_rate']:>7.1f}% {rec['peak_rss'] / 2**20:>11.0f} "
+              f"{(rec['dense_bytes'] + rec['cache_bytes']) / 2**20:>14.0f}"
+              f"   (compute {rec['compute_ms_per_token']:.1f} ms/token, {rec['misses_per_token']:.1f} reads/token "
+              f"x {rec['read_ms_per_expert']:.2f} ms; {time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The disk expert tier: experts read on demand (O_DIRECT, checksummed) give exactly the all-in-RAM logits."""
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import cflow
+from cflow.compiler import compile_file
+from cflow.errors import CflowError, RuntimeFault
+from cflow.frontend.load import load_graph
+from cflow.runtime.experts import ExpertReadError
+from cflow.runtime.format import FileReader
+
+IDS = [5, 17, 3, 99, 1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tier")
+    out = {}
+    for name in ("arch1", "arch4_async_experts", "arch5_shared"):
+        out[name] = d / f"{name}.vflow"
+        compile_file(load_graph(f"preset:{name}@tiny"), out[name], "q4")
+    for de in (0, 1, 2, 3):  # arch2_4_combined's geometry at every expert delay (random weights)
+        out[f"de{de}"] = d / f"de{de}.cflow"
+        with warnings.catch_warnings():  # de != 2 rewrites the trained model: it warns, and that is fine here
+            warnings.simplefilter("ignore")
+            compile_file(load_graph("preset:arch2_4_combined@tiny"), out[f"de{de}"], "q4", delays=(1, de))
+    return out
+
+
+def _greedy(m, n=12):
+    return m.generate(IDS, max_new_tokens=n, stop=False)
+
+
+@pytest.mark.parametrize("key", ["arch1", "arch4_async_experts", "arch5_shared", "de0", "de1", "de2", "de3"])
+def test_disk_tier_equals_ram(files, key):
+    with cflow.load(files[key], threads=2) as ram:
+        want_logits = ram.logits(IDS).copy()
+        want = _greedy(ram)
+    for io in ("async", "sync"):
+        with cflow.load(files[key], threads=2, experts="disk", expert_cache_mb=0.5, expert_io=io) as m:
+            assert np.array_equal(m.logits(IDS), want_logits), io  # bit-identical: same kernels, same bytes
+            assert _greedy(m) == want
+            st = m.expert_stats
+            assert st.misses > 0 and st.bytes_read > 0 and 0.0 <= st.hit_rate < 1.0
+
+
+def test_one_thread_and_small_cache_evicts(files):
+    with cflow.load(files["de2"], threads=1) as ram:
+        want = _greedy(ram, 24)
+    with cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.35) as m:
+        assert _greedy(m, 24) == want
+        st = m.expert_stats
+        n_slots = len(m.session.tier.slots)
+        assert st.misses > n_slots  # more distinct reads than slots: the LRU evicted and read again
+        rss_budget = n_slots * m.session.tier.slot_bytes
+        assert rss_budget <= 0.35 * 2**20
+
+
+def test_budget_below_one_window_is_refused(files, tmp_path):
+    with pytest.raises(CflowError, match="decoding needs .* at once"):
+        cflow.load(files["de2"], experts="disk", expert_cache_mb=0.01)
+    import torch
+
+    from cflow.frontend import from_torch
+    from cflow.models import PipelineNativeLM, get_preset
+
+    torch.manual_seed(0)
+    dense = tmp_path / "dense.vflow"
+    cfg = get_preset("arch1", "tiny").evolve(n_experts=0, top_k=0, expert_dim=0, expert_delay=0)
+    compile_file(from_torch(PipelineNativeLM(cfg).eval()), dense, "q4")
+    with pytest.raises(CflowError, match="no experts"):
+        cflow.load(dense, experts="disk")
+
+
+def test_injected_read_failure_then_usable(files):
+    with cflow.load(files["de2"], threads=2) as ram:
+        want = _greedy(ram)
+    with cflow.load(files["de2"], threads=2, experts="disk", expert_cache_mb=0.5) as m:
+        calls = {"n": 0}
+
+        def fail(key, k):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(5, "Input/output error")
+
+        m.session.tier.fail_hook = fail
+        with pytest.raises(RuntimeFault, match=r"layer \d+ expert \d+ .* at file offset 0x[0-9a-f]+: read failed"):
+            _greedy(m)
+        m.session.tier.fail_hook = None
+        assert _greedy(m) == want  # a new request works and gives the same tokens
+
+
+def test_corrupted_expert_tile_is_caught_before_use(files, tmp_path):
+    bad = tmp_path / "bad.cflow"
+    shutil.copy(files["de2"], bad)
+    with FileReader(bad) as r:
+        offsets = [r.entry(t.name).file_offset + 100 for t in r.tensors if t.expert >= 0 and t.layer == 0]
+    with open(bad, "r+b") as f:  # every expert of block 0: whatever the router picks is corrupt
+        for off in offsets:
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 0xFF]))
+    with cflow.load(bad, experts="disk", expert_cache_mb=0.5) as m:  # structure is fine: loads
+        with pytest.raises(ExpertReadError, match=r"layer 0 expert \d+ .*checksum mismatch"):
+            m.logits(IDS)
+
+
+def test_file_truncated_while_loaded(files, tmp_path):
+    p = tmp_path / "t.cflow"
+    shutil.copy(files["de2"], p)
+    with cflow.load(p, experts="disk", expert_cache_mb=0.5) as m:
+        with FileReader(p) as r:
+            first_expert = min(t.file_offset for t in r.tensors if t.expert >= 0)
+        os.truncate(p, first_expert)  # every expert gone; dense weights already in RAM
+        with pytest.raises(ExpertReadError, match="short read"):
+            m.logits(IDS)
+
+
+def test_filesystem_without_o_direct_falls_back(files, monkeypatch):
+    """Where O_DIRECT is refused (EINVAL at open, as on some filesystems) reads go through the page cache."""
+    with cflow.load(files["de2"], threads=1) as ram:
+        want = _greedy(ram)
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with pytest.warns(UserWarning, match="O_DIRECT refused"):
+        m = cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.5)
+    with m:
+        assert not m.session.tier.direct
+        assert _greedy(m) == want
+
+
+def test_cli_experts_on_disk(files):
+    cmd = [sys.executable, "-c", "import sys; from cflow.cli import cflow_main; sys.exit(cflow_main(sys.argv[1:]))"]
+    r = subprocess.run(cmd + ["run", str(files["de0"]), "--prompt", "1 2 3", "-n", "4", "--experts-on-disk",
+                              "--expert-cache-mb", "0.5"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "no overlap window" in r.stderr and "hit rate" in r.stderr
+    r = subprocess.run(cmd + ["run", str(files["de2"]), "--prompt", "1 2 3", "-n", "4", "--experts-on-disk",
+                              "--expert-io", "sync"], capture_output=True, text=True)
+    assert r.returncode == 0 and "de=2: reads overlap" in r.stderr, r.stderr
+    r = subprocess.run(cmd + ["run", str(files["de2"]), "--prompt", "1", "--expert-cache-mb", "4"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "need --experts-on-disk" in r.stderr
