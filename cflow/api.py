@@ -57,15 +57,18 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
 
 
 def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
-         experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async") -> CompiledModel:
+         experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async",
+         weights: str = "ram", read_ahead: int = 2) -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
         experts: 'ram' (every weight mapped from the file) or 'disk': non-expert weights read into RAM,
-            experts read on demand with O_DIRECT into a cache of `expert_cache_mb` MiB (default: an
-            eighth of the experts, at least what one expert-delay window needs).
+            experts read on demand with O_DIRECT into a cache of `expert_cache_mb` MiB (default: a
+            quarter of the experts, at least what one expert-delay window needs).
         expert_io: 'async' (reads start when the router has chosen, awaited where the experts are used)
             or 'sync' (read when needed, blocking: the baseline the overlap is measured against).
+        weights: 'disk' streams the big non-expert matrices from the file every token, stage by stage,
+            `read_ahead` stages ahead (a model larger than RAM still decodes; experts go to disk too).
     """
     from .runtime.session import Session
 
@@ -73,7 +76,8 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
     if not p.is_file():
         raise CflowError(f"{p}: no such file")
     return CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
-                                 expert_cache_mb=expert_cache_mb, expert_io=expert_io))
+                                 expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
+                                 read_ahead=read_ahead))
 
 
 class CompiledModel:

@@ -23,6 +23,11 @@ def add_args(p):
                    "window (default: all weights mapped in RAM)")
     p.add_argument("--expert-cache-mb", type=float, default=None, metavar="MB",
                    help="with --experts-on-disk: RAM for recently used experts (default: an eighth of the experts)")
+    p.add_argument("--weights-on-disk", action="store_true",
+                   help="stream the big non-expert matrices from the file every token, stage by stage (for a model "
+                   "larger than RAM; implies --experts-on-disk) (default: mapped in RAM)")
+    p.add_argument("--read-ahead", type=int, default=2, metavar="STAGES",
+                   help="with --weights-on-disk: stages read ahead of the one computing (default 2)")
     p.add_argument("--expert-io", choices=("async", "sync"), default="async",
                    help="with --experts-on-disk: start reads when the router chooses (async) or read when "
                    "needed, blocking (sync) (default async)")
@@ -36,12 +41,23 @@ def run(args) -> int:
 
     from ..errors import CflowError
 
-    if (args.expert_cache_mb is not None or args.expert_io != "async") and not args.experts_on_disk:
+    if (args.expert_cache_mb is not None or args.expert_io != "async") and not (args.experts_on_disk or
+                                                                                args.weights_on_disk):
         raise CflowError("--expert-cache-mb and --expert-io need --experts-on-disk")
+    if args.read_ahead != 2 and not args.weights_on_disk:
+        raise CflowError("--read-ahead needs --weights-on-disk")
+    if args.read_ahead < 0:
+        raise CflowError(f"--read-ahead must be >= 0, not {args.read_ahead}")
     m = cflow.load(args.file, threads=args.threads, verify=args.verify,
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
-                   expert_io=args.expert_io)
-    if args.experts_on_disk:
+                   expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
+                   read_ahead=args.read_ahead)
+    if m.session.streamer is not None:
+        st = m.session.streamer
+        print(f"weights on disk: {st.bytes_per_token / 1e6:.1f} MB streamed per token in "
+              f"{st.requests_per_token} reads, {st.depth} stages read ahead, "
+              f"{'O_DIRECT' if st.direct else 'buffered'}", file=sys.stderr)
+    if m.session.tier is not None:
         s = m.session
         win = sorted(s.window_stages.values())
         de = m.config.expert_delay

@@ -36,7 +36,7 @@ from ..layout.tile import aligned_empty
 from ..passes.pipeline import plan_from_header
 from ..passes.schedule import Phase, Pool, build_schedule
 from .format import FileReader
-from .format.spec import FORMAT_NAME
+from .format.spec import FORMAT_NAME, pad
 
 
 def _zeros(nbytes: int, align: int = 4096) -> np.ndarray:
@@ -59,13 +59,18 @@ class Session:
 
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
                  cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
-                 expert_io: str = "async"):
+                 expert_io: str = "async", weights: str = "ram", read_ahead: int = 2):
         if experts not in ("ram", "disk"):
             raise CflowError(f"experts must be 'ram' or 'disk', not {experts!r}")
+        if weights not in ("ram", "disk"):
+            raise CflowError(f"weights must be 'ram' or 'disk', not {weights!r}")
         if expert_io not in ("async", "sync"):
             raise CflowError(f"expert_io must be 'async' or 'sync', not {expert_io!r}")
-        self.experts, self.expert_io = experts, expert_io
+        if not isinstance(read_ahead, int) or read_ahead < 0:
+            raise CflowError(f"read-ahead must be a whole number of stages >= 0, not {read_ahead!r}")
+        self.experts, self.expert_io, self.weights, self.read_ahead = experts, expert_io, weights, read_ahead
         self.tier = None
+        self.streamer = None
         self._pool = None
         self.path = str(path)
         self.reader = FileReader(self.path)
@@ -83,16 +88,26 @@ class Session:
         self.max_seq = int(min(max_seq or self.config.max_seq_len, self.config.max_seq_len))
         self.profile = profile
         self.run_state = self.compiled
+        has_experts = any(t.expert >= 0 for t in self.compiled.tensors.values())
+        if weights == "disk" and has_experts:
+            self.experts = experts = "disk"  # a model streamed from disk keeps its experts there too
         if experts == "disk":
-            if not any(t.expert >= 0 for t in self.compiled.tensors.values()):
+            if not has_experts:
                 raise CflowError(f"{self.path}: --experts-on-disk: this model has no experts")
             # The schedule for the disk tier: routes split off, experts as late as their injection allows.
             self.run_state = self.compiled.evolve(schedule=build_schedule(self.compiled.graph, self.tile,
                                                                           experts_late=True))
+        self.segmented = experts == "disk" or weights == "disk"
         self._build(cache)
-        if experts == "disk":
+        self.tier_tensors: set[str] = set()
+        self.streamed: set[str] = set()
+        if self.segmented:
+            self._dense_fd = os.open(self.path, os.O_RDONLY)
             self._plan_segments()
+        if experts == "disk":
             self._open_tier(expert_cache_mb)
+        if weights == "disk":
+            self._open_streamer()
         self._alloc()
         self.pos = 0
         self._pool = _Workers(self.library, self._args, self.threads) if self.threads > 1 else None
@@ -125,7 +140,7 @@ class Session:
         from ..codegen.target import host_target
 
         target = host_target()
-        segmented = self.experts == "disk"
+        segmented = self.segmented
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
                                         self.profile, segmented)
               if cache is not False else None)
@@ -171,10 +186,10 @@ class Session:
         for i, key in enumerate(prog.bindings):
             if key.kind == Binding.TENSOR:
                 self._ptr_index[key.name] = i
-                if self.tier is not None and key.name in self.tier_tensors:
-                    a = 0  # an expert on disk: set when chosen, before the step that reads it runs
+                if key.name in self.tier_tensors or key.name in self.streamed:
+                    a = 0  # on disk: set when chosen (experts) or read (streamed), before the step that reads it
                 else:
-                    v = self.reader.tensor(key.name) if self.tier is None else self._dense_copy(key.name)
+                    v = self._dense_copy(key.name) if self.segmented else self.reader.tensor(key.name)
                     self._keep.append(v)
                     a = v.ctypes.data
             elif key.kind == Binding.POOL:
@@ -201,7 +216,8 @@ class Session:
             elif st.phase == Phase.DOWN and st.layer in route and st.op.startswith("moe"):
                 down[st.layer] = st.stage
         n = sched.n_stages
-        cuts = sorted({0, n} | {r + 1 for r in route.values()} | set(up.values()))
+        every = set(range(n)) if self.weights == "disk" else set()  # streamed weights: one stage per call
+        cuts = sorted({0, n} | {r + 1 for r in route.values()} | set(up.values()) | every)
         self.segments = []
         for lo, hi in zip(cuts, cuts[1:]):
             self.segments.append(Segment(
@@ -228,15 +244,27 @@ class Session:
             if t.expert >= 0:
                 names.setdefault((t.block, t.expert), []).append(t.name)
         self.tier_tensors = {n for ns in names.values() for n in ns}
-        per = max(sum(self.reader.entry(n).nbytes for n in ns) for ns in names.values())
+        per = max(sum(pad(self.reader.entry(n).nbytes) for n in ns) for ns in names.values())  # one slot
         if expert_cache_mb is None:  # default: a quarter of the experts, at least what decoding needs
-            budget = max(self._min_slots * (per + 2 * 4096), sum(len(v) for v in names.values()) * per // 8)
+            budget = max(self._min_slots, len(names) // 4) * per
         else:
             if not expert_cache_mb > 0:
                 raise CflowError(f"expert cache must be > 0 MB, not {expert_cache_mb}")
             budget = int(expert_cache_mb * 2**20)
         self.tier = ExpertTier(self.reader, names, budget, self._min_slots)
-        self._dense_fd = os.open(self.path, os.O_RDONLY)
+
+    def _open_streamer(self) -> None:
+        """Stream every big non-expert matrix (tiled forms) per stage; norms, biases, router and the
+        embedding table (one row per token) stay in RAM."""
+        from ..layout.packed import Form
+        from .streaming import StageStreamer
+
+        tensors = self.compiled.tensors
+        big = {n for n, t in tensors.items() if t.expert < 0 and t.form.is_tiled}
+        per_stage = [[n for st in stage for n in st.tensors if n in big] for stage in self.run_state.schedule.stages]
+        self.streamed = {n for names in per_stage for n in names}
+        assert all(tensors[n].form != Form.VECTOR for n in self.streamed)
+        self.streamer = StageStreamer(self.reader, per_stage, self.read_ahead)
 
     def _dense_copy(self, name: str) -> np.ndarray:
         """A non-expert tensor read into RAM (disk mode: nothing of the file stays mapped), checksummed."""
@@ -265,10 +293,15 @@ class Session:
                     self._layer_misses[l] += self.tier.issue(blk(l), chosen[l])
                 for name, addr in self.tier.wait(blk(l), chosen[l]).items():
                     self.ptrs[self._ptr_index[name]] = addr
+            if self.streamer is not None:
+                for name, addr in self.streamer.wait(seg.lo).items():  # one stage per segment when streaming
+                    self.ptrs[self._ptr_index[name]] = addr
             self.params[Param.STAGE_LO], self.params[Param.STAGE_HI] = seg.lo, seg.hi
             t0 = clock()
             self._run_native()
             self.segment_seconds[k] += clock() - t0  # compute only: what the overlap model needs
+            if self.streamer is not None:
+                self.streamer.done(seg.lo)
             for l in seg.issues:
                 chosen[l] = self._route(l)
                 if self.expert_io == "async":
@@ -287,10 +320,15 @@ class Session:
             self._pool.run()
 
     # --- running ----------------------------------------------------------------------------------
-    def reset(self) -> None:
-        self.pos = 0
+    def _reset_io(self) -> None:
         if self.tier is not None:
             self.tier.reset()
+        if self.streamer is not None:
+            self.streamer.reset()
+
+    def reset(self) -> None:
+        self.pos = 0
+        self._reset_io()
 
     def step(self, token: int) -> np.ndarray:
         """Run one token at the current position; returns (a view of) the logits [vocab]."""
@@ -300,13 +338,13 @@ class Session:
         if self.pos >= self.max_seq:
             raise RuntimeFault(f"context full: position {self.pos} reaches the maximum of {self.max_seq} tokens")
         self.params[Param.TOKEN], self.params[Param.POS] = token, self.pos
-        if self.tier is None:
+        if not self.segmented:
             self._run_native()
         else:
             try:
                 self._step_segments()
             except BaseException:
-                self.tier.reset()  # the model stays usable: no pins left, failed reads forgotten
+                self._reset_io()  # the model stays usable: no pins left, failed reads forgotten
                 raise
         self.pos += 1
         return self.logits_view
@@ -330,7 +368,12 @@ class Session:
         if self.tier is not None:
             self.tier.close()
             self.tier = None
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+        if getattr(self, "_dense_fd", None) is not None:
             os.close(self._dense_fd)
+            self._dense_fd = None
 
     def __enter__(self) -> Session:
         return self
