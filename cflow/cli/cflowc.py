@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..errors import CflowError
+from ..layout import DEFAULT_TILE
 
 EMITS = ("ir", "analysis", "schedule", "dot", "llvm", "cflow", "vflow")
 
@@ -46,7 +47,8 @@ def cflowc_parser() -> argparse.ArgumentParser:
     p.add_argument("--emit", choices=EMITS, help="what to produce (default: cflow or vflow, from the suffix of -o)")
     p.add_argument("--json", action="store_true", help="machine-readable --emit analysis (default: a table)")
     p.add_argument("--quant", default="q4", choices=("q4", "q8", "f16", "f32"), help="weight type (default q4)")
-    p.add_argument("--tile", type=_tile, default=(128, 256), metavar="ROWSxCOLS", help="tile shape (default 128x256)")
+    p.add_argument("--tile", type=_tile, default=DEFAULT_TILE, metavar="ROWSxCOLS",
+                   help="tile shape (default {}x{})".format(*DEFAULT_TILE))
     p.add_argument("--delays", type=_delays, metavar="DD,DE",
                    help="rewrite the DAG to these delays (changes the function!) (default: keep the model's own)")
     p.add_argument("--tokenizer", help="tokenizer.json to store in the compiled file "

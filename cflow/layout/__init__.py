@@ -7,3 +7,5 @@ packed.py  packed tensors (form, parts, shapes, bytes) and the file layouts (sta
 Passes plan with it, codegen takes every offset from it, the runtime unpacks with it; it imports
 nothing from cflow but errors, so the compile walk goes down into it and never back up.
 """
+
+DEFAULT_TILE = (128, 256)  # rows x inputs of a tile: 18,432 B at Q4, L2-sized with its activations (numpy-free here)

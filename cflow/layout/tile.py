@@ -50,9 +50,9 @@ import attrs
 import numpy as np
 
 from ..errors import ConfigError
+from . import DEFAULT_TILE
 from .quant import BLOCK, BLOCK_SIZES, DType, QTensor, dequantize, padded, quantize
 
-DEFAULT_TILE = (128, 256)
 GROUP_ROWS = 16  # rows interleaved per 64-byte vector (16 x int32 lanes)
 ALIGN = 64  # byte alignment of buffers returned by pack (cache line, zmm width)
 

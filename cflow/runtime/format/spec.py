@@ -15,6 +15,7 @@ import attrs
 
 # dtype ids are DType's values and block sizes BLOCK_SIZES' (elems, bytes): re-exported so every
 # format constant is reachable from this one module.
+from cflow.layout.packed import FileLayout
 from cflow.layout.quant import BLOCK_SIZES, DType, matrix_bytes, padded  # noqa: F401
 
 # PNG-style magic: the high-bit first byte catches 7-bit transfers, "\r\n" catches newline
@@ -25,7 +26,7 @@ FORMAT_NAME = "cflow"  # the header's "format" field
 ALIGN = 4096  # every tensor starts at a multiple of this (data-relative and absolute): O_DIRECT
 assert ALIGN & (ALIGN - 1) == 0, "ALIGN must be a power of two"
 
-LAYOUTS = ("cflow", "vflow")  # flag bit 0: 0 = cflow (layer-major), 1 = vflow (stage-major)
+LAYOUTS = tuple(str(x) for x in FileLayout)  # flag bit 0: 0 = cflow (layer-major), 1 = vflow (stage-major)
 FLAG_VFLOW = 1
 KNOWN_FLAGS = FLAG_VFLOW
 
@@ -102,9 +103,8 @@ def pad(n: int, align: int = ALIGN) -> int:
 
 
 def layout_flags(layout: str) -> int:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return FLAG_VFLOW if layout == "vflow" else 0
+    """The preamble flags of a layout (FileLayout.parse raises ValueError for anything else)."""
+    return FLAG_VFLOW if FileLayout.parse(layout) == FileLayout.VFLOW else 0
 
 
 def expected_nbytes(dtype: DType, shape: tuple[int, ...], tile: tuple[int, int]) -> int:

@@ -19,6 +19,9 @@ import numpy as np
 from cflow.errors import FormatError
 from cflow.util import atomic_path
 
+from cflow.layout.packed import FileLayout
+from cflow.layout.tile import DEFAULT_TILE
+
 from . import spec as F
 from .spec import DType
 
@@ -31,10 +34,10 @@ class _State(enum.Enum):
 
 
 def _layout_from_path(path: str) -> str:
-    ext = os.path.splitext(path)[1].lstrip(".")
-    if ext not in F.LAYOUTS:
-        raise FormatError(f"{path}: cannot infer the layout from the extension; pass layout='cflow' or 'vflow'")
-    return ext
+    try:
+        return str(FileLayout.from_path(path))
+    except ValueError:
+        raise FormatError(f"{path}: cannot infer the layout from the extension; pass layout='cflow' or 'vflow'") from None
 
 
 def _as_bytes(data, name: str) -> memoryview:
@@ -117,7 +120,7 @@ class FileWriter:
                 self.abort()
 
     # -- tensors ---------------------------------------------------------------------------
-    def add_tensor(self, name: str, dtype, shape, data, tile=(128, 256), *, layer: int = -1,
+    def add_tensor(self, name: str, dtype, shape, data, tile=DEFAULT_TILE, *, layer: int = -1,
                    expert: int = -1, stage: int = -1) -> int:
         """Append one tensor; returns its table index. `data` is the exact stored bytes
         (any C-contiguous array or bytes-like); 1-D tensors are f32 vectors and ignore `tile`."""
