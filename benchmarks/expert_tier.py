@@ -57,6 +57,12 @@ def build(geometry: str, de: int, out_dir: str) -> str:
     return path
 
 
+def _rss() -> int:
+    """Resident set size now (bytes)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -> dict:
     """One decode run in this process: tok/s, disk bytes per token, hit rate, segment times, peak RSS."""
     import cflow
@@ -83,26 +89,77 @@ def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) ->
             "segments": [[g.lo, g.hi, list(g.awaits), list(g.issues)] for g in s.segments],
             "misses_per_layer": {str(k): v / tokens for k, v in s.misses_by_layer().items()},
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_loaded": rss_loaded,
+            "rss_end": _rss(), "kv_bytes": s.kv.nbytes,
             "dense_bytes": dense, "cache_bytes": s.tier.slot_bytes * len(s.tier.slots),
             "expert_bytes_total": sum(e.nbytes for e in s.reader.tensors if e.expert >= 0),
             "direct": s.tier.direct, "window_stages": {str(k): v for k, v in s.window_stages.items()},
         }
 
 
-def predict(sync: dict) -> tuple[float, float]:
-    """Per-token (sync, async) seconds from the sync run's segment times and per-read time (see docstring)."""
-    seg_s, t_r = sync["segment_s"], sync["read_s_per_expert"]
-    miss = {int(k): v for k, v in sync["misses_per_layer"].items()}
-    t_sync = sum(seg_s) + sum(miss.values()) * t_r
-    t, disk, ready = 0.0, 0.0, {}
-    for (lo, hi, awaits, issues), c in zip(sync["segments"], seg_s):
+def disk_probe(path: str, n: int = 24) -> tuple[float, float]:
+    """Seconds per expert read from this file with O_DIRECT: one at a time (latency t1), and with the tier's
+    IO_THREADS requests in flight (t_par: wall time / reads). Random experts, distinct sets for the two."""
+    import concurrent.futures as cf
+
+    from cflow.layout.tile import aligned_empty
+    from cflow.runtime.experts import IO_THREADS
+    from cflow.runtime.format import FileReader
+    from cflow.runtime.format.spec import ALIGN, pad
+
+    with FileReader(path) as r:
+        keys = r.experts
+        rng = np.random.default_rng(0)
+        pick = [keys[i] for i in rng.permutation(len(keys))[: 2 * n]]
+        ranges = [r.expert_ranges(*k) for k in pick]
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    size = max(sum(pad(x.nbytes) for x in rs) for rs in ranges)
+
+    def read(rs):
+        buf = aligned_empty(size, ALIGN)
+        off = 0
+        for x in rs:
+            os.preadv(fd, [memoryview(buf[off : off + pad(x.nbytes)])], x.file_offset)
+            off += pad(x.nbytes)
+
+    try:
+        t0 = time.perf_counter()
+        for rs in ranges[:n]:
+            read(rs)
+        t1 = (time.perf_counter() - t0) / n
+        with cf.ThreadPoolExecutor(IO_THREADS) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(read, ranges[n:]))
+            t_par = (time.perf_counter() - t0) / len(ranges[n:])
+    finally:
+        os.close(fd)
+    return t1, t_par
+
+
+def predict(run: dict, t1: float, t_par: float, mode: str) -> float:
+    """Per-token seconds under the overlap model (see the module docstring): the measured compute of every
+    segment, and each layer's misses read as one batch on a disk that serves a batch of m reads in
+    t1 + (m - 1) * t_par and is busy m * t_par; async batches start after the route's segment, sync ones at
+    the await; the step waits where a layer's experts are used."""
+    miss = {int(k): v for k, v in run["misses_per_layer"].items()}
+    t, disk, done = 0.0, 0.0, {}
+
+    def submit(layer, at):
+        nonlocal disk
+        m = miss.get(layer, 0.0)
+        start = max(at, disk)
+        disk = start + m * t_par
+        done[layer] = start + (t1 + (m - 1) * t_par if m >= 1 else m * t1)
+
+    for (lo, hi, awaits, issues), c in zip(run["segments"], run["segment_s"]):
         for layer in awaits:
-            t = max(t, ready.get(layer, t))
+            if mode == "sync":
+                submit(layer, t)
+            t = max(t, done.get(layer, t))
         t += c
-        for layer in issues:
-            disk = max(disk, t) + miss.get(layer, 0.0) * t_r
-            ready[layer] = disk
-    return t_sync, t
+        if mode == "async":
+            for layer in issues:
+                submit(layer, t)
+    return t
 
 
 def run_one(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -> dict:
@@ -139,7 +196,7 @@ def main() -> None:
           f" cache = {args.cache_fraction:.0%} of the experts; O_DIRECT reads")
     records = []
     head = (f"{'de':>3} {'sync tok/s':>10} {'async tok/s':>11} {'measured':>9} {'predicted':>9} "
-            f"{'disk MB/tok':>11} {'hit rate':>8} {'peak RSS MB':>11} {'dense+cache MB':>14}")
+            f"{'disk MB/tok':>11} {'hit rate':>8} {'RSS MB':>7} {'peak RSS MB':>11} {'dense+cache+KV MB':>17}")
     for de in (int(d) for d in args.delays.split(",")):
         t0 = time.perf_counter()
         path = build(args.geometry, de, args.out_dir)
@@ -147,13 +204,17 @@ def main() -> None:
         budget_mb = max(args.cache_fraction * probe["expert_bytes_total"] / 2**20, 0.0)
         sync = run_one(path, "sync", budget_mb, args.tokens, args.threads)
         asyn = run_one(path, "async", budget_mb, args.tokens, args.threads)
-        t_sync, t_async = predict(sync)
+        t1, t_par = disk_probe(path)
+        # the model from each run's own compute (the async run's compute includes its I/O threads' CPU use)
+        t_sync, t_async = predict(sync, t1, t_par, "sync"), predict(asyn, t1, t_par, "async")
         rec = {"delay": de, "sync_tok_s": sync["tok_s"], "async_tok_s": asyn["tok_s"],
                "predicted_speedup": t_sync / t_async, "measured_speedup": asyn["tok_s"] / sync["tok_s"],
                "disk_bytes_per_token": asyn["disk_bytes_per_token"], "hit_rate": asyn["hit_rate"],
                "peak_rss": max(sync["peak_rss"], asyn["peak_rss"]),
                "predicted_sync_tok_s": 1 / t_sync, "predicted_async_tok_s": 1 / t_async,
-               "read_ms_per_expert": 1e3 * sync["read_s_per_expert"], "compute_ms_per_token": 1e3 * sum(sync["segment_s"]),
+               "read_ms_per_expert": 1e3 * t1, "read_ms_per_expert_parallel": 1e3 * t_par,
+               "compute_ms_per_token": 1e3 * sum(sync["segment_s"]), "rss_end": max(sync["rss_end"], asyn["rss_end"]),
+               "kv_bytes": sync["kv_bytes"],
                "misses_per_token": sync["misses_per_token"], "dense_bytes": sync["dense_bytes"],
                "cache_bytes": sync["cache_bytes"], "expert_bytes_total": sync["expert_bytes_total"],
                "window_stages": asyn["window_stages"], "cpu": cpu, "geometry": args.geometry,
@@ -165,10 +226,12 @@ def main() -> None:
             print(head)
         print(f"{de:>3} {rec['sync_tok_s']:>10.2f} {rec['async_tok_s']:>11.2f} {rec['measured_speedup']:>8.2f}x "
               f"{rec['predicted_speedup']:>8.2f}x {rec['disk_bytes_per_token'] / 1e6:>11.2f} "
-              f"{100 * rec['hit_rate']:>7.1f}% {rec['peak_rss'] / 2**20:>11.0f} "
-              f"{(rec['dense_bytes'] + rec['cache_bytes']) / 2**20:>14.0f}"
-              f"   (compute {rec['compute_ms_per_token']:.1f} ms/token, {rec['misses_per_token']:.1f} reads/token "
-              f"x {rec['read_ms_per_expert']:.2f} ms; {time.perf_counter() - t0:.0f} s)", flush=True)
+              f"{100 * rec['hit_rate']:>7.1f}% {rec['rss_end'] / 2**20:>7.0f} {rec['peak_rss'] / 2**20:>11.0f} "
+              f"{(rec['dense_bytes'] + rec['cache_bytes'] + rec['kv_bytes']) / 2**20:>17.0f}"
+              f"   (compute {rec['compute_ms_per_token']:.1f} ms/token, {rec['misses_per_token']:.1f} reads/token, "
+              f"{rec['read_ms_per_expert']:.2f} ms alone / {rec['read_ms_per_expert_parallel']:.2f} ms in parallel; "
+              f"predicted {rec['predicted_sync_tok_s']:.0f} / {rec['predicted_async_tok_s']:.0f} tok/s; "
+              f"{time.perf_counter() - t0:.0f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -17,7 +17,7 @@ from .ir import Graph
 from .layout.packed import FileLayout
 from .layout.tile import DEFAULT_TILE
 from .passes.manager import PassContext, Pipeline
-from .passes.pipeline import lower, lowering
+from .passes.pipeline import check_native, lower, lowering
 from .passes.state import CompileState
 
 __all__ = ["lower", "compile_file", "CompileState"]
@@ -32,6 +32,7 @@ def compile_file(graph: Graph, out: str | os.PathLike, quant: str = "q4", tile=D
     from .runtime.emit import emit_file
 
     layout = FileLayout.parse(layout) if layout is not None else FileLayout.from_path(out)
+    check_native(graph)  # nothing written for a model the runtime cannot run yet
     pipeline = Pipeline([lowering(quant, delays), emit_file(out, tokenizer, eos, progress)], name="compile")
     state = pipeline(CompileState(graph=graph, tile=tile, layout=layout), ctx)
     state.verify()

@@ -1,4 +1,5 @@
-"""Small shared helpers with no pipeline-stage meaning: atomic file (and directory) writes.
+"""Small shared helpers with no pipeline-stage meaning: atomic file (and directory) writes, output paths checked
+before any work, the memory a process may still allocate.
 
 Every "write somewhere private, then rename over the target" in cflow goes through `atomic_path`:
 
@@ -123,6 +124,36 @@ def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         shutil.copyfile(src, tmp)
 
 
+def check_output_path(path: str | os.PathLike, option: str = "output", *, create_dirs: bool = True) -> Path:
+    """Check, before any work, that `path` can be written: not a directory, its directory exists (created,
+    with parents, when `create_dirs`, as `cflow export-onnx` does) and accepts a new file (probed by creating
+    and removing one, so read-only mounts and permissions are both caught). CflowError names `option`."""
+    p = Path(path)
+    where = f"{option} {os.fspath(path)}"
+    if not os.fspath(path) or p.name in ("", ".", ".."):
+        raise CflowError(f"{where}: not a file name")
+    if p.is_dir():
+        raise CflowError(f"{where}: is a directory (give a file name)")
+    parent = p.parent
+    if not parent.is_dir():
+        if parent.exists() or os.path.islink(parent):
+            raise CflowError(f"{where}: {parent} is not a directory")
+        if not create_dirs:
+            raise CflowError(f"{where}: directory {parent} does not exist")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CflowError(f"{where}: cannot create directory {parent}: {e.strerror or e}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=parent)
+    except OSError as e:
+        reason = "permission denied" if isinstance(e, PermissionError) else (e.strerror or str(e))
+        raise CflowError(f"{where}: cannot write in {parent}: {reason}") from None
+    os.close(fd)
+    os.unlink(probe)
+    return p
+
+
 def recover_atomic(path: str | os.PathLike) -> None:
     """Clean up after a process killed inside `atomic_path(path)`: finish an interrupted directory
     swap (restore `.NAME.old` if `path` is gone, else drop it) and remove stale `.NAME.*.tmp` temps.
@@ -192,3 +223,59 @@ def _fsync_dir(d: Path) -> None:
         _fsync(str(d))
     except OSError:
         pass
+
+
+# --- memory ----------------------------------------------------------------------------------------
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: the least of the kernel's MemAvailable, the cgroup's limit minus
+    its usage (v2 or v1) and the address-space rlimit minus the current address space. None if none is known."""
+    import resource
+
+    found: list[int] = []
+    meminfo = _read_kv("/proc/meminfo")
+    if "MemAvailable" in meminfo:
+        found.append(meminfo["MemAvailable"] * 1024)
+    v1 = "/sys/fs/cgroup/memory/memory."
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
+        lim, use = _read_int(limit), _read_int(usage)
+        if lim is not None and use is not None and lim < 2**60:  # "max" / a huge number: no limit
+            found.append(max(0, lim - use))
+            break
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        vm = _read_kv("/proc/self/status").get("VmSize")
+        found.append(max(0, soft - (vm or 0) * 1024))
+    return min(found) if found else None
+
+
+def format_bytes(n: int | float) -> str:
+    """1536 -> '1.5 KiB'; for messages."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_kv(path: str) -> dict[str, int]:
+    """'Key:   123 kB' lines -> {Key: 123}."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0])
+    except OSError:
+        pass
+    return out

@@ -124,6 +124,9 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
 
         a = analyze(g, args.quant)
         return _write_text(args.output, a.to_json() + "\n" if args.json else a.table() + "\n")
+    from ..passes.pipeline import check_native
+
+    check_native(g)  # the lowering targets the native runtime: refuse what it cannot run yet, before any work
     passes = [lowering(args.quant, args.delays)]
     if emit == "llvm":
         from ..codegen.step import emit_step

@@ -33,6 +33,14 @@ class Param(enum.IntEnum):
     POS = 1  # its position (KV-cache row, RoPE angle)
     STAGE_LO = 2  # segmented steps only: run stages [STAGE_LO, STAGE_HI) of the schedule
     STAGE_HI = 3
+    NTOK = 4  # multi-token calls: tokens in this call (1 .. tmax); token t is at position POS + t
+    MODE = 5  # Mode: what a call of cflow_step runs
+    LOGITS_FROM = 6  # multi-token calls: the LM head runs for tokens [LOGITS_FROM, NTOK) only
+
+
+class Mode(enum.IntEnum):
+    DECODE = 0  # one token (params TOKEN, POS)
+    PREFILL = 1  # NTOK prompt tokens from the TOKENS binding, positions POS .. POS + NTOK - 1
 
 
 PARAM_WORDS = 8  # room for later fields; unused words are zero
@@ -68,6 +76,7 @@ class Binding(enum.StrEnum):
     SIN = "sin"  # f32 RoPE sin table [max_seq][head_dim / 2]
     SCRATCH = "scratch"  # per-thread scratch (ScratchLayout), nthreads copies
     PROF = "prof"  # i64 cycle stamps [n_stages + 1] (profiling builds only)
+    TOKENS = "tokens"  # i64 token ids [tmax] of a multi-token call
 
 
 @attrs.frozen
@@ -86,7 +95,13 @@ class BindingKey:
 
 @attrs.define
 class ScratchLayout:
-    """Byte offsets inside one thread's scratch area (every field 64-byte aligned)."""
+    """Byte offsets inside one thread's scratch area (every field 64-byte aligned).
+
+    The per-token fields (PER_TOKEN) hold tmax consecutive copies, token t's at field + t * token_bytes(field):
+    a multi-token call normalises and quantises every token's input before one mat-mat reads them all.
+    """
+
+    PER_TOKEN = ("xn", "xq", "xd", "xs", "route")
 
     kmax: int  # widest mat-vec input (padded)
     dp: int  # d_model padded to the tile unit
@@ -94,15 +109,22 @@ class ScratchLayout:
     n_experts: int
     top_k: int
     n_layers: int
-    xn: int = 0  # f32[kmax]: normalised (or copied) step input
-    xq: int = 0  # i8[kmax]: its int8 blocks
-    xd: int = 0  # f32[kmax/32]: block scales
-    xs: int = 0  # i32[kmax/32]: block code sums
+    tmax: int = 1  # tokens per multi-token call
+    xn: int = 0  # f32[tmax][kmax]: normalised (or copied) step input
+    xq: int = 0  # i8[tmax][kmax]: its int8 blocks
+    xd: int = 0  # f32[tmax][kmax/32]: block scales
+    xs: int = 0  # i32[tmax][kmax/32]: block code sums
     tmp: int = 0  # f32[dp]: one expert's down output before its weighted add
     scores: int = 0  # f32[max_seq]: attention scores of one head
     probs: int = 0  # f32[n_experts]: router probabilities
-    route: int = 0  # per layer (0..n_layers): i32 idx[k], f32 w[k], f32 shared gate
+    route: int = 0  # [tmax][layer 0..n_layers]: i32 idx[k], f32 w[k], f32 shared gate
     nbytes: int = 0  # size of one thread's area (a multiple of 4096)
+
+    def token_bytes(self, field: str) -> int:
+        """Bytes between two tokens' copies of a per-token field."""
+        kb = self.kmax // BLOCK
+        return {"xn": 4 * self.kmax, "xq": self.kmax, "xd": 4 * kb, "xs": 4 * kb,
+                "route": self.route_stride * (self.n_layers + 1)}[field]
 
     def __attrs_post_init__(self):
         off = 0
@@ -113,14 +135,14 @@ class ScratchLayout:
             off = padded(off + n, 64)
             return start
 
-        self.xn = take(4 * self.kmax)
-        self.xq = take(self.kmax)
-        self.xd = take(4 * (self.kmax // BLOCK))
-        self.xs = take(4 * (self.kmax // BLOCK))
+        self.xn = take(self.tmax * self.token_bytes("xn"))
+        self.xq = take(self.tmax * self.token_bytes("xq"))
+        self.xd = take(self.tmax * self.token_bytes("xd"))
+        self.xs = take(self.tmax * self.token_bytes("xs"))
         self.tmp = take(4 * self.dp)
         self.scores = take(4 * self.max_seq)
         self.probs = take(4 * max(self.n_experts, 1))
-        self.route = take(self.route_stride * (self.n_layers + 1))
+        self.route = take(self.tmax * self.token_bytes("route"))
         self.nbytes = padded(off, 4096)
 
     @property
@@ -133,7 +155,7 @@ class ScratchLayout:
 
     @classmethod
     def from_json(cls, d: dict) -> ScratchLayout:
-        s = cls(**{k: d[k] for k in ("kmax", "dp", "max_seq", "n_experts", "top_k", "n_layers")})
+        s = cls(**{k: d[k] for k in ("kmax", "dp", "max_seq", "n_experts", "top_k", "n_layers", "tmax")})
         if s.to_json() != d:
             raise ValueError("stored scratch layout does not match this version")
         return s

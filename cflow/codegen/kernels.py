@@ -262,19 +262,24 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
-def _emit_tile_row(b, L: TileLayout, isa, w_row, x, xq, xd, xs, slots, out, unroll, prefetch, pf_locality=2):
-    """out[0:TR] = (one tile-row of W) x, where w_row points at the tile-row's first unit.
+def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2):
+    """outs[a][0:TR] = (one tile-row of W) x_a for every activation a, where w_row points at the tile-row's
+    first unit and acts[a] = (x, xq, xd, xs).
 
-    The tile-row is K'/32 consecutive block units. Groups go in passes of len(slots) (<= 8):
+    The tile-row is K'/32 consecutive block units. Groups go in passes of len(slots) // len(acts):
     each pass runs over all units with its group sums in registers (`slots` are entry-block
-    allocas that SROA promotes), so the 32 activation bytes of a unit are loaded once per pass."""
+    allocas that SROA promotes), so the 32 activation bytes of a unit are loaded once per pass and each
+    weight vector once per unit for all activations (the multi-token kernels: the tile stays in L1/L2).
+    One activation is the decode mat-vec; per output the arithmetic is the same for any number of them."""
     ng, UB = L.groups_per_tile, L.unit_nbytes
     nunits = L.cols_p // BLOCK
+    na = len(acts)
+    gp = max(1, len(slots) // na)  # groups per pass
     zf = ir.Constant(V(f32, 16), [0.0] * 16)
-    outv = b.bitcast(out, P(V(f32, 16)))
-    for g0 in range(0, ng, len(slots)):
-        groups = list(range(g0, min(ng, g0 + len(slots))))
-        for s in slots:
+    outvs = [b.bitcast(out, P(V(f32, 16))) for out in outs]
+    for g0 in range(0, ng, gp):
+        groups = list(range(g0, min(ng, g0 + gp)))
+        for s in slots[: na * gp]:
             b.store(zf, s)
         with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nunits // unroll), "kb") as it:
             for u in range(unroll):
@@ -284,15 +289,17 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, x, xq, xd, xs, slots, out, unro
                     pf = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
                     for off in range(0, UB, 64):
                         b.call(pf, [ptr(b, unit, prefetch + off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
-                accs = {g: b.load(slots[g - g0]) for g in groups}
-                if L.dtype in (DType.Q4, DType.Q8):
-                    _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs)
-                else:
-                    _f_unit(b, L, isa, unit, kb, groups, accs, x)
-                for g in groups:
-                    b.store(accs[g], slots[g - g0])
-        for g in groups:
-            b.store(b.load(slots[g - g0]), ptr(b, outv, g), align=4)
+                for a, (x, xq, xd, xs) in enumerate(acts):
+                    accs = {g: b.load(slots[a * gp + g - g0]) for g in groups}
+                    if L.dtype in (DType.Q4, DType.Q8):
+                        _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs)
+                    else:
+                        _f_unit(b, L, isa, unit, kb, groups, accs, x)
+                    for g in groups:
+                        b.store(accs[g], slots[a * gp + g - g0])
+        for a in range(na):
+            for g in groups:
+                b.store(b.load(slots[a * gp + g - g0]), ptr(b, outvs[a], g), align=4)
 
 
 def _pick_unroll(nunits: int, unroll: int) -> int:
@@ -328,16 +335,86 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
     with Loop(b, r0, r1, "t") as t:
         w_row = ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
-        _emit_tile_row(b, L, isa, w_row, x, xq, xd, xs, slots, tmp, unroll, prefetch, prefetch_locality)
+        _emit_tile_row(b, L, isa, w_row, [(x, xq, xd, xs)], slots, [tmp], unroll, prefetch, prefetch_locality)
         if gate_up:  # the up tile-row follows the gate tile-row
-            _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), x, xq, xd, xs, slots, up, unroll, prefetch,
-                           prefetch_locality)
+            _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), [(x, xq, xd, xs)], slots, [up], unroll,
+                           prefetch, prefetch_locality)
         y_row = ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
         for g in range(L.groups_per_tile):
             v = load(b, tmp, 16 * g, V(f32, 16), align=4)
             if gate_up:
                 v = _silu_mul(b, v, load(b, up, 16 * g, V(f32, 16), align=4))
             b.store(v, ptr(b, y_row, g), align=4)
+    b.ret_void()
+    return fn
+
+
+MATMAT_ARGS = MATVEC_ARGS + (i64,)  # ..., r0, r1, ntok
+
+
+def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_stride: int, y_stride: int, *,
+                x_stride: int | None = None, linkage: str = "external", token_group: int | None = None,
+                max_groups: int | None = None,
+                unroll: int = DEFAULT_UNROLL, prefetch: int = DEFAULT_PREFETCH,
+                prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False) -> ir.Function:
+    """Emit `name`: y[t][r0*TR : r1*TR] = W x_t for tokens t in [0, ntok) over tile-rows [r0, r1).
+
+    The multi-token twin of emit_matvec (same arguments, plus ntok): token t's int8 activation is at
+    xq + t*act_stride bytes (xd, xs: act_stride/32 elements), its float input (F16/F32 weights) at
+    x + t*x_stride floats (default act_stride), its output at y + t*y_stride floats.
+    Each tile-row is streamed from memory once and multiplied against every token while it sits in
+    L1/L2, `token_group` tokens per pass; per output the per-block arithmetic and its order are the
+    decode kernel's, so every token's result is bit-identical to a mat-vec of it alone.
+    """
+    _check_isa(isa)
+    L = layout
+    if act_stride % BLOCK or act_stride < L.cols_p:
+        raise CodegenError(f"matmat: activation stride {act_stride} must be a multiple of {BLOCK} >= {L.cols_p}")
+    fn = new_function(module, name, MATMAT_ARGS, linkage, ("w", "x", "xq", "xd", "xs", "y", "r0", "r1", "ntok"),
+                      noalias=False)
+    w, x, xq, xd, xs, y, r0, r1, ntok = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    isa = ISA.parse(isa)
+    # AVX-512 has 32 vector registers: 8 tokens x 2 row groups of accumulators; AVX2 and generic have 16.
+    tg = token_group or (8 if isa == ISA.AVX512VNNI else 4)
+    max_groups = max_groups or (16 if isa == ISA.AVX512VNNI else 8)
+    x_stride = act_stride if x_stride is None else x_stride
+    per_tok = max(1, max_groups // tg)
+    slots = [b.alloca(V(f32, 16), name=f"acc{g}") for g in range(tg * min(per_tok, L.groups_per_tile))]
+    slots1 = [b.alloca(V(f32, 16), name=f"one{g}") for g in range(min(MAX_GROUPS, L.groups_per_tile))]
+    rows = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"rows{t}"), P(f32)) for t in range(tg)]
+    ups = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"up{t}"), P(f32)) for t in range(tg)] if gate_up else []
+    unroll = _pick_unroll(L.cols_p // BLOCK, unroll)
+    row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
+    nblk = act_stride // BLOCK
+
+    def act(t):
+        return (ptr(b, x, b.mul(t, ir.Constant(i64, x_stride))), ptr(b, xq, b.mul(t, ir.Constant(i64, act_stride))),
+                ptr(b, xd, b.mul(t, ir.Constant(i64, nblk))), ptr(b, xs, b.mul(t, ir.Constant(i64, nblk))))
+
+    def tokens(r, t0, n, acc_slots):
+        """Tile-row r for tokens t0 .. t0 + n - 1 (n a constant)."""
+        ts = [b.add(t0, ir.Constant(i64, k)) for k in range(n)]
+        acts = [act(t) for t in ts]
+        w_row = ptr(b, w, b.mul(r, ir.Constant(i64, row_bytes)))
+        _emit_tile_row(b, L, isa, w_row, acts, acc_slots, rows[:n], unroll, prefetch, prefetch_locality)
+        if gate_up:
+            _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), acts, acc_slots, ups[:n], unroll, prefetch,
+                           prefetch_locality)
+        for k, t in enumerate(ts):
+            y_row = ptr(b, y, b.add(b.mul(t, ir.Constant(i64, y_stride)), b.mul(r, ir.Constant(i64, L.tr))), V(f32, 16))
+            for g in range(L.groups_per_tile):
+                v = load(b, rows[k], 16 * g, V(f32, 16), align=4)
+                if gate_up:
+                    v = _silu_mul(b, v, load(b, ups[k], 16 * g, V(f32, 16), align=4))
+                b.store(v, ptr(b, y_row, g), align=4)
+
+    full = b.sdiv(ntok, ir.Constant(i64, tg))
+    with Loop(b, r0, r1, "r") as r:  # NOTE: tile-rows outside, tokens inside: each tile-row is read from DRAM once
+        with Loop(b, ir.Constant(i64, 0), full, "tg") as q:
+            tokens(r, b.mul(q, ir.Constant(i64, tg)), tg, slots)
+        with Loop(b, b.mul(full, ir.Constant(i64, tg)), ntok, "t1") as t:
+            tokens(r, t, 1, slots1)
     b.ret_void()
     return fn
 

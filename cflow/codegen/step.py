@@ -14,6 +14,7 @@ same way, so no barrier is needed between routing and the expert mat-vecs).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import attrs
@@ -22,15 +23,15 @@ from llvmlite import ir
 from ..errors import CodegenError
 from ..ir import DenseFFN, ExpertBank
 from ..layout.packed import Form
-from ..layout.quant import DType, padded
+from ..layout.quant import BLOCK, DType, padded
 from ..layout.tile import TileLayout
 from ..passes.manager import Pass, state_pass
 from ..passes.pack import expert_tensor, qkv_tensor, shared_tensor
 from ..passes.schedule import Phase, Pool
 from . import kernels as K
 from . import ops as O
-from .abi import KICK_SYMBOL, STEP_SYMBOL, WORKER_SYMBOL, Binding, BindingKey, Param, ScratchLayout
-from .cgutils import P, c64, cf, f32, i8, i32, i64, intrinsic, void
+from .abi import KICK_SYMBOL, STEP_SYMBOL, WORKER_SYMBOL, Binding, BindingKey, Mode, Param, ScratchLayout
+from .cgutils import Loop, P, c64, cf, f32, i8, i32, i64, intrinsic, void
 from .target import ISA
 
 STEP_ARGS = (P(P(i8)), P(i64), i64, i64, P(i32))  # see abi.py: ptrs, params, tid, nthreads, barrier
@@ -68,8 +69,12 @@ class StepProgram:
 
 
 class _Emitter:
-    def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False):
+    def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False,
+                 tmax: int = 1):
         self.profile = profile
+        self.tmax = tmax  # tokens per prefill call (1: a decode-only program)
+        self.multi = False  # emitting the multi-token body (prefill) rather than the decode step
+        self.t = None  # the token index inside a multi-token loop (an IR value), else None: token 0
         self.c = compiled
         self.g = compiled.graph
         self.cfg = self.g.config
@@ -91,7 +96,7 @@ class _Emitter:
             if t.form.is_tiled:
                 kmax = max(kmax, t.layout.cols_p, padded(t.layout.cols, self.unit))
         self.scratch = ScratchLayout(kmax=kmax, dp=self.dp, max_seq=max_seq, n_experts=cfg.n_experts,
-                                     top_k=cfg.top_k, n_layers=cfg.n_layers)
+                                     top_k=cfg.top_k, n_layers=cfg.n_layers, tmax=tmax)
         self.strides = self._pool_strides()
         self.routed_apart = {st.op for st in self.sched.steps() if st.phase == Phase.ROUTE}
         self.segmented = segmented
@@ -118,15 +123,45 @@ class _Emitter:
         }
 
     def value_ptr(self, b, value: str):
+        """Token self.t's row of a value (a pool slot holds tmax rows of its stride)."""
         buf = self.sched.buffers[value]
         base = self.pointer(b, BindingKey(Binding.POOL, buf.pool))
-        return b.gep(base, [c64(buf.slot * self.strides[buf.pool])])
+        stride = self.strides[buf.pool]
+        p = b.gep(base, [c64(buf.slot * self.tmax * stride)])
+        return p if self.t is None else b.gep(p, [b.mul(self.t, c64(stride))])
 
     def scratch_ptr(self, b, field: str, ty=f32):
+        """This thread's scratch field; the per-token fields (xn, xq, xd, xs, route) at token self.t."""
         off = getattr(self.scratch, field)
-        return b.bitcast(b.gep(self.my_scratch, [c64(off)]), P(ty))
+        p = b.gep(self.my_scratch, [c64(off)])
+        if self.t is not None and field in ScratchLayout.PER_TOKEN:
+            p = b.gep(p, [b.mul(self.t, c64(self.scratch.token_bytes(field)))])
+        return b.bitcast(p, P(ty))
+
+    @contextlib.contextmanager
+    def each_token(self, b, first=None):
+        """Emit the body once per token [first, ntok) of a multi-token call (self.t = the token), or once."""
+        if not self.multi:
+            yield
+            return
+        with Loop(b, first if first is not None else c64(0), self.ntok, "tok") as t:
+            self.t = t
+            try:
+                yield
+            finally:
+                self.t = None
 
     # --- kernels (emitted once per specialisation) ---------------------------------------
+    def matmat_fn(self, layout: TileLayout, x_stride: int, y_stride: int, gate_up: bool = False):
+        key = ("mm", layout.dtype.label, layout.rows, layout.cols, layout.tr, layout.tc, int(gate_up), x_stride,
+               y_stride)
+        fn = self.fns.get(key)
+        if fn is None:
+            fn = K.emit_matmat(self.m, "_".join(map(str, key)), layout, self.isa, self.scratch.kmax, y_stride,
+                               x_stride=x_stride, linkage="internal", gate_up=gate_up)
+            self.fns[key] = fn
+        return fn
+
     def matvec_fn(self, layout: TileLayout, gate_up: bool = False):
         key = ("mv", layout.dtype.label, layout.rows, layout.cols, layout.tr, layout.tc, int(gate_up))
         fn = self.fns.get(key)
@@ -169,28 +204,47 @@ class _Emitter:
                    [xn, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
         return xn
 
-    def call_mv(self, b, layout, w, x, out, lo, hi, gate_up=False):
-        b.call(self.matvec_fn(layout, gate_up),
-               [w, x, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32), out, lo, hi])
+    def call_mv(self, b, layout, w, x, out, lo, hi, gate_up=False, x_stride=None, y_stride=None, first=None):
+        """out = W x for this thread's tile-rows: one token (decode, or inside a token loop), or, in a
+        multi-token body outside a token loop, every token [first, ntok) through the mat-mat kernel
+        (x and out then point at token 0's row; x_stride, y_stride: floats between tokens' rows)."""
+        xq, xd, xs = self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)
+        if not self.multi or self.t is not None:
+            b.call(self.matvec_fn(layout, gate_up), [w, x, xq, xd, xs, out, lo, hi])
+            return
+        kmax = self.scratch.kmax
+        n = self.ntok
+        if first is not None:
+            x, out = b.gep(x, [b.mul(first, c64(x_stride))]), b.gep(out, [b.mul(first, c64(y_stride))])
+            xq, xd, xs = (b.gep(xq, [b.mul(first, c64(kmax))]), b.gep(xd, [b.mul(first, c64(kmax // BLOCK))]),
+                          b.gep(xs, [b.mul(first, c64(kmax // BLOCK))]))
+            n = b.sub(n, first)
+        b.call(self.matmat_fn(layout, x_stride, y_stride, gate_up), [w, x, xq, xd, xs, out, lo, hi, n])
+
+    def out_stride(self, value: str) -> int:
+        return self.strides[self.sched.buffers[value].pool]
 
     def quantise_input(self, b, x, cols: int, dtype: DType):
         if dtype in (DType.Q4, DType.Q8):
             b.call(self.quant_fn(cols, padded(cols, self.tc)),
                    [x, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
 
-    def emit(self) -> StepProgram:
-        # NOTE: the body is internal: several loaded models share one process, and MCJIT resolves
-        # external symbols by name across engines, so a call to an external "cflow_step" from this
-        # module's worker loop could land in another model's step. Only thin wrappers are exported.
-        fn = ir.Function(self.m, ir.FunctionType(void, list(STEP_ARGS)), f"{STEP_SYMBOL}_body")
+    def emit_body(self, name: str, multi: bool) -> ir.Function:
+        """One internal function running the whole schedule: the decode step, or (multi) the multi-token call."""
+        fn = ir.Function(self.m, ir.FunctionType(void, list(STEP_ARGS)), name)
         fn.linkage = "internal"
         fn.attributes.add("nounwind")
+        self.multi = multi
         self.ptrs, self.params, self.tid, self.nth, self.bar = fn.args
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         self.my_scratch = b.gep(b.load(b.gep(self.ptrs, [c64(self.slot(BindingKey(Binding.SCRATCH)))])),
                                 [b.mul(self.tid, c64(self.scratch.nbytes))])
         self.token = b.load(b.gep(self.params, [c64(Param.TOKEN)]))
         self.pos = b.load(b.gep(self.params, [c64(Param.POS)]))
+        if multi:
+            self.ntok = b.load(b.gep(self.params, [c64(Param.NTOK)]))
+            self.logits_from = b.load(b.gep(self.params, [c64(Param.LOGITS_FROM)]))
+            self.tokens = self.pointer(b, BindingKey(Binding.TOKENS), i64)
         emit_phase = {Phase.EMBED: self.step_embed, Phase.ADD: self.step_add, Phase.QKV: self.step_qkv,
                       Phase.CORE: self.step_core, Phase.O: self.step_o, Phase.ROUTE: self.step_route,
                       Phase.UP: self.step_up, Phase.DOWN: self.step_down, Phase.HEAD: self.step_head}
@@ -211,16 +265,41 @@ class _Emitter:
             if self.segmented:
                 guard.__exit__(None, None, None)
         b.ret_void()
+        self.multi = False
+        return fn
+
+    def emit(self) -> StepProgram:
+        # NOTE: the bodies are internal: several loaded models share one process, and MCJIT resolves
+        # external symbols by name across engines, so a call to an external "cflow_step" from this
+        # module's worker loop could land in another model's step. Only thin wrappers are exported.
+        body = self.emit_body(f"{STEP_SYMBOL}_body", multi=False)
+        if self.tmax > 1:  # one entry for both: params[MODE] chooses (workers run whatever the host asked)
+            multi = self.emit_body(f"{STEP_SYMBOL}_multi", multi=True)
+            body = self.emit_dispatch(body, multi)
         entry = ir.Function(self.m, ir.FunctionType(void, list(STEP_ARGS)), STEP_SYMBOL)
         entry.attributes.add("nounwind")
         eb = ir.IRBuilder(entry.append_basic_block("entry"))
-        eb.call(fn, list(entry.args))
+        eb.call(body, list(entry.args))
         eb.ret_void()
-        O.emit_workers(self.m, fn, self.isa, WORKER_SYMBOL, KICK_SYMBOL)
+        O.emit_workers(self.m, body, self.isa, WORKER_SYMBOL, KICK_SYMBOL)
         return StepProgram(module=self.m, bindings=tuple(self.bindings), pool_strides=self.strides,
                            pool_slots={p: n for p, (n, _) in self.sched.pools.items()}, scratch=self.scratch,
                            kv_floats_per_layer=self.max_seq * self.cfg.n_kv_heads * self.cfg.head_dim,
                            max_seq=self.max_seq, isa=self.isa)
+
+    def emit_dispatch(self, decode: ir.Function, multi: ir.Function) -> ir.Function:
+        fn = ir.Function(self.m, ir.FunctionType(void, list(STEP_ARGS)), f"{STEP_SYMBOL}_dispatch")
+        fn.linkage = "internal"
+        fn.attributes.add("nounwind")
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        mode = b.load(b.gep(fn.args[1], [c64(Param.MODE)]))
+        with b.if_else(b.icmp_signed("==", mode, c64(Mode.PREFILL))) as (then, otherwise):
+            with then:
+                b.call(multi, list(fn.args))
+            with otherwise:
+                b.call(decode, list(fn.args))
+        b.ret_void()
+        return fn
 
     def stamp(self, b, i: int) -> None:
         """Profiling builds: worker 0 records the cycle counter after stage i-1's barrier in prof[i]."""
@@ -232,21 +311,37 @@ class _Emitter:
             b.store(now, b.gep(prof, [c64(i)]))
 
     # one method per step phase ------------------------------------------------------------------
+    # Each runs for one token (decode) or for every token of a multi-token call: per-token work (norm
+    # prologues, quantisation, attention, routing, experts, adds) inside each_token, the mat-muls of
+    # dense weights once for all tokens (call_mv outside the loop), so each tile is read once per call.
     def step_embed(self, b, step):
         t = self.tensors[step.tensors[0]]
         lo, hi = self.d_rows(b)
-        b.call(O.embed(self.m, t.dtype, self.d), [self.pointer(b, tensor_key(t.name), i8), self.token, self.value_ptr(b, step.writes[0]), lo, hi])
+        with self.each_token(b):
+            tok = self.token if self.t is None else b.load(b.gep(self.tokens, [self.t]))
+            b.call(O.embed(self.m, t.dtype, self.d),
+                   [self.pointer(b, tensor_key(t.name), i8), tok, self.value_ptr(b, step.writes[0]), lo, hi])
 
     def step_add(self, b, step):
         lo, hi = self.d_rows(b)
-        b.call(O.add_rows(self.m, len(step.row_reads)), [self.value_ptr(b, step.writes[0])] + [self.value_ptr(b, v) for v in step.row_reads] + [lo, hi])
+        with self.each_token(b):
+            b.call(O.add_rows(self.m, len(step.row_reads)),
+                   [self.value_ptr(b, step.writes[0])] + [self.value_ptr(b, v) for v in step.row_reads] + [lo, hi])
+
+    def dense_mv(self, b, step, t, L, quantised: bool, gate_up: bool = False, first=None):
+        """A step that normalises its input (prologue) and multiplies one dense matrix, for every token."""
+        with self.each_token(b, first):
+            x = self.prologue(b, step, L.cols, quantised)
+        if self.multi:
+            x = self.scratch_ptr(b, "xn")  # token 0's row: the mat-mat walks the rows itself
+        lo, hi = self.rows(b, L.n_tile_rows)
+        out = step.writes[0]
+        self.call_mv(b, L, self.pointer(b, tensor_key(t.name), i8), x, self.value_ptr(b, out), lo, hi,
+                     gate_up=gate_up, x_stride=self.scratch.kmax, y_stride=self.out_stride(out), first=first)
 
     def step_qkv(self, b, step):
         t = self.tensors[step.tensors[0]]
-        L = t.concat.layout
-        x = self.prologue(b, step, L.cols, t.dtype in (DType.Q4, DType.Q8))
-        lo, hi = self.rows(b, L.n_tile_rows)
-        self.call_mv(b, L, self.pointer(b, tensor_key(t.name), i8), x, self.value_ptr(b, step.writes[0]), lo, hi)
+        self.dense_mv(b, step, t, t.concat.layout, t.dtype in (DType.Q4, DType.Q8))
 
     def step_core(self, b, step):
         n = self.g[step.op]
@@ -262,33 +357,39 @@ class _Emitter:
                       else (null, null, null))
         g0 = b.udiv(b.mul(c64(n.n_kv_heads), self.tid), self.nth)
         g1 = b.udiv(b.mul(c64(n.n_kv_heads), b.add(self.tid, c64(1))), self.nth)
-        b.call(O.attention(self.m, n, tuple(offs)),
-               [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, kc, vc, self.pointer(b, BindingKey(Binding.COS)),
-                self.pointer(b, BindingKey(Binding.SIN)), self.value_ptr(b, step.writes[0]), self.scratch_ptr(b, "scores"),
-                self.pos, g0, g1])
+        # NOTE: tokens in order: token t writes its K/V row at POS + t, then attends over rows 0 .. POS + t,
+        # exactly what t decode steps do (each thread owns its kv heads for every token: no barrier needed).
+        with self.each_token(b):
+            pos = self.pos if self.t is None else b.add(self.pos, self.t)
+            b.call(O.attention(self.m, n, tuple(offs)),
+                   [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, kc, vc, self.pointer(b, BindingKey(Binding.COS)),
+                    self.pointer(b, BindingKey(Binding.SIN)), self.value_ptr(b, step.writes[0]),
+                    self.scratch_ptr(b, "scores"), pos, g0, g1])
 
-    def _down(self, b, t, x_value_ptr, cols: int, out, lo=None, hi=None):
+    def _down(self, b, t, value: str, cols: int, out: str):
+        """A step whose input is a whole internal value (attention output, FFN hidden): quantise, multiply."""
         L = t.layout
-        self.quantise_input(b, x_value_ptr, cols, t.dtype)
-        if lo is None:
-            lo, hi = self.rows(b, L.n_tile_rows)
-        self.call_mv(b, L, self.pointer(b, tensor_key(t.name), i8), x_value_ptr, out, lo, hi)
+        with self.each_token(b):
+            self.quantise_input(b, self.value_ptr(b, value), cols, t.dtype)
+        lo, hi = self.rows(b, L.n_tile_rows)
+        self.call_mv(b, L, self.pointer(b, tensor_key(t.name), i8), self.value_ptr(b, value), self.value_ptr(b, out),
+                     lo, hi, x_stride=self.out_stride(value), y_stride=self.out_stride(out))
 
     def step_o(self, b, step):
         n = self.g[step.op]
-        self._down(b, self.tensors[step.tensors[0]], self.value_ptr(b, step.full_reads[0]), n.n_heads * n.head_dim,
-                   self.value_ptr(b, step.writes[0]))
+        self._down(b, self.tensors[step.tensors[0]], step.full_reads[0], n.n_heads * n.head_dim, step.writes[0])
 
     def step_up(self, b, step):
         n = self.g[step.op]
         if isinstance(n, DenseFFN):
             t = self.tensors[step.tensors[0]]
-            L = t.layout
-            x = self.prologue(b, step, L.cols, t.dtype in (DType.Q4, DType.Q8))
-            lo, hi = self.rows(b, L.n_tile_rows)
-            self.call_mv(b, L, self.pointer(b, tensor_key(t.name), i8), x, self.value_ptr(b, step.writes[0]), lo, hi, gate_up=True)
+            self.dense_mv(b, step, t, t.layout, t.dtype in (DType.Q4, DType.Q8), gate_up=True)
             return
         assert isinstance(n, ExpertBank)
+        with self.each_token(b):  # experts: each token its own choice (per-token mat-vecs)
+            self.experts_up(b, step, n)
+
+    def experts_up(self, b, step, n: ExpertBank):
         router = self.g[n.inputs[1]]
         gu0 = self.tensors[expert_tensor(n.prefix, 0, "w_gate_up")]
         L = gu0.layout
@@ -312,7 +413,8 @@ class _Emitter:
                          lo_s, hi_s, gate_up=True)
             gate_out = b.gep(b.bitcast(route, P(f32)), [c64(2 * n.top_k)])
             if n.shared_gate:
-                b.call(O.sigmoid_dot(self.m, self.d), [self.pointer(b, tensor_key(f"{n.prefix}.shared_gate")), x, gate_out])
+                b.call(O.sigmoid_dot(self.m, self.d),
+                       [self.pointer(b, tensor_key(f"{n.prefix}.shared_gate")), x, gate_out])
             else:
                 b.store(cf(1.0), gate_out)
 
@@ -323,9 +425,10 @@ class _Emitter:
     def step_route(self, b, step):
         """The router alone: route[layer] = (top-k ids, weights) in every thread's scratch (all route alike)."""
         router = self.g[step.op]
-        x = self.prologue(b, step, self.d, False)
-        self.call_router(b, router, x, b.gep(self.scratch_ptr(b, "route", i8),
-                                             [c64(router.layer * self.scratch.route_stride)]))
+        with self.each_token(b):
+            x = self.prologue(b, step, self.d, False)
+            self.call_router(b, router, x, b.gep(self.scratch_ptr(b, "route", i8),
+                                                 [c64(router.layer * self.scratch.route_stride)]))
 
     def expert_pointer(self, b, n: ExpertBank, which: str, e):
         """Pointer to expert e's tensor: one table entry per expert, so only the chosen ones are touched."""
@@ -338,15 +441,19 @@ class _Emitter:
 
     def step_down(self, b, step):
         n = self.g[step.op]
-        out = self.value_ptr(b, step.writes[0])
-        h = self.value_ptr(b, step.full_reads[0])
         if isinstance(n, DenseFFN):
-            self._down(b, self.tensors[step.tensors[0]], h, n.hidden, out)
+            self._down(b, self.tensors[step.tensors[0]], step.full_reads[0], n.hidden, step.writes[0])
             return
         assert isinstance(n, ExpertBank)
         # reserve contiguous pointer-table entries for every expert's down matrix, in order
         for k in range(n.n_experts):
             self.slot(tensor_key(expert_tensor(n.prefix, k, "w_down")))
+        with self.each_token(b):
+            self.experts_down(b, step, n)
+
+    def experts_down(self, b, step, n: ExpertBank):
+        out = self.value_ptr(b, step.writes[0])
+        h = self.value_ptr(b, step.full_reads[0])
         t0 = self.tensors[expert_tensor(n.prefix, 0, "w_down")]
         L = t0.layout
         route = b.gep(self.scratch_ptr(b, "route", i8), [c64(n.layer * self.scratch.route_stride)])
@@ -371,21 +478,24 @@ class _Emitter:
 
     def step_head(self, b, step):
         t = self.tensors[step.tensors[0]]
-        L = t.layout
-        x = self.prologue(b, step, L.cols, t.dtype in (DType.Q4, DType.Q8))
-        lo, hi = self.rows(b, L.n_tile_rows)
-        self.call_mv(b, L, self.pointer(b, tensor_key(t.name), i8), x, self.value_ptr(b, step.writes[0]), lo, hi)
+        # a prompt needs the last token's logits only: the head runs for tokens [LOGITS_FROM, NTOK)
+        self.dense_mv(b, step, t, t.layout, t.dtype in (DType.Q4, DType.Q8),
+                      first=self.logits_from if self.multi else None)
 
 
-def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False) -> StepProgram:
+def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,
+               tmax: int = 1) -> StepProgram:
     """Build the decode-step module for a lowered state (see module docstring).
 
     profile: also record a cycle-counter stamp after every stage (binding PROF: i64[n_stages + 1]).
     segmented: each call runs only stages [params[STAGE_LO], params[STAGE_HI]) (the disk expert tier).
+    tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
     """
     if max_seq < 1:
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
-    em = _Emitter(state, isa, max_seq, profile, segmented)
+    if tmax < 1:
+        raise CodegenError(f"tokens per call must be >= 1, got {tmax}")
+    em = _Emitter(state, isa, max_seq, profile, segmented, tmax)
     # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
     for n in state.graph.nodes():
         if isinstance(n, ExpertBank):

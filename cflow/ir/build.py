@@ -12,6 +12,7 @@ from .config import ModelConfig
 from .graph import INPUT, OUTPUT, Graph
 from .meta import GraphMeta
 from .nodes import Add, Attention, DenseFFN, Embedding, ExpertBank, LMHead, RMSNorm, Router
+from .rope import layer_rope
 
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -31,11 +32,18 @@ def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             s[f"{p}.attn.bq"] = (c.n_heads * hd,)
             s[f"{p}.attn.bk"] = (c.n_kv_heads * hd,)
             s[f"{p}.attn.bv"] = (c.n_kv_heads * hd,)
+        if c.qk_norm:
+            s[f"{p}.attn.q_norm"] = (hd,) if c.qk_norm == "head" else (c.n_heads * hd,)
+            s[f"{p}.attn.k_norm"] = (hd,) if c.qk_norm == "head" else (c.n_kv_heads * hd,)
+        if c.post_norms:
+            s[f"{p}.attn.post_norm"] = (d,)
         if c.has_dense(i + 1) or any(c.has_dense(l) for l in range(i + 1, c.n_layers + 1, c.n_blocks)):
             s[f"{p}.ffn_norm"] = (d,)
             s[f"{p}.ffn.w_gate"] = (c.ffn_dim, d)
             s[f"{p}.ffn.w_up"] = (c.ffn_dim, d)
             s[f"{p}.ffn.w_down"] = (d, c.ffn_dim)
+            if c.post_norms:
+                s[f"{p}.ffn.post_norm"] = (d,)
         if c.has_moe(i + 1) or any(c.has_moe(l) for l in range(i + 1, c.n_layers + 1, c.n_blocks)):
             s[f"{p}.moe_norm"] = (d,)
             s[f"{p}.moe.router"] = (c.n_experts, d)
@@ -74,16 +82,20 @@ def build_graph(
         p = f"blocks.{c.block_of(l)}"
         g.add(RMSNorm(name=N.attn_norm(l), inputs=(stream,), layer=l, weight=f"{p}.attn_norm", dim=d,
                       eps=c.norm_eps))
+        theta, scaling = layer_rope(c, l)
         g.add(Attention(name=N.attn(l), inputs=(N.attn_norm(l),), layer=l, prefix=f"{p}.attn", dim=d,
                         n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                        rope_theta=float(c.rope_theta), bias=c.attn_bias))
+                        rope_theta=theta, bias=c.attn_bias, rope_scaling=scaling,
+                        rope_dim=c.rope_dim if c.rope_dim != c.head_dim else 0, qk_norm=c.qk_norm,
+                        softcap=float(c.attn_softcap), window=c.window(l), post_norm=c.post_norms,
+                        eps=float(c.norm_eps)))
         g.add(Add(name=N.a(l), inputs=(stream, N.attn(l)), layer=l, dim=d))
         b = N.a(l)
         if c.has_dense(l):
             g.add(RMSNorm(name=N.ffn_norm(l), inputs=(N.a(l - dd),), layer=l, weight=f"{p}.ffn_norm", dim=d,
                           eps=c.norm_eps))
             g.add(DenseFFN(name=N.ffn(l), inputs=(N.ffn_norm(l),), layer=l, prefix=f"{p}.ffn", dim=d,
-                           hidden=c.ffn_dim))
+                           hidden=c.ffn_dim, act=c.activation, post_norm=c.post_norms, eps=float(c.norm_eps)))
             g.add(Add(name=N.b(l), inputs=(N.a(l), N.ffn(l)), layer=l, dim=d))
             b = N.b(l)
         if c.has_moe(l):
@@ -93,7 +105,8 @@ def build_graph(
                          n_experts=c.n_experts, top_k=c.top_k, normalize=c.norm_topk))
             g.add(ExpertBank(name=N.moe(l), inputs=(N.moe_norm(l), N.route(l)), layer=l, prefix=f"{p}.moe",
                              dim=d, hidden=c.expert_dim, n_experts=c.n_experts, top_k=c.top_k,
-                             shared_hidden=c.shared_expert_dim, shared_gate=c.shared_expert_gate))
+                             shared_hidden=c.shared_expert_dim, shared_gate=c.shared_expert_gate,
+                             act=c.activation))
             experts[l] = N.moe(l)
         stream = b
         if l - de in experts:
@@ -105,5 +118,6 @@ def build_graph(
         stream = N.FLUSH
     g.add(RMSNorm(name=N.FINAL_NORM, inputs=(stream,), layer=L + 1, weight="norm", dim=d, eps=c.norm_eps))
     head = "tok_embeddings" if c.tie_embeddings else "lm_head"
-    g.add(LMHead(name=OUTPUT, inputs=(N.FINAL_NORM,), layer=L + 1, weight=head, dim=d, vocab=c.vocab_size))
+    g.add(LMHead(name=OUTPUT, inputs=(N.FINAL_NORM,), layer=L + 1, weight=head, dim=d, vocab=c.vocab_size,
+                 softcap=float(c.final_softcap)))
     return g

@@ -14,10 +14,31 @@ from ..errors import CflowError, VerifyError
 from ..layout.quant import DType, QTensor, dequantize, quantize_activation_q8
 from .graph import INPUT, OUTPUT, Graph
 from .nodes import Add, Attention, DenseFFN, Embedding, ExpertBank, LMHead, Node, RMSNorm, Router
+from .rope import inv_freq, tables
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (PyTorch's gelu(approximate='tanh'), Gemma's gelu_pytorch_tanh)."""
+    x = x.astype(np.float32)
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return (np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))).astype(
+        np.float32)
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    rms = np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps))
+    return (x / rms * w).astype(np.float32)
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    return (np.float32(cap) * np.tanh(x / np.float32(cap))).astype(np.float32) if cap else x
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -25,16 +46,18 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return z / z.sum(axis=axis, keepdims=True)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """x: [T, heads, hd] in the rotate-half convention (as reference.apply_rope)."""
-    hd = x.shape[-1]
-    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    f = positions.astype(np.float32)[:, None] * inv[None, :].astype(np.float32)
-    emb = np.concatenate([f, f], axis=-1)
-    cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
-    half = hd // 2
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x: [T, heads, hd] in the rotate-half convention; cos/sin: [T, hd/2] (ir/rope.py tables)."""
+    cos, sin = np.concatenate([cos, cos], -1)[:, None, :], np.concatenate([sin, sin], -1)[:, None, :]
+    half = x.shape[-1] // 2
     rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x * cos + rot * sin).astype(np.float32)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """Default RoPE of x: [T, heads, hd] in the rotate-half convention (as reference.apply_rope)."""
+    inv, f = inv_freq(x.shape[-1], theta)
+    return apply_rope(x, *tables(inv, f, positions))
 
 
 class Interpreter:
@@ -52,6 +75,7 @@ class Interpreter:
         self.order: list[Node] = list(graph.nodes())
         self.max_seq_len = max_seq_len or graph.config.max_seq_len
         self._dense: dict[str, np.ndarray] = {}
+        self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._codes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.reset()
 
@@ -120,9 +144,7 @@ class Interpreter:
                 raise CflowError(f"token id out of range 0..{n.vocab - 1} at %{n.name}")
             return self.weight(n.weight)[ids]
         if isinstance(n, RMSNorm):
-            x = v[n.inputs[0]]
-            rms = np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(n.eps))
-            return (x / rms * self.weight(n.weight)).astype(np.float32)
+            return rms_norm(v[n.inputs[0]], self.weight(n.weight), n.eps)
         if isinstance(n, Add):
             out = v[n.inputs[0]].copy()
             for i in n.inputs[1:]:
@@ -131,7 +153,8 @@ class Interpreter:
         if isinstance(n, Attention):
             return self._attention(n, v[n.inputs[0]])
         if isinstance(n, DenseFFN):
-            return self._swiglu(v[n.inputs[0]], n.prefix)
+            out = self._swiglu(v[n.inputs[0]], n.prefix, n.act)
+            return rms_norm(out, self.weight(f"{n.prefix}.post_norm"), n.eps) if n.post_norm else out
         if isinstance(n, Router):
             probs = softmax(self.matvec(v[n.inputs[0]], n.weight))
             idx = np.argsort(-probs, axis=-1, kind="stable")[:, : n.top_k]
@@ -142,12 +165,21 @@ class Interpreter:
         if isinstance(n, ExpertBank):
             return self._experts(n, v[n.inputs[0]], v[n.inputs[1]])
         if isinstance(n, LMHead):
-            return self.matvec(v[n.inputs[0]], n.weight)
+            return softcap(self.matvec(v[n.inputs[0]], n.weight), n.softcap)
         raise CflowError(f"interpreter: unknown op {n.kind} at %{n.name}")
 
-    def _swiglu(self, x: np.ndarray, prefix: str) -> np.ndarray:
-        h = silu(self.matvec(x, f"{prefix}.w_gate")) * self.matvec(x, f"{prefix}.w_up")
+    def _swiglu(self, x: np.ndarray, prefix: str, act: str = "silu") -> np.ndarray:
+        h = ACTIVATIONS[act](self.matvec(x, f"{prefix}.w_gate")) * self.matvec(x, f"{prefix}.w_up")
         return self.matvec(h.astype(np.float32), f"{prefix}.w_down")
+
+    def _rope_tables(self, n: Attention) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin of every position of the context for this node's RoPE (computed once per node kind)."""
+        key = (n.head_dim, n.rope_theta, n.rope_scaling, n.rope_dim)
+        t = self._tables.get(key)
+        if t is None:
+            inv, f = inv_freq(n.head_dim, n.rope_theta, n.rope_scaling, n.rope_dim or None, self.g.config.max_seq_len)
+            t = self._tables[key] = tables(inv, f, np.arange(self.max_seq_len), (n.rope_dim or n.head_dim) // 2)
+        return t
 
     def _attention(self, n: Attention, h: np.ndarray) -> np.ndarray:
         T, hd, H, KV = h.shape[0], n.head_dim, n.n_heads, n.n_kv_heads
@@ -155,9 +187,16 @@ class Interpreter:
         if n.bias:
             q, k, vv = (q + self.weight(f"{n.prefix}.bq"), k + self.weight(f"{n.prefix}.bk"),
                         vv + self.weight(f"{n.prefix}.bv"))
-        pos = np.arange(self.pos, self.pos + T)
-        q = rope(q.reshape(T, H, hd), pos, n.rope_theta)
-        k = rope(k.reshape(T, KV, hd), pos, n.rope_theta)
+        if n.qk_norm == "proj":
+            q = rms_norm(q, self.weight(f"{n.prefix}.q_norm"), n.eps)
+            k = rms_norm(k, self.weight(f"{n.prefix}.k_norm"), n.eps)
+        q, k = q.reshape(T, H, hd), k.reshape(T, KV, hd)
+        if n.qk_norm == "head":
+            q = rms_norm(q, self.weight(f"{n.prefix}.q_norm"), n.eps)
+            k = rms_norm(k, self.weight(f"{n.prefix}.k_norm"), n.eps)
+        cos, sin = self._rope_tables(n)
+        q = apply_rope(q, cos[self.pos : self.pos + T], sin[self.pos : self.pos + T])
+        k = apply_rope(k, cos[self.pos : self.pos + T], sin[self.pos : self.pos + T])
         vv = vv.reshape(T, KV, hd).astype(np.float32)
         if n.name in self.kv:
             pk, pv = self.kv[n.name]
@@ -165,20 +204,24 @@ class Interpreter:
         self.kv[n.name] = (k, vv)
         S, rep = k.shape[0], H // KV
         kk, vh = np.repeat(k, rep, axis=1), np.repeat(vv, rep, axis=1)  # [S, H, hd]
-        scores = np.einsum("thd,shd->hts", q, kk) / np.float32(np.sqrt(hd))
-        causal = np.arange(S)[None, :] <= (self.pos + np.arange(T))[:, None]
+        scores = softcap(np.einsum("thd,shd->hts", q, kk) / np.float32(np.sqrt(hd)), n.softcap)
+        qpos = (self.pos + np.arange(T))[:, None]
+        causal = np.arange(S)[None, :] <= qpos
+        if n.window:
+            causal &= np.arange(S)[None, :] > qpos - n.window
         scores = np.where(causal[None], scores, -np.inf)
         out = np.einsum("hts,shd->thd", softmax(scores), vh).reshape(T, H * hd).astype(np.float32)
-        return self.matvec(out, f"{n.prefix}.wo")
+        out = self.matvec(out, f"{n.prefix}.wo")
+        return rms_norm(out, self.weight(f"{n.prefix}.post_norm"), n.eps) if n.post_norm else out
 
     def _experts(self, n: ExpertBank, x: np.ndarray, route) -> np.ndarray:
         w, idx = route
         out = np.zeros_like(x)
         for e in np.unique(idx):
             tok, slot = np.nonzero(idx == e)
-            out[tok] += w[tok, slot, None] * self._swiglu(x[tok], f"{n.prefix}.experts.{e}")
+            out[tok] += w[tok, slot, None] * self._swiglu(x[tok], f"{n.prefix}.experts.{e}", n.act)
         if n.shared_hidden:
-            s = self._swiglu(x, f"{n.prefix}.shared")
+            s = self._swiglu(x, f"{n.prefix}.shared", n.act)
             if n.shared_gate:
                 s = s * (1.0 / (1.0 + np.exp(-self.matvec(x, f"{n.prefix}.shared_gate"))))
             out += s

@@ -22,7 +22,11 @@ class GraphMeta:
     quant: DType | None = None  # requested weight type once quantize_weights ran
     weight_dtypes: dict[str, DType] = attrs.Factory(dict)  # IR weight name -> storage type (quantize_weights)
     passes: tuple[str, ...] = ()  # names of the passes that produced this graph, in order
-    tokenizer: str | None = None  # tokenizer.json text the frontend found (directories), else None
+    tokenizer: str | None = None  # tokenizer.json text the frontend found (directories, GGUF), else None
+    # The chat template the frontend found (tokenizer_config.json / chat_template.jinja, GGUF metadata), else None:
+    # {"template": Jinja text, "bos_token": its bos text or None, "eos_token": its eos text or None}; stored in the
+    # compiled file's header and rendered by runtime/chat.py.
+    chat_template: dict | None = None
     eos_token_ids: list[int] = attrs.Factory(list)  # end-of-sequence ids the frontend found
     source: str | None = None  # where the model came from, e.g. 'transformers:LlamaForCausalLM'
 

@@ -60,6 +60,9 @@ class Attention(Node):
     """Q/K/V projections (+ biases), RoPE, causal GQA over the KV cache, output projection.
 
     Weights: {prefix}.wq [H*hd, d], .wk/.wv [KV*hd, d], .wo [d, H*hd], and .bq/.bk/.bv if bias.
+    Variants (ModelConfig documents each): rope_scaling / rope_dim (ir/rope.py), qk_norm ('head':
+    {prefix}.q_norm/.k_norm [hd]; 'proj': [H*hd] / [KV*hd]; RMSNorm before RoPE, eps), softcap on the
+    scores, window (sliding, 0 = none), post_norm ({prefix}.post_norm [d]: the output RMS-normalised, eps).
     """
 
     kind: ClassVar[str] = "attention"
@@ -70,25 +73,42 @@ class Attention(Node):
     head_dim: int
     rope_theta: float
     bias: bool = False
+    rope_scaling: tuple | None = None
+    rope_dim: int = 0  # 0: head_dim
+    qk_norm: str = ""
+    softcap: float = 0.0
+    window: int = 0
+    post_norm: bool = False
+    eps: float = 1e-6  # of the q/k and post norms
 
     def weight_names(self):
         names = tuple(f"{self.prefix}.{w}" for w in ("wq", "wk", "wv", "wo"))
         if self.bias:
             names += tuple(f"{self.prefix}.{b}" for b in ("bq", "bk", "bv"))
+        if self.qk_norm:
+            names += (f"{self.prefix}.q_norm", f"{self.prefix}.k_norm")
+        if self.post_norm:
+            names += (f"{self.prefix}.post_norm",)
         return names
 
 
 @attrs.frozen(kw_only=True)
 class DenseFFN(Node):
-    """SwiGLU: down(silu(gate x) * up x). Weights {prefix}.w_gate/.w_up [hidden, d], .w_down [d, hidden]."""
+    """SwiGLU: down(act(gate x) * up x), act = silu (or gelu_tanh: GeGLU).
+    Weights {prefix}.w_gate/.w_up [hidden, d], .w_down [d, hidden]; post_norm: output RMS-normalised with
+    {prefix}.post_norm [d] (eps)."""
 
     kind: ClassVar[str] = "dense_ffn"
     prefix: str
     dim: int
     hidden: int
+    act: str = "silu"
+    post_norm: bool = False
+    eps: float = 1e-6
 
     def weight_names(self):
-        return tuple(f"{self.prefix}.{w}" for w in ("w_gate", "w_up", "w_down"))
+        names = tuple(f"{self.prefix}.{w}" for w in ("w_gate", "w_up", "w_down"))
+        return names + ((f"{self.prefix}.post_norm",) if self.post_norm else ())
 
 
 @attrs.frozen(kw_only=True)
@@ -125,6 +145,7 @@ class ExpertBank(Node):
     top_k: int
     shared_hidden: int = 0
     shared_gate: bool = False
+    act: str = "silu"
 
     def expert_weight_names(self, e: int) -> tuple[str, ...]:
         return tuple(f"{self.prefix}.experts.{e}.{w}" for w in ("w_gate", "w_up", "w_down"))
@@ -153,10 +174,13 @@ class Add(Node):
 
 @attrs.frozen(kw_only=True)
 class LMHead(Node):
+    """logits = W h; softcap > 0: logits -> softcap * tanh(logits / softcap)."""
+
     kind: ClassVar[str] = "lm_head"
     weight: str
     dim: int
     vocab: int
+    softcap: float = 0.0
 
     def weight_names(self):
         return (self.weight,)

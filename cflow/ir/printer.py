@@ -8,7 +8,8 @@ Header: graph name, delays, routing, weight dtype. No addresses, no ids that cha
 from __future__ import annotations
 
 from .graph import INPUT, OUTPUT, Graph
-from .nodes import Add, Attention, ExpertBank, LMHead, Node, Router
+from .nodes import Add, Attention, DenseFFN, ExpertBank, LMHead, Node, Router
+from .rope import scaling_label
 
 
 def _fmt_value(v) -> str:
@@ -22,10 +23,18 @@ def _fmt_value(v) -> str:
 def _op_attrs(node: Node) -> str:
     a = dict(node.attrs_for_print())
     a.pop("dim", None)
+    # Variant attributes are shown only when they differ from plain Llama (the printed IR of the
+    # families that have none stays as it was).
+    for k, plain in (("bias", False), ("rope_scaling", None), ("rope_dim", 0), ("qk_norm", ""), ("softcap", 0.0),
+                     ("window", 0), ("post_norm", False), ("act", "silu")):
+        if k in a and a[k] == plain:
+            a.pop(k)
+    if isinstance(node, (Attention, DenseFFN)) and not (a.get("qk_norm") or a.get("post_norm")):
+        a.pop("eps", None)
     if isinstance(node, Attention):
         a["heads"] = f"{a.pop('n_heads')}/{a.pop('n_kv_heads')}"
-        if not a["bias"]:
-            a.pop("bias")
+        if "rope_scaling" in a:
+            a["rope_scaling"] = scaling_label(a["rope_scaling"])
     if isinstance(node, ExpertBank):
         a["experts"] = f"{a.pop('top_k')}/{a.pop('n_experts')}"
         if not a["shared_hidden"]:

@@ -8,7 +8,7 @@ against it without importing the compiler front door.
 
 from __future__ import annotations
 
-from ..errors import CflowError, FormatError
+from ..errors import CflowError, FormatError, UnsupportedModelError
 from ..ir import Graph, build_graph
 from ..ir.config import ModelConfig
 from ..layout.packed import FileLayout
@@ -24,6 +24,41 @@ from .state import CompileState
 # Every pass a compile can run, in pipeline order (cflowc --print-after NAME).
 PASS_NAMES = ("dense_delay", "expert_delay", "routing_point", "quantize_weights", "plan_packing", "schedule_stages",
               "order_tensors", "emit_step", "emit_file")
+
+
+def native_gaps(c: ModelConfig) -> list[str]:
+    """What the native runtime (codegen) cannot run yet in a model the IR and the interpreter do model.
+
+    The one list to shorten as the kernels learn these ops. RoPE scaling and partial rotary need nothing:
+    they live in the RoPE tables the session computes (ir/rope.py)."""
+    gaps = []
+    if c.qk_norm:
+        gaps.append(f"q/k norms (qk_norm={c.qk_norm!r})")
+    if c.activation != "silu":
+        gaps.append(f"the {c.activation} feed-forward activation")
+    if c.post_norms:
+        gaps.append("post-attention / post-feed-forward norms")
+    if c.attn_softcap:
+        gaps.append(f"attention soft-capping ({c.attn_softcap:g})")
+    if c.final_softcap:
+        gaps.append(f"final logit soft-capping ({c.final_softcap:g})")
+    if c.sliding_window and c.sliding_window < c.max_seq_len:
+        gaps.append(f"a sliding window of {c.sliding_window} < the context of {c.max_seq_len}")
+    if c.local_rope_theta and c.local_rope_theta != c.rope_theta and any(
+            c.is_sliding(l) for l in range(1, c.n_layers + 1)):
+        gaps.append("per-layer RoPE bases (local_rope_theta)")
+    return gaps
+
+
+def check_native(graph_or_config, where: str | None = None) -> None:
+    """Raise UnsupportedModelError naming what the native runtime lacks (see native_gaps)."""
+    c = getattr(graph_or_config, "config", graph_or_config)
+    gaps = native_gaps(c)
+    if gaps:
+        name = where or getattr(graph_or_config, "name", None) or c.name
+        raise UnsupportedModelError(
+            f"{name}: {'; '.join(gaps)}: not yet supported by the native runtime (the IR and the interpreter "
+            "model it: `cflowc MODEL --emit ir`, cflow.ir.interpret)")
 
 
 def lowering(quant: str = "q4", delays: tuple[int, int] | None = None) -> Pipeline:
@@ -43,6 +78,7 @@ def lowering(quant: str = "q4", delays: tuple[int, int] | None = None) -> Pipeli
 def lower(graph: Graph, quant: str = "q4", tile=DEFAULT_TILE, delays: tuple[int, int] | None = None,
           layout: str | FileLayout = FileLayout.VFLOW, ctx: PassContext | None = None) -> CompileState:
     """Run the lowering passes (no weights touched); the result is verified once."""
+    check_native(graph)
     state = lowering(quant, delays)(CompileState(graph=graph, tile=tile, layout=layout), ctx)
     state.verify()
     return state
@@ -51,10 +87,17 @@ def lower(graph: Graph, quant: str = "q4", tile=DEFAULT_TILE, delays: tuple[int,
 def plan_from_header(h: dict, path: str) -> CompileState:
     """The plan a file header claims (config -> IR -> lowering), to check the file against.
 
-    Raises FormatError naming the file when the header does not describe a valid model.
+    Raises FormatError naming the file when the header does not describe a valid model, and
+    UnsupportedModelError when it describes one the native runtime cannot run yet.
     """
     try:
         cfg = ModelConfig.from_dict(h["config"])
+    except CflowError as e:
+        raise FormatError(f"{path}: header does not describe a valid model: {e}") from None
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise FormatError(f"{path}: header field missing or malformed: {type(e).__name__}: {e}") from None
+    check_native(cfg, path)
+    try:
         g = build_graph(cfg, None, name=h.get("name", cfg.name),
                         trained_delays=tuple(h.get("trained_delays", cfg.delays)))
         return lower(g, h["quant"], tuple(h["tile"]), None)

@@ -133,7 +133,8 @@ def _build(g: Graph, tile, latest: dict[str, int] | None) -> Schedule:
 
     def add_step(n, phase, stage, full=(), rows=(), writes=(), tensors=(), nbytes=0, norm=None):
         steps.append(Step(op=n.name, phase=phase, layer=n.layer, stage=stage, full_reads=tuple(full),
-                          row_reads=tuple(rows), writes=tuple(writes), tensors=tuple(tensors), nbytes=nbytes, norm=norm))
+                          row_reads=tuple(rows), writes=tuple(writes), tensors=tuple(tensors), nbytes=nbytes,
+                          norm=norm))
         for w in writes:
             ready[w] = stage
 
@@ -156,19 +157,24 @@ def _build(g: Graph, tile, latest: dict[str, int] | None) -> Schedule:
         elif isinstance(n, DenseFFN):
             src, norm = _norm_source(g, n.inputs[0])
             s = ready[src] + 1
-            add_step(n, Phase.UP, s, full=[src], writes=[f"ffn_h.{n.layer}"], tensors=[ts[0].name], nbytes=ts[0].nbytes, norm=norm)
-            add_step(n, Phase.DOWN, s + 1, full=[f"ffn_h.{n.layer}"], writes=[n.name], tensors=[ts[1].name], nbytes=ts[1].nbytes)
+            add_step(n, Phase.UP, s, full=[src], writes=[f"ffn_h.{n.layer}"], tensors=[ts[0].name],
+                     nbytes=ts[0].nbytes, norm=norm)
+            add_step(n, Phase.DOWN, s + 1, full=[f"ffn_h.{n.layer}"], writes=[n.name], tensors=[ts[1].name],
+                     nbytes=ts[1].nbytes)
         elif isinstance(n, ExpertBank):
             src, norm = _norm_source(g, n.inputs[0])
             router = g[n.inputs[1]]
             rt = node_tensors(g, router, tile)
             s = ready[src] + 1
-            per_e = lambda suffix: [t for t in ts if t.expert >= 0 and t.name.endswith(suffix)]  # noqa: E731
+            routed = [t for t in ts if t.expert >= 0]
             shared = [t for t in ts if t.expert < 0]
-            up = per_e(".w_gate_up") + [t for t in shared if not t.name.endswith(".w_down")]
-            down = per_e(".w_down") + [t for t in shared if t.name.endswith(".w_down")]
-            k_up = n.top_k * per_e(".w_gate_up")[0].nbytes + sum(t.nbytes for t in shared if not t.name.endswith(".w_down"))
-            k_down = n.top_k * per_e(".w_down")[0].nbytes + sum(t.nbytes for t in shared if t.name.endswith(".w_down"))
+            e_up = [t for t in routed if t.name.endswith(".w_gate_up")]
+            e_down = [t for t in routed if t.name.endswith(".w_down")]
+            s_up = [t for t in shared if not t.name.endswith(".w_down")]
+            s_down = [t for t in shared if t.name.endswith(".w_down")]
+            up, down = e_up + s_up, e_down + s_down
+            k_up = n.top_k * e_up[0].nbytes + sum(t.nbytes for t in s_up)
+            k_down = n.top_k * e_down[0].nbytes + sum(t.nbytes for t in s_down)
             if latest is None:
                 add_step(n, Phase.UP, s, full=[src], writes=[f"moe_h.{n.layer}"], tensors=[t.name for t in rt + up],
                          nbytes=sum(t.nbytes for t in rt) + k_up, norm=norm)
@@ -241,7 +247,8 @@ def _allocate(g: Graph, steps: list[Step], n_stages: int):
             slots.append(0)
         slots[slot] = last[v]
         buffers[v] = Buffer(name=v, pool=pool, floats=floats, slot=slot, first=first[v], last=last[v])
-    pools = {p: (len(s), _pool_of(g, next(b.name for b in buffers.values() if b.pool == p))[1]) for p, s in free_at.items()}
+    pools = {p: (len(s), _pool_of(g, next(b.name for b in buffers.values() if b.pool == p))[1])
+             for p, s in free_at.items()}
     return buffers, pools
 
 
@@ -260,7 +267,8 @@ def format_schedule(s: Schedule) -> str:
             def slot(v):
                 b = s.buffers.get(v)
                 return f"%{v}@{b.pool[0:3]}{b.slot}" if b else f"%{v}"
-            ins = [("norm(" + slot(r) + ")") if x.norm else slot(r) for r in x.full_reads] + [slot(r) for r in x.row_reads]
+            ins = ([("norm(" + slot(r) + ")") if x.norm else slot(r) for r in x.full_reads]
+                   + [slot(r) for r in x.row_reads])
             outs = [slot(w) for w in x.writes]
             extra = f"  [{x.nbytes:,} B]" if x.nbytes else ""
             lines.append(f"  {x.op + '/' + x.phase:<16} {', '.join(ins) or '-':<34} -> {', '.join(outs)}{extra}")

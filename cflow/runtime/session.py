@@ -11,7 +11,6 @@ Load order (nothing reaches native code before it is checked):
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import threading
 import time
@@ -28,15 +27,24 @@ from ..codegen.abi import (
     WORKER_SYMBOL,
     Binding,
     CtlWord,
+    Mode,
     Param,
 )
 from ..errors import CflowError, FormatError, RuntimeFault
 from ..ir.config import ModelConfig
+from ..ir.rope import rope_tables
 from ..layout.tile import aligned_empty
 from ..passes.pipeline import plan_from_header
 from ..passes.schedule import Phase, Pool, build_schedule
 from .format import FileReader
-from .format.spec import FORMAT_NAME, pad
+from .format.header import check_header, check_plan, stale_file_error
+from .format.spec import pad
+
+MAX_THREADS = 1024  # worker threads of one model
+
+
+def _whole(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _zeros(nbytes: int, align: int = 4096) -> np.ndarray:
@@ -59,7 +67,7 @@ class Session:
 
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
                  cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
-                 expert_io: str = "async", weights: str = "ram", read_ahead: int = 2):
+                 expert_io: str = "async", weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64):
         if experts not in ("ram", "disk"):
             raise CflowError(f"experts must be 'ram' or 'disk', not {experts!r}")
         if weights not in ("ram", "disk"):
@@ -68,6 +76,10 @@ class Session:
             raise CflowError(f"expert_io must be 'async' or 'sync', not {expert_io!r}")
         if not isinstance(read_ahead, int) or read_ahead < 0:
             raise CflowError(f"read-ahead must be a whole number of stages >= 0, not {read_ahead!r}")
+        if threads is not None and (not _whole(threads) or not 1 <= threads <= MAX_THREADS):
+            raise CflowError(f"threads must be a whole number in 1..{MAX_THREADS}, not {threads!r}")
+        if max_seq is not None and (not _whole(max_seq) or max_seq < 1):
+            raise CflowError(f"max_seq must be a whole number of tokens >= 1, not {max_seq!r}")
         self.experts, self.expert_io, self.weights, self.read_ahead = experts, expert_io, weights, read_ahead
         self.tier = None
         self.streamer = None
@@ -77,15 +89,20 @@ class Session:
         if verify:
             self.reader.verify()
         h = self.reader.header
-        if h.get("format") != FORMAT_NAME:
-            raise FormatError(f"{self.path}: header format {h.get('format')!r} is not {FORMAT_NAME!r}")
         self.header = h
-        self.compiled = plan_from_header(h, self.path)  # the plan the header claims, re-derived
-        self.tile = self.compiled.tile
-        self.config: ModelConfig = self.compiled.graph.config
-        self._check_plan()
-        self.threads = max(1, int(threads or len(os.sched_getaffinity(0))))
-        self.max_seq = int(min(max_seq or self.config.max_seq_len, self.config.max_seq_len))
+        try:
+            check_header(self.reader)  # every field typed and bounded, the plan's size against the file
+            self.compiled = plan_from_header(h, self.path)  # the plan the header claims, re-derived
+            self.tile = self.compiled.tile
+            self.config: ModelConfig = self.compiled.graph.config
+            self._check_plan()
+        except FormatError as e:  # from another cflow: say so (recompile), not "does not match"
+            raise stale_file_error(h, self.path, e) or e from None
+        self.threads = int(threads or len(os.sched_getaffinity(0)))
+        if max_seq is not None and max_seq > self.config.max_seq_len:
+            raise CflowError(f"max_seq {max_seq} exceeds the model's context of {self.config.max_seq_len} tokens "
+                             "(config.max_seq_len)")
+        self.max_seq = int(max_seq or self.config.max_seq_len)
         self.profile = profile
         self.run_state = self.compiled
         has_experts = any(t.expert >= 0 for t in self.compiled.tensors.values())
@@ -98,6 +115,12 @@ class Session:
             self.run_state = self.compiled.evolve(schedule=build_schedule(self.compiled.graph, self.tile,
                                                                           experts_late=True))
         self.segmented = experts == "disk" or weights == "disk"
+        # Prompt tokens per multi-token call; the disk tiers read prompts token by token (their host logic
+        # follows one token's routes), as does a block of 1.
+        if not isinstance(prefill_block, int) or prefill_block < 1:
+            raise CflowError(f"prefill block must be a whole number of tokens >= 1, not {prefill_block!r}")
+        self.tmax = 1 if self.segmented else min(prefill_block, self.max_seq)
+        self._check_memory(expert_cache_mb)  # before anything is compiled or allocated
         self._build(cache)
         self.tier_tensors: set[str] = set()
         self.streamed: set[str] = set()
@@ -114,23 +137,43 @@ class Session:
 
     # --- validation -----------------------------------------------------------------------------
     def _check_plan(self) -> None:
-        c, h, p = self.compiled, self.header, self.path
-        planned = {n: t.to_json() for n, t in c.tensors.items()}
-        if h.get("packing") != planned:
-            raise FormatError(f"{p}: header section 'packing' does not match the packing the config implies")
-        if json.dumps(h.get("schedule"), sort_keys=True) != json.dumps(c.schedule.to_json(), sort_keys=True):
-            raise FormatError(f"{p}: header section 'schedule' does not match the schedule the config implies")
-        for name, t in c.tensors.items():
-            try:
-                e = self.reader.entry(name)
-            except (KeyError, FormatError):
-                raise FormatError(f"{p}: tensor table has no entry {name!r} that the model needs") from None
-            if e.dtype != t.dtype or tuple(e.shape) != tuple(t.shape) or tuple(e.tile) != tuple(t.file_tile) \
-                    or e.nbytes != t.nbytes:
-                raise FormatError(
-                    f"{p}: tensor table entry {e.index} ({name!r}) at file offset {e.file_offset:#x}: "
-                    f"{e.dtype.label} {tuple(e.shape)} tile {tuple(e.tile)} {e.nbytes} B, expected "
-                    f"{t.dtype.label} {tuple(t.shape)} tile {tuple(t.file_tile)} {t.nbytes} B")
+        check_plan(self.reader, self.compiled)
+
+    def _check_memory(self, expert_cache_mb: float | None) -> None:
+        """What loading will allocate (KV cache, RoPE tables, per-thread scratch, buffers, weights read into RAM)
+        against the memory this process may still use, before the JIT or any allocation: one error naming the
+        largest part and how to shrink it. Estimates are upper bounds of codegen.abi.ScratchLayout and the pools."""
+        from ..layout.quant import padded
+        from ..util import available_memory, format_bytes
+
+        c, T, S, tc = self.config, self.tmax, self.max_seq, self.tile[1]
+        widest = padded(max(c.d_model, c.ffn_dim, c.expert_dim, c.shared_expert_dim, c.n_heads * c.head_dim), tc)
+        scratch = (T * (6 * widest + 4 * (2 * c.top_k + 1 + 4) * (c.n_layers + 1)) + 4 * widest + 4 * S
+                   + 4 * c.n_experts + 4096 * 8)
+        parts = {
+            f"the KV cache (config.max_seq_len={S} positions x {c.n_layers} layers; load with a smaller max_seq)":
+                2 * c.n_layers * S * c.n_kv_heads * c.head_dim * 4,
+            f"the RoPE tables (config.max_seq_len={S})": S * c.head_dim * 4,
+            f"the per-thread scratch ({self.threads} threads)": scratch * self.threads,
+            "the activation buffers": 4 * T * (padded(c.vocab_size, 64) + 32 * widest),
+        }
+        tensors = self.compiled.tensors
+        if self.weights == "disk":  # streamed: only what is not tiled stays in RAM, plus the read-ahead buffers
+            stages = [sum(tensors[n].nbytes for st in stage for n in st.tensors if n in tensors)
+                      for stage in self.run_state.schedule.stages]
+            parts["the weights kept in RAM and the read-ahead buffers"] = (
+                sum(t.nbytes for t in tensors.values() if t.expert < 0 and not t.form.is_tiled)
+                + (self.read_ahead + 2) * max(stages, default=0))
+        elif self.experts == "disk":
+            parts["the non-expert weights read into RAM (--weights-on-disk streams them)"] = sum(
+                t.nbytes for t in tensors.values() if t.expert < 0)
+        if self.experts == "disk" and expert_cache_mb is not None and expert_cache_mb > 0:
+            parts[f"the expert cache (--expert-cache-mb {expert_cache_mb})"] = int(expert_cache_mb * 2**20)
+        need, avail = sum(parts.values()), available_memory()
+        if avail is not None and need > avail:
+            big = max(parts, key=parts.get)
+            raise CflowError(f"{self.path}: loading needs {format_bytes(need)} of memory, {format_bytes(parts[big])} "
+                             f"of it for {big}, but {format_bytes(avail)} is available")
 
     # --- native code ----------------------------------------------------------------------------
     def _build(self, cache) -> None:
@@ -142,7 +185,7 @@ class Session:
         target = host_target()
         segmented = self.segmented
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
-                                        self.profile, segmented)
+                                        self.profile, segmented, self.tmax)
               if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
         self.program = None
@@ -153,7 +196,7 @@ class Session:
                 self.program = None
         if self.program is None:
             self.program = build_step(self.run_state, target.isa, self.max_seq, profile=self.profile,
-                                      segmented=segmented)
+                                      segmented=segmented, tmax=self.tmax)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())
@@ -165,21 +208,22 @@ class Session:
 
     def _alloc(self) -> None:
         prog, cfg = self.program, self.config
-        self.pools = {p: _zeros(4 * prog.pool_slots.get(p, 0) * prog.pool_strides[p] or 64).view(np.float32)
+        T = prog.scratch.tmax  # every pool slot holds T token rows
+        self.pools = {p: _zeros(4 * prog.pool_slots.get(p, 0) * T * prog.pool_strides[p] or 64).view(np.float32)
                       for p in prog.pool_strides}
+        self.tokens = np.zeros(T, np.int64)
         self.kv = np.zeros(2 * cfg.n_layers * prog.kv_floats_per_layer, np.float32)
         half = cfg.head_dim // 2
-        inv = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
-        ang = np.arange(self.max_seq, dtype=np.float32)[:, None] * inv[None, :].astype(np.float32)
-        self.cos = np.ascontiguousarray(np.cos(ang), np.float32).reshape(-1)
-        self.sin = np.ascontiguousarray(np.sin(ang), np.float32).reshape(-1)
+        cos, sin = rope_tables(cfg, self.max_seq)  # ir/rope.py: RoPE scaling and partial rotary included
+        self.cos = np.ascontiguousarray(cos, np.float32).reshape(-1)
+        self.sin = np.ascontiguousarray(sin, np.float32).reshape(-1)
         assert self.cos.size == self.max_seq * half
         self.scratch = _zeros(prog.scratch.nbytes * self.threads)
         self.params = np.zeros(PARAM_WORDS, np.int64)
         self.barrier = _zeros(4 * BARRIER_WORDS, 64).view(np.int32)
         self.prof = np.zeros(self.compiled.schedule.n_stages + 1, np.int64)  # cycle stamps (profile builds)
         fixed = {Binding.KV: self.kv, Binding.COS: self.cos, Binding.SIN: self.sin, Binding.SCRATCH: self.scratch,
-                 Binding.PROF: self.prof}
+                 Binding.PROF: self.prof, Binding.TOKENS: self.tokens}
         addr: list[int] = []
         self._keep = []
         self._ptr_index: dict[str, int] = {}
@@ -350,16 +394,35 @@ class Session:
         return self.logits_view
 
     def prefill(self, ids) -> np.ndarray:
-        """Feed the prompt token by token; returns a copy of the last position's logits."""
-        ids = list(ids)
+        """Feed the prompt, up to tmax tokens per native call (each tile read once per call); returns a copy
+        of the last position's logits. A block of 1 (or a disk tier) feeds it token by token."""
+        ids = [int(i) for i in ids]
         if not ids:
             raise RuntimeFault("empty prompt")
+        bad = next((i for i in ids if not 0 <= i < self.config.vocab_size), None)
+        if bad is not None:
+            raise RuntimeFault(f"token id {bad} out of range 0..{self.config.vocab_size - 1}")
         if self.pos + len(ids) > self.max_seq:
             raise RuntimeFault(f"prompt of {len(ids)} tokens does not fit the context ({self.max_seq - self.pos} left of {self.max_seq})")
-        out = None
-        for t in ids:
-            out = self.step(t)
-        return out.copy()
+        if self.tmax == 1:
+            out = None
+            for t in ids:
+                out = self.step(t)
+            return out.copy()
+        stride = self.program.pool_strides[Pool.LOGITS]
+        logits = self.pools[Pool.LOGITS]
+        try:
+            for i in range(0, len(ids), self.tmax):
+                chunk = ids[i : i + self.tmax]
+                n = len(chunk)
+                self.tokens[:n] = chunk
+                self.params[Param.POS], self.params[Param.NTOK] = self.pos, n
+                self.params[Param.LOGITS_FROM], self.params[Param.MODE] = n - 1, Mode.PREFILL
+                self._run_native()
+                self.pos += n
+        finally:
+            self.params[Param.MODE] = Mode.DECODE
+        return logits[(n - 1) * stride : (n - 1) * stride + self.config.vocab_size].copy()
 
     def close(self) -> None:
         if self._pool is not None:

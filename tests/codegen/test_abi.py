@@ -34,7 +34,7 @@ def test_no_abi_literals_outside_abi():
 def test_emitter_and_driver_agree(tmp_path):
     path = tmp_path / "m.vflow"
     state = compile_file(load_graph("preset:arch2_4_combined@tiny"), path, "q4")
-    prog = build_step(state, host_target().isa, 64)
+    prog = build_step(state, host_target().isa, 64, tmax=64)
     text = str(prog.module)
     for sym in (abi.STEP_SYMBOL, abi.WORKER_SYMBOL, abi.KICK_SYMBOL):
         assert f'define void @"{sym}"' in text

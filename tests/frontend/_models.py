@@ -47,9 +47,53 @@ def hf_model(family: str, seed: int = 0, **over):
         m = tf.Qwen2MoeForCausalLM(cfg)
     elif family == "qwen3":
         m = tf.Qwen3ForCausalLM(tf.Qwen3Config(**{**COMMON, **over}))
+    elif family in FAMILIES:
+        cfg_cls, model_cls, kw = FAMILIES[family]
+        cfg = getattr(tf, cfg_cls)(**{**COMMON, **SPECIAL_IDS, **kw, **over})
+        m = getattr(tf, model_cls)(cfg)
     else:
         raise ValueError(family)
     return randomize(m, seed)
+
+
+SPECIAL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+# family -> (config class, model class, config overrides): the families beyond the first four, each built from
+# its own config class with random weights. Chosen so every variant bites within a 24-token test sequence:
+# a sliding window of 8, llama3 frequencies in all three bands, longrope with an attention factor and a
+# partial rotary embedding, Granite multipliers far from 1.
+FAMILIES = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=_LLAMA3_ROPE)),
+    "llama_linear": ("LlamaConfig", "LlamaForCausalLM",
+                     dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+    "llama_dynamic": ("LlamaConfig", "LlamaForCausalLM",
+                      dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})),
+    "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM",
+                   dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                         "original_max_position_embeddings": 32})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                       mlp_only_layers=[1], head_dim=16)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(partial_rotary_factor=0.5, rope_parameters={
+                 "rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0,
+                 "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 4.0, 6.0],
+                 "original_max_position_embeddings": 128})),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=32,
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                     logits_scaling=8.0, tie_word_embeddings=True)),
+}
 
 
 def custom_pipeline_native(seed: int = 0):

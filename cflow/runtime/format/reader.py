@@ -24,6 +24,23 @@ from .spec import DType
 from .summary import summarize
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (strict JSON has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is out of the range of a double")
+    return v
+
+
+def strict_json(text: str):
+    """json.loads as the writer's json.dumps(allow_nan=False) would accept: NaN, Infinity and numbers that
+    overflow a double are errors (ValueError), not floats that break every range check downstream."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def _field_offsets(names: list[str], fmt: str) -> dict[str, int]:
     # Byte offset of each named field inside a struct, for error messages.
     out, pos = {}, 0
@@ -81,7 +98,10 @@ class FileReader:
     def _preamble(self) -> dict:
         raw = self._bytes(0, F.PREAMBLE.size)
         p = dict(zip(F.PREAMBLE_FIELDS, F.PREAMBLE.unpack(raw)))
-        bad = lambda field, msg: self._err("preamble", f"{field}: {msg}", _PRE_AT[field])
+
+        def bad(field, msg):
+            return self._err("preamble", f"{field}: {msg}", _PRE_AT[field])
+
         if p["magic"] != F.MAGIC:
             raise bad("magic", f"{p['magic']!r} is not {F.MAGIC!r}: not a .cflow/.vflow file")
         if p["version"] != F.VERSION:
@@ -138,7 +158,7 @@ class FileReader:
             raise self._err("header", f"checksum mismatch: stored 0x{p['header_crc']:08x}, computed "
                                       f"0x{zlib.crc32(raw):08x}", at)
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = strict_json(raw.decode("utf-8"))
         except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise self._err("header", f"not valid UTF-8 JSON: {str(e)[:200]}", at) from None
         if not isinstance(header, dict):

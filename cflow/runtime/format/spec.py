@@ -22,6 +22,11 @@ from cflow.layout.quant import BLOCK_SIZES, DType, matrix_bytes, padded  # noqa:
 # translation. Both layouts share it; the layout is a preamble flag.
 MAGIC = b"\x89CFLOW\r\n"
 VERSION = 1  # bumped only for a structural change; readers reject any other version
+# The version of the plan a config implies (packing forms, schedule, file order: passes/pack.py, schedule.py,
+# order.py). Bump it with any change that makes the plan re-derived from an existing file's config differ from
+# the one in its header: such files then fail with "compiled by cflow X (format N, plan P); recompile with
+# cflowc" rather than a bare mismatch (tests/runtime/test_golden.py notices the change).
+PLAN_VERSION = 1
 FORMAT_NAME = "cflow"  # the header's "format" field
 ALIGN = 4096  # every tensor starts at a multiple of this (data-relative and absolute): O_DIRECT
 assert ALIGN & (ALIGN - 1) == 0, "ALIGN must be a power of two"
@@ -36,6 +41,10 @@ MAX_NDIM = 4
 MAX_DIM = 2**31 - 1
 MAX_ELEMENTS = 2**48
 MAX_TILE = 2**20
+# A model's tile shape (header "tile", cflowc --tile): the kernels sweep tall tiles in unrolled passes, so JIT
+# time grows with the rows (1024-row tiles take ~15 s for a tiny model); these bounds keep it seconds.
+MAX_TILE_ROWS = 512
+MAX_TILE_COLS = 4096
 MAX_NAME = 1024  # bytes of UTF-8
 MAX_ID = 2**31 - 1  # layer, expert, stage: -1 (none) .. MAX_ID
 DTYPE_IDS = {int(d) for d in DType}

@@ -17,10 +17,9 @@ from typing import Self
 import numpy as np
 
 from cflow.errors import FormatError
-from cflow.util import atomic_path
-
 from cflow.layout.packed import FileLayout
 from cflow.layout.tile import DEFAULT_TILE
+from cflow.util import atomic_path
 
 from . import spec as F
 from .spec import DType
@@ -37,7 +36,8 @@ def _layout_from_path(path: str) -> str:
     try:
         return str(FileLayout.from_path(path))
     except ValueError:
-        raise FormatError(f"{path}: cannot infer the layout from the extension; pass layout='cflow' or 'vflow'") from None
+        raise FormatError(f"{path}: cannot infer the layout from the extension; "
+                          "pass layout='cflow' or 'vflow'") from None
 
 
 def _as_bytes(data, name: str) -> memoryview:
@@ -70,6 +70,9 @@ class FileWriter:
             raise FormatError(f"{self.path}: {e}") from None
         if not isinstance(header, dict):
             raise FormatError(f"{self.path}: header must be a dict, got {type(header).__name__}")
+        from .header import written_by
+
+        header = {**written_by(), **header}  # every file says who wrote it (a header may carry its own stamp)
         try:
             self._header = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError) as e:

@@ -1,0 +1,80 @@
+"""cflow serve FILE: an OpenAI-compatible HTTP server (completions, chat, SSE streaming) for a compiled model."""
+
+HELP = "serve a compiled model over HTTP with OpenAI's API (completions, chat, streaming, /metrics)"
+
+
+def add_args(p):
+    p.add_argument("file", help="compiled model (.vflow or .cflow)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; anything but loopback is reachable by others, so give --api-key "
+                   "(default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--threads", type=int, default=None, help="worker threads per sequence (default: usable cores)")
+    p.add_argument("--max-batch", type=int, default=1, metavar="B",
+                   help="sequences generated at once; until batched decode lands each one is a loaded copy of the "
+                   "model with its own KV cache, taking turns token by token (default 1)")
+    p.add_argument("--max-queue", type=int, default=64, metavar="Q",
+                   help="requests that may wait for a free sequence; more are answered 429 with Retry-After "
+                   "(default 64)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none; also read from "
+                   "$CFLOW_API_KEY)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients send and /v1/models lists (default: the file name without extension)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level; 'warning' hides the access log (default info)")
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args) -> int:
+    import os
+    import sys
+
+    from ..errors import CflowError
+
+    try:
+        import uvicorn
+
+        from ..serve.app import build_app
+    except ImportError as e:
+        raise CflowError(f"cflow serve needs the 'serve' extra: pip install 'cflow[serve]' ({e.name} is missing)") \
+            from None
+    if not 0 <= args.port <= 65535:
+        raise CflowError(f"--port must be in 0..65535, not {args.port}")
+    if args.max_batch < 1:
+        raise CflowError(f"--max-batch must be >= 1, not {args.max_batch}")
+    if args.max_queue < 0:
+        raise CflowError(f"--max-queue must be >= 0, not {args.max_queue}")
+    if args.threads is not None and args.threads < 1:
+        raise CflowError(f"--threads must be >= 1, not {args.threads}")
+    if not os.path.isfile(args.file):
+        raise CflowError(f"{args.file}: no such file")
+    api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None
+    if not is_loopback(args.host) and not api_key:
+        print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use the "
+              "model", file=sys.stderr)
+    app = build_app(args.file, threads=args.threads, max_batch=args.max_batch, max_queue=args.max_queue,
+                    api_key=api_key, model_id=args.model_name)
+    st = app.state.engine.stats()
+    m = app.state.model
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving {args.file} as '{app.state.model_id}' on http://{host}:{args.port}/v1 | {st.slots} "
+          f"sequence{'s' if st.slots > 1 else ''} at once, queue {args.max_queue}, {m.threads} threads, context "
+          f"{m.session.max_seq} tokens{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()  # Ctrl-C / SIGTERM: stop accepting, finish the lifespan (the engine closes), return
+    if not server.started:
+        raise CflowError(f"could not listen on {args.host}:{args.port} (see the message above)")
+    return 0

@@ -1,0 +1,299 @@
+"""cflow serve over real HTTP, driven by the official `openai` client: parity with m.generate, streaming,
+chat, cancellation, a full queue, bad requests, the API key, models, health and metrics."""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from cflow.serve.template import DEFAULT_CHAT_STOPS, default_chat_prompt  # noqa: E402
+
+from ._server import client, make_app, serving  # noqa: E402
+
+STORY = "Once upon a time"
+
+
+def post(url, path, body: bytes | dict, headers=None):
+    """(status, headers, parsed JSON) of a raw POST: for what the openai client will not send."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json",
+                                                                 **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())
+
+
+def get(url, path):
+    with urllib.request.urlopen(url + path, timeout=30) as r:
+        return r.status, r.read().decode()
+
+
+def metric(app, name, labels=None):
+    return app.state.engine.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# --- parity with m.generate ---------------------------------------------------------------------------------
+def test_completion_equals_generate(text_server, ref_text):
+    url, _ = text_server
+    c = client(url)
+    r = c.completions.create(model="story", prompt=STORY, max_tokens=40, temperature=0.8, top_p=0.9, seed=123)
+    want = ref_text.generate(STORY, 40, temperature=0.8, top_p=0.9, seed=123)
+    assert r.choices[0].text == want and r.object == "text_completion" and r.model == "story"
+    n_prompt = len(ref_text.tokenizer.encode(STORY))
+    assert r.usage.prompt_tokens == n_prompt and r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+    assert r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 40 else "stop")
+
+
+def test_streamed_completion_equals_generate(text_server, ref_text):
+    url, _ = text_server
+    stream = client(url).completions.create(model="story", prompt=STORY, max_tokens=48, temperature=1.0, seed=7,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == ref_text.generate(STORY, 48, temperature=1.0, seed=7)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+
+
+def test_top_k_extension(text_server, ref_text):
+    url, _ = text_server
+    r = client(url).completions.create(model="story", prompt=STORY, max_tokens=20, temperature=1.2, seed=3,
+                                       extra_body={"top_k": 5})
+    assert r.choices[0].text == ref_text.generate(STORY, 20, temperature=1.2, top_k=5, seed=3)
+
+
+def _chat_reference(ref, messages, n, **kw):
+    text = ref.generate(default_chat_prompt([(m["role"], m["content"]) for m in messages]), n, **kw)
+    cut = min([i for s in DEFAULT_CHAT_STOPS if (i := text.find(s)) >= 0], default=len(text))
+    return text[:cut]
+
+
+def test_chat_streaming_and_not(text_server, ref_text):
+    url, _ = text_server
+    c = client(url)
+    messages = [{"role": "system", "content": "You tell short stories."},
+                {"role": "user", "content": "Tell me about a cat."}]
+    want = _chat_reference(ref_text, messages, 32, temperature=0.7, seed=11)
+    r = c.chat.completions.create(model="story", messages=messages, max_tokens=32, temperature=0.7, seed=11)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.object == "chat.completion" and r.usage.prompt_tokens > 10
+    chunks = list(c.chat.completions.create(model="story", messages=messages, max_tokens=32, temperature=0.7,
+                                            seed=11, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # content parts ([{"type": "text", ...}]) are the same message
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story."}]}]
+    r = c.chat.completions.create(model="story", messages=parts, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == _chat_reference(ref_text, [{"role": "user", "content": "Tell me a story."}],
+                                                           16, temperature=0)
+
+
+def test_stop_strings(text_server, ref_text):
+    url, _ = text_server
+    full = ref_text.generate(STORY, 40, temperature=0)
+    words = full.split()
+    stop = " " + words[len(words) // 2]  # a word from the middle of the greedy text
+    want = full[: full.index(stop)]
+    c = client(url)
+    r = c.completions.create(model="story", prompt=STORY, max_tokens=40, temperature=0, stop=[stop, "zzzz"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(c.completions.create(model="story", prompt=STORY, max_tokens=40, temperature=0, stop=stop,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want
+
+
+def test_token_id_model_two_slots(tiny_server, ref_tiny):
+    """No tokenizer: prompts are ids, answers ' ID ID ...'. Two concurrent streams on two slots, each equal to
+    its own m.generate."""
+    url, app = tiny_server
+    assert app.state.engine.backend.slots == 2
+    c = client(url)
+    r = c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, temperature=0.9, seed=1)
+    assert r.choices[0].text == "".join(f" {t}" for t in ref_tiny.generate([5, 6, 7], 12, temperature=0.9, seed=1))
+    r = c.completions.create(model="tiny", prompt="5 6 7", max_tokens=12, temperature=0)
+    assert r.choices[0].text == "".join(f" {t}" for t in ref_tiny.generate([5, 6, 7], 12, temperature=0))
+    out = {}
+
+    def one(seed):
+        s = c.completions.create(model="tiny", prompt=[1, 2, 3, 4], max_tokens=60, temperature=1.0, seed=seed,
+                                 stream=True)
+        out[seed] = "".join(ch.choices[0].text for ch in s)
+
+    ts = [threading.Thread(target=one, args=(seed,)) for seed in (21, 22, 23)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    for seed in (21, 22, 23):
+        assert out[seed] == "".join(f" {t}" for t in ref_tiny.generate([1, 2, 3, 4], 60, temperature=1.0, seed=seed))
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.param == "messages" and "no tokenizer" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt=[1, 99999])
+    assert e.value.param == "prompt" and "99999" in e.value.message
+
+
+# --- cancellation and a full queue --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slow_server(tiny_path):
+    """One slot, one place in the queue, 20 ms per token."""
+    app = make_app(tiny_path, slots=1, max_queue=1, delay=0.02, model_id="tiny")
+    with serving(app) as url:
+        yield url, app
+
+
+def test_cancel_mid_stream_frees_the_slot(slow_server):
+    url, app = slow_server
+    engine = app.state.engine
+    before = metric(app, "cflow_generation_tokens_total")
+    stream = client(url).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=100, temperature=0,
+                                            stream=True)
+    got = 0
+    for ch in stream:
+        got += bool(ch.choices and ch.choices[0].text)
+        if got == 3:
+            break
+    stream.close()  # the client goes away mid-stream
+    wait_for(lambda: metric(app, "cflow_requests_total", {"outcome": "cancelled"}) >= 1)
+    wait_for(lambda: engine.stats().active == 0)
+    assert metric(app, "cflow_generation_tokens_total") - before < 30  # not the 100 asked for
+    # a non-streaming client that hangs up is cancelled too
+    body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 100, "temperature": 0}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: engine.stats().active == 1)
+    wait_for(lambda: metric(app, "cflow_requests_total", {"outcome": "cancelled"}) >= 2)
+    wait_for(lambda: engine.stats().active == 0)
+    r = client(url).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3  # the model stays usable
+
+
+def test_full_queue_answers_429_with_retry_after(slow_server):
+    url, app = slow_server
+    c = client(url)
+    running = c.completions.create(model="tiny", prompt=[1, 2], max_tokens=100, temperature=0, stream=True)
+    waiting = c.completions.create(model="tiny", prompt=[3, 4], max_tokens=5, temperature=0, stream=True)
+    wait_for(lambda: app.state.engine.stats().active == 1 and app.state.engine.stats().waiting == 1)
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model="tiny", prompt=[5, 6], max_tokens=5)
+    assert e.value.status_code == 429 and int(e.value.response.headers["retry-after"]) >= 1
+    assert e.value.code == "queue_full"
+    assert metric(app, "cflow_rejected_requests_total", {"reason": "queue_full"}) >= 1
+    running.close()  # the slot frees, the waiting request runs to its end
+    assert len("".join(ch.choices[0].text for ch in waiting).split()) == 5
+    wait_for(lambda: app.state.engine.stats().active == 0)
+
+
+# --- bad requests -------------------------------------------------------------------------------------------
+def test_malformed_json_and_wrong_types(tiny_server):
+    url, _ = tiny_server
+    st, _, body = post(url, "/v1/completions", b'{"model": "tiny", "prompt": [1, 2')
+    assert st == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
+    st, _, body = post(url, "/v1/chat/completions", b"[1, 2]")
+    assert st == 400 and "JSON object" in body["error"]["message"]
+    cases = [
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "max_tokens": "5"}, "max_tokens"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "max_tokens": True}, "max_tokens"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "temperature": 3}, "temperature"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "top_p": 0}, "top_p"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "seed": -1}, "seed"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "n": 2}, "n"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "stream": "yes"}, "stream"),
+        ("/v1/completions", {"model": "tiny", "prompt": {"a": 1}}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": []}, "prompt"),
+        ("/v1/completions", {"model": "tiny"}, "prompt"),
+        ("/v1/completions", {"prompt": [1]}, "model"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "logprobs": 2}, "logprobs"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]},
+         "messages[0].content"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
+         "messages[0].role"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                  "tools": [{"type": "function"}]}, "tools"),
+    ]
+    for path, req, param in cases:
+        st, _, body = post(url, path, req)
+        assert st == 400 and body["error"]["param"] == param, (req, body)
+        assert param.split("[")[0] in body["error"]["message"]
+    # through the official client too: a string where a number belongs
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).completions.create(model="tiny", prompt=[1], max_tokens="many")
+    assert e.value.param == "max_tokens"
+    with pytest.raises(openai.NotFoundError) as e:
+        client(url).completions.create(model="gpt-4", prompt=[1])
+    assert e.value.code == "model_not_found"
+
+
+def test_prompt_longer_than_the_context(tiny_server, ref_tiny):
+    url, _ = tiny_server
+    ctx = ref_tiny.session.max_seq
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).completions.create(model="tiny", prompt=[1] * (ctx + 10), max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    assert str(ctx + 10) in e.value.message and str(ctx) in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).completions.create(model="tiny", prompt=[1] * 10, max_tokens=ctx)
+    assert e.value.param == "max_tokens" and str(ctx) in e.value.message and str(ctx + 10) in e.value.message
+    # the default max_tokens shrinks to what fits
+    r = client(url).completions.create(model="tiny", prompt=[1] * (ctx - 3), temperature=0)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+# --- api key, models, health, metrics ----------------------------------------------------------------------
+def test_api_key(tiny_path):
+    app = make_app(tiny_path, api_key="sekret", model_id="tiny")
+    with serving(app) as url:
+        with pytest.raises(openai.AuthenticationError) as e:
+            client(url, api_key="wrong").completions.create(model="tiny", prompt=[1], max_tokens=2)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client(url, api_key="wrong").models.list()
+        st, _, body = post(url, "/v1/completions", {"model": "tiny", "prompt": [1]})  # no header at all
+        assert st == 401 and "error" in body
+        r = client(url, api_key="sekret").completions.create(model="tiny", prompt=[1], max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        assert get(url, "/health")[0] == 200  # health checks need no key
+
+
+def test_models_health_metrics(text_server):
+    url, app = text_server
+    c = client(url)
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["story"]
+    assert c.models.retrieve("story").id == "story"
+    st, body = get(url, "/health")
+    h = json.loads(body)
+    assert st == 200 and h["status"] == "ok" and h["slots"] == 1 and h["model"] == "story"
+    c.completions.create(model="story", prompt=STORY, max_tokens=5, temperature=0)
+    st, text = get(url, "/metrics")
+    for name in ("cflow_queue_length", "cflow_active_sequences", "cflow_generation_tokens_total",
+                 "cflow_prompt_tokens_per_second", "cflow_decode_tokens_per_second",
+                 "cflow_time_to_first_token_seconds_bucket", "cflow_inter_token_latency_seconds_bucket"):
+        assert name in text, name
+    assert metric(app, "cflow_generation_tokens_total") >= 5
+    assert metric(app, "cflow_decode_tokens_per_second") > 0
+    st, _, body = post(url, "/v1/nope", {})
+    assert st == 404 and body["error"]["type"] == "not_found_error"
