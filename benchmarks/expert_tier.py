@@ -150,7 +150,7 @@ def predict(run: dict, t1: float, t_par: float, mode: str) -> float:
         disk = start + m * t_par
         done[layer] = start + (t1 + (m - 1) * t_par if m >= 1 else m * t1)
 
-    for (lo, hi, awaits, issues), c in zip(run["segments"], run["segment_s"]):
+    for (_lo, _hi, awaits, issues), c in zip(run["segments"], run["segment_s"]):
         for layer in awaits:
             if mode == "sync":
                 submit(layer, t)
@@ -221,8 +221,8 @@ def main() -> None:
                "threads": args.threads, "tokens": args.tokens, "direct": asyn["direct"]}
         records.append(rec)
         if len(records) == 1:
-            print(f"# experts {rec['expert_bytes_total'] / 1e6:.0f} MB in all, cache {rec['cache_bytes'] / 1e6:.0f} MB, "
-                  f"dense weights {rec['dense_bytes'] / 1e6:.0f} MB")
+            print(f"# experts {rec['expert_bytes_total'] / 1e6:.0f} MB in all, "
+                  f"cache {rec['cache_bytes'] / 1e6:.0f} MB, dense weights {rec['dense_bytes'] / 1e6:.0f} MB")
             print(head)
         print(f"{de:>3} {rec['sync_tok_s']:>10.2f} {rec['async_tok_s']:>11.2f} {rec['measured_speedup']:>8.2f}x "
               f"{rec['predicted_speedup']:>8.2f}x {rec['disk_bytes_per_token'] / 1e6:>11.2f} "

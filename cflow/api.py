@@ -4,20 +4,26 @@
     m = cflow.load("model.vflow", threads=2)
     m.generate("Once upon a time", max_new_tokens=64)    # text in -> continuation text out
     m.generate([1, 2, 3], max_new_tokens=16)             # ids in -> new ids out
+    m.chat([{"role": "user", "content": "Hi"}])          # the model's chat template; the KV cache is reused
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
 import os
+import re
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from .errors import CflowError
+from .errors import CflowError, RuntimeFault
 from .layout.tile import DEFAULT_TILE
 
 
@@ -45,7 +51,8 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
 
         tok = read_tokenizer_file(tokenizer)
     tmp = tempfile.mkdtemp(prefix="cflow-")
-    path = os.path.join(tmp, f"{g.name}.{layout}")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", g.name).strip("._")[:64] or "model"  # a model name is not a path
+    path = os.path.join(tmp, f"{safe}.{layout}")
     try:
         compile_file(g, path, quant, tile, delays, layout, tok, g.meta.eos_token_ids)
         m = load(path, threads=threads)
@@ -81,10 +88,19 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
 
 
 class CompiledModel:
-    """A loaded model. Not thread-safe: one generation at a time."""
+    """A loaded model: one generation at a time, safely.
+
+    Calls from several threads are serialised (a call waits for the running generation to finish); a
+    `stream()` holds the model from its first token until it is exhausted or closed. Starting a second
+    generation in the thread whose stream is still open would corrupt that stream, so it is refused with a
+    CflowError. For concurrent generations, load the file once per stream (the weights are mapped once).
+    """
 
     def __init__(self, session):
         self.session = session
+        self._busy = threading.Lock()  # held by the running generation
+        self._busy_thread: int | None = None
+        self._closed = False
         h = session.header
         self.config = session.config
         self.tokenizer = None
@@ -94,6 +110,10 @@ class CompiledModel:
             self.tokenizer = Tokenizer(h["tokenizer"], h.get("eos_token_ids") or ())
         self.eos_ids = set(h.get("eos_token_ids") or ()) | (self.tokenizer.eos_ids if self.tokenizer else set())
         self._ir = None
+        self._chat = None  # the ChatTemplate, compiled on first use
+        self._ctx: list[int] = []  # the tokens whose keys and values the session's KV cache holds, in order
+        self.reused_tokens = 0  # prompt tokens the last generation found in the KV cache (a chat's earlier turns)
+        self._eot: frozenset | None = None
 
     # --- introspection ----------------------------------------------------------------------
     @property
@@ -150,40 +170,123 @@ class CompiledModel:
             if not ids:
                 raise CflowError("the prompt encodes to no tokens")
             return ids
-        ids = [int(i) for i in np.asarray(prompt).reshape(-1)]
+        try:
+            arr = np.asarray(prompt)
+        except (TypeError, ValueError):
+            arr = np.asarray([None])
+        if arr.dtype.kind not in "iu":
+            raise CflowError(f"a prompt is text or a list of token ids (integers), not {_short(prompt)}")
+        ids = [int(i) for i in arr.reshape(-1)]
         if not ids:
             raise CflowError("empty prompt")
+        bad = next((i for i in ids if not 0 <= i < self.config.vocab_size), None)
+        if bad is not None:
+            raise CflowError(f"token id {bad} out of range 0..{self.config.vocab_size - 1}")
         return ids
+
+    def check_request(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                      top_p: float = 1.0, seed: int | None = None) -> list[int]:
+        """The prompt's token ids, once every argument of a generation is checked (CflowError naming it): the
+        sampling options, and that the prompt and `max_new_tokens` fit the context. Runs nothing."""
+        if not _whole(max_new_tokens) or max_new_tokens < 0:
+            raise CflowError(f"max_new_tokens must be a whole number >= 0, not {_short(max_new_tokens)}")
+        if not _real(temperature) or not math.isfinite(temperature) or temperature < 0:
+            raise CflowError(f"temperature must be a finite number >= 0 (0 = greedy), not {_short(temperature)}")
+        if not _whole(top_k) or top_k < 0:
+            raise CflowError(f"top_k must be a whole number >= 0 (0 = all tokens), not {_short(top_k)}")
+        if not _real(top_p) or not 0 < top_p <= 1:
+            raise CflowError(f"top_p must be a number in (0, 1], not {_short(top_p)}")
+        if seed is not None and (not _whole(seed) or not 0 <= seed < 2**128):
+            raise CflowError(f"seed must be a whole number >= 0 (or None: a fresh seed), not {_short(seed)}")
+        ids = self._ids(prompt)
+        n, ctx = len(ids), self.session.max_seq
+        if n > ctx:
+            raise RuntimeFault(f"the prompt is {n} tokens long; this model's context is {ctx} tokens")
+        if n + max_new_tokens - 1 > ctx:  # the last new token is sampled, never fed
+            raise RuntimeFault(f"the prompt ({n} tokens) and max_new_tokens={max_new_tokens} need "
+                               f"{n + max_new_tokens - 1} positions; this model's context is {ctx} tokens: "
+                               f"at most {ctx - n + 1} new tokens fit")
+        return ids
+
+    @contextlib.contextmanager
+    def _generation(self):
+        """Hold the model for one generation (see the class docstring)."""
+        me = threading.get_ident()
+        if not self._busy.acquire(blocking=False):
+            if self._busy_thread == me:
+                raise CflowError("this model is already generating in this thread (a stream() that is not "
+                                 "exhausted or closed): finish or close() it first, or load the file once per stream")
+            self._busy.acquire()  # another thread's generation: wait for it
+        self._busy_thread = me
+        try:
+            if self._closed:
+                raise CflowError(f"{self.path}: this model is closed")
+            yield self.session
+        finally:
+            self._busy_thread = None
+            self._busy.release()
 
     def logits(self, ids) -> np.ndarray:
         """Logits [vocab] after feeding `ids` from an empty context (for parity tests)."""
-        self.session.reset()
-        return self.session.prefill(self._ids(ids))
+        ids = self._ids(ids)
+        with self._generation() as s:
+            return self._feed(s, ids, reuse=False)
+
+    def _feed(self, s, ids: list[int], reuse: bool) -> np.ndarray:
+        """Prefill `ids`; with reuse, the longest prefix the KV cache already holds (from the previous generation)
+        is kept and only the rest is fed (a chat's new turn). At least one token is fed, for its logits."""
+        common = 0
+        if reuse:
+            n = min(len(self._ctx), len(ids) - 1)
+            while common < n and self._ctx[common] == ids[common]:
+                common += 1
+        self._ctx = []
+        if common:
+            s.pos = common  # positions from here on are overwritten as the new tokens are fed
+        else:
+            s.reset()
+        logits = s.prefill(ids[common:])
+        self._ctx = list(ids)
+        self.reused_tokens = common
+        return logits
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: bool = True) -> Iterator:
-        """Yield new tokens as they come: text pieces for a text prompt with a tokenizer, else ids."""
+        """Yield new tokens as they come: text pieces for a text prompt with a tokenizer, else ids.
+
+        The arguments are checked here (check_request); the model is held from the first token on."""
+        ids = self.check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed)
+        return self._stream(prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop)
+
+    def _stream(self, prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, reuse: bool = False,
+                stop_ids: frozenset = frozenset()) -> Iterator:
         from .runtime.sampling import Sampler
 
         sampler = Sampler(temperature, top_k, top_p, seed)
-        ids = self._ids(prompt)
         text_mode = isinstance(prompt, str) and self.tokenizer is not None
         dec = None
         if text_mode:
             from .runtime.tokenizer import StreamDecoder
 
-            dec = StreamDecoder(self.tokenizer, ids)
-        s = self.session
-        s.reset()
-        logits = s.prefill(ids)
-        for i in range(max_new_tokens):
-            tok = sampler(logits)
-            if stop and tok in self.eos_ids:
-                return
-            yield dec.push(tok) if text_mode else tok
-            if i + 1 == max_new_tokens or s.pos >= s.max_seq:
-                return
-            logits = s.step(tok)
+            dec = StreamDecoder(self.tokenizer, ids[-16:] if reuse else ids)  # a chat: the tail is context enough
+        stops = self.eos_ids | stop_ids
+        with self._generation() as s:
+            logits = self._feed(s, ids, reuse)
+            for i in range(max_new_tokens):
+                top = float(np.max(logits))
+                if not math.isfinite(top):  # NaN or +Inf: overflowing weights or activations (a crafted file)
+                    raise RuntimeFault(f"{self.path}: the logits at position {s.pos} are not finite ({top}): the "
+                                       "model's weights or activations overflow")
+                tok = sampler(logits)
+                if stop and tok in stops:
+                    return
+                yield dec.push(tok) if text_mode else tok
+                if i + 1 == max_new_tokens:
+                    return
+                if self._closed:
+                    raise CflowError(f"{self.path}: the model was closed during this stream")
+                logits = s.step(tok)
+                self._ctx.append(tok)
 
     def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: bool = True):
@@ -193,8 +296,65 @@ class CompiledModel:
             return "".join(out)
         return out
 
+    # --- chat ------------------------------------------------------------------------------
+    @property
+    def chat_template(self):
+        """The model's ChatTemplate (runtime/chat.py), or None if its file carries none."""
+        spec = self.session.header.get("chat_template")
+        if self._chat is None and spec:
+            from .runtime.chat import ChatTemplate
+
+            self._chat = ChatTemplate(spec, name=str(self.session.header.get("name") or self.path))
+        return self._chat
+
+    def _template(self):
+        t = self.chat_template
+        if t is None:
+            raise CflowError(f"{self.path}: this model has no chat template (its tokenizer_config.json or GGUF "
+                             "carried none): use generate() / stream() with your own prompt")
+        if self.tokenizer is None:
+            raise CflowError(f"{self.path}: this model has a chat template but no tokenizer")
+        return t
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The prompt text the model's chat template makes of `messages` ([{"role", "content"}, ...]), ending
+        with an open assistant turn (add_generation_prompt). Extra keywords (e.g. tools) go to the template."""
+        return self._template().render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    def stream_chat(self, messages, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: int | None = None, stop: bool = True, **template_kwargs) -> Iterator[str]:
+        """Yield the assistant's reply to `messages` as text pieces; stops at the template's end-of-turn token
+        (or an eos). The KV cache keeps the conversation: a follow-up call whose rendered prompt extends the
+        previous one (plus the reply) feeds only the new tokens."""
+        t = self._template()
+        text = t.render(messages, add_generation_prompt=True, **template_kwargs)
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise CflowError("the chat prompt encodes to no tokens")
+        n = min(max_new_tokens, self.session.max_seq - len(ids) + 1)
+        self.check_request(ids, max(n, 0), temperature, top_k, top_p, seed)
+        if self._eot is None:
+            self._eot = frozenset(t.end_of_turn_ids(self.tokenizer))
+        return self._stream(text, ids, n, temperature, top_k, top_p, seed, stop, reuse=True, stop_ids=self._eot)
+
+    def chat(self, messages, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, stop: bool = True, **template_kwargs) -> str:
+        """The assistant's reply to `messages` (see stream_chat)."""
+        return "".join(self.stream_chat(messages, max_new_tokens, temperature, top_k, top_p, seed, stop,
+                                        **template_kwargs))
+
     def close(self) -> None:
-        self.session.close()
+        """Free the worker threads and buffers; waits for another thread's running generation. A stream still
+        open in this thread fails cleanly on its next token."""
+        if self._closed:
+            return
+        if self._busy_thread == threading.get_ident():
+            self._closed = True
+            self.session.close()
+            return
+        with self._busy:
+            self._closed = True
+            self.session.close()
 
     def __enter__(self):
         return self
@@ -206,3 +366,16 @@ class CompiledModel:
         c = self.config
         return (f"<CompiledModel {self.session.header.get('name')} {c.n_layers}x{c.d_model} "
                 f"{self.session.header['quant']} delays={tuple(self.session.header['delays'])} threads={self.threads}>")
+
+
+def _whole(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."

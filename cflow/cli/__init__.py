@@ -49,6 +49,51 @@ def _guard(main: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
         return 2
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line `error: argument X: ...` and exit 1, like every other error
+    (argparse's default prints the whole usage and exits 2, which here means an internal error)."""
+
+    def error(self, message: str):
+        self.exit(1, f"error: {message} (see {self.prog} --help)\n")
+
+
+def whole(lo: int, hi: int | None = None):
+    """An argparse type: a whole number in lo..hi (hi None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number {f'in {lo}..{hi}' if hi is not None else f'>= {lo}'}, not {text!r}")
+        return v
+
+    return parse
+
+
+def number(lo: float, hi: float | None = None, *, lo_open: bool = False):
+    """An argparse type: a finite number >= lo (> lo if lo_open) and <= hi."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        ok = v == v and v not in (float("inf"), float("-inf")) and (v > lo if lo_open else v >= lo) \
+            and (hi is None or v <= hi)
+        if not ok:
+            rng = f"{'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
+            raise argparse.ArgumentTypeError(f"expected a finite number {rng}, not {text!r}")
+        return v
+
+    return parse
+
+
+MAX_THREADS = 1024  # as cflow.runtime.session.MAX_THREADS (not imported: the parser stays light)
+
+
 def add_version(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
 
@@ -76,7 +121,7 @@ def command_module(name: str) -> ModuleType:
 
 
 def cflow_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cflow", description="Run, inspect and benchmark compiled cflow models.")
+    p = Parser(prog="cflow", description="Run, inspect and benchmark compiled cflow models.")
     add_version(p)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for name in COMMANDS:

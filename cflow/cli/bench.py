@@ -4,14 +4,32 @@ HELP = "measure decode tok/s, bytes/token and the fraction of the machine's read
 
 # One line per thread count; GB/s = MB/token x tok/s (the weight bytes decode streams), "% of read" = GB/s / read GB/s.
 HEADER = f"{'threads':>7}  {'tok/s':>9}  {'MB/token':>8}  {'GB/s':>6}  {'read GB/s':>9}  {'% of read':>9}"
+PROMPT = [1, 2, 3, 4]
+
+
+def _thread_counts(text: str) -> list[int]:
+    import argparse
+
+    from . import MAX_THREADS
+
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(not 1 <= c <= MAX_THREADS for c in counts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated thread counts in 1..{MAX_THREADS}, not {text!r}")
+    return counts
 
 
 def add_args(p):
+    from . import whole
+
     p.add_argument("file", help="compiled model (.vflow or .cflow)")
-    p.add_argument("--threads", default=None,
+    p.add_argument("--threads", type=_thread_counts, default=None,
                    help="comma-separated thread counts to measure, e.g. 1,2,4 (default: 1 and all usable cores)")
-    p.add_argument("--tokens", type=int, default=32, help="tokens decoded per repetition (default 32)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions per thread count; the best is kept (default 3)")
+    p.add_argument("--tokens", type=whole(1), default=32, help="tokens decoded per repetition (default 32)")
+    p.add_argument("--reps", type=whole(1), default=3,
+                   help="repetitions per thread count; the best is kept (default 3)")
     p.add_argument("--json", metavar="FILE",
                    help="also write one record per thread count to this JSON file (default: no file)")
 
@@ -26,32 +44,43 @@ def run(args) -> int:
     import cflow
 
     from ..codegen.bandwidth import measure_read_bandwidth
+    from ..errors import CflowError
+    from ..util import atomic_write_text, check_output_path
 
+    if args.json:  # checked before any work
+        check_output_path(args.json, "--json")
     cores = len(os.sched_getaffinity(0))
-    counts = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, cores})
+    counts = args.threads or sorted({1, cores})
     records = []
-    print(HEADER, flush=True)
+    header_printed = False
     for threads in counts:
         m = cflow.load(args.file, threads=threads)
-        s = m.session
-        prompt = [1, 2, 3, 4]
-        best = 0.0
-        for _ in range(args.reps):
-            s.reset()
-            logits = s.prefill(prompt)
-            t0 = time.perf_counter()
-            for _ in range(args.tokens):
-                logits = s.step(int(np.argmax(logits)))
-            best = max(best, args.tokens / (time.perf_counter() - t0))
-        read = measure_read_bandwidth(threads)
-        bpt = m.bytes_per_token
+        try:
+            room = m.session.max_seq - len(PROMPT)
+            if args.tokens > room:
+                raise CflowError(f"--tokens {args.tokens}: the model's context of {m.session.max_seq} tokens holds "
+                                 f"at most {room} after the {len(PROMPT)}-token prompt")
+            if not header_printed:
+                print(HEADER, flush=True)
+                header_printed = True
+            s = m.session
+            best = 0.0
+            for _ in range(args.reps):
+                s.reset()
+                logits = s.prefill(PROMPT)
+                t0 = time.perf_counter()
+                for _ in range(args.tokens):
+                    logits = s.step(int(np.argmax(logits)))
+                best = max(best, args.tokens / (time.perf_counter() - t0))
+            read = measure_read_bandwidth(threads)
+            bpt = m.bytes_per_token
+        finally:
+            m.close()
         eff = bpt * best / 1e9
         records.append({"threads": threads, "read_gbps": round(read, 3), "bytes_per_token": bpt,
                         "tok_s": round(best, 3)})
         print(f"{threads:>7}  {best:9.2f}  {bpt / 1e6:8.2f}  {eff:6.2f}  {read:9.2f}  {100 * eff / read:9.1f}",
               flush=True)
-        m.close()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=2)
+        atomic_write_text(args.json, json.dumps(records, indent=2) + "\n")
     return 0

@@ -20,22 +20,22 @@ def _delays(text: str) -> tuple[int, int]:
 
 
 def _tile(text: str) -> tuple[int, int]:
-    from ..layout.tile import check_tile
+    from ..runtime.format.header import tile_problem
 
     try:
         r, c = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--tile expects ROWSxCOLS (e.g. 128x256), not {text!r}") from None
-    try:
-        return check_tile((r, c))
-    except CflowError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS (e.g. 128x256), not {text!r}") from None
+    problem = tile_problem((r, c))  # the rule a loaded file's tile must follow too
+    if problem:
+        raise argparse.ArgumentTypeError(f"tile {problem}")
+    return r, c
 
 
 def cflowc_parser() -> argparse.ArgumentParser:
-    from . import add_version
+    from . import Parser, add_version
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="cflowc",
         description="Compile a transformer (preset:NAME[@SIZE], checkpoint or Hugging Face directory, or .onnx) "
         "to a tile-native .vflow/.cflow file, or print its IR, schedule or analysis.",
@@ -48,7 +48,8 @@ def cflowc_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable --emit analysis (default: a table)")
     p.add_argument("--quant", default="q4", choices=("q4", "q8", "f16", "f32"), help="weight type (default q4)")
     p.add_argument("--tile", type=_tile, default=DEFAULT_TILE, metavar="ROWSxCOLS",
-                   help="tile shape (default {}x{})".format(*DEFAULT_TILE))
+                   help="tile shape: rows a multiple of 16 up to 512, cols a multiple of 32 up to 4096 "
+                   "(default {}x{})".format(*DEFAULT_TILE))
     p.add_argument("--delays", type=_delays, metavar="DD,DE",
                    help="rewrite the DAG to these delays (changes the function!) (default: keep the model's own)")
     p.add_argument("--tokenizer", help="tokenizer.json to store in the compiled file "
@@ -82,6 +83,10 @@ def _cflowc(args: argparse.Namespace) -> int:
     unknown = [n for n in args.print_after or () if n != "all" and n not in PASS_NAMES]
     if unknown:
         raise CflowError(f"--print-after {unknown[0]}: no such pass (passes: {', '.join(PASS_NAMES)}, or all)")
+    if args.output:  # checked before any work: the directory is created, the file must be writable
+        from ..util import check_output_path
+
+        check_output_path(args.output, "-o")
     tokenizer = None
     if args.tokenizer:  # checked before any work
         from ..runtime.tokenizer import read_tokenizer_file

@@ -1,6 +1,9 @@
-"""cflow inspect FILE: summarise a .vflow/.cflow file and verify every checksum (exit 1 on failure, like gzip -t)."""
+"""cflow inspect FILE: summarise a .vflow/.cflow file and check it (exit 1 on failure, like gzip -t): the
+container's structure and checksums, and the model its header describes (every config field, the plan the
+config implies against the header and the tensor table, the stored tokenizer) — everything `cflow run` checks
+before it compiles anything."""
 
-HELP = "summarise a compiled file and check its integrity (exit 1 if any check fails)"
+HELP = "summarise a compiled file and check its integrity and its model (exit 1 if any check fails)"
 
 
 def add_args(p):
@@ -11,10 +14,44 @@ def add_args(p):
                    help="draw the stage timeline (bytes per stage and op) to a PNG (default: no plot)")
 
 
+def check_model(reader) -> str:
+    """What `cflow.load` checks before compiling, without compiling: the header's fields, the plan the config
+    implies against the header and the tensor table, the tokenizer. Returns a one-line description; raises
+    CflowError naming the first problem."""
+    from ..passes.pipeline import plan_from_header
+    from ..runtime.format.header import check_header, check_plan, stale_file_error
+
+    h = reader.header
+    try:
+        cfg = check_header(reader)
+        check_plan(reader, plan_from_header(h, reader.path))
+    except Exception as e:
+        from ..errors import FormatError
+
+        if isinstance(e, FormatError):
+            raise stale_file_error(h, reader.path, e) or e from None
+        raise
+    tok = "no tokenizer (prompts are token ids)"
+    if h.get("tokenizer"):
+        from ..runtime.tokenizer import Tokenizer
+
+        tok = f"tokenizer of {Tokenizer(h['tokenizer'], h.get('eos_token_ids') or ()).vocab_size} tokens"
+    return (f"model: ok ({h.get('name')}: {cfg.n_layers} layers x d_model {cfg.d_model}, {h['quant']}, "
+            f"tile {h['tile'][0]}x{h['tile'][1]}, context {cfg.max_seq_len}; {tok})")
+
+
 def run(args) -> int:
-    from ..errors import FormatError
+    from ..errors import CflowError, FormatError
     from ..runtime.format import FileReader
 
+    if args.plot:  # checked before any work
+        from ..util import check_output_path
+
+        check_output_path(args.plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CflowError("--plot needs matplotlib (pip install matplotlib)") from None
     with FileReader(args.file) as r:
         failure = None
         if not args.no_verify:
@@ -23,7 +60,12 @@ def run(args) -> int:
             except FormatError as e:
                 failure = e
         print(r.summary())
-        if args.plot:
+        try:
+            print(check_model(r))
+        except CflowError as e:
+            print(f"model: FAILED: {e}")
+            failure = failure or e
+        if args.plot and failure is None:
             from ..passes.plot import plot_schedule
 
             plot_schedule(r.header, args.plot)

@@ -1,19 +1,44 @@
-"""cflow run FILE --prompt TEXT: generate, printing tokens as they come, then prompt and decode speed."""
+"""cflow run FILE --prompt TEXT: generate, printing tokens as they come, then prompt and decode speed.
+
+--prompt - reads the prompt from standard input, -f FILE from a file; --chat is an interactive loop with the
+model's chat template (read a line, stream the answer, keep the conversation's KV cache).
+"""
 
 HELP = "generate text (or token ids) from a compiled .vflow/.cflow file"
 
+DEFAULT_NEW_TOKENS = 128
+
 
 def add_args(p):
+    from . import MAX_THREADS, number, whole
+
     p.add_argument("file", help="compiled model (.vflow or .cflow)")
     p.add_argument("--prompt", "-p", default="Once upon a time",
-                   help="text, or space-separated ids if the model has no tokenizer (default \"Once upon a time\")")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 = all (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0,
+                   help="text, or space-separated token ids if the model has no tokenizer (a preset has none) "
+                   "(default \"Once upon a time\")")
+    p.add_argument("-f", "--prompt-file", metavar="FILE", default=None,
+                   help="read the prompt from FILE (default: --prompt)")
+    p.add_argument("--chat", action="store_true",
+                   help="interactive chat with the model's chat template: each line read from standard input is a "
+                   "user turn, the answer streams back; the KV cache keeps the conversation (/reset starts over, "
+                   "/exit or end of input stops) (default: one prompt)")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: a system message opening the conversation (default: none)")
+    p.add_argument("-n", "--max-new-tokens", type=whole(1), default=None, metavar="N",
+                   help=f"most tokens to generate; more than the context holds after the prompt is an error "
+                   f"(default {DEFAULT_NEW_TOKENS}, or what fits the context)")
+    p.add_argument("--temperature", type=number(0), default=0.0,
+                   help="sampling temperature; 0 = greedy (default 0.0)")
+    p.add_argument("--top-k", type=whole(0), default=0,
+                   help="sample from the k likeliest tokens; 0 = all (default 0)")
+    p.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0,
                    help="sample from the smallest set of tokens with this total probability; 1 = all (default 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh random seed each run)")
-    p.add_argument("--threads", type=int, default=None, help="worker threads (default: usable cores)")
+    p.add_argument("--seed", type=whole(0), default=None,
+                   help="sampling seed (default: a fresh random seed each run)")
+    p.add_argument("--threads", type=whole(1, MAX_THREADS), default=None,
+                   help="worker threads (default: usable cores)")
+    p.add_argument("--max-seq", type=whole(1), default=None, metavar="TOKENS",
+                   help="context to allocate (KV cache), at most the model's (default: the model's max_seq_len)")
     p.add_argument("--verify", action="store_true",
                    help="verify every checksum before running (default: no full-read check)")
     p.add_argument("--no-stop", action="store_true",
@@ -21,12 +46,12 @@ def add_args(p):
     p.add_argument("--experts-on-disk", action="store_true",
                    help="keep the experts on disk: read the chosen ones with O_DIRECT inside the expert-delay "
                    "window (default: all weights mapped in RAM)")
-    p.add_argument("--expert-cache-mb", type=float, default=None, metavar="MB",
+    p.add_argument("--expert-cache-mb", type=number(0, lo_open=True), default=None, metavar="MB",
                    help="with --experts-on-disk: RAM for recently used experts (default: an eighth of the experts)")
     p.add_argument("--weights-on-disk", action="store_true",
                    help="stream the big non-expert matrices from the file every token, stage by stage (for a model "
                    "larger than RAM; implies --experts-on-disk) (default: mapped in RAM)")
-    p.add_argument("--read-ahead", type=int, default=2, metavar="STAGES",
+    p.add_argument("--read-ahead", type=whole(0), default=2, metavar="STAGES",
                    help="with --weights-on-disk: stages read ahead of the one computing (default 2)")
     p.add_argument("--expert-io", choices=("async", "sync"), default="async",
                    help="with --experts-on-disk: start reads when the router chooses (async) or read when "
@@ -41,40 +66,46 @@ def run(args) -> int:
 
     from ..errors import CflowError
 
+    # Every option is checked before the model is loaded (ranges by the parser, combinations here).
     if (args.expert_cache_mb is not None or args.expert_io != "async") and not (args.experts_on_disk or
                                                                                 args.weights_on_disk):
         raise CflowError("--expert-cache-mb and --expert-io need --experts-on-disk")
     if args.read_ahead != 2 and not args.weights_on_disk:
         raise CflowError("--read-ahead needs --weights-on-disk")
-    if args.read_ahead < 0:
-        raise CflowError(f"--read-ahead must be >= 0, not {args.read_ahead}")
-    m = cflow.load(args.file, threads=args.threads, verify=args.verify,
+    if args.system is not None and not args.chat:
+        raise CflowError("--system needs --chat")
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as fh:
+                args.prompt = fh.read().removesuffix("\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CflowError(f"-f {args.prompt_file}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    elif args.prompt == "-" and not args.chat:
+        args.prompt = sys.stdin.read().removesuffix("\n")
+    m = cflow.load(args.file, threads=args.threads, verify=args.verify, max_seq=args.max_seq,
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                    expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
                    read_ahead=args.read_ahead)
-    if m.session.streamer is not None:
-        st = m.session.streamer
-        print(f"weights on disk: {st.bytes_per_token / 1e6:.1f} MB streamed per token in "
-              f"{st.requests_per_token} reads, {st.depth} stages read ahead, "
-              f"{'O_DIRECT' if st.direct else 'buffered'}", file=sys.stderr)
-    if m.session.tier is not None:
-        s = m.session
-        win = sorted(s.window_stages.values())
-        de = m.config.expert_delay
-        cache_mb = s.tier.slot_bytes * len(s.tier.slots) / 2**20
-        overlap = (f"de={de}: reads overlap {win[0]}..{win[-1]} stages of compute" if de and win[-1] else
-                   f"de={de}: no overlap window, every miss waits for its read")
-        print(f"experts on disk: {len(s.tier.slots)} cached experts ({cache_mb:.1f} MiB), "
-              f"{'O_DIRECT' if s.tier.direct else 'buffered'} reads, {args.expert_io}; {overlap}", file=sys.stderr)
     try:
-        text = isinstance(args.prompt, str) and m.tokenizer is not None
-        ids = m._ids(args.prompt)
+        if args.chat:
+            return _chat(m, args)
+        # The prompt and the sampling options are checked before anything is printed.
+        ids = m.check_request(args.prompt, 0, args.temperature, args.top_k, args.top_p, args.seed)
+        room = m.session.max_seq - len(ids) + 1  # new tokens that fit: the last one is sampled, never fed
+        n = args.max_new_tokens
+        if n is None:
+            n = min(DEFAULT_NEW_TOKENS, room)
+        elif n > room:
+            raise CflowError(f"-n {n}: the prompt is {len(ids)} tokens and the context {m.session.max_seq}, so at "
+                             f"most {room} new tokens fit (give -n {room} or a shorter prompt)")
+        _describe_tiers(m, args)
+        text = m.tokenizer is not None
         sys.stdout.write(args.prompt if text else " ".join(map(str, ids)))
         sys.stdout.flush()
         t0 = time.perf_counter()
         n_new = 0
         t_first = None
-        for piece in m.stream(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+        for piece in m.stream(ids if not text else args.prompt, n, args.temperature, args.top_k, args.top_p,
                               args.seed, stop=not args.no_stop):
             if t_first is None:
                 t_first = time.perf_counter()
@@ -96,3 +127,71 @@ def run(args) -> int:
     finally:
         m.close()
     return 0
+
+
+def _chat(m, args) -> int:
+    """The interactive loop: one user turn per input line, the reply streamed, the KV cache kept between turns."""
+    import sys
+    import time
+
+    from ..errors import CflowError
+
+    m._template()  # no template or no tokenizer: one error before the loop
+    m.check_request([0], 0, args.temperature, args.top_k, args.top_p, args.seed)
+    tty = sys.stdin.isatty()
+    history = [{"role": "system", "content": args.system}] if args.system is not None else []
+    n = args.max_new_tokens or DEFAULT_NEW_TOKENS
+    while True:
+        if tty:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if args.system is not None else []
+            continue
+        if not line.strip():
+            continue
+        turn = history + [{"role": "user", "content": line}]
+        t0, pieces, count = time.perf_counter(), [], 0
+        try:
+            for piece in m.stream_chat(turn, n, args.temperature, args.top_k, args.top_p, args.seed,
+                                       stop=not args.no_stop):
+                count += 1
+                pieces.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except CflowError as e:  # a turn that does not fit, a template error: say so, keep the conversation
+            sys.stdout.write("\n")
+            print(f"error: {e}" + (" (/reset starts a new conversation)" if "context" in str(e) else ""),
+                  file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history = turn + [{"role": "assistant", "content": "".join(pieces)}]
+        dt = time.perf_counter() - t0
+        print(f"[{m.reused_tokens} prompt tokens reused from the cache, {count} new tokens, "
+              f"{count / dt if dt > 0 else 0:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _describe_tiers(m, args) -> None:
+    import sys
+
+    s = m.session
+    if s.streamer is not None:
+        st = s.streamer
+        print(f"weights on disk: {st.bytes_per_token / 1e6:.1f} MB streamed per token in "
+              f"{st.requests_per_token} reads, {st.depth} stages read ahead, "
+              f"{'O_DIRECT' if st.direct else 'buffered'}", file=sys.stderr)
+    if s.tier is not None:
+        win = sorted(s.window_stages.values())
+        de = m.config.expert_delay
+        cache_mb = s.tier.slot_bytes * len(s.tier.slots) / 2**20
+        overlap = (f"de={de}: reads overlap {win[0]}..{win[-1]} stages of compute" if de and win[-1] else
+                   f"de={de}: no overlap window, every miss waits for its read")
+        print(f"experts on disk: {len(s.tier.slots)} cached experts ({cache_mb:.1f} MiB), "
+              f"{'O_DIRECT' if s.tier.direct else 'buffered'} reads, {args.expert_io}; {overlap}", file=sys.stderr)

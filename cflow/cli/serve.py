@@ -74,7 +74,10 @@ def run(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    server.run()  # Ctrl-C / SIGTERM: stop accepting, finish the lifespan (the engine closes), return
+    try:
+        server.run()  # Ctrl-C / SIGTERM: stop accepting, end the requests in flight, close the engine
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: for a server that is the normal stop
+        pass
     if not server.started:
         raise CflowError(f"could not listen on {args.host}:{args.port} (see the message above)")
     return 0

@@ -232,6 +232,13 @@ def _check_isa(isa: str) -> ISA:
     return ISA.parse(isa)
 
 
+def _goff(b, g, mult: int, add: int = 0):
+    """g * mult + add for a group index that is a Python int or an IR value (a runtime group loop)."""
+    if isinstance(g, int):
+        return g * mult + add
+    return b.add(b.mul(g, ir.Constant(i64, mult)), ir.Constant(i64, add))
+
+
 def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs):
     """One block unit (32 inputs) for the given groups: acc[g] += (codes . a) * d_w * d_a."""
     aptr = ptr(b, xq, b.mul(kb, ir.Constant(i64, BLOCK)))
@@ -240,12 +247,12 @@ def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs):
     bias = 8 if L.dtype == DType.Q4 else (128 if isa == ISA.AVX512VNNI else 0)
     corr = splat(b, b.mul(asum, ir.Constant(i32, bias)), 16) if bias else None
     for g in groups:
-        codes = ptr(b, unit, g * L.code_nbytes)
+        codes = ptr(b, unit, _goff(b, g, L.code_nbytes))
         block_int = _q4_block_int if L.dtype == DType.Q4 else _q8_block_int
         isum = block_int(b, isa, codes, aptr)
         if corr is not None:  # unsigned-code trick: sum((q - bias) * a) = sum(q * a) - bias * sum(a)
             isum = b.sub(isum, corr)
-        ws = half_to_float(b, load(b, unit, L.scales_offset + 32 * g, V(i16, 16)), isa)
+        ws = half_to_float(b, load(b, unit, _goff(b, g, 32, L.scales_offset), V(i16, 16)), isa)
         accs[g] = _fma(b, b.sitofp(isum, V(f32, 16)), b.fmul(ws, ad), accs[g], isa)
 
 
@@ -256,7 +263,7 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
     for k in range(BLOCK):
         xk = splat(b, b.load(ptr(b, xb, k), align=4), 16)
         for g in groups:
-            off = g * L.group_nbytes + k * 16 * esz
+            off = _goff(b, g, L.group_nbytes, k * 16 * esz)
             wv = (load(b, unit, off, V(f32, 16)) if esz == 4
                   else half_to_float(b, load(b, unit, off, V(i16, 16)), isa))
             accs[g] = _fma(b, wv, xk, accs[g], isa)
@@ -270,15 +277,16 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
     each pass runs over all units with its group sums in registers (`slots` are entry-block
     allocas that SROA promotes), so the 32 activation bytes of a unit are loaded once per pass and each
     weight vector once per unit for all activations (the multi-token kernels: the tile stays in L1/L2).
-    One activation is the decode mat-vec; per output the arithmetic is the same for any number of them."""
+    One activation is the decode mat-vec; per output the arithmetic is the same for any number of them.
+    Several activations with one group per pass run the passes as a loop (a fraction of the code to JIT)."""
     ng, UB = L.groups_per_tile, L.unit_nbytes
     nunits = L.cols_p // BLOCK
     na = len(acts)
     gp = max(1, len(slots) // na)  # groups per pass
     zf = ir.Constant(V(f32, 16), [0.0] * 16)
     outvs = [b.bitcast(out, P(V(f32, 16))) for out in outs]
-    for g0 in range(0, ng, gp):
-        groups = list(range(g0, min(ng, g0 + gp)))
+
+    def one_pass(groups, first):
         for s in slots[: na * gp]:
             b.store(zf, s)
         with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nunits // unroll), "kb") as it:
@@ -290,16 +298,23 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                     for off in range(0, UB, 64):
                         b.call(pf, [ptr(b, unit, prefetch + off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
                 for a, (x, xq, xd, xs) in enumerate(acts):
-                    accs = {g: b.load(slots[a * gp + g - g0]) for g in groups}
+                    accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
                     if L.dtype in (DType.Q4, DType.Q8):
                         _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs)
                     else:
                         _f_unit(b, L, isa, unit, kb, groups, accs, x)
-                    for g in groups:
-                        b.store(accs[g], slots[a * gp + g - g0])
+                    for k, g in enumerate(groups):
+                        b.store(accs[g], slots[a * gp + k])
         for a in range(na):
-            for g in groups:
-                b.store(b.load(slots[a * gp + g - g0]), ptr(b, outvs[a], g), align=4)
+            for k, g in enumerate(groups):
+                b.store(b.load(slots[a * gp + k]), ptr(b, outvs[a], g), align=4)
+
+    if na > 1 and gp == 1 and ng > 1:
+        with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, ng), "grp") as g:
+            one_pass([g], 0)
+        return
+    for g0 in range(0, ng, gp):
+        one_pass(list(range(g0, min(ng, g0 + gp))), g0)
 
 
 def _pick_unroll(nunits: int, unroll: int) -> int:
@@ -349,39 +364,44 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     return fn
 
 
-MATMAT_ARGS = MATVEC_ARGS + (i64,)  # ..., r0, r1, ntok
+MATMAT_ARGS = MATVEC_ARGS + (i64, i64, i64)  # ..., r0, r1, ntok, x_stride, y_stride
 
 
-def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_stride: int, y_stride: int, *,
-                x_stride: int | None = None, linkage: str = "external", token_group: int | None = None,
-                max_groups: int | None = None,
-                unroll: int = DEFAULT_UNROLL, prefetch: int = DEFAULT_PREFETCH,
+def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_stride: int, *,
+                tail: ir.Function | None = None, linkage: str = "external", token_group: int | None = None,
+                max_groups: int | None = None, unroll: int = 1, prefetch: int = DEFAULT_PREFETCH,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False) -> ir.Function:
     """Emit `name`: y[t][r0*TR : r1*TR] = W x_t for tokens t in [0, ntok) over tile-rows [r0, r1).
 
-    The multi-token twin of emit_matvec (same arguments, plus ntok): token t's int8 activation is at
-    xq + t*act_stride bytes (xd, xs: act_stride/32 elements), its float input (F16/F32 weights) at
-    x + t*x_stride floats (default act_stride), its output at y + t*y_stride floats.
+    The multi-token twin of emit_matvec (its arguments, plus ntok, x_stride, y_stride): token t's int8
+    activation is at xq + t*act_stride bytes (xd, xs: act_stride/32 elements), its float input (F16/F32
+    weights) at x + t*x_stride floats, its output at y + t*y_stride floats.
     Each tile-row is streamed from memory once and multiplied against every token while it sits in
-    L1/L2, `token_group` tokens per pass; per output the per-block arithmetic and its order are the
-    decode kernel's, so every token's result is bit-identical to a mat-vec of it alone.
+    L1/L2, `token_group` tokens per pass; the last ntok mod token_group tokens go through `tail` (the
+    layout's mat-vec, one tile-row per call; emitted here if not given). Per output the per-block
+    arithmetic and its order are the decode kernel's, so every token's result is bit-identical to a
+    mat-vec of it alone. Nothing here depends on the number of rows: one kernel serves every matrix
+    of a width.
     """
     _check_isa(isa)
     L = layout
     if act_stride % BLOCK or act_stride < L.cols_p:
         raise CodegenError(f"matmat: activation stride {act_stride} must be a multiple of {BLOCK} >= {L.cols_p}")
-    fn = new_function(module, name, MATMAT_ARGS, linkage, ("w", "x", "xq", "xd", "xs", "y", "r0", "r1", "ntok"),
-                      noalias=False)
-    w, x, xq, xd, xs, y, r0, r1, ntok = fn.args
+    if tail is None:
+        tail = emit_matvec(module, f"{name}_tail", layout, isa, linkage="internal", gate_up=gate_up, unroll=unroll,
+                           prefetch=prefetch, prefetch_locality=prefetch_locality)
+    fn = new_function(module, name, MATMAT_ARGS, linkage,
+                      ("w", "x", "xq", "xd", "xs", "y", "r0", "r1", "ntok", "x_stride", "y_stride"), noalias=False)
+    w, x, xq, xd, xs, y, r0, r1, ntok, x_stride, y_stride = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     isa = ISA.parse(isa)
-    # AVX-512 has 32 vector registers: 8 tokens x 2 row groups of accumulators; AVX2 and generic have 16.
+    # One row group of 8 tokens per pass (AVX-512: 32 registers), 4 elsewhere (16 registers, each <16 x f32>
+    # two of them). Measured on the Zen 4 host under load (a first pick: `cflow tune` is to choose per host):
+    # 8x1 beat 8x2 and 4x2, and a second unrolled unit per iteration only doubled the JIT time.
     tg = token_group or (8 if isa == ISA.AVX512VNNI else 4)
-    max_groups = max_groups or (16 if isa == ISA.AVX512VNNI else 8)
-    x_stride = act_stride if x_stride is None else x_stride
+    max_groups = max_groups or tg
     per_tok = max(1, max_groups // tg)
     slots = [b.alloca(V(f32, 16), name=f"acc{g}") for g in range(tg * min(per_tok, L.groups_per_tile))]
-    slots1 = [b.alloca(V(f32, 16), name=f"one{g}") for g in range(min(MAX_GROUPS, L.groups_per_tile))]
     rows = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"rows{t}"), P(f32)) for t in range(tg)]
     ups = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"up{t}"), P(f32)) for t in range(tg)] if gate_up else []
     unroll = _pick_unroll(L.cols_p // BLOCK, unroll)
@@ -389,7 +409,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     nblk = act_stride // BLOCK
 
     def act(t):
-        return (ptr(b, x, b.mul(t, ir.Constant(i64, x_stride))), ptr(b, xq, b.mul(t, ir.Constant(i64, act_stride))),
+        return (ptr(b, x, b.mul(t, x_stride)), ptr(b, xq, b.mul(t, ir.Constant(i64, act_stride))),
                 ptr(b, xd, b.mul(t, ir.Constant(i64, nblk))), ptr(b, xs, b.mul(t, ir.Constant(i64, nblk))))
 
     def tokens(r, t0, n, acc_slots):
@@ -402,7 +422,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
             _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), acts, acc_slots, ups[:n], unroll, prefetch,
                            prefetch_locality)
         for k, t in enumerate(ts):
-            y_row = ptr(b, y, b.add(b.mul(t, ir.Constant(i64, y_stride)), b.mul(r, ir.Constant(i64, L.tr))), V(f32, 16))
+            y_row = ptr(b, y, b.add(b.mul(t, y_stride), b.mul(r, ir.Constant(i64, L.tr))), V(f32, 16))
             for g in range(L.groups_per_tile):
                 v = load(b, rows[k], 16 * g, V(f32, 16), align=4)
                 if gate_up:
@@ -414,7 +434,8 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
         with Loop(b, ir.Constant(i64, 0), full, "tg") as q:
             tokens(r, b.mul(q, ir.Constant(i64, tg)), tg, slots)
         with Loop(b, b.mul(full, ir.Constant(i64, tg)), ntok, "t1") as t:
-            tokens(r, t, 1, slots1)
+            xt, xqt, xdt, xst = act(t)
+            b.call(tail, [w, xt, xqt, xdt, xst, ptr(b, y, b.mul(t, y_stride)), r, b.add(r, ir.Constant(i64, 1))])
     b.ret_void()
     return fn
 

@@ -53,7 +53,8 @@ def rmsnorm(m: ir.Module, n: int, n_pad: int, eps: float):
             b.store(cf(0.0), b.gep(out, [i]))
         b.ret_void()
 
-    return internal_function(m, ("rmsnorm", n, n_pad, repr(eps).replace(".", "p").replace("-", "m")), (P(f32),) * 3, build)
+    key = ("rmsnorm", n, n_pad, repr(eps).replace(".", "p").replace("-", "m"))
+    return internal_function(m, key, (P(f32),) * 3, build)
 
 def add_rows(m: ir.Module, arity: int):
     def build(b, out, *rest):

@@ -1,15 +1,17 @@
-"""The compiled decode step: one native function that runs a whole token, stage by stage.
+"""The compiled step: one native function that runs a whole token (or a block of tokens), stage by stage.
 
 Input: a lowered model (passes.state.CompileState: IR, packed tensors, schedule) and an ISA. Output:
-an llvmlite module with `cflow_step(ptrs, params, tid, nthreads, barrier)` (the ABI: codegen/abi.py). Every worker thread calls
-it once per token; threads split each step's tile-rows (kv heads for attention), and meet at a
-barrier in generated code after every stage. Shapes are constants; every address comes from the
-pointer table `ptrs` (filled by the runtime after it validated the file), so the IR text - and the
-cached object code - depends only on the model's shapes and schedule, not on where things live.
+an llvmlite module with `cflow_step(ptrs, params, tid, nthreads, barrier)` (the ABI: codegen/abi.py).
+Every worker thread calls it once per token (or per block of prompt tokens: params[MODE] = PREFILL);
+threads split each step's tile-rows (kv heads for attention), and meet at a barrier in generated code
+after every stage. Shapes are constants; every address comes from the pointer table `ptrs` (filled by
+the runtime after it validated the file), so the IR text - and the cached object code - depends only
+on the model's shapes and schedule, not on where things live.
 
 Per-thread scratch: the normalised activation, its int8 blocks, a temp vector, attention scores,
 router probabilities and each layer's top-k choice (private: every thread routes for itself, the
-same way, so no barrier is needed between routing and the expert mat-vecs).
+same way, so no barrier is needed between routing and the expert mat-vecs). The multi-token body
+keeps a copy of the per-token fields for every token of the block (abi.ScratchLayout).
 """
 
 from __future__ import annotations
@@ -152,18 +154,18 @@ class _Emitter:
                 self.t = None
 
     # --- kernels (emitted once per specialisation) ---------------------------------------
-    def matmat_fn(self, layout: TileLayout, x_stride: int, y_stride: int, gate_up: bool = False):
-        key = ("mm", layout.dtype.label, layout.rows, layout.cols, layout.tr, layout.tc, int(gate_up), x_stride,
-               y_stride)
+    def matmat_fn(self, layout: TileLayout, gate_up: bool = False):
+        # NOTE: keyed without the row count: one mat-mat serves every matrix of a width (JIT time).
+        key = ("mm", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up))
         fn = self.fns.get(key)
         if fn is None:
-            fn = K.emit_matmat(self.m, "_".join(map(str, key)), layout, self.isa, self.scratch.kmax, y_stride,
-                               x_stride=x_stride, linkage="internal", gate_up=gate_up)
+            fn = K.emit_matmat(self.m, "_".join(map(str, key)), layout, self.isa, self.scratch.kmax,
+                               tail=self.matvec_fn(layout, gate_up), linkage="internal", gate_up=gate_up)
             self.fns[key] = fn
         return fn
 
     def matvec_fn(self, layout: TileLayout, gate_up: bool = False):
-        key = ("mv", layout.dtype.label, layout.rows, layout.cols, layout.tr, layout.tc, int(gate_up))
+        key = ("mv", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up))  # rows: no matter
         fn = self.fns.get(key)
         if fn is None:
             fn = K.emit_matvec(self.m, "_".join(map(str, key)), layout, self.isa, linkage="internal", gate_up=gate_up)
@@ -198,7 +200,8 @@ class _Emitter:
         cols_p = padded(layout_cols, self.tc)
         if step.norm:
             norm_w = self.pointer(b, tensor_key(step.norm))
-            b.call(O.rmsnorm(self.m, self.d, max(cols_p, self.dp), self.cfg.norm_eps), [self.value_ptr(b, src), norm_w, xn])
+            b.call(O.rmsnorm(self.m, self.d, max(cols_p, self.dp), self.cfg.norm_eps),
+                   [self.value_ptr(b, src), norm_w, xn])
         if quantised:
             b.call(self.quant_fn(layout_cols, cols_p),
                    [xn, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
@@ -219,7 +222,7 @@ class _Emitter:
             xq, xd, xs = (b.gep(xq, [b.mul(first, c64(kmax))]), b.gep(xd, [b.mul(first, c64(kmax // BLOCK))]),
                           b.gep(xs, [b.mul(first, c64(kmax // BLOCK))]))
             n = b.sub(n, first)
-        b.call(self.matmat_fn(layout, x_stride, y_stride, gate_up), [w, x, xq, xd, xs, out, lo, hi, n])
+        b.call(self.matmat_fn(layout, gate_up), [w, x, xq, xd, xs, out, lo, hi, n, c64(x_stride), c64(y_stride)])
 
     def out_stride(self, value: str) -> int:
         return self.strides[self.sched.buffers[value].pool]

@@ -3,6 +3,7 @@
     preset:NAME[@SIZE]   random weights from_preset(NAME, SIZE, seed=0) (shapes only if weights=False)
     DIR                  a cflow checkpoint directory (config.json + model.safetensors)
     FILE.onnx            an ONNX decoder graph
+    FILE.gguf            a llama.cpp GGUF file (by suffix or magic)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def load_graph(model, weights: bool = True, seed: int = 0) -> Graph:
         p = Path(model)
         if not p.exists():
             raise CflowError(f"{p}: no such file or directory "
-                             "(expected preset:NAME[@SIZE], a model directory or an .onnx file)")
+                             "(expected preset:NAME[@SIZE], a model directory, an .onnx or a .gguf file)")
         if p.is_dir():
             from ..models.checkpoint import is_checkpoint_dir
 
@@ -48,6 +49,10 @@ def load_graph(model, weights: bool = True, seed: int = 0) -> Graph:
 
                 return from_hf_dir(p)
             raise CflowError(f"{p}: not a model directory (no config.json)")
+        from .gguf import from_gguf, is_gguf
+
+        if is_gguf(p):
+            return from_gguf(p)
         from . import from_onnx
 
         return from_onnx(p)

@@ -319,6 +319,9 @@ class ModelConfig:
         # An unshared model stays unshared when its depth changes (n_blocks follows n_layers).
         if "n_layers" in changes and "n_blocks" not in changes and self.n_blocks == self.n_layers:
             changes["n_blocks"] = changes["n_layers"]
+        # A fully rotated head stays fully rotated when its width changes (rope_dim follows head_dim).
+        if "head_dim" in changes and "rope_dim" not in changes and self.rope_dim == self.head_dim:
+            changes["rope_dim"] = changes["head_dim"]
         return attrs.evolve(self, **changes)
 
     # --- sizes ---------------------------------------------------------------------------

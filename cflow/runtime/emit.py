@@ -18,7 +18,7 @@ from .format.spec import FORMAT_NAME
 
 
 def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None) -> dict:
-    """The file header: config, delays, quantisation, tile, packing plan, schedule, tokenizer."""
+    """The file header: config, delays, quantisation, tile, packing plan, schedule, tokenizer, chat template."""
     g = state.graph
     m = g.meta
     return {
@@ -35,6 +35,7 @@ def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None
         "schedule": state.schedule.to_json(),
         "tokenizer": tokenizer,
         "eos_token_ids": list(eos or []),
+        "chat_template": m.chat_template,  # {"template", "bos_token", "eos_token"} or None (runtime/chat.py)
     }
 
 

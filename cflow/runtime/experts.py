@@ -16,8 +16,8 @@ followed by posix_fadvise(DONTNEED) (one warning), so the page cache does not ho
 from __future__ import annotations
 
 import collections
-import math
 import concurrent.futures as cf
+import math
 import os
 import threading
 import time
@@ -203,7 +203,7 @@ class ExpertTier:
 
     def reset(self) -> None:
         """After a failed or abandoned token: wait for reads in flight, drop every pin (cached data stays)."""
-        for i, s in enumerate(self.slots):
+        for s in self.slots:
             if s.future is not None and not s.future.done():
                 try:
                     s.future.result()

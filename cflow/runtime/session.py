@@ -403,7 +403,8 @@ class Session:
         if bad is not None:
             raise RuntimeFault(f"token id {bad} out of range 0..{self.config.vocab_size - 1}")
         if self.pos + len(ids) > self.max_seq:
-            raise RuntimeFault(f"prompt of {len(ids)} tokens does not fit the context ({self.max_seq - self.pos} left of {self.max_seq})")
+            raise RuntimeFault(f"prompt of {len(ids)} tokens does not fit the context "
+                               f"({self.max_seq - self.pos} left of {self.max_seq})")
         if self.tmax == 1:
             out = None
             for t in ids:

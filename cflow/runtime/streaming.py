@@ -31,7 +31,6 @@ from ..errors import RuntimeFault
 from ..layout.tile import aligned_empty
 from .format import spec as F
 
-
 MAX_GAP = 64 << 10  # bytes of other tensors (norms, biases) a request reads through rather than split
 
 

@@ -30,10 +30,16 @@ def read_tokenizer_file(path: str | os.PathLike) -> str:
             HFTokenizer.from_str(text)
         elif not isinstance(d := json.loads(text), dict) or not isinstance(d.get("model"), dict):
             raise ValueError("no \"model\" object")
-    except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exceptions for every kind of bad input
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CflowError(f"--tokenizer {os.fspath(path)}: not a valid tokenizer.json: {reason}") from None
+    except BaseException as e:  # noqa: BLE001 -- bare Exceptions for every kind of bad input, pyo3 panics
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CflowError(f"--tokenizer {os.fspath(path)}: not a valid tokenizer.json: {_first_line(e)}") from None
     return text
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 class Tokenizer:
@@ -44,13 +50,20 @@ class Tokenizer:
             raise CflowError("this model carries a tokenizer: install the 'tokenizers' package") from None
         try:
             self.tk = HFTokenizer.from_str(json_text)
-        except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exceptions
-            raise CflowError(f"stored tokenizer is not valid tokenizer.json: {e}") from None
+        except BaseException as e:  # noqa: BLE001 -- bare Exceptions, and pyo3 panics (BaseException) on odd input
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CflowError(f"stored tokenizer is not valid tokenizer.json: {_first_line(e)}") from None
         self.eos_ids = {int(i) for i in eos_ids}
         for tok in ("<|endoftext|>", "</s>", "<eos>", "<|im_end|>"):
             i = self.tk.token_to_id(tok)
             if i is not None and not eos_ids:
                 self.eos_ids.add(i)
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer knows, added tokens included."""
+        return self.tk.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids
@@ -79,8 +92,9 @@ def parse_id_prompt(prompt: str, vocab: int) -> list[int]:
     try:
         ids = [int(t) for t in prompt.split()]
     except ValueError:
-        raise CflowError("this model has no tokenizer: give the prompt as space-separated token ids "
-                         "(e.g. --prompt '1 2 3')") from None
+        raise CflowError("this model has no tokenizer (presets have random weights and none; `cflowc --tokenizer "
+                         "FILE` stores one): give the prompt as space-separated token ids, e.g. --prompt '1 2 3'") \
+            from None
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise CflowError(f"token id {bad[0]} out of range 0..{vocab - 1}")

@@ -114,6 +114,12 @@ def check_exportable(graph) -> None:
         raise UnsupportedModelError(f"GGUF export of {graph.name}: every layer needs a dense SwiGLU FFN")
     if c.head_dim % 2:
         raise UnsupportedModelError(f"GGUF export of {graph.name}: head_dim={c.head_dim} is odd")
+    variants = {"rope scaling": c.rope_scaling, "partial rotary": c.rope_dim != c.head_dim, "q/k norms": c.qk_norm,
+                "a non-SiLU activation": c.activation != "silu", "post norms": c.post_norms,
+                "soft-capping": c.attn_softcap or c.final_softcap, "a sliding window": c.sliding_window}
+    for what, present in variants.items():
+        if present:
+            raise UnsupportedModelError(f"GGUF export of {graph.name}: {what} is not written to the llama arch yet")
 
 
 # --- tokenizer ---------------------------------------------------------------------------------

@@ -1,0 +1,706 @@
+"""GGUF files (llama.cpp) -> IR: `from_gguf(path)`, behind `cflowc model.gguf` and `cflow.compile("model.gguf")`.
+
+Reading. The header (metadata and tensor infos) is parsed here with every length, count, type,
+dimension and offset checked against the file before it is used: one `GGUFError` naming the field
+and its file offset, never a crash, a hang or an allocation the file size does not bound. The data
+section is memory-mapped (numpy.memmap) and each tensor is read only when the compiler asks for it
+(lazy weights, one tensor, or one expert's slice, at a time). The PyPI `gguf` package supplies the
+type tables, token types and the dequantisers of every other type; its GGUFReader is not used: it
+trusts the file (a lying array length loops for as long as the length says) and builds one numpy
+object per array element (18 s for a 150k-token vocabulary).
+
+Tensors. Q4_0 and Q8_0 are cflow's Q4 and Q8 block for block: they become QTensors with the same
+bytes (bit-exact when compiled at the same --quant). F32, F16 and BF16 become float32 exactly. Every
+other type (K-quants, IQ*, Q5_*, ...) is dequantised with `gguf.quants` and requantised at compile
+time, with a one-line warning of the error that adds. llama.cpp's `llama` architecture stores q/k rows
+in adjacent-pair RoPE order (convert_hf_to_gguf permutes them): the inverse permutation is applied.
+
+Architectures: llama (Llama 1-3, Mistral; rope_freqs / linear / yarn scaling), qwen2 (q/k/v biases),
+qwen2moe (shared gated expert), qwen3 (q/k norms: IR and interpreter only for now), qwen3moe (same).
+Every other architecture is refused by name with the reason.
+
+Tokenizer: `llama` (SentencePiece) vocabularies become a byte-fallback BPE whose merges follow the
+scores, `gpt2` ones a byte-level BPE with the file's merges and the pre-tokeniser regex its
+`tokenizer.ggml.pre` names; control / user-defined tokens become added tokens; bos/eos/eot ids and
+`tokenizer.chat_template` are kept (graph.meta.tokenizer / chat_template / eos_token_ids).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CflowError, UnsupportedModelError
+from ..ir import Graph, build_graph, verify, weight_shapes
+from ..ir.config import ModelConfig
+from ..ir.rope import yarn_attention_factor
+from ..layout.quant import BLOCK, DType, QTensor, dequantize, quantize
+from .tensors import LazyWeights
+
+MAGIC = b"GGUF"
+MAX_CONTEXT = 4096
+MAX_ARRAY = 1 << 22  # elements in one metadata array (vocabularies are ~32k..262k; merges up to ~1M)
+MAX_ELEMENTS = 1 << 23  # metadata array elements in the whole file
+MAX_KEY = 1 << 16  # bytes of a key or tensor name
+MAX_TENSORS = 1 << 16
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_DEPTH = 1  # arrays of arrays are refused (llama.cpp reads none)
+
+_SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4), 7: ("?", 1),
+            10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
+_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+STRING, ARRAY = 8, 9
+_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+               8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+
+ARCHS = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+_PERMUTED = ("llama",)  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs whose converter reorders q/k rows
+_REFUSED = {
+    "gemma": "Gemma GGUFs are not read yet (the IR models Gemma: compile its Hugging Face directory)",
+    "gemma2": "Gemma 2 GGUFs are not read yet (the IR models Gemma 2: compile its Hugging Face directory)",
+    "gemma3": "Gemma 3 GGUFs are not read yet (the IR models Gemma 3: compile its Hugging Face directory)",
+    "phi3": "Phi-3 GGUFs (fused attn_qkv, rope factor tensors) are not read yet: compile the Hugging Face directory",
+    "olmoe": "OLMoE GGUFs are not read yet: compile the Hugging Face directory",
+    "granite": "Granite GGUFs (multipliers in the metadata) are not read yet: compile the Hugging Face directory",
+    "deepseek2": "multi-head latent attention is not modelled",
+    "mamba": "state-space models are not modelled",
+    "rwkv6": "RWKV is not modelled",
+    "bert": "encoder models are not modelled",
+    "t5": "encoder-decoder models are not modelled",
+}
+
+
+class GGUFError(CflowError):
+    """A GGUF file is malformed, truncated or lies about its own structure (names the field and offset)."""
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise CflowError("reading GGUF files needs the 'gguf' package: pip install 'gguf>=0.17'") from None
+    return gguf
+
+
+# --- the header, bounded ------------------------------------------------------------------------
+class _Tensor:
+    __slots__ = ("name", "dims", "type", "offset", "nbytes", "info_at")
+
+    def __init__(self, name, dims, type_, offset, nbytes, info_at):
+        self.name, self.dims, self.type, self.offset, self.nbytes, self.info_at = \
+            name, dims, type_, offset, nbytes, info_at
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """numpy order (GGUF dims are innermost-first)."""
+        return tuple(reversed(self.dims))
+
+
+class GGUFFile:
+    """A validated GGUF header and the memory-mapped file: `meta` (key -> value: int, float, bool, str,
+    a numpy array or a list of str), `tensors` (name -> _Tensor, offsets absolute), `data(t)` (the raw bytes)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        try:
+            self.size = os.path.getsize(self.path)
+            with open(self.path, "rb") as f:
+                self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else b""
+        except (OSError, ValueError) as e:
+            raise GGUFError(f"{self.path}: cannot open ({e})") from None
+        self.pos = 0
+        self.meta: dict = {}
+        self.meta_at: dict[str, int] = {}
+        self.tensors: dict[str, _Tensor] = {}
+        self._elements = 0
+        self._parse()
+
+    # bounded primitives
+    def _fail(self, what: str, at: int, why: str):
+        raise GGUFError(f"{self.path}: {what} at offset {at:#x}: {why}")
+
+    def _need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            self._fail(what, self.pos, f"needs {n} bytes, but the file ends at {self.size:#x} (truncated or lying)")
+
+    def _scalar(self, code: int, what: str):
+        fmt, n = _SCALARS[code]
+        self._need(n, what)
+        v = struct.unpack_from("<" + fmt, self.mm, self.pos)[0]
+        self.pos += n
+        return v
+
+    def _str(self, what: str, limit: int | None = None) -> str:
+        at = self.pos
+        n = self._scalar(10, f"{what} (string length)")
+        if limit is not None and n > limit:
+            self._fail(what, at, f"string length {n} exceeds the limit of {limit} bytes")
+        self._need(n, f"{what} ({n}-byte string)")
+        raw = self.mm[self.pos : self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self._fail(what, at, f"string is not UTF-8 ({e.reason} at byte {e.start})")
+
+    def _value(self, vtype: int, what: str, depth: int = 0):
+        if vtype in _SCALARS:
+            v = self._scalar(vtype, what)
+            return bool(v) if vtype == 7 else v
+        if vtype == STRING:
+            return self._str(what)
+        if vtype != ARRAY:
+            self._fail(what, self.pos - 4, f"unknown value type {vtype}")
+        at = self.pos
+        etype = self._scalar(4, f"{what} (array element type)")
+        count = self._scalar(10, f"{what} (array length)")
+        if etype == ARRAY and depth >= MAX_DEPTH:
+            self._fail(what, at, "arrays of arrays are not supported")
+        if etype not in _SCALARS and etype not in (STRING, ARRAY):
+            self._fail(what, at, f"unknown array element type {etype}")
+        if count > MAX_ARRAY:
+            self._fail(what, at, f"array of {count} elements exceeds the limit of {MAX_ARRAY}")
+        self._elements += count
+        if self._elements > MAX_ELEMENTS:
+            self._fail(what, at, f"more than {MAX_ELEMENTS} metadata array elements in the file")
+        if etype in _SCALARS:
+            n = count * _SCALARS[etype][1]
+            self._need(n, f"{what} ({count} x {_TYPE_NAMES[etype]})")
+            arr = np.frombuffer(self.mm, dtype=_NP[etype], count=count, offset=self.pos).copy()
+            self.pos += n
+            return arr.astype(bool) if etype == 7 else arr
+        minimum = 8 if etype == STRING else 12
+        if count * minimum > self.size - self.pos:
+            self._fail(what, at, f"array of {count} {_TYPE_NAMES[etype]}s cannot fit in the "
+                                 f"{self.size - self.pos} bytes left")
+        return [self._value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
+
+    def _parse(self) -> None:
+        gguf = _gguf()
+        self._need(4, "magic")
+        if self.mm[0:4] != MAGIC:
+            self._fail("magic", 0, f"{bytes(self.mm[0:4])!r} is not b'GGUF' (not a GGUF file)")
+        self.pos = 4
+        version = self._scalar(4, "version")
+        if version not in (2, 3):
+            why = "a big-endian GGUF (not supported)" if version & 0xFFFF == 0 else "only versions 2 and 3 are read"
+            self._fail("version", 4, f"version {version}: {why}")
+        n_tensors = self._scalar(10, "tensor_count")
+        n_kv = self._scalar(10, "kv_count")
+        if n_tensors > MAX_TENSORS or n_tensors * 24 > self.size:
+            self._fail("tensor_count", 8, f"{n_tensors} tensors cannot fit in a {self.size}-byte file")
+        if n_kv * 13 > self.size:
+            self._fail("kv_count", 16, f"{n_kv} metadata entries cannot fit in a {self.size}-byte file")
+        for i in range(n_kv):
+            at = self.pos
+            key = self._str(f"metadata entry {i} key", MAX_KEY)
+            if key in self.meta:
+                self._fail(f"metadata key {key!r}", at, "appears twice")
+            vtype = self._scalar(4, f"metadata {key!r} type")
+            self.meta_at[key] = at
+            self.meta[key] = self._value(vtype, f"metadata {key!r}")
+        align = self.meta.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & (align - 1) or align > 1 << 16:
+            self._fail("metadata 'general.alignment'", self.meta_at.get("general.alignment", 0),
+                       f"{align!r} is not a power of two up to 65536")
+        infos = []
+        sizes = gguf.GGML_QUANT_SIZES
+        types = {int(t) for t in gguf.GGMLQuantizationType}
+        for i in range(n_tensors):
+            at = self.pos
+            name = self._str(f"tensor info {i} name", MAX_KEY)
+            what = f"tensor {name!r}"
+            if name in self.tensors or any(name == t[0] for t in infos):
+                self._fail(what, at, "name appears twice")
+            ndim = self._scalar(4, f"{what} n_dims")
+            if not 1 <= ndim <= MAX_DIMS:
+                self._fail(what, at, f"n_dims={ndim} out of range 1..{MAX_DIMS}")
+            dims = tuple(self._scalar(10, f"{what} dim {k}") for k in range(ndim))
+            if any(d < 1 for d in dims):
+                self._fail(what, at, f"dims {dims}: every dimension must be >= 1")
+            ttype = self._scalar(4, f"{what} type")
+            if ttype not in types or gguf.GGMLQuantizationType(ttype) not in sizes:
+                self._fail(what, at, f"unknown tensor type {ttype}")
+            qt = gguf.GGMLQuantizationType(ttype)
+            block, tsize = sizes[qt]
+            n = 1
+            for d in dims:
+                n *= d  # Python ints: no overflow; bounded below by the file size
+                if n > self.size * max(1, block):
+                    self._fail(what, at, f"dims {dims} hold more elements than a {self.size}-byte file can")
+            if dims[0] % block:
+                self._fail(what, at, f"dims {dims}: {qt.name} rows must be whole blocks of {block}")
+            nbytes = n // block * tsize
+            offset = self._scalar(10, f"{what} offset")
+            if offset % align:
+                self._fail(what, at, f"data offset {offset:#x} is not a multiple of the alignment {align}")
+            infos.append((name, dims, qt, offset, nbytes, at))
+        data_start = -(-self.pos // align) * align
+        spans = []
+        for name, dims, qt, offset, nbytes, at in infos:
+            start = data_start + offset
+            if start + nbytes > self.size:
+                self._fail(f"tensor {name!r}", at, f"data [{start:#x}, {start + nbytes:#x}) runs past the end of the "
+                                                   f"file at {self.size:#x} (truncated?)")
+            spans.append((start, start + nbytes, name, at))
+            self.tensors[name] = _Tensor(name, dims, qt, start, nbytes, at)
+        spans.sort()
+        for (s0, e0, n0, _), (s1, _e1, n1, at1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                self._fail(f"tensor {n1!r}", at1, f"data at {s1:#x} overlaps tensor {n0!r} [{s0:#x}, {e0:#x})")
+        self.data_start = data_start
+
+    # access
+    def raw(self, t: _Tensor, start: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """uint8 view of (part of) a tensor's bytes (no copy: the file stays mapped)."""
+        n = t.nbytes - start if nbytes is None else nbytes
+        return np.frombuffer(self.mm, dtype=np.uint8, count=n, offset=t.offset + start)
+
+    def get(self, key: str, kind, default=None, required: bool = False):
+        """A metadata value checked to be of `kind` (int, float, str, bool, 'ints', 'floats', 'strs')."""
+        if key not in self.meta:
+            if required:
+                raise GGUFError(f"{self.path}: metadata {key!r} is missing")
+            return default
+        v, at = self.meta[key], self.meta_at[key]
+        ok = {
+            int: lambda x: isinstance(x, int) and not isinstance(x, bool),
+            float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x),
+            str: lambda x: isinstance(x, str),
+            bool: lambda x: isinstance(x, bool),
+            "ints": lambda x: isinstance(x, np.ndarray) and x.dtype.kind in "iu",
+            "floats": lambda x: isinstance(x, np.ndarray) and x.dtype.kind in "iuf",
+            "strs": lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x),
+        }[kind](v)
+        if not ok:
+            want = kind.__name__ if isinstance(kind, type) else f"an array of {kind}"
+            raise GGUFError(f"{self.path}: metadata {key!r} at offset {at:#x}: expected {want}, got {type(v).__name__}")
+        if kind is float:  # stored as float32 (most writers): its shortest decimal, e.g. 1e-05 not 9.99999974e-06
+            return float(str(np.float32(v))) if isinstance(v, float) and float(np.float32(v)) == v else float(v)
+        return v
+
+    def close(self) -> None:
+        if isinstance(self.mm, mmap.mmap):
+            try:
+                self.mm.close()
+            except BufferError:  # a weight view still alive: the mapping goes with it
+                pass
+
+
+# --- tensors ---------------------------------------------------------------------------------------
+def _qtensor(raw: np.ndarray, rows: int, cols: int, dt: DType) -> QTensor:
+    """GGUF Q4_0 / Q8_0 block bytes [rows, nblk * bs] -> QTensor (the inverse of layout.quant.to_gguf_bytes)."""
+    nblk = cols // BLOCK
+    bs = 18 if dt == DType.Q4 else 34
+    b = np.asarray(raw).reshape(rows, nblk, bs)
+    scales = np.ascontiguousarray(b[..., :2]).view(np.float16).reshape(rows, nblk)
+    if dt == DType.Q4:
+        qs = b[..., 2:]
+        q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1).astype(np.uint8)
+    else:
+        q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
+    return QTensor(dtype=dt, rows=rows, cols=cols, scales=np.ascontiguousarray(scales), q=np.ascontiguousarray(q))
+
+
+def _permute_rows(w, perm):
+    if perm is None:
+        return w
+    if isinstance(w, QTensor):
+        return QTensor(dtype=w.dtype, rows=w.rows, cols=w.cols, scales=w.scales[perm], q=w.q[perm])
+    return np.ascontiguousarray(w[perm])
+
+
+def _rope_unpermute(n_heads: int, head_dim: int) -> np.ndarray:
+    """Rows of llama.cpp's adjacent-pair q/k layout back to Hugging Face's rotate-half layout: HF row
+    h*hd + j*hd/2 + i is GGUF row h*hd + 2i + j (the inverse of runtime/format/gguf.rope_row_permutation)."""
+    half = head_dim // 2
+    h, i, j = np.meshgrid(np.arange(n_heads), np.arange(half), np.arange(2), indexing="ij")
+    fwd = (h * head_dim + j * half + i).reshape(-1)  # GGUF row r holds HF row fwd[r]
+    return np.argsort(fwd)
+
+
+class _Loader:
+    """Loads one IR weight from the file: the whole tensor, or expert `e` of a 3-D one; 1-D weights may be
+    reshaped (the shared-expert gate [d] -> [1, d])."""
+
+    def __init__(self, f: GGUFFile, t: _Tensor, expert: int | None = None, perm=None, shape=None):
+        self.f, self.t, self.expert, self.perm, self.shape = f, t, expert, perm, shape
+
+    def __call__(self):
+        gguf = _gguf()
+        f, t = self.f, self.t
+        Q = gguf.GGMLQuantizationType
+        block, tsize = gguf.GGML_QUANT_SIZES[t.type]
+        cols = t.dims[0]
+        rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
+        start = 0
+        if self.expert is not None:  # one expert of [E, rows_e, cols]
+            rows = t.dims[1]
+            start = self.expert * rows * (cols // block) * tsize
+        raw = f.raw(t, start, rows * (cols // block) * tsize)
+        if t.type == Q.Q4_0 or t.type == Q.Q8_0:
+            w = _qtensor(raw, rows, cols, DType.Q4 if t.type == Q.Q4_0 else DType.Q8)
+        elif t.type == Q.F32:
+            w = raw.view("<f4").reshape(rows, cols).astype(np.float32)
+        elif t.type == Q.F16:
+            w = raw.view("<f2").reshape(rows, cols).astype(np.float32)
+        elif t.type == Q.BF16:
+            w = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(rows, cols)
+        else:
+            try:
+                w = np.asarray(gguf.quants.dequantize(raw.reshape(rows, -1), t.type), np.float32).reshape(rows, cols)
+            except NotImplementedError:
+                raise GGUFError(f"{f.path}: tensor {t.name!r}: type {t.type.name} cannot be dequantised by the gguf "
+                                "package") from None
+        if len(t.dims) == 1 or (self.shape is not None and len(self.shape) == 1):
+            w = dequantize(w).reshape(-1)
+        w = _permute_rows(w, self.perm)
+        if self.shape is not None and not isinstance(w, QTensor):
+            w = w.reshape(self.shape)
+        return w
+
+
+# --- architecture -> config ------------------------------------------------------------------------
+def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple[ModelConfig, dict]:
+    def k(key, kind, default=None, required=False):
+        return f.get(f"{arch}.{key}", kind, default, required)
+
+    def scalar_or_uniform(key, default=None):
+        v = f.meta.get(f"{arch}.{key}", default)
+        if isinstance(v, np.ndarray):  # per-layer arrays (some converters): must be uniform
+            if v.size == 0 or (v != v[0]).any():
+                raise UnsupportedModelError(f"{f.path}: metadata '{arch}.{key}' differs per layer: not modelled")
+            v = int(v[0])
+        if v is None:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise GGUFError(f"{f.path}: metadata '{arch}.{key}' at offset {f.meta_at[f'{arch}.{key}']:#x}: "
+                            "expected an integer")
+        return v
+
+    d = k("embedding_length", int, required=True)
+    L = k("block_count", int, required=True)
+    H = scalar_or_uniform("attention.head_count")
+    if H is None:
+        raise GGUFError(f"{f.path}: metadata '{arch}.attention.head_count' is missing")
+    KV = scalar_or_uniform("attention.head_count_kv", H)
+    for key, v in (("embedding_length", d), ("block_count", L), ("attention.head_count", H),
+                   ("attention.head_count_kv", KV)):
+        if not 1 <= v <= 1 << 20:
+            raise GGUFError(f"{f.path}: metadata '{arch}.{key}'={v} out of range 1..{1 << 20}")
+    hd = k("attention.key_length", int, d // H)
+    if k("attention.value_length", int, hd) != hd:
+        raise UnsupportedModelError(f"{f.path}: '{arch}.attention.value_length' != key_length: not modelled")
+    rope_dim = k("rope.dimension_count", int, hd)
+    if rope_dim != hd:
+        raise UnsupportedModelError(f"{f.path}: '{arch}.rope.dimension_count'={rope_dim} < head dim {hd}: partial "
+                                    "rotary embeddings are not read from GGUF yet")
+    eps = k("attention.layer_norm_rms_epsilon", float, required=True)
+    theta = k("rope.freq_base", float, 10000.0)
+    ctx_file = k("context_length", int, MAX_CONTEXT)
+    ctx = int(max_seq_len or min(ctx_file, MAX_CONTEXT))
+    emb = f.tensors.get("token_embd.weight")
+    if emb is None or len(emb.dims) != 2 or emb.dims[0] != d:
+        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' missing or not [vocab, {d}]")
+    kw: dict = {}
+    stype = k("rope.scaling.type", str, "none")
+    if stype == "linear":
+        kw["rope_scaling"] = {"rope_type": "linear", "factor": k("rope.scaling.factor", float, required=True)}
+    elif stype == "yarn":
+        factor = k("rope.scaling.factor", float, required=True)
+        orig = k("rope.scaling.original_context_length", int, required=True)
+        kw["rope_scaling"] = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
+                              "attention_factor": k("rope.scaling.attn_factor", float, yarn_attention_factor(factor))}
+    elif stype != "none":
+        raise UnsupportedModelError(f"{f.path}: '{arch}.rope.scaling.type'={stype!r} is not modelled "
+                                    "(none, linear, yarn)")
+    rf = f.tensors.get("rope_freqs.weight")
+    if rf is not None:  # Llama 3.1+: per-frequency divisors, i.e. longrope with one factor set and no attention factor
+        if "rope_scaling" in kw:
+            raise UnsupportedModelError(f"{f.path}: rope_freqs.weight together with '{arch}.rope.scaling.type'")
+        if rf.dims != (hd // 2,):
+            raise GGUFError(f"{f.path}: tensor 'rope_freqs.weight' at offset {rf.info_at:#x}: dims {rf.dims}, "
+                            f"expected ({hd // 2},)")
+        factors = [float(x) for x in np.asarray(_Loader(f, rf)(), np.float64).reshape(-1)]
+        if not all(x > 0 and np.isfinite(x) for x in factors):
+            raise GGUFError(f"{f.path}: tensor 'rope_freqs.weight': factors must be positive")
+        kw["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors, "long_factor": factors,
+                              "original_max_position_embeddings": max(ctx, 1), "attention_factor": 1.0}
+    dense = [i + 1 for i in range(L) if f"blk.{i}.ffn_gate.weight" in f.tensors]
+    moe = [i + 1 for i in range(L) if f"blk.{i}.ffn_gate_inp.weight" in f.tensors]
+    both = sorted(set(dense) & set(moe))
+    if both:
+        raise UnsupportedModelError(f"{f.path}: block {both[0] - 1} has both a dense FFN and experts: not modelled")
+    missing = sorted(set(range(1, L + 1)) - set(dense) - set(moe))
+    if missing:
+        raise GGUFError(f"{f.path}: block {missing[0] - 1} has no feed-forward tensors (blk.{missing[0] - 1}.ffn_gate "
+                        "or ffn_gate_inp)")
+    if moe:
+        if arch not in ("qwen2moe", "qwen3moe"):
+            raise UnsupportedModelError(f"{f.path}: architecture {arch!r} with expert tensors is not modelled")
+        E = k("expert_count", int, required=True)
+        kw.update(n_experts=E, top_k=k("expert_used_count", int, required=True),
+                  expert_dim=k("expert_feed_forward_length", int, required=True),
+                  norm_topk=f.get(f"{arch}.expert_weights_norm", bool, arch == "qwen3moe"))
+        shexp = k("expert_shared_feed_forward_length", int, 0)
+        if "blk.0.ffn_gate_shexp.weight" in f.tensors:
+            kw.update(shared_expert_dim=shexp or f.tensors["blk.0.ffn_gate_shexp.weight"].dims[1],
+                      shared_expert_gate="blk.0.ffn_gate_inp_shexp.weight" in f.tensors)
+        if dense:
+            kw.update(ffn_dim=k("feed_forward_length", int, required=True), dense_layers=dense, moe_layers=moe)
+    else:
+        kw["ffn_dim"] = k("feed_forward_length", int, required=True)
+    qk = "blk.0.attn_q_norm.weight" in f.tensors
+    if qk:
+        qn = f.tensors["blk.0.attn_q_norm.weight"]
+        kw["qk_norm"] = "head" if qn.dims == (hd,) else "proj"
+    try:
+        c = ModelConfig(name=name, vocab_size=emb.dims[1], d_model=d, n_layers=L, n_heads=H, n_kv_heads=KV,
+                        head_dim=hd, rope_theta=theta, norm_eps=eps, max_seq_len=ctx,
+                        tie_embeddings="output.weight" not in f.tensors,
+                        attn_bias="blk.0.attn_q.bias" in f.tensors, **kw)
+    except CflowError as e:
+        raise GGUFError(f"{f.path}: the metadata does not describe a valid model: {e}") from None
+    return c, {"consumed": {"rope_freqs.weight"} if rf is not None else set()}
+
+
+_BLOCK = {  # GGUF tensor in blk.N -> IR weight in blocks.N (dense / attention)
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "attn.wq", "attn_k.weight": "attn.wk",
+    "attn_v.weight": "attn.wv", "attn_output.weight": "attn.wo", "attn_q.bias": "attn.bq",
+    "attn_k.bias": "attn.bk", "attn_v.bias": "attn.bv", "attn_q_norm.weight": "attn.q_norm",
+    "attn_k_norm.weight": "attn.k_norm", "ffn_gate.weight": "ffn.w_gate", "ffn_up.weight": "ffn.w_up",
+    "ffn_down.weight": "ffn.w_down", "ffn_gate_inp.weight": "moe.router",
+    "ffn_gate_shexp.weight": "moe.shared.w_gate", "ffn_up_shexp.weight": "moe.shared.w_up",
+    "ffn_down_shexp.weight": "moe.shared.w_down", "ffn_gate_inp_shexp.weight": "moe.shared_gate",
+}
+_EXPERTS = {"ffn_gate_exps.weight": "w_gate", "ffn_up_exps.weight": "w_up", "ffn_down_exps.weight": "w_down"}
+
+
+def _plan(f: GGUFFile, c: ModelConfig, arch: str, consumed: set) -> dict:
+    shapes = weight_shapes(c)
+    plan: dict = {}
+    used = set(consumed)
+    perm_q = _rope_unpermute(c.n_heads, c.head_dim) if arch in _PERMUTED else None
+    perm_k = _rope_unpermute(c.n_kv_heads, c.head_dim) if arch in _PERMUTED else None
+
+    def add(ir: str, t: _Tensor, expert=None, perm=None) -> None:
+        want = tuple(shapes[ir])
+        got = t.shape[1:] if expert is not None else t.shape
+        if tuple(got) != want and not (ir.endswith("shared_gate") and tuple(got) == want[1:]):
+            raise GGUFError(f"{f.path}: tensor {t.name!r} at offset {t.info_at:#x}: shape {tuple(got)}, the metadata "
+                            f"implies {want}")
+        plan[ir] = _Loader(f, t, expert, perm, want if ir.endswith("shared_gate") else None)
+        used.add(t.name)
+
+    globals_ = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm", "output.weight": "lm_head"}
+    for gname, ir in globals_.items():
+        if gname in f.tensors and (ir != "lm_head" or not c.tie_embeddings):
+            add(ir, f.tensors[gname])
+    for i in range(c.n_layers):
+        moe_layer = c.has_moe(i + 1)
+        for suffix, role in _BLOCK.items():
+            t = f.tensors.get(f"blk.{i}.{suffix}")
+            if t is None:
+                continue
+            perm = None
+            if suffix.startswith("attn_q.") and perm_q is not None:
+                perm = perm_q
+            elif suffix.startswith("attn_k.") and perm_k is not None:
+                perm = perm_k
+            add(f"blocks.{i}.{role}", t, perm=perm)
+        norm = f.tensors.get(f"blk.{i}.ffn_norm.weight")
+        if norm is not None:
+            add(f"blocks.{i}.{'moe_norm' if moe_layer else 'ffn_norm'}", norm)
+        for suffix, role in _EXPERTS.items():
+            t = f.tensors.get(f"blk.{i}.{suffix}")
+            if t is None:
+                continue
+            if len(t.dims) != 3 or t.dims[2] != c.n_experts:
+                raise GGUFError(f"{f.path}: tensor {t.name!r} at offset {t.info_at:#x}: dims {t.dims}, expected "
+                                f"3 dims with {c.n_experts} experts")
+            for e in range(c.n_experts):
+                add(f"blocks.{i}.moe.experts.{e}.{role}", t, expert=e)
+    left = [n for n in f.tensors if n not in used]
+    if left:
+        t = f.tensors[left[0]]
+        raise UnsupportedModelError(f"{f.path}: tensor {t.name!r} (info at offset {t.info_at:#x}) is not modelled "
+                                    f"by the IR for architecture {arch!r} ({len(left)} unused)")
+    missing = sorted(set(shapes) - set(plan))
+    if missing:
+        raise GGUFError(f"{f.path}: no tensor for weight {missing[0]!r} (expected its llama.cpp name)")
+    return plan
+
+
+def _loss_note(f: GGUFFile, plan: dict) -> str | None:
+    """One line on what requantising the non-cflow tensor types costs, measured on the smallest such matrix."""
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    exact = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q8_0}
+    lossy = [ld for ld in plan.values() if ld.t.type not in exact]
+    if not lossy:
+        return None
+    names = sorted({ld.t.type.name for ld in lossy})
+    mats = [ld for ld in lossy if len(ld.t.dims) >= 2]
+    if not mats:
+        return None
+    probe = min(mats, key=lambda ld: ld.t.nbytes // max(1, ld.t.dims[2] if len(ld.t.dims) == 3 else 1))
+    w = np.asarray(probe(), np.float32)
+    rms = float(np.sqrt(np.mean(w.astype(np.float64) ** 2))) or 1.0
+    errs = {q: float(np.sqrt(np.mean((dequantize(quantize(w, q)) - w).astype(np.float64) ** 2))) / rms
+            for q in (DType.Q4, DType.Q8)}
+    n = len({ld.t.name for ld in lossy})
+    return (f"{f.path}: {n} tensors stored as {'/'.join(names)} (no cflow equivalent) are dequantised and "
+            f"requantised when compiled: on {probe.t.name} that adds {100 * errs[DType.Q4]:.1f}% RMS error at q4, "
+            f"{100 * errs[DType.Q8]:.2f}% at q8, none at f16/f32")
+
+
+# --- tokenizer ---------------------------------------------------------------------------------------
+_REGEX = {
+    "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
+_PRE = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "llama-bpe": "llama3", "llama3": "llama3",
+        "smaug-bpe": "llama3", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2"}
+
+
+def _added(i: int, text: str, special: bool) -> dict:
+    return {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": not special, "special": special}
+
+
+def tokenizer_from_gguf(f: GGUFFile) -> tuple[str | None, dict | None, list[int]]:
+    """(tokenizer.json text, chat template dict, eos ids) from the file's tokenizer.ggml.* metadata."""
+    TT = _gguf().TokenType
+    model = f.get("tokenizer.ggml.model", str)
+    tokens = f.get("tokenizer.ggml.tokens", "strs")
+    template = f.get("tokenizer.chat_template", str)
+    bos = f.get("tokenizer.ggml.bos_token_id", int)
+    eos_ids = [v for v in (f.get(f"tokenizer.ggml.{k}_token_id", int) for k in ("eos", "eot", "eom")) if v is not None]
+    eos_ids = list(dict.fromkeys(eos_ids))
+    if model is None or tokens is None:
+        chat = {"template": template, "bos_token": None, "eos_token": None} if template else None
+        return None, chat, eos_ids
+    n = len(tokens)
+    bad = [i for i in eos_ids + ([bos] if bos is not None else []) if not 0 <= i < n]
+    if bad:
+        raise GGUFError(f"{f.path}: special token id {bad[0]} out of range 0..{n - 1}")
+    types = f.get("tokenizer.ggml.token_type", "ints")
+    if types is None:
+        types = np.full(n, int(TT.NORMAL))
+    if len(types) != n:
+        raise GGUFError(f"{f.path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+    unk = f.get("tokenizer.ggml.unknown_token_id", int)
+    added, vocab = [], {}
+    for i, (t, ty) in enumerate(zip(tokens, types.tolist())):
+        if ty in (int(TT.CONTROL), int(TT.USER_DEFINED)) or (ty == int(TT.UNKNOWN) and model == "llama"):
+            added.append(_added(i, t, ty != int(TT.USER_DEFINED)))
+        vocab.setdefault(t, i)
+    if len(vocab) != n:
+        warnings.warn(f"{f.path}: {n - len(vocab)} duplicate token strings; the later ids decode only", stacklevel=3)
+    if model == "llama":
+        scores = f.get("tokenizer.ggml.scores", "floats")
+        if scores is None or len(scores) != n:
+            raise GGUFError(f"{f.path}: a 'llama' vocabulary needs tokenizer.ggml.scores for every token")
+        normal = {t: float(s) for t, s, ty in zip(tokens, scores.tolist(), types.tolist())
+                  if ty in (int(TT.NORMAL), int(TT.USER_DEFINED), int(TT.UNUSED))}
+        merges = []
+        for piece, score in normal.items():  # as transformers' SentencePieceExtractor: every split of a piece
+            if len(piece) > 256:  # no merge builds a piece this long (bounds the work a hostile vocabulary costs)
+                continue
+            local = [(piece[:j], piece[j:]) for j in range(1, len(piece))
+                     if piece[:j] in normal and piece[j:] in normal]
+            local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+            merges += [(score, -len(merges) - k, m) for k, m in enumerate(local)]
+        merges.sort(key=lambda x: (x[0], x[1]), reverse=True)
+        prefix = f.get("tokenizer.ggml.add_space_prefix", bool, True)
+        unk_text = tokens[unk] if unk is not None and 0 <= unk < n else None
+        tj = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": {"type": "Sequence", "normalizers": ([{"type": "Prepend", "prepend": "\u2581"}] if prefix
+                                                               else []) + [
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+            "pre_tokenizer": None, "post_processor": None,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}] + ([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prefix else [])},
+            "model": {"type": "BPE", "dropout": None, "unk_token": unk_text, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                      "vocab": vocab, "merges": [list(m) for _, _, m in merges]},
+        }
+    elif model == "gpt2":
+        raw = f.get("tokenizer.ggml.merges", "strs") or []
+        merges = []
+        for j, m in enumerate(raw):
+            parts = m.split(" ")
+            if len(parts) != 2:
+                raise GGUFError(f"{f.path}: tokenizer.ggml.merges[{j}]={m!r} is not two tokens")
+            merges.append(parts)
+        pre = f.get("tokenizer.ggml.pre", str, "default")
+        regex = _PRE.get(pre)
+        if regex is None:
+            warnings.warn(f"{f.path}: tokenizer.ggml.pre={pre!r} is not known here: pre-tokenising with GPT-2's "
+                          "regex (tokens may differ from llama.cpp's)", stacklevel=3)
+            regex = "gpt2"
+        tj = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": _REGEX[regex]}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                      "ignore_merges": regex == "llama3", "vocab": vocab, "merges": merges},
+        }
+    else:
+        raise UnsupportedModelError(f"{f.path}: tokenizer.ggml.model={model!r} is not converted (llama, gpt2); "
+                                    "give a tokenizer.json with --tokenizer")
+    chat = None
+    if template:
+        chat = {"template": template, "bos_token": tokens[bos] if bos is not None else None,
+                "eos_token": tokens[eos_ids[0]] if eos_ids else None}
+    return json.dumps(tj, ensure_ascii=False), chat, eos_ids
+
+
+# --- the front door -----------------------------------------------------------------------------------
+def is_gguf(path) -> bool:
+    p = Path(path)
+    if p.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(p, "rb") as fh:
+            return fh.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def from_gguf(path, name: str | None = None, max_seq_len: int | None = None) -> Graph:
+    """A GGUF file -> verified Graph whose weights are read lazily from the mapped file."""
+    f = GGUFFile(path)
+    arch = f.get("general.architecture", str, required=True)
+    if arch in _REFUSED:
+        raise UnsupportedModelError(f"{f.path}: architecture {arch!r}: {_REFUSED[arch]}")
+    if arch not in ARCHS:
+        raise UnsupportedModelError(f"{f.path}: architecture {arch!r} is not supported by the GGUF importer "
+                                    f"(supported: {', '.join(ARCHS)})")
+    name = name or f.get("general.name", str) or Path(f.path).stem
+    config, extra = _config(f, arch, name, max_seq_len)
+    plan = _plan(f, config, arch, extra["consumed"])
+    tok, chat, eos = tokenizer_from_gguf(f)
+    note = _loss_note(f, plan)
+    if note:
+        warnings.warn(note, stacklevel=2)
+    g = build_graph(config, None, name=config.name)
+    g.weights = LazyWeights(plan)
+    g.meta.tokenizer, g.meta.chat_template, g.meta.eos_token_ids = tok, chat, eos
+    g.meta.source = f"gguf:{arch}"
+    return verify(g)

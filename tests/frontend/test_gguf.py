@@ -1,0 +1,335 @@
+"""GGUF import (cflow.frontend.gguf): files written by our exporter and by the `gguf` package read back to the
+source's logits; Q4_0/Q8_0 bit-exact; other types requantised with a note; tokenizers converted; bad files
+refused with one error naming the field and offset. Every file is written by the test itself."""
+
+from __future__ import annotations
+
+import json
+import struct
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cflow.compiler import lower
+from cflow.errors import CflowError, UnsupportedModelError
+from cflow.frontend import from_torch
+from cflow.frontend.gguf import GGUFError, GGUFFile, from_gguf
+from cflow.frontend.load import load_graph
+from cflow.ir import build_graph, interpret
+from cflow.ir.build import weight_shapes
+from cflow.ir.config import ModelConfig
+from cflow.ir.rope import inv_freq
+from cflow.layout.quant import QTensor, to_gguf_bytes
+from cflow.runtime.format.gguf import export_gguf
+
+from ._gguf import write_gguf
+from ._models import hf_logits, hf_model, incremental
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+DENSE = ModelConfig(name="tiny_dense", vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                    max_seq_len=64, rope_theta=10000.0, norm_eps=1e-5)
+KNOBS = DENSE.evolve(name="tiny_knobs", n_heads=2, n_kv_heads=1, head_dim=32, attn_bias=True, tie_embeddings=True,
+                     rope_theta=500000.0, norm_eps=1e-6)
+IDS = np.random.default_rng(1).integers(0, 256, 20)
+BUNDLED_TOKENIZER = Path(__file__).resolve().parents[2] / "cflow" / "data" / "default" / "tokenizer.json"
+
+
+def _weights(c: ModelConfig, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in weight_shapes(c).items():
+        if len(shape) == 1 and not name.endswith((".bq", ".bk", ".bv")):
+            out[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            std = 0.5 if name in ("lm_head", "tok_embeddings") else 0.1
+            out[name] = (std * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def _graph(c: ModelConfig):
+    return build_graph(c, _weights(c), name=c.name)
+
+
+# --- our exporter, read back ----------------------------------------------------------------------
+@pytest.mark.parametrize("config", [DENSE, KNOBS], ids=["dense", "knobs"])
+def test_exported_f32_reads_back_to_the_same_model(tmp_path, config):
+    g = _graph(config)
+    export_gguf(g, tmp_path / "m.gguf")
+    back = load_graph(tmp_path / "m.gguf")  # by suffix, through the front door
+    assert back.config == config and back.meta.source == "gguf:llama"
+    assert np.abs(interpret(back, IDS) - interpret(g, IDS)).max() <= 1e-6  # q/k rows un-permuted
+    assert back.meta.eos_token_ids == [2] and json.loads(back.meta.tokenizer)["model"]["type"] == "BPE"
+
+
+@pytest.mark.parametrize("quant", ["q4", "q8"])
+def test_q4_q8_blocks_are_copied_bit_exactly(tmp_path, quant):
+    src = lower(_graph(KNOBS), quant).graph
+    export_gguf(src, tmp_path / "m.gguf")
+    back = from_gguf(tmp_path / "m.gguf")
+    mats = [n for n in src.meta.shapes if isinstance(src.weights[n], QTensor)]
+    assert len(mats) == 2 * 7 + 1
+    for n in mats:
+        w = back.weights[n]
+        assert isinstance(w, QTensor) and w.dtype == src.weights[n].dtype, n
+        assert np.array_equal(to_gguf_bytes(w), to_gguf_bytes(src.weights[n])), n
+    again = lower(back, quant).graph  # compiling at the same type passes the blocks through untouched
+    for n in mats:
+        assert np.array_equal(to_gguf_bytes(again.weights[n]), to_gguf_bytes(src.weights[n])), n
+    assert np.abs(interpret(back, IDS) - interpret(src, IDS)).max() <= 1e-6
+
+
+# --- files written by the gguf package, llama.cpp's way ------------------------------------------------
+def _llama3_rope_freqs(c: ModelConfig) -> np.ndarray:
+    """llama.cpp's rope_freqs.weight for a Llama 3.1 config: default frequency / scaled frequency."""
+    default, _ = inv_freq(c.head_dim, c.rope_theta)
+    scaled, _ = inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    return (default.astype(np.float64) / scaled).astype(np.float32)
+
+
+CASES = {  # GGUF arch -> (HF family, its overrides)
+    "llama": ("llama3", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen2moe": ("qwen2_moe", {"mlp_only_layers": []}),
+    "qwen3": ("qwen3", {}),
+    "qwen3moe": ("qwen3_moe", {"mlp_only_layers": []}),
+}
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_gguf_package_files_match_transformers(tmp_path, arch):
+    family, over = CASES[arch]
+    m = hf_model(family, **over)
+    g = from_torch(m)
+    c = g.config
+    extra, meta = {}, {}
+    if c.rope_scaling:  # Llama 3.x: the scaling travels as rope_freqs.weight, as llama.cpp writes it
+        extra["rope_freqs.weight"] = (_llama3_rope_freqs(c), None)
+    if arch == "qwen3moe":
+        meta["add_expert_weights_norm"] = True
+    write_gguf(g, tmp_path / "m.gguf", arch, extra_tensors=extra, metadata=meta)
+    back = from_gguf(tmp_path / "m.gguf")
+    assert back.config.evolve(rope_scaling=None) == c.evolve(name=back.config.name, rope_scaling=None)
+    ref = hf_logits(m, IDS)
+    assert np.abs(interpret(back, IDS) - ref).max() <= 1e-4
+    assert np.abs(incremental(back, IDS, 7) - ref).max() <= 1e-4
+
+
+def test_other_types_are_dequantised_with_a_note_and_bf16_is_exact(tmp_path):
+    g = _graph(DENSE)
+    write_gguf(g, tmp_path / "m.gguf", "llama", qtype=Q.Q5_0)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        back = from_gguf(tmp_path / "m.gguf")
+    note = [str(x.message) for x in w if "requantised" in str(x.message)]
+    assert len(note) == 1 and "Q5_0" in note[0] and "% RMS error at q4" in note[0] and "\n" not in note[0]
+    r = GGUFFile(tmp_path / "m.gguf")
+    t = r.tensors["blk.0.ffn_up.weight"]
+    want = gguf.quants.dequantize(r.raw(t).reshape(t.shape[0], -1), Q.Q5_0)
+    assert np.array_equal(back.weights["blocks.0.ffn.w_up"], want)
+    # BF16 -> f32 exactly
+    g2 = _graph(DENSE)
+    emb = g2.weights["tok_embeddings"]
+    bf = (emb.view(np.uint32) >> 16).astype(np.uint16)
+    write_gguf(g2, tmp_path / "b.gguf", "llama", drop=("token_embd.weight",),
+               extra_tensors={"token_embd.weight": (bf.view(np.uint8).reshape(emb.shape[0], -1), Q.BF16)})
+    back2 = from_gguf(tmp_path / "b.gguf")
+    assert np.array_equal(back2.weights["tok_embeddings"], (bf.astype(np.uint32) << 16).view(np.float32))
+
+
+def test_k_quant_tensor_is_read_through_the_gguf_dequantiser(tmp_path):
+    """A Q6_K head (random but valid blocks: any codes, finite scales)."""
+    c = DENSE.evolve(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256)
+    g = _graph(c)
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (c.vocab_size, 210), dtype=np.uint8)
+    blocks[:, 192:208] = rng.integers(-30, 30, (c.vocab_size, 16)).astype(np.int8).view(np.uint8)  # scales
+    blocks[:, 208:210] = np.full((c.vocab_size, 1), 0.001, np.float16).view(np.uint8)  # d
+    write_gguf(g, tmp_path / "k.gguf", "llama", drop=("output.weight",),
+               extra_tensors={"output.weight": (blocks, Q.Q6_K)})
+    with pytest.warns(UserWarning, match="Q6_K"):
+        back = from_gguf(tmp_path / "k.gguf")
+    want = gguf.quants.dequantize(blocks, Q.Q6_K).reshape(c.vocab_size, 256)
+    assert np.array_equal(back.weights["lm_head"], want)
+
+
+# --- tokenizers and chat templates -------------------------------------------------------------------
+TEXTS = ["Once upon a time, a little fox found 3 red apples.", "  two  spaces\nand a newline", "émigré naïve 😀",
+         "<s>special?</s> it's 12345 dogs"]
+
+
+@pytest.mark.skipif(not BUNDLED_TOKENIZER.exists(), reason="no bundled tokenizer.json")
+def test_byte_level_bpe_round_trips(tmp_path):
+    from tokenizers import Tokenizer
+
+    spec = json.loads(BUNDLED_TOKENIZER.read_text())
+    n = len(spec["model"]["vocab"]) + len(spec.get("added_tokens", []))
+    g = _graph(DENSE.evolve(vocab_size=max(n, 320)))
+    export_gguf(g, tmp_path / "m.gguf", tokenizer_json=str(BUNDLED_TOKENIZER))
+    back = from_gguf(tmp_path / "m.gguf")
+    ours, theirs = Tokenizer.from_str(back.meta.tokenizer), Tokenizer.from_file(str(BUNDLED_TOKENIZER))
+    for t in TEXTS:
+        ids = theirs.encode(t, add_special_tokens=False).ids
+        assert ours.encode(t, add_special_tokens=False).ids == ids, t
+        assert ours.decode(ids) == theirs.decode(ids)
+
+
+def _spm_reference(text: str, tokens: list[str], scores: list[float]) -> list[int]:
+    """llama.cpp's SentencePiece tokenisation: merge the adjacent pair whose union is the highest-scored vocabulary
+    piece (leftmost on ties) until none is; pieces left outside the vocabulary become their UTF-8 byte tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    syms = list("\u2581" + text.replace(" ", "\u2581"))
+    while True:
+        best = None
+        for i in range(len(syms) - 1):
+            j = vocab.get(syms[i] + syms[i + 1])
+            if j is not None and (best is None or scores[j] > scores[best[1]]):
+                best = (i, j)
+        if best is None:
+            break
+        i = best[0]
+        syms[i : i + 2] = [syms[i] + syms[i + 1]]
+    out = []
+    for s in syms:
+        out += [vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode()]
+    return out
+
+
+def test_sentencepiece_vocabulary_tokenises_like_llama_cpp(tmp_path):
+    from tokenizers import Tokenizer
+
+    TT = gguf.TokenType
+    pieces = ["\u2581", "o", "n", "c", "e", "u", "p", "a", "t", "i", "m", "\u2581o", "\u2581on", "on", "ce", "\u2581once",
+              "up", "\u2581up", "\u2581a", "\u2581t", "ti", "me", "\u2581time", "\u2581ti", "im", "pon", "\u2581upon"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    types = [TT.UNKNOWN, TT.CONTROL, TT.CONTROL] + [TT.BYTE] * 256 + [TT.NORMAL] * len(pieces)
+    c = DENSE.evolve(vocab_size=len(tokens))
+    write_gguf(_graph(c), tmp_path / "s.gguf", "llama", tokenizer=("llama", tokens, scores, [int(t) for t in types],
+                                                                   None),
+               chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    back = from_gguf(tmp_path / "s.gguf")
+    tok = Tokenizer.from_str(back.meta.tokenizer)
+    for text in ["once upon a time", "time upon once", "no match é", "up up a"]:
+        assert tok.encode(text, add_special_tokens=False).ids == _spm_reference(text, tokens, scores), text
+        assert tok.decode(_spm_reference(text, tokens, scores)) == text
+    assert tok.encode("<s>once", add_special_tokens=False).ids[0] == 1  # control tokens are special
+    assert back.meta.chat_template == {"template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                                       "bos_token": "<s>", "eos_token": "</s>"}
+    assert back.meta.eos_token_ids == [2]
+
+
+# --- the front door ---------------------------------------------------------------------------------
+def test_cflowc_compiles_a_gguf_and_the_runtime_runs_it(tmp_path):
+    import cflow
+    from cflow.cli import cflowc_main
+
+    src = lower(_graph(DENSE), "q8").graph
+    export_gguf(src, tmp_path / "m.gguf")
+    assert cflowc_main([str(tmp_path / "m.gguf"), "-o", str(tmp_path / "m.vflow"), "--quant", "q8"]) == 0
+    m = cflow.load(tmp_path / "m.vflow", threads=1)
+    from cflow.ir import Interpreter
+
+    it = Interpreter(src, act_quant="q8")
+    ids = [int(i) for i in IDS[:12]]
+    assert np.abs(m.logits(ids) - it.run(ids)[-1]).max() <= 1e-3
+    m.close()
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("gguf") / "good.gguf"
+    g = _graph(DENSE)
+    export_gguf(g, p)
+    return p
+
+
+def _patch(src: Path, dst: Path, at: int, fmt: str, value) -> Path:
+    blob = bytearray(src.read_bytes())
+    struct.pack_into("<" + fmt, blob, at, value)
+    dst.write_bytes(bytes(blob))
+    return dst
+
+
+def _string_len_at(f: GGUFFile, key: str) -> int:
+    return f.meta_at[key]  # a key's entry starts with its length
+
+
+def _lies(good: Path):
+    f = GGUFFile(good)
+    t = f.tensors["blk.0.attn_q.weight"]
+    name_len = len(t.name.encode())
+    dims_at = t.info_at + 8 + name_len + 4  # name (u64 length + bytes), n_dims
+    type_at = dims_at + 8 * len(t.dims)
+    off_at = type_at + 4
+    tokens_at = f.meta_at["tokenizer.ggml.tokens"]
+    tokens_count_at = tokens_at + 8 + len(b"tokenizer.ggml.tokens") + 4 + 4
+    return [
+        ("tensor_count", 8, "Q", 1 << 40, "tensor_count"),
+        ("kv_count", 16, "Q", 1 << 40, "kv_count"),
+        ("key length past EOF", 24, "Q", 1 << 50, "metadata entry 0 key"),
+        ("value type", f.meta_at["general.architecture"] + 8 + len(b"general.architecture"), "I", 77,
+         "unknown value type"),
+        ("array length", tokens_count_at, "Q", 1 << 30, "tokenizer.ggml.tokens"),
+        ("n_dims", dims_at - 4, "I", 9, "n_dims=9"),
+        ("dim", dims_at + 8, "Q", 1 << 40, "dims"),
+        ("dims overflow", dims_at, "Q", (1 << 64) - 32, "dims"),
+        ("tensor type", type_at, "I", 999, "unknown tensor type 999"),
+        ("offset past EOF", off_at, "Q", 1 << 40, "runs past the end"),
+        ("offset misaligned", off_at, "Q", t.offset - f.data_start + 4, "alignment"),
+        ("overlap", off_at, "Q", f.tensors["token_embd.weight"].offset - f.data_start, "overlaps"),
+        ("version", 4, "I", 7, "version 7"),
+        ("magic", 0, "I", 0x12345678, "not a GGUF file"),
+    ]
+
+
+def test_lying_headers_are_refused_by_field_and_offset(tmp_path, good_file):
+    for what, at, fmt, value, needle in _lies(good_file):
+        bad = _patch(good_file, tmp_path / "bad.gguf", at, fmt, value)
+        with pytest.raises(GGUFError) as e:
+            from_gguf(bad)
+        msg = str(e.value)
+        assert needle in msg and "offset 0x" in msg and "\n" not in msg, (what, msg)
+
+
+def test_truncated_files_are_refused(tmp_path, good_file):
+    blob = good_file.read_bytes()
+    f = GGUFFile(good_file)
+    cuts = [0, 3, 10, 30, f.meta_at["tokenizer.ggml.tokens"] + 5, f.data_start - 1, f.data_start + 10, len(blob) - 1]
+    for n in cuts:
+        (tmp_path / "t.gguf").write_bytes(blob[:n])
+        with pytest.raises(GGUFError, match="offset 0x"):
+            from_gguf(tmp_path / "t.gguf")
+
+
+def test_unknown_architecture_and_bad_metadata_are_named(tmp_path):
+    g = _graph(DENSE)
+    write_gguf(g, tmp_path / "a.gguf", "gemma2")
+    with pytest.raises(UnsupportedModelError, match="architecture 'gemma2': Gemma 2 GGUFs are not read yet"):
+        from_gguf(tmp_path / "a.gguf")
+    write_gguf(g, tmp_path / "b.gguf", "falcon")
+    with pytest.raises(UnsupportedModelError, match="architecture 'falcon' is not supported by the GGUF importer"):
+        from_gguf(tmp_path / "b.gguf")
+    write_gguf(g, tmp_path / "c.gguf", "llama", drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(GGUFError, match="no tensor for weight 'blocks.1.ffn.w_up'"):
+        from_gguf(tmp_path / "c.gguf")
+    write_gguf(g, tmp_path / "d.gguf", "llama", extra_tensors={"blk.0.attn_sinks.weight": (np.ones(4, np.float32),
+                                                                                          None)})
+    with pytest.raises(UnsupportedModelError, match="tensor 'blk.0.attn_sinks.weight'"):
+        from_gguf(tmp_path / "d.gguf")
+
+
+def test_cflowc_on_a_bad_gguf_writes_nothing(tmp_path, good_file, capsys):
+    from cflow.cli import cflowc_main
+
+    bad = _patch(good_file, tmp_path / "bad.gguf", 8, "Q", 1 << 40)
+    assert cflowc_main([str(bad), "-o", str(tmp_path / "out.vflow")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "tensor_count" in err and err.count("\n") == 1
+    assert not (tmp_path / "out.vflow").exists()
+    with pytest.raises(CflowError):
+        load_graph(bad)
