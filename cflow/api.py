@@ -65,7 +65,7 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
 
 def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
          experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async",
-         weights: str = "ram", read_ahead: int = 2) -> CompiledModel:
+         weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64, max_batch: int = 1) -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
@@ -76,6 +76,8 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
             or 'sync' (read when needed, blocking: the baseline the overlap is measured against).
         weights: 'disk' streams the big non-expert matrices from the file every token, stage by stage,
             `read_ahead` stages ahead (a model larger than RAM still decodes; experts go to disk too).
+        prefill_block: prompt tokens per native call (each weight tile read once per block); 1 = token by token.
+        max_batch: sequences (KV-cache slots) that batch_step advances together in one pass over the weights.
     """
     from .runtime.session import Session
 
@@ -84,7 +86,7 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
         raise CflowError(f"{p}: no such file")
     return CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
                                  expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
-                                 read_ahead=read_ahead))
+                                 read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch))
 
 
 class CompiledModel:
@@ -294,6 +296,60 @@ class CompiledModel:
         out = list(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop))
         if isinstance(prompt, str) and self.tokenizer is not None:
             return "".join(out)
+        return out
+
+    # --- several sequences at once (load(..., max_batch=B)) -------------------------------------
+    def batch_start(self, prompt, slot: int) -> np.ndarray:
+        """Empty KV-cache slot `slot` and feed it a prompt (ids or text); returns its last logits [vocab]."""
+        ids = self._ids(prompt)
+        with self._generation() as s:
+            s.reset(slot)
+            self._ctx = []  # slot 0's cache no longer holds the single-sequence API's context
+            return s.prefill(ids, slot=slot)
+
+    def batch_step(self, tokens, slots) -> np.ndarray:
+        """Advance each slot by one token in one pass over the weights; logits [len(slots), vocab].
+
+        Slots are independent (own positions and KV cache): any subset may step, a finished one may be
+        restarted with batch_start while the others go on (continuous batching)."""
+        with self._generation() as s:
+            self._ctx = []
+            return s.step_batch(tokens, slots)
+
+    def generate_batch(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int | None = None, stop: bool = True) -> list:
+        """generate() for several prompts decoded together (at most max_batch); a list of their outputs."""
+        from .runtime.sampling import Sampler
+
+        if not prompts or len(prompts) > self.session.n_slots:
+            raise CflowError(f"generate_batch takes 1..{self.session.n_slots} prompts (max_batch), "
+                             f"got {len(prompts)}")
+        samplers = [Sampler(temperature, top_k, top_p, None if seed is None else seed + i)
+                    for i in range(len(prompts))]
+        new: list[list[int]] = [[] for _ in prompts]
+        live, toks = [], []
+        for i, p in enumerate(prompts):
+            tok = samplers[i](self.batch_start(p, i))
+            if not (stop and tok in self.eos_ids):
+                new[i].append(tok)
+                live.append(i)
+                toks.append(tok)
+        while live:
+            room = self.session.slot_pos < self.session.max_seq
+            live_now = [i for i in live if len(new[i]) < max_new_tokens and room[i]]
+            if not live_now:
+                break
+            logits = self.batch_step([new[i][-1] for i in live_now], live_now)
+            live = []
+            for row, i in zip(logits, live_now):
+                tok = samplers[i](row)
+                if stop and tok in self.eos_ids:
+                    continue
+                new[i].append(tok)
+                live.append(i)
+        out = []
+        for p, ids in zip(prompts, new):
+            out.append(self.tokenizer.decode(ids) if isinstance(p, str) and self.tokenizer is not None else ids)
         return out
 
     # --- chat ------------------------------------------------------------------------------

@@ -33,14 +33,14 @@ class Param(enum.IntEnum):
     POS = 1  # its position (KV-cache row, RoPE angle)
     STAGE_LO = 2  # segmented steps only: run stages [STAGE_LO, STAGE_HI) of the schedule
     STAGE_HI = 3
-    NTOK = 4  # multi-token calls: tokens in this call (1 .. tmax); token t is at position POS + t
+    NTOK = 4  # multi-token calls: tokens in this call (1 .. tmax), their positions and slots in bindings
     MODE = 5  # Mode: what a call of cflow_step runs
     LOGITS_FROM = 6  # multi-token calls: the LM head runs for tokens [LOGITS_FROM, NTOK) only
 
 
 class Mode(enum.IntEnum):
     DECODE = 0  # one token (params TOKEN, POS)
-    PREFILL = 1  # NTOK prompt tokens from the TOKENS binding, positions POS .. POS + NTOK - 1
+    PREFILL = 1  # NTOK tokens from TOKENS at POSITIONS in SLOTS: a prompt block, or one token of each sequence
 
 
 PARAM_WORDS = 8  # room for later fields; unused words are zero
@@ -71,12 +71,14 @@ class Binding(enum.StrEnum):
 
     TENSOR = "tensor"  # a packed weight tensor of the file (name = tensor name)
     POOL = "pool"  # a buffer pool (name = passes.schedule.Pool)
-    KV = "kv"  # f32 KV cache: [layer][K|V][max_seq][n_kv_heads * head_dim]
+    KV = "kv"  # f32 KV cache: [slot][layer][K|V][max_seq][n_kv_heads * head_dim]
     COS = "cos"  # f32 RoPE cos table [max_seq][head_dim / 2]
     SIN = "sin"  # f32 RoPE sin table [max_seq][head_dim / 2]
     SCRATCH = "scratch"  # per-thread scratch (ScratchLayout), nthreads copies
     PROF = "prof"  # i64 cycle stamps [n_stages + 1] (profiling builds only)
     TOKENS = "tokens"  # i64 token ids [tmax] of a multi-token call
+    POSITIONS = "positions"  # i64 [tmax]: each token's position in its sequence
+    SLOTS = "slots"  # i64 [tmax]: each token's sequence (KV-cache slot); a prompt block is one slot
 
 
 @attrs.frozen

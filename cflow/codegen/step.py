@@ -248,6 +248,8 @@ class _Emitter:
             self.ntok = b.load(b.gep(self.params, [c64(Param.NTOK)]))
             self.logits_from = b.load(b.gep(self.params, [c64(Param.LOGITS_FROM)]))
             self.tokens = self.pointer(b, BindingKey(Binding.TOKENS), i64)
+            self.positions = self.pointer(b, BindingKey(Binding.POSITIONS), i64)
+            self.slots = self.pointer(b, BindingKey(Binding.SLOTS), i64)
         emit_phase = {Phase.EMBED: self.step_embed, Phase.ADD: self.step_add, Phase.QKV: self.step_qkv,
                       Phase.CORE: self.step_core, Phase.O: self.step_o, Phase.ROUTE: self.step_route,
                       Phase.UP: self.step_up, Phase.DOWN: self.step_down, Phase.HEAD: self.step_head}
@@ -360,10 +362,16 @@ class _Emitter:
                       else (null, null, null))
         g0 = b.udiv(b.mul(c64(n.n_kv_heads), self.tid), self.nth)
         g1 = b.udiv(b.mul(c64(n.n_kv_heads), b.add(self.tid, c64(1))), self.nth)
-        # NOTE: tokens in order: token t writes its K/V row at POS + t, then attends over rows 0 .. POS + t,
-        # exactly what t decode steps do (each thread owns its kv heads for every token: no barrier needed).
+        # NOTE: tokens in order: token t writes its K/V row at its position, then attends over rows 0 .. that
+        # position of its own slot, exactly what decode steps do (in a prompt block later tokens see earlier
+        # ones); each thread owns its kv heads for every token, so no barrier is needed.
         with self.each_token(b):
-            pos = self.pos if self.t is None else b.add(self.pos, self.t)
+            pos = self.pos
+            if self.t is not None:
+                pos = b.load(b.gep(self.positions, [self.t]))
+                slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
+                kc, vc = b.gep(kv, [b.add(slot_off, c64((layer - 1) * 2 * per))]), \
+                    b.gep(kv, [b.add(slot_off, c64(((layer - 1) * 2 + 1) * per))])
             b.call(O.attention(self.m, n, tuple(offs)),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, kc, vc, self.pointer(b, BindingKey(Binding.COS)),
                     self.pointer(b, BindingKey(Binding.SIN)), self.value_ptr(b, step.writes[0]),

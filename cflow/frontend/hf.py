@@ -149,7 +149,7 @@ def rope_of(cfg, where: str) -> dict:
                    "long_factor": [float(x) for x in rp["long_factor"]], "original_max_position_embeddings": orig,
                    "attention_factor": float(af)}
     else:
-        raise _unsupported(field, "is not modelled (default, linear, dynamic, llama3, yarn, longrope)")
+        raise _unsupported(field, "this RoPE type is not modelled (default, linear, dynamic, llama3, yarn, longrope)")
     return {"theta": float(theta), "scaling": scaling, "partial": float(partial or 1.0), "local_theta": local_theta}
 
 

@@ -67,7 +67,8 @@ class Session:
 
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
                  cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
-                 expert_io: str = "async", weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64):
+                 expert_io: str = "async", weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64,
+                 max_batch: int = 1):
         if experts not in ("ram", "disk"):
             raise CflowError(f"experts must be 'ram' or 'disk', not {experts!r}")
         if weights not in ("ram", "disk"):
@@ -120,6 +121,13 @@ class Session:
         if not isinstance(prefill_block, int) or prefill_block < 1:
             raise CflowError(f"prefill block must be a whole number of tokens >= 1, not {prefill_block!r}")
         self.tmax = 1 if self.segmented else min(prefill_block, self.max_seq)
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise CflowError(f"max_batch must be a whole number of sequences >= 1, not {max_batch!r}")
+        if max_batch > 1 and self.segmented:
+            raise CflowError("batched decode (max_batch > 1) is not available with experts or weights on disk")
+        self.n_slots = max_batch  # sequences with their own KV cache; slot 0 is the single-sequence API's
+        self.tmax = max(self.tmax, max_batch) if max_batch > 1 else self.tmax
+        self.slot_pos = np.zeros(max_batch, np.int64)  # next position of each slot
         self._check_memory(expert_cache_mb)  # before anything is compiled or allocated
         self._build(cache)
         self.tier_tensors: set[str] = set()
@@ -132,7 +140,6 @@ class Session:
         if weights == "disk":
             self._open_streamer()
         self._alloc()
-        self.pos = 0
         self._pool = _Workers(self.library, self._args, self.threads) if self.threads > 1 else None
 
     # --- validation -----------------------------------------------------------------------------
@@ -212,7 +219,9 @@ class Session:
         self.pools = {p: _zeros(4 * prog.pool_slots.get(p, 0) * T * prog.pool_strides[p] or 64).view(np.float32)
                       for p in prog.pool_strides}
         self.tokens = np.zeros(T, np.int64)
-        self.kv = np.zeros(2 * cfg.n_layers * prog.kv_floats_per_layer, np.float32)
+        self.positions = np.zeros(T, np.int64)
+        self.slots = np.zeros(T, np.int64)
+        self.kv = np.zeros(self.n_slots * 2 * cfg.n_layers * prog.kv_floats_per_layer, np.float32)
         half = cfg.head_dim // 2
         cos, sin = rope_tables(cfg, self.max_seq)  # ir/rope.py: RoPE scaling and partial rotary included
         self.cos = np.ascontiguousarray(cos, np.float32).reshape(-1)
@@ -223,7 +232,8 @@ class Session:
         self.barrier = _zeros(4 * BARRIER_WORDS, 64).view(np.int32)
         self.prof = np.zeros(self.compiled.schedule.n_stages + 1, np.int64)  # cycle stamps (profile builds)
         fixed = {Binding.KV: self.kv, Binding.COS: self.cos, Binding.SIN: self.sin, Binding.SCRATCH: self.scratch,
-                 Binding.PROF: self.prof, Binding.TOKENS: self.tokens}
+                 Binding.PROF: self.prof, Binding.TOKENS: self.tokens, Binding.POSITIONS: self.positions,
+                 Binding.SLOTS: self.slots}
         addr: list[int] = []
         self._keep = []
         self._ptr_index: dict[str, int] = {}
@@ -370,8 +380,22 @@ class Session:
         if self.streamer is not None:
             self.streamer.reset()
 
-    def reset(self) -> None:
-        self.pos = 0
+    @property
+    def pos(self) -> int:
+        """Next position of slot 0 (the single-sequence API)."""
+        return int(self.slot_pos[0])
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        self.slot_pos[0] = value
+
+    def reset(self, slot: int | None = None) -> None:
+        """Empty every sequence (or one slot): its next token goes to position 0."""
+        if slot is None:
+            self.slot_pos[:] = 0
+        else:
+            self._check_slot(slot)
+            self.slot_pos[slot] = 0
         self._reset_io()
 
     def step(self, token: int) -> np.ndarray:
@@ -393,37 +417,80 @@ class Session:
         self.pos += 1
         return self.logits_view
 
-    def prefill(self, ids) -> np.ndarray:
-        """Feed the prompt, up to tmax tokens per native call (each tile read once per call); returns a copy
-        of the last position's logits. A block of 1 (or a disk tier) feeds it token by token."""
+    def _check_slot(self, slot) -> int:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_slots:
+            raise RuntimeFault(f"slot {slot!r} out of range 0..{self.n_slots - 1} (max_batch {self.n_slots})")
+        return int(slot)
+
+    def _check_ids(self, ids) -> list[int]:
         ids = [int(i) for i in ids]
-        if not ids:
-            raise RuntimeFault("empty prompt")
         bad = next((i for i in ids if not 0 <= i < self.config.vocab_size), None)
         if bad is not None:
             raise RuntimeFault(f"token id {bad} out of range 0..{self.config.vocab_size - 1}")
-        if self.pos + len(ids) > self.max_seq:
+        return ids
+
+    def _run_multi(self, n: int, logits_from: int) -> None:
+        self.params[Param.NTOK], self.params[Param.LOGITS_FROM], self.params[Param.MODE] = n, logits_from, Mode.PREFILL
+        try:
+            self._run_native()
+        finally:
+            self.params[Param.MODE] = Mode.DECODE
+
+    def _logits_row(self, t: int) -> np.ndarray:
+        stride = self.program.pool_strides[Pool.LOGITS]
+        return self.pools[Pool.LOGITS][t * stride : t * stride + self.config.vocab_size]
+
+    def step_batch(self, tokens, slots) -> np.ndarray:
+        """One token for each of several sequences (one slot each) in one pass over the weights.
+
+        Returns a copy of the logits [len(slots), vocab]; each slot advances by one position.
+        """
+        tokens, slots = self._check_ids(tokens), [self._check_slot(s) for s in slots]
+        if not slots or len(tokens) != len(slots):
+            raise RuntimeFault(f"step_batch needs one token per slot and at least one slot, got {len(tokens)} "
+                               f"tokens for {len(slots)} slots")
+        if len(set(slots)) != len(slots):
+            raise RuntimeFault(f"step_batch: a slot appears twice in {slots}")
+        if len(slots) > self.tmax:
+            raise RuntimeFault(f"batch of {len(slots)} exceeds the compiled maximum of {self.tmax}")
+        full = [s for s in slots if self.slot_pos[s] >= self.max_seq]
+        if full:
+            raise RuntimeFault(f"context full in slot {full[0]}: position {self.slot_pos[full[0]]} reaches the "
+                               f"maximum of {self.max_seq} tokens")
+        n = len(slots)
+        if self.tmax == 1:  # a decode-only program: slot 0, one token
+            return self.step(tokens[0])[None].copy()
+        self.tokens[:n], self.slots[:n], self.positions[:n] = tokens, slots, self.slot_pos[slots]
+        self._run_multi(n, 0)
+        self.slot_pos[slots] += 1
+        stride = self.program.pool_strides[Pool.LOGITS]
+        rows = self.pools[Pool.LOGITS][: n * stride].reshape(n, stride)
+        return rows[:, : self.config.vocab_size].copy()
+
+    def prefill(self, ids, slot: int = 0) -> np.ndarray:
+        """Feed a prompt to a slot (default 0), up to tmax tokens per native call (each tile read once per call);
+        returns a copy of the last position's logits. A block of 1 (or a disk tier) feeds it token by token."""
+        slot = self._check_slot(slot)
+        ids = self._check_ids(ids)
+        if not ids:
+            raise RuntimeFault("empty prompt")
+        pos = int(self.slot_pos[slot])
+        if pos + len(ids) > self.max_seq:
             raise RuntimeFault(f"prompt of {len(ids)} tokens does not fit the context "
-                               f"({self.max_seq - self.pos} left of {self.max_seq})")
+                               f"({self.max_seq - pos} left of {self.max_seq})")
         if self.tmax == 1:
             out = None
             for t in ids:
                 out = self.step(t)
             return out.copy()
-        stride = self.program.pool_strides[Pool.LOGITS]
-        logits = self.pools[Pool.LOGITS]
-        try:
-            for i in range(0, len(ids), self.tmax):
-                chunk = ids[i : i + self.tmax]
-                n = len(chunk)
-                self.tokens[:n] = chunk
-                self.params[Param.POS], self.params[Param.NTOK] = self.pos, n
-                self.params[Param.LOGITS_FROM], self.params[Param.MODE] = n - 1, Mode.PREFILL
-                self._run_native()
-                self.pos += n
-        finally:
-            self.params[Param.MODE] = Mode.DECODE
-        return logits[(n - 1) * stride : (n - 1) * stride + self.config.vocab_size].copy()
+        for i in range(0, len(ids), self.tmax):
+            chunk = ids[i : i + self.tmax]
+            n = len(chunk)
+            p = int(self.slot_pos[slot])
+            self.tokens[:n], self.slots[:n], self.positions[:n] = chunk, slot, np.arange(p, p + n)
+            self._run_multi(n, n - 1)
+            self.slot_pos[slot] += n
+        return self._logits_row(n - 1).copy()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -163,10 +163,11 @@ def test_chat_stops_at_the_templates_end_of_turn(chat_file):
         assert m.generate([4, 7], max_new_tokens=3) == [0, 0, 0]  # plain generation does not stop there
 
 
-def test_models_without_a_template_say_so(tmp_path):
+def test_models_without_a_template_say_so(chat_file):
     import cflow
 
-    with cflow.compile("preset:arch1@tiny", quant="q8") as m:
+    with cflow.load(chat_file, threads=1) as m:
+        m.session.header = {**m.session.header, "chat_template": None}  # as a file compiled without one
         assert m.chat_template is None
         with pytest.raises(CflowError, match="has no chat template"):
             m.chat([{"role": "user", "content": "hi"}])
