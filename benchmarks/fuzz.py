@@ -13,6 +13,12 @@ tables or the names pool (offsets past EOF, overlapping, unaligned, dims whose p
 counts inconsistent with the config), poisoned tensor data, every checksum recomputed so the semantic checks
 are what is tested; plus byte flips, truncations and extensions (checksums left stale).
 
+The same harness covers the other readers of untrusted files (--targets): GGUF (`cflowc model.gguf`: small
+exported Llama files with every numeric header field — counts, string and array lengths, value types, dims,
+tensor types, offsets — edited one at a time) and ONNX (`cflowc model.onnx`: initializer dims, types and
+data, node op types, inputs and attributes, graph shapes and the opset edited in the protobuf). A case of
+those targets must be refused with a CflowError, or compile to a .vflow that then passes everything above.
+
 Each case runs in a worker subprocess (a crash shows as a signal; the worker is restarted) that runs
 `cflow inspect` (exit 0 or 1: exit 2 is an internal error), `cflow.load`, greedy and sampled generation and
 a checksum pass. Outcomes: rejected (a CflowError), loaded, bad-data (loaded, checksums fail), and the
@@ -31,6 +37,7 @@ import random
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,11 +103,12 @@ class Container:
         p.update(file_len=p["index_offset"] + len(index))
         if fix_crcs:
             p.update(header_crc=zlib.crc32(self.header_text), index_crc=zlib.crc32(index))
+        data_offset = p["data_offset"]  # where the data really starts (an override only lies about it)
         p.update(self.overrides)
         pre = F.PREAMBLE.pack(*(p[f] for f in F.PREAMBLE_FIELDS))
         if fix_crcs and "preamble_crc" not in self.overrides:
             pre = pre[:-4] + zlib.crc32(pre[:-4]).to_bytes(4, "little")
-        gap = bytes(p["data_offset"] - F.PREAMBLE.size - len(self.header_text))
+        gap = bytes(data_offset - F.PREAMBLE.size - len(self.header_text))
         return pre + self.header_text + gap + bytes(self.data) + index
 
 
@@ -206,6 +214,14 @@ class Mutators:
             "cflow_version": ["0.0.1", "99.0", "", 5, None],
             "plan_version": [0, 2, 999, -1, "1", None],
             "format_version": [0, 2, "1", None],
+            "chat_template": [None, "x", 5, [], {}, {"template": 5}, {"template": "{{ messages[0].content }}"},
+                              {"template": "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+                               "bos_token": "<s>", "eos_token": 7},
+                              {"template": "{{ ''.__class__.__mro__ }}"}, {"template": "{{ 9 ** 9 ** 9 }}"},
+                              {"template": "{% for i in range(10**6) %}{% for j in range(10**6) %}{% endfor %}"
+                                           "{% endfor %}"},
+                              {"template": "{{ 'x' * 10**9 }}"}, {"template": "{% if %}"},
+                              {"template": "{{ raise_exception('no') }}"}],
         }
         key = rng.choice(sorted(special) + ["<delete>", "<unknown>"])
         if key == "<delete>":
@@ -369,14 +385,151 @@ def _short(v) -> str:
     return text if len(text) <= 50 else text[:47] + "..."
 
 
+# --- GGUF: every numeric field of the header, found by walking it (not by the reader under test) -------------------
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_fields(blob: bytes) -> list[tuple[int, str, str]]:
+    """(offset, struct code, what) of every number in a GGUF header: counts, lengths, types, values, dims,
+    offsets. Stops quietly where the file stops making sense (a base file always parses)."""
+    import struct
+
+    out: list[tuple[int, str, str]] = []
+    pos = 0
+
+    def take(code: str, what: str):
+        nonlocal pos
+        v = struct.unpack_from("<" + code, blob, pos)[0]
+        out.append((pos, code, what))
+        pos += struct.calcsize(code)
+        return v
+
+    def string(what: str) -> None:
+        nonlocal pos
+        pos += take("Q", f"{what} length")
+
+    def value(t: int, what: str, depth: int = 0) -> None:
+        nonlocal pos
+        if t in GGUF_SCALARS:
+            take(GGUF_SCALARS[t], what)
+        elif t == 8:
+            string(what)
+        elif t == 9 and depth == 0:
+            et = take("I", f"{what} element type")
+            n = take("Q", f"{what} length")
+            for i in range(n):
+                if et == 8 or i < 64:
+                    value(et, f"{what}[{i}]", 1)
+                else:  # long numeric arrays: step over the rest
+                    pos += struct.calcsize(GGUF_SCALARS.get(et, "B")) * (n - i)
+                    break
+        else:
+            raise ValueError(t)
+
+    try:
+        take("I", "magic")
+        take("I", "version")
+        n_t = take("Q", "tensor_count")
+        n_kv = take("Q", "kv_count")
+        for k in range(n_kv):
+            start = pos
+            string(f"key {k}")
+            key = blob[start + 8 : pos].decode("utf-8", "replace")
+            value(take("I", f"{key} type"), key)
+        for k in range(n_t):
+            string(f"tensor {k} name")
+            nd = take("I", f"tensor {k} n_dims")
+            for d in range(nd):
+                take("Q", f"tensor {k} dim {d}")
+            take("I", f"tensor {k} type")
+            take("Q", f"tensor {k} offset")
+    except (struct.error, ValueError):
+        pass
+    return out
+
+
+def gguf_mutate(base: bytes, rng: random.Random, fields) -> tuple[bytes, str, str]:
+    import struct
+
+    blob = bytearray(base)
+    off, code, what = rng.choice(fields)
+    size = struct.calcsize(code)
+    if code in "fd":
+        v = rng.choice([float("nan"), float("inf"), -1.0, 0.0, 1e30, 5e-324])
+    else:
+        bits = 8 * size
+        lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if code.islower() else (0, 2**bits - 1)
+        orig = struct.unpack_from("<" + code, blob, off)[0]
+        v = rng.choice([lo, hi, 0, 1, 2, 7, 13, 32, 255, orig + 1, orig - 1, orig * 2, orig // 2, 2**31, 2**32 + 1,
+                        2**40, 2**62, rng.randint(lo, hi)])
+        v = min(max(v, lo), hi)
+    struct.pack_into("<" + code, blob, off, v)
+    return bytes(blob), "field", f"{what} (at {off:#x}) = {v!r}"
+
+
+def onnx_mutate(base: bytes, rng: random.Random) -> tuple[bytes, str, str]:
+    import onnx
+
+    m = onnx.ModelProto()
+    m.ParseFromString(base)
+    g = m.graph
+    pick = rng.random()
+    if pick < 0.35 and len(g.initializer):
+        t = rng.choice(g.initializer)
+        what = rng.choice(["dims", "dims", "type", "data", "name"])
+        if what == "dims" and len(t.dims):
+            i = rng.randrange(len(t.dims))
+            t.dims[i] = rng.choice([0, -1, 1, t.dims[i] + 1, 2**31, 2**62, -(2**63)])
+        elif what == "type":
+            t.data_type = rng.choice([0, 2, 7, 9, 10, 11, 16, 999])
+        elif what == "data":
+            t.raw_data = t.raw_data[: rng.randrange(len(t.raw_data) + 1)] if rng.random() < 0.7 else t.raw_data * 2
+        else:
+            t.name = rng.choice(["", "x", g.initializer[0].name])
+        desc = f"initializer {t.name!r} {what}"
+    elif pick < 0.7 and len(g.node):
+        n = rng.choice(g.node)
+        what = rng.choice(["op", "input", "attr", "drop"])
+        if what == "op":
+            n.op_type = rng.choice(["MatMul", "Add", "Mul", "Gather", "Softmax", "Reshape", "Foo", ""])
+        elif what == "input" and len(n.input):
+            n.input[rng.randrange(len(n.input))] = rng.choice(["", "nope", g.node[0].output[0]])
+        elif what == "attr" and len(n.attribute):
+            a = rng.choice(n.attribute)
+            if len(a.ints):
+                a.ints[rng.randrange(len(a.ints))] = rng.choice([0, -1, 2**31, 2**62, -(2**63)])
+            else:
+                a.i = rng.choice([0, -1, 2**31, 2**62])
+                a.f = rng.choice([float("nan"), float("inf"), -1.0, 0.0])
+        else:
+            g.node.remove(n)
+        desc = f"node {n.name or n.op_type} {what}"
+    elif pick < 0.85:
+        vi = rng.choice(list(g.input) + list(g.output))
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims):
+            dims[rng.randrange(len(dims))].dim_value = rng.choice([0, 1, 2**31, 2**62])
+        desc = f"graph value {vi.name!r} shape"
+    else:
+        m.opset_import[0].version = rng.choice([0, 1, 7, 99, 2**40])
+        desc = f"opset {m.opset_import[0].version}"
+    return m.SerializeToString(), "proto", desc
+
+
 # Mutation kinds and their weights.
 KINDS = {"config_field": 22, "header_field": 12, "json_tree": 16, "raw_json": 5, "consistent": 8, "table": 18,
          "poison": 4, "versions": 3, "flip": 6, "truncate": 4, "extend": 2}
 
 
-def make_case(base: bytes, muts: Mutators, rng: random.Random) -> tuple[bytes, str, str]:
+def make_case(base: bytes, muts: Mutators, rng: random.Random, target: str = "vflow",
+              fields=None) -> tuple[bytes, str, str]:
     """(file bytes, kind, description) of one case."""
-    kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+    if target == "vflow":
+        kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+    else:
+        kind = rng.choices(["structured", "flip", "truncate", "extend"], weights=[70, 15, 10, 5])[0]
+        if kind == "structured":
+            return gguf_mutate(base, rng, fields) if target == "gguf" else onnx_mutate(base, rng)
     if kind == "flip":
         blob = bytearray(base)
         where = []
@@ -422,6 +575,10 @@ def exercise(path: str, threads: int) -> tuple[str, str]:
             m.generate([i % V for i in (5, 1)], max_new_tokens=2, temperature=0.9, top_p=0.9, seed=1)
             if m.tokenizer is not None:
                 m.generate("Once upon", max_new_tokens=2)
+            if m.session.header.get("chat_template"):
+                t = m.chat_template
+                if t is not None:
+                    t.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
         except CflowError as e:
             return "rejected", f"at run: {type(e).__name__}: {str(e)[:300]}"
         try:
@@ -429,6 +586,24 @@ def exercise(path: str, threads: int) -> tuple[str, str]:
         except FormatError as e:
             return "bad-data", str(e)[:300]
     return "loaded", ""
+
+
+def exercise_frontend(path: str, threads: int) -> tuple[str, str]:
+    """A GGUF or ONNX case: read and compiled with a CflowError or nothing; a compiled file is then exercised."""
+    from cflow.compiler import compile_file
+    from cflow.errors import CflowError
+    from cflow.frontend.load import load_graph
+
+    out = path + ".vflow"
+    try:
+        g = load_graph(path)
+        compile_file(g, out, "q4", tokenizer=g.meta.tokenizer, eos=g.meta.eos_token_ids)
+    except CflowError as e:
+        return "rejected", f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+        return exercise(out, threads)
+    finally:
+        os.remove(out)
 
 
 def worker_main(threads: int, mem_gb: float) -> None:
@@ -445,7 +620,8 @@ def worker_main(threads: int, mem_gb: float) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         try:
-            outcome, detail = exercise(req["path"], threads)
+            run_case = exercise if req.get("target", "vflow") == "vflow" else exercise_frontend
+            outcome, detail = run_case(req["path"], threads)
         except BaseException as e:  # noqa: BLE001 -- the point: anything but a CflowError is a bug (pyo3 panics too)
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -459,7 +635,7 @@ def worker_main(threads: int, mem_gb: float) -> None:
 class Worker:
     def __init__(self, n: int, args, tmp: str, env: dict):
         self.n, self.args, self.tmp, self.env = n, args, tmp, env
-        self.path = os.path.join(tmp, f"case{n}.vflow")
+        self.path = None
         self.log = open(os.path.join(tmp, f"worker{n}.log"), "a")  # noqa: SIM115 -- closed in stop()
         self.proc = None
         self.case = None
@@ -469,14 +645,16 @@ class Worker:
     def start(self) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads", str(self.args.threads),
                "--mem-gb", str(self.args.mem_gb)]
+        nice = self.args.nice
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=self.env, bufsize=1)
+                                     env=self.env, bufsize=1, preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
     def submit(self, case: dict, blob: bytes) -> None:
+        self.path = os.path.join(self.tmp, f"case{self.n}.{case['target']}")
         with open(self.path, "wb") as f:
             f.write(blob)
         self.case, self.t0 = case, time.monotonic()
-        self.proc.stdin.write(json.dumps({"id": case["id"], "path": self.path}) + "\n")
+        self.proc.stdin.write(json.dumps({"id": case["id"], "path": self.path, "target": case["target"]}) + "\n")
         self.proc.stdin.flush()
 
     def kill(self) -> None:
@@ -501,21 +679,55 @@ BASES = {  # name -> (model, quant, tile, layout)
     "arch1-tiny-f16": ("preset:arch1@tiny", "f16", (128, 256), "vflow"),
 }
 QUICK_BASES = ("arch2_4_combined-tiny-q4",)
+TARGETS = ("vflow", "gguf", "onnx")
+TARGET_WEIGHTS = {"vflow": 70, "gguf": 15, "onnx": 15}
 
 
-def build_bases(names, out: str) -> dict[str, bytes]:
+def build_bases(names, out: str, targets=("vflow",)) -> dict[str, tuple[str, bytes]]:
+    """name -> (target, file bytes) of every base file."""
     from cflow.compiler import compile_file
     from cflow.frontend.load import load_graph
     from cflow.models.bundled import default_model_dir
 
     blobs = {}
-    for name in names:
-        model, quant, tile, layout = BASES[name]
-        g = load_graph(str(default_model_dir()) if model == "bundled" else model)
-        path = os.path.join(out, f"{name}.{layout}")
-        compile_file(g, path, quant, tile, None, layout, g.meta.tokenizer, g.meta.eos_token_ids)
+    if "vflow" in targets:
+        for name in names:
+            model, quant, tile, layout = BASES[name]
+            g = load_graph(str(default_model_dir()) if model == "bundled" else model)
+            path = os.path.join(out, f"{name}.{layout}")
+            compile_file(g, path, quant, tile, None, layout, g.meta.tokenizer, g.meta.eos_token_ids)
+            with open(path, "rb") as f:
+                blobs[name] = ("vflow", f.read())
+    if "gguf" in targets:  # a small Llama (GQA, untied head) with the bundled byte-level BPE tokenizer, f32 and q8
+        import numpy as np
+
+        from cflow.ir import build_graph
+        from cflow.ir.build import weight_shapes
+        from cflow.ir.config import ModelConfig
+        from cflow.passes.manager import Pipeline
+        from cflow.passes.quantize import quantize_weights
+        from cflow.runtime.format.gguf import export_gguf
+
+        c = ModelConfig(name="fuzz_llama", vocab_size=2048, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                        ffn_dim=96, max_seq_len=64)
+        rng = np.random.default_rng(0)
+        w = {n: (0.1 * rng.standard_normal(s)).astype(np.float32) for n, s in weight_shapes(c).items()}
+        tok = os.path.join(default_model_dir(), "tokenizer.json")
+        for quant in ("f32", "q8") if len(names) > 1 else ("q8",):
+            g = build_graph(c, w, name=c.name)
+            if quant != "f32":
+                g = Pipeline([quantize_weights(quant)], name="q")(g)
+            path = os.path.join(out, f"llama-{quant}.gguf")
+            export_gguf(g, path, tokenizer_json=tok)
+            with open(path, "rb") as f:
+                blobs[f"llama-{quant}-gguf"] = ("gguf", f.read())
+    if "onnx" in targets:
+        from cflow.frontend.export import export_onnx, load_torch_model
+
+        path = os.path.join(out, "arch2_4_combined-tiny.onnx")
+        export_onnx(load_torch_model("preset:arch2_4_combined@tiny"), path)
         with open(path, "rb") as f:
-            blobs[name] = f.read()
+            blobs["arch2_4_combined-tiny-onnx"] = ("onnx", f.read())
     return blobs
 
 
@@ -526,15 +738,23 @@ def _tokenizer_text() -> str | None:
     return open(p, encoding="utf-8").read() if os.path.exists(p) else None
 
 
-def case_for(seed: int, i: int, blobs: dict[str, bytes], muts: Mutators) -> tuple[dict, bytes]:
+_FIELDS: dict[str, list] = {}  # GGUF base name -> its header fields (walked once)
+
+
+def case_for(seed: int, i: int, blobs: dict[str, tuple[str, bytes]], muts: Mutators) -> tuple[dict, bytes]:
     rng = random.Random(f"{seed}:{i}")
-    base = rng.choice(sorted(blobs))
-    blob, kind, desc = make_case(blobs[base], muts, rng)
-    return {"id": i, "base": base, "kind": kind, "desc": desc}, blob
+    targets = sorted({t for t, _ in blobs.values()})
+    target = rng.choices(targets, weights=[TARGET_WEIGHTS[t] for t in targets])[0]
+    base = rng.choice(sorted(n for n, (t, _) in blobs.items() if t == target))
+    if target == "gguf" and base not in _FIELDS:
+        _FIELDS[base] = gguf_fields(blobs[base][1])
+    blob, kind, desc = make_case(blobs[base][1], muts, rng, target, _FIELDS.get(base))
+    return {"id": i, "target": target, "base": base, "kind": kind if target == "vflow" else f"{target}:{kind}",
+            "desc": desc}, blob
 
 
 # --- the run ----------------------------------------------------------------------------------------------------
-def run(args) -> dict:
+def run(args, argv_used: list[str] | None = None) -> dict:
     tmp = tempfile.mkdtemp(prefix="cflow-fuzz-")
     keep = args.keep or os.path.join(tmp, "failures")
     env = dict(os.environ)
@@ -542,9 +762,9 @@ def run(args) -> dict:
     os.environ["CFLOW_CACHE_DIR"] = env["CFLOW_CACHE_DIR"]
     t_start = time.monotonic()
     names = QUICK_BASES if args.quick else tuple(BASES)
-    blobs = build_bases(names, tmp)
+    blobs = build_bases(names, tmp, args.targets)
     muts = Mutators(_tokenizer_text())
-    if args.warm:  # the bases' steps into the program cache, so that cases which keep the config load fast
+    if args.warm and "vflow" in args.targets:  # the bases' steps into the program cache: unchanged configs load fast
         import cflow
 
         for name in names:
@@ -558,11 +778,39 @@ def run(args) -> dict:
     slowest = (0.0, None)
     next_case, done = args.start, 0
     t0 = time.monotonic()
+    paused = 0.0  # seconds spent waiting while --pause-while's file exists (not part of the --seconds budget)
+    stop = []
+
+    def on_signal(signum, frame):  # finish the cases in flight, then report what ran
+        stop.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def pausing() -> bool:
+        return any(os.path.exists(f) for f in args.pause_while or ())
 
     def budget_left() -> bool:
-        if args.cases is not None and next_case >= args.start + args.cases:
+        if stop or (args.cases is not None and next_case >= args.start + args.cases):
             return False
-        return args.seconds is None or time.monotonic() - t0 < args.seconds
+        return args.seconds is None or time.monotonic() - t0 - paused < args.seconds
+
+    def summary() -> dict:
+        import cflow
+
+        elapsed = time.monotonic() - t0 - paused
+        return {
+            "command": " ".join(["python", "benchmarks/fuzz.py"] + (argv_used or [])),
+            "cflow_version": cflow.__version__, "seed": args.seed, "targets": list(args.targets),
+            "bases": sorted(blobs), "cases": done, "first_case": args.start, "interrupted": bool(stop),
+            "seconds": round(elapsed, 1), "paused_seconds": round(paused, 1), "setup_seconds": round(setup, 1),
+            "cases_per_second": round(done / elapsed, 2) if elapsed else 0.0,
+            "outcomes": dict(sorted(counts.items())), "crashes": counts.get("crash", 0),
+            "hangs": counts.get("hang", 0), "bugs": counts.get("bug", 0),
+            "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())},
+            "slowest_case": {"seconds": round(slowest[0], 1), "case": slowest[1]}, "failures": failures,
+            "failures_dir": keep if failures else None,
+        }
 
     def record(w: Worker, outcome: str, detail: str) -> None:
         nonlocal done, slowest
@@ -577,21 +825,31 @@ def run(args) -> dict:
         if outcome in FAILURES:
             os.makedirs(keep, exist_ok=True)
             name = f"{outcome}-{args.seed}-{case['id']}"
-            shutil.copy(w.path, os.path.join(keep, name + ".vflow"))
+            shutil.copy(w.path, os.path.join(keep, f"{name}.{case['target']}"))
             entry = {**case, "outcome": outcome, "detail": detail, "seconds": round(dt, 1),
                      "replay": f"python benchmarks/fuzz.py --seed {args.seed} --replay {case['id']}"
-                               + (" --quick" if args.quick else "")}
+                               + (" --quick" if args.quick else "") + f" --targets {','.join(args.targets)}"}
             with open(os.path.join(keep, name + ".json"), "w") as f:
                 json.dump(entry, f, indent=2)
             failures.append(entry)
             print(f"FAIL {outcome}: case {case['id']} ({case['kind']}: {case['desc']}): {detail}", file=sys.stderr)
         if args.progress and done % args.progress == 0:
-            print(f"{done} cases, {time.monotonic() - t0:.0f} s: {counts}", file=sys.stderr, flush=True)
+            print(f"{done} cases, {time.monotonic() - t0 - paused:.0f} s: {counts}", file=sys.stderr, flush=True)
+            if args.json:  # a long run's partial result survives anything
+                with open(args.json, "w") as f:
+                    json.dump(summary(), f, indent=2)
 
     try:
         while True:
+            if pausing() and not stop:
+                if all(w.case is None for w in workers):
+                    t_pause = time.monotonic()
+                    while pausing() and not stop:
+                        time.sleep(5)
+                    paused += time.monotonic() - t_pause
+                    continue
             for w in workers:
-                if w.case is None and budget_left():
+                if w.case is None and budget_left() and not pausing():
                     case, blob = case_for(args.seed, next_case, blobs, muts)
                     next_case += 1
                     w.submit(case, blob)
@@ -617,19 +875,7 @@ def run(args) -> dict:
     finally:
         for w in workers:
             w.stop()
-    elapsed = time.monotonic() - t0
-    import cflow
-
-    result = {
-        "command": " ".join(["python", "benchmarks/fuzz.py"] + sys.argv[1:]),
-        "cflow_version": cflow.__version__, "seed": args.seed, "bases": list(names), "cases": done,
-        "seconds": round(elapsed, 1), "setup_seconds": round(setup, 1),
-        "cases_per_second": round(done / elapsed, 2) if elapsed else 0.0,
-        "outcomes": dict(sorted(counts.items())), "crashes": counts.get("crash", 0), "hangs": counts.get("hang", 0),
-        "bugs": counts.get("bug", 0), "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())},
-        "slowest_case": {"seconds": round(slowest[0], 1), "case": slowest[1]}, "failures": failures,
-        "failures_dir": keep if failures else None,
-    }
+    result = summary()
     if not args.keep:
         keep_dir = os.path.join(tmp, "failures")
         for p in os.listdir(tmp):
@@ -644,13 +890,14 @@ def run(args) -> dict:
 def replay(args) -> int:
     tmp = tempfile.mkdtemp(prefix="cflow-fuzz-replay-")
     names = QUICK_BASES if args.quick else tuple(BASES)
-    blobs = build_bases(names, tmp)
+    blobs = build_bases(names, tmp, args.targets)
     case, blob = case_for(args.seed, args.replay, blobs, Mutators(_tokenizer_text()))
-    path = os.path.join(tmp, "case.vflow")
+    path = os.path.join(tmp, f"case.{case['target']}")
     with open(path, "wb") as f:
         f.write(blob)
     print(f"case {case['id']} on {case['base']} ({case['kind']}): {case['desc']}\nfile: {path}", file=sys.stderr)
-    print(exercise(path, args.threads))  # a bug raises here, with its traceback
+    run_case = exercise if case["target"] == "vflow" else exercise_frontend
+    print(run_case(path, args.threads))  # a bug raises here, with its traceback
     return 0
 
 
@@ -667,15 +914,25 @@ def main(argv=None) -> int:
                     "takes ~10 s on a loaded 2-core machine)")
     ap.add_argument("--mem-gb", type=float, default=8.0,
                     help="address-space limit of each worker in GiB; 0 = none (default 8)")
+    ap.add_argument("--targets", type=lambda t: tuple(t.split(",")), default=TARGETS,
+                    help=f"readers to fuzz, comma-separated (default {','.join(TARGETS)})")
     ap.add_argument("--quick", action="store_true", help="one base file (the in-suite budget) (default: all bases)")
     ap.add_argument("--no-warm", dest="warm", action="store_false",
                     help="do not pre-load the bases into the program cache (default: pre-load)")
     ap.add_argument("--keep", metavar="DIR", help="where failing cases are kept (default: a temp directory)")
     ap.add_argument("--json", metavar="FILE", help="also write the result to this file (default: stdout only)")
-    ap.add_argument("--progress", type=int, default=0, metavar="N", help="a progress line every N cases (default: none)")
+    ap.add_argument("--progress", type=int, default=0, metavar="N",
+                    help="a progress line every N cases (default: none)")
+    ap.add_argument("--pause-while", metavar="FILE", action="append",
+                    help="issue no cases while FILE exists, e.g. /tmp/cflow-quiet during measurements; repeatable "
+                    "(default: none)")
+    ap.add_argument("--nice", type=int, default=0, help="niceness added to the workers (default 0)")
     ap.add_argument("--replay", type=int, metavar="CASE", help="run case CASE of --seed in this process and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    bad = [t for t in args.targets if t not in TARGETS]
+    if bad:
+        ap.error(f"--targets: unknown target {bad[0]!r} (known: {', '.join(TARGETS)})")
     if args.worker:
         worker_main(args.threads, args.mem_gb)
         return 0
@@ -683,7 +940,7 @@ def main(argv=None) -> int:
         return replay(args)
     if args.cases is None and args.seconds is None:
         args.cases = 1000
-    result = run(args)
+    result = run(args, list(argv) if argv is not None else sys.argv[1:])
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

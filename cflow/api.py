@@ -44,6 +44,15 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
     from .layout.packed import FileLayout
 
     layout = FileLayout.parse(layout)
+    from .runtime.format.header import tile_problem
+
+    try:
+        tr, tc = (int(t) for t in tile)
+    except (TypeError, ValueError):
+        raise CflowError(f"tile must be (rows, cols), not {tile!r}") from None
+    problem = tile_problem((tr, tc))  # what the loader would refuse, refused before compiling
+    if problem:
+        raise CflowError(f"tile {problem}")
     g = load_graph(model)
     tok = g.meta.tokenizer
     if tokenizer is not None:
@@ -144,7 +153,7 @@ class CompiledModel:
     def analysis(self):
         from .passes.analysis import analyze
 
-        return analyze(self.session.compiled.graph, self.session.header["quant"])
+        return analyze(self.session.compiled.graph, self.session.header["quant"], self.session.tile)
 
     @property
     def expert_stats(self):
@@ -167,7 +176,10 @@ class CompiledModel:
             if self.tokenizer is None:
                 from .runtime.tokenizer import parse_id_prompt
 
-                return parse_id_prompt(prompt, self.config.vocab_size)
+                ids = parse_id_prompt(prompt, self.config.vocab_size)
+                if not ids:
+                    raise CflowError("empty prompt")
+                return ids
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise CflowError("the prompt encodes to no tokens")
@@ -176,6 +188,8 @@ class CompiledModel:
             arr = np.asarray(prompt)
         except (TypeError, ValueError):
             arr = np.asarray([None])
+        if arr.size == 0:
+            raise CflowError("empty prompt")
         if arr.dtype.kind not in "iu":
             raise CflowError(f"a prompt is text or a list of token ids (integers), not {_short(prompt)}")
         ids = [int(i) for i in arr.reshape(-1)]
@@ -372,10 +386,24 @@ class CompiledModel:
             raise CflowError(f"{self.path}: this model has a chat template but no tokenizer")
         return t
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True, **template_kwargs) -> str:
-        """The prompt text the model's chat template makes of `messages` ([{"role", "content"}, ...]), ending
-        with an open assistant turn (add_generation_prompt). Extra keywords (e.g. tools) go to the template."""
-        return self._template().render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    @property
+    def chat_prompt(self):
+        """chat_prompt(messages, add_generation_prompt=True, **template_kwargs) -> str: the prompt text the model's
+        chat template makes of `messages` ([{"role", "content"}, ...]), ending with an open assistant turn. Extra
+        keywords (e.g. tools) go to the template.
+
+        A model without a chat template (or without a tokenizer) has no chat_prompt: the attribute raises
+        AttributeError with the reason, so `getattr(m, "chat_prompt", None)` is None and a caller (the server)
+        falls back to its own prompt format."""
+        try:
+            t = self._template()
+        except CflowError as e:
+            raise AttributeError(str(e)) from None
+
+        def chat_prompt(messages, add_generation_prompt: bool = True, **template_kwargs) -> str:
+            return t.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+        return chat_prompt
 
     def stream_chat(self, messages, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int | None = None, stop: bool = True, **template_kwargs) -> Iterator[str]:

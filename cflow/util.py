@@ -154,6 +154,16 @@ def check_output_path(path: str | os.PathLike, option: str = "output", *, create
     return p
 
 
+def check_output_dir(path: str | os.PathLike, option: str = "output") -> Path:
+    """Check, before any work, that directory `path` can be written: if it exists, that files can be created
+    in it; if not, that its parent exists (created if missing) and accepts it. `path` itself is not created."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise CflowError(f"{option} {os.fspath(path)}: exists and is not a directory")
+    check_output_path(p / ".cflow-write-probe" if p.is_dir() else p, option)
+    return p
+
+
 def recover_atomic(path: str | os.PathLike) -> None:
     """Clean up after a process killed inside `atomic_path(path)`: finish an interrupted directory
     swap (restore `.NAME.old` if `path` is gone, else drop it) and remove stale `.NAME.*.tmp` temps.

@@ -43,7 +43,7 @@ def pin_threads(threads: int, rank: int) -> list[int]:
     return chosen
 
 
-def cflow_app(path: str, threads: int = 1, max_batch: int = 1, max_queue: int = 16, api_key: str | None = None,
+def cflow_app(path: str, threads: int = 1, max_batch: int = 8, max_queue: int = 16, api_key: str | None = None,
               model_id: str | None = None, replicas: int = 2, autoscale: tuple[int, int] | None = None,
               target: float | None = None):
     """The Ray Serve application: one deployment whose replicas each load `path` into a cflow engine."""
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=None,
                    help="with --autoscale: requests in flight per replica to aim for (default: --max-batch)")
     p.add_argument("--threads", type=int, default=1, help="threads (pinned cores) per replica (default 1)")
-    p.add_argument("--max-batch", type=int, default=1, help="sequences at once per replica (default 1)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences generated together per replica (default 8)")
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting per replica (default 16)")
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (default: none)")
     p.add_argument("--model-name", default=None, help="model id (default: the file name without extension)")

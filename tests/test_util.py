@@ -139,3 +139,32 @@ def test_recover_interrupted_swap(tmp_path):
     old.mkdir()  # a stale previous version beside a complete one is dropped
     recover_atomic(out)
     assert [x.name for x in tmp_path.iterdir()] == ["run"]
+
+
+def test_available_memory_sees_the_address_space_limit():
+    import subprocess
+    import sys
+
+    code = ("import resource; from cflow.util import available_memory as a; before = a(); "
+            "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY)); after = a(); "
+            "print(before is None or before > 0, after is not None and 0 < after < 4 << 30)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.split() == ["True", "True"]
+
+
+def test_check_output_path(tmp_path):
+    import pytest
+
+    from cflow.errors import CflowError
+    from cflow.util import check_output_dir, check_output_path
+
+    assert check_output_path(tmp_path / "a" / "b" / "m.vflow", "-o").parent.is_dir()  # directories created
+    assert not list((tmp_path / "a" / "b").iterdir())  # the probe leaves nothing behind
+    with pytest.raises(CflowError, match="-o .*is a directory"):
+        check_output_path(tmp_path / "a", "-o")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CflowError, match="is not a directory"):
+        check_output_path(tmp_path / "f" / "m.vflow", "-o")
+    with pytest.raises(CflowError, match="--out .*not a directory"):
+        check_output_dir(tmp_path / "f", "--out")
+    assert not (tmp_path / "run").exists() and check_output_dir(tmp_path / "run", "--out") == tmp_path / "run"

@@ -4,7 +4,10 @@ Each `cflow` sub-command is one module here, named in COMMANDS, that defines HEL
 run(args). Command modules import heavy things (torch, numpy, cflow.api) only inside run(), so that
 building the parser (`cflow --help`) stays fast.
 
-Every failure is one line `error: ...` and a non-zero exit; a traceback only with --debug.
+Every failure is one line `error: ...` naming the option, field or file offset at fault; a traceback only with
+--debug. Exit status: 0 done, 1 bad input (usage errors too: `Parser`), 2 an internal error (a bug), 130 Ctrl-C.
+Options are checked before any work starts: numbers by their argparse type (`whole`, `number`), output paths
+by `cflow.util.check_output_path` (directories created, writability probed).
 """
 
 from __future__ import annotations

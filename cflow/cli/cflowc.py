@@ -127,7 +127,7 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
             return _write_text(args.output, format_dot(g))
         from ..passes.analysis import analyze
 
-        a = analyze(g, args.quant)
+        a = analyze(g, args.quant, args.tile)  # padded to the tile: the bytes/token `cflowc -o` reports
         return _write_text(args.output, a.to_json() + "\n" if args.json else a.table() + "\n")
     from ..passes.pipeline import check_native
 
@@ -150,7 +150,7 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
     if emit == "schedule":
         from ..passes.analysis import analyze
 
-        return _write_text(args.output, str(state.schedule) + "\n" + analyze(state.graph, args.quant).table() + "\n")
+        return _write_text(args.output, str(state.schedule) + "\n" + analyze(state.graph, args.quant, args.tile).table() + "\n")
     if emit == "llvm":
         from ..codegen.step import step_ir_text
 

@@ -1,5 +1,7 @@
 """cflow serve FILE: an OpenAI-compatible HTTP server (completions, chat, SSE streaming) for a compiled model."""
 
+DEFAULT_BATCH = 8
+
 HELP = "serve a compiled model over HTTP with OpenAI's API (completions, chat, streaming, /metrics)"
 
 
@@ -9,10 +11,12 @@ def add_args(p):
                    help="address to listen on; anything but loopback is reachable by others, so give --api-key "
                    "(default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--threads", type=int, default=None, help="worker threads per sequence (default: usable cores)")
-    p.add_argument("--max-batch", type=int, default=1, metavar="B",
-                   help="sequences generated at once; until batched decode lands each one is a loaded copy of the "
-                   "model with its own KV cache, taking turns token by token (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="worker threads of the decode step (default: usable cores)")
+    p.add_argument("--max-batch", type=int, default=None, metavar="B",
+                   help="sequences generated together: requests join and leave at token boundaries and one pass "
+                   "over the weights advances all of them; each costs a KV cache (with experts or weights on "
+                   f"disk: a loaded copy, taking turns) (default {DEFAULT_BATCH}; 1 with experts or weights on disk)")
     p.add_argument("--max-queue", type=int, default=64, metavar="Q",
                    help="requests that may wait for a free sequence; more are answered 429 with Retry-After "
                    "(default 64)")
@@ -21,6 +25,15 @@ def add_args(p):
                    "$CFLOW_API_KEY)")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients send and /v1/models lists (default: the file name without extension)")
+    p.add_argument("--experts-on-disk", action="store_true",
+                   help="keep the experts in the file and read the chosen ones on demand (for MoE models larger "
+                   "than RAM; see docs/expert-tier.md) (default: all weights mapped in RAM)")
+    p.add_argument("--expert-cache-mb", type=float, default=None, metavar="MB",
+                   help="with --experts-on-disk: RAM for recently used experts, per sequence slot (default: the "
+                   "runtime's choice)")
+    p.add_argument("--weights-on-disk", action="store_true",
+                   help="stream the big matrices from the file every token (a model larger than RAM; implies "
+                   "--experts-on-disk) (default: mapped in RAM)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level; 'warning' hides the access log (default info)")
 
@@ -51,12 +64,16 @@ def run(args) -> int:
             from None
     if not 0 <= args.port <= 65535:
         raise CflowError(f"--port must be in 0..65535, not {args.port}")
+    if args.max_batch is None:
+        args.max_batch = 1 if args.experts_on_disk or args.weights_on_disk else DEFAULT_BATCH
     if args.max_batch < 1:
         raise CflowError(f"--max-batch must be >= 1, not {args.max_batch}")
     if args.max_queue < 0:
         raise CflowError(f"--max-queue must be >= 0, not {args.max_queue}")
     if args.threads is not None and args.threads < 1:
         raise CflowError(f"--threads must be >= 1, not {args.threads}")
+    if args.expert_cache_mb is not None and not (args.experts_on_disk or args.weights_on_disk):
+        raise CflowError("--expert-cache-mb needs --experts-on-disk")
     if not os.path.isfile(args.file):
         raise CflowError(f"{args.file}: no such file")
     api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None
@@ -64,7 +81,9 @@ def run(args) -> int:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use the "
               "model", file=sys.stderr)
     app = build_app(args.file, threads=args.threads, max_batch=args.max_batch, max_queue=args.max_queue,
-                    api_key=api_key, model_id=args.model_name)
+                    api_key=api_key, model_id=args.model_name,
+                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
+                    weights="disk" if args.weights_on_disk else "ram")
     st = app.state.engine.stats()
     m = app.state.model
     host = f"[{args.host}]" if ":" in args.host else args.host

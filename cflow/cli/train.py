@@ -11,28 +11,32 @@ DEFAULTS = {"size": "small", "steps": 300, "batch": 16, "seq": 256, "lr": 2e-3, 
 
 
 def add_args(p):
+    from . import MAX_THREADS, number, whole
+
     d = DEFAULTS
     p.add_argument("preset", help="preset name: arch1, arch2_4_combined, arch3, arch4_async_experts, arch5_shared")
     p.add_argument("--data", required=True, help="training text (stories separated by blank lines / <|endoftext|>)")
     p.add_argument("--size", default=d["size"], help=f"preset size (default {d['size']})")
-    p.add_argument("--steps", type=int, default=d["steps"], help=f"optimizer steps (default {d['steps']})")
-    p.add_argument("--batch", type=int, default=d["batch"], help=f"sequences per step (default {d['batch']})")
-    p.add_argument("--seq", type=int, default=d["seq"], help=f"tokens per sequence (default {d['seq']})")
-    p.add_argument("--lr", type=float, default=d["lr"], help=f"peak learning rate (default {d['lr']})")
-    p.add_argument("--warmup", type=int, default=d["warmup"], help=f"linear warmup steps (default {d['warmup']})")
-    p.add_argument("--weight-decay", type=float, default=d["weight_decay"],
+    p.add_argument("--steps", type=whole(1), default=d["steps"], help=f"optimizer steps (default {d['steps']})")
+    p.add_argument("--batch", type=whole(1), default=d["batch"], help=f"sequences per step (default {d['batch']})")
+    p.add_argument("--seq", type=whole(2, 2**20), default=d["seq"], help=f"tokens per sequence (default {d['seq']})")
+    p.add_argument("--lr", type=number(0, 10, lo_open=True), default=d["lr"],
+                   help=f"peak learning rate (default {d['lr']})")
+    p.add_argument("--warmup", type=whole(0), default=d["warmup"], help=f"linear warmup steps (default {d['warmup']})")
+    p.add_argument("--weight-decay", type=number(0), default=d["weight_decay"],
                    help=f"AdamW weight decay (default {d['weight_decay']})")
-    p.add_argument("--aux-loss", type=float, default=d["aux_loss"],
+    p.add_argument("--aux-loss", type=number(0), default=d["aux_loss"],
                    help=f"MoE load-balance loss weight (default {d['aux_loss']})")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"],
+    p.add_argument("--eval-every", type=whole(1), default=d["eval_every"],
                    help=f"validate every N steps (default {d['eval_every']})")
-    p.add_argument("--ckpt-every", type=int, default=d["ckpt_every"],
+    p.add_argument("--ckpt-every", type=whole(1), default=d["ckpt_every"],
                    help=f"checkpoint every N steps (default {d['ckpt_every']})")
-    p.add_argument("--seed", type=int, default=d["seed"],
+    p.add_argument("--seed", type=whole(0), default=d["seed"],
                    help=f"initialisation and data-order seed (default {d['seed']})")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=whole(1, MAX_THREADS), default=None,
+                   help="torch threads (default: torch's choice)")
     p.add_argument("--tokenizer", help="tokenizer.json to use (default: train a byte-level BPE on the training split)")
-    p.add_argument("--vocab", type=int, default=d["vocab_size"],
+    p.add_argument("--vocab", type=whole(260, 2**20), default=d["vocab_size"],
                    help=f"vocabulary of a trained tokenizer (default {d['vocab_size']})")
     p.add_argument("--out", help="run / checkpoint directory (default runs/PRESET-SIZE)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (default: start a new run)")
@@ -43,6 +47,7 @@ def add_args(p):
 
 
 def run(args) -> int:
+    import os
     from pathlib import Path
 
     from ..errors import CflowError
@@ -51,9 +56,10 @@ def run(args) -> int:
     from ..models.train import TrainConfig, prepare_data, train
 
     get_preset(args.preset, args.size)  # a clear error for an unknown preset / size
-    for name in ("steps", "batch", "seq", "eval_every", "ckpt_every", "warmup"):
-        if getattr(args, name) < (0 if name == "warmup" else 1):
-            raise CflowError(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
+    if not Path(args.data).is_file():
+        raise CflowError(f"--data {args.data}: no such file")
+    if not os.access(args.data, os.R_OK):
+        raise CflowError(f"--data {args.data}: not readable")
     cfg = TrainConfig(
         preset=args.preset, size=args.size, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
         warmup=min(args.warmup, args.steps), weight_decay=args.weight_decay, aux_loss=args.aux_loss,
@@ -61,6 +67,14 @@ def run(args) -> int:
         vocab_size=args.vocab,
     )
     out = Path(args.out or f"runs/{args.preset}-{args.size}")
+    from ..util import check_output_dir
+
+    check_output_dir(out, "--out")  # before the data is read: the directory can be created and written
+    from ..models.train import STATE
+
+    if (out / STATE).is_file() and not (args.resume or args.force):
+        raise CflowError(f"--out {out} already holds a training run: pass --resume to continue it or --force to "
+                         "replace it")
     tokenizer = args.tokenizer
     if tokenizer is None and args.resume and (out / TOKENIZER).is_file():
         tokenizer = out / TOKENIZER  # a resumed run keeps its tokenizer

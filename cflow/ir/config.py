@@ -24,21 +24,13 @@ def _positive(name: str, value: int, minimum: int = 1) -> None:
 
 
 def _layer_tuple(v) -> tuple[int, ...] | None:
-    """attrs converter of dense_layers / moe_layers: a list of layer numbers (integers) becomes a tuple.
+    """attrs converter of dense_layers / moe_layers / sliding_layers: an iterable of layer numbers becomes a tuple.
 
-    Strict: a value from a file header may be anything JSON holds, so only whole numbers pass (no bools, floats
-    or strings); the range is checked in __attrs_post_init__."""
-    if v is None:
-        return None
-    if isinstance(v, (str, bytes, dict)) or not hasattr(v, "__iter__"):
-        raise ConfigError(f"layer list {v!r}: expected a list of layer numbers")
-    out = tuple(v)
-    if len(out) > MAX_INT["n_layers"]:
-        raise ConfigError(f"layer list of {len(out)} entries: longer than the {MAX_INT['n_layers']} layers allowed")
-    for i in out:
-        if not _is_int(i):
-            raise ConfigError(f"layer list {_short(v)}: {i!r} is not a layer number")
-    return tuple(int(i) for i in out)
+    Anything else is kept as it is for __attrs_post_init__ to refuse by name (a value from a file header may
+    be anything JSON holds: only whole numbers are layer numbers, no bools, floats or strings)."""
+    if v is None or isinstance(v, (str, bytes, dict)) or not hasattr(v, "__iter__"):
+        return v
+    return tuple(int(i) if _is_int(i) else i for i in v)
 
 
 def _rope_scaling(v) -> tuple | None:
@@ -97,6 +89,11 @@ def _check_kinds(cfg) -> None:
         elif kind == "bool":
             if not isinstance(v, bool):
                 raise ConfigError(f"config field {f.name}={_short(v)}: expected true or false")
+        elif kind.startswith("tuple[int,...]"):
+            if v is not None and (not isinstance(v, tuple) or not all(_is_int(i) for i in v)):
+                raise ConfigError(f"config field {f.name}={_short(v)}: expected a list of layer numbers")
+            if v is not None and len(v) > MAX_INT["n_layers"]:
+                raise ConfigError(f"config field {f.name}: {len(v)} entries, more than {MAX_INT['n_layers']}")
         elif kind == "str":
             if not isinstance(v, str):
                 raise ConfigError(f"config field {f.name}={_short(v)}: expected a string")

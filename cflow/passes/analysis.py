@@ -1,9 +1,16 @@
 """Critical-path analysis: weight bytes streamed per token, sequentially and along the heaviest DAG path.
 
 Weighted ops: attention (QKV + O), dense FFN, router, the top-k experts (+ shared expert) and the
-LM head, at the chosen weight dtype (norms and the router stay f32; arch5's shared blocks count once
-per execution). The ratio sequential / critical measures how much weight traffic may overlap (more
-cores, sockets, a disk tier); it does not change the total bytes a single socket must stream.
+LM head, each weight at its storage type (passes/quantize.py: matrices at the chosen dtype, norms,
+biases, the router and the shared-expert gate f32; arch5's shared blocks count once per execution).
+The ratio sequential / critical measures how much weight traffic may overlap (more cores, sockets, a
+disk tier); it does not change the total bytes a single socket must stream.
+
+Two byte counts: without a tile, the logical bytes of the weights (the model's own size, what the
+paper's numbers count); with a tile (`cflowc --emit analysis` passes its --tile), every matrix padded to
+whole tiles as the compiled file stores and the step streams it, so the total equals the schedule's
+bytes/token that `cflowc -o` and `cflow run` report. They differ when a matrix dimension is not a
+multiple of the tile (d_model 128 under 256-column tiles streams twice its logical bytes).
 """
 
 from __future__ import annotations
@@ -13,27 +20,37 @@ import json
 import attrs
 
 from ..ir import Graph, Node
-from ..layout.quant import DType, matrix_bytes
+from ..layout.quant import DType, matrix_bytes, padded
+from .quantize import weight_dtype
 
-F32_KINDS = ("router",)  # router weights stay f32 whatever the quantisation
+ROWS_SUFFIXES = (".router", ".shared_gate")  # matrices stored as plain rows (never tiled, never padded)
 
 
-def _tensor_bytes(shape: tuple[int, ...], dtype: DType) -> int:
+def _tensor_bytes(name: str, shape: tuple[int, ...], quant: DType, tile: tuple[int, int] | None) -> int:
+    dt = weight_dtype(name, shape, quant)
     if len(shape) == 1:
         return 4 * shape[0]  # biases and norm vectors: f32
-    return matrix_bytes(shape[0], shape[1], dtype)
+    rows, cols = shape
+    if name.endswith(ROWS_SUFFIXES):
+        return rows * cols * (2 if dt == DType.F16 else 4)
+    if tile is not None:
+        rows, cols = padded(rows, tile[0]), padded(cols, tile[1])
+    return matrix_bytes(rows, cols, dt)
 
 
-def op_bytes(g: Graph, n: Node, dtype: DType) -> int:
-    """Weight bytes op `n` streams for one token (0 for ops without matrices)."""
+def op_bytes(g: Graph, n: Node, dtype: DType, tile: tuple[int, int] | None = None) -> int:
+    """Weight bytes op `n` streams for one token (0 for ops without matrices); with `tile`, padded to it."""
     shapes = g.meta.shapes
     if n.kind in ("embedding", "rmsnorm", "add"):
         return 0  # one embedding row and norm vectors: negligible, not streamed as matrices
-    dt = DType.F32 if n.kind in F32_KINDS else dtype
+
+    def size(w: str) -> int:  # a tied head streams its own quantised copy (named lm_head once quantised)
+        return _tensor_bytes("lm_head" if n.kind == "lm_head" else w, shapes[w], dtype, tile)
+
     if n.kind == "experts":
-        per_expert = sum(_tensor_bytes(shapes[w], dt) for w in n.expert_weight_names(0))
-        return n.top_k * per_expert + sum(_tensor_bytes(shapes[w], dt) for w in n.shared_weight_names())
-    return sum(_tensor_bytes(shapes[w], dt) for w in n.weight_names())
+        per_expert = sum(size(w) for w in n.expert_weight_names(0))
+        return n.top_k * per_expert + sum(size(w) for w in n.shared_weight_names())
+    return sum(size(w) for w in n.weight_names())
 
 
 @attrs.frozen
@@ -46,6 +63,8 @@ class Analysis:
     sequential_bytes: int
     critical_bytes: int
     critical_path: list[str]  # weighted ops on the heaviest path, in order
+    tile: tuple[int, int] | None = None  # matrices padded to this tile (None: logical bytes)
+    logical_bytes: int = 0  # sequential bytes without tile padding
 
     @property
     def reduction(self) -> float:
@@ -60,7 +79,9 @@ class Analysis:
         mb = 1e6
         lines = [
             f"critical-path analysis of {self.name} (dd={self.delays[0]}, de={self.delays[1]}, "
-            f"routing={self.routing}, weights {self.quant})",
+            f"routing={self.routing}, weights {self.quant}"
+            + (f", tile {self.tile[0]}x{self.tile[1]}: matrices padded to whole tiles, as compiled)" if self.tile
+               else ", logical bytes: no tile padding)"),
             "",
             f"{'op':<14} {'layer':>5} {'kind':<10} {'bytes/token':>14} {'critical':>8}",
         ]
@@ -76,14 +97,20 @@ class Analysis:
             f"critical path: {' -> '.join(self.critical_path)}",
             f"critical-path reduction: {self.reduction:.2f}x",
         ]
+        if self.tile and self.logical_bytes != self.sequential_bytes:
+            lines.insert(-3, f"  (logical bytes without tile padding: {self.logical_bytes:,} "
+                             f"({self.logical_bytes / mb:.2f} MB))")
         return "\n".join(lines)
 
 
-def analyze(g: Graph, quant: str | DType = "q4") -> Analysis:
-    """Sequential and critical-path weight bytes per token of graph `g` at weight dtype `quant`."""
+def analyze(g: Graph, quant: str | DType = "q4", tile: tuple[int, int] | None = None) -> Analysis:
+    """Sequential and critical-path weight bytes per token of graph `g` at weight dtype `quant`; with `tile`,
+    every matrix padded to whole tiles (the compiled file's bytes/token), else logical bytes."""
     dtype = DType.parse(quant) if isinstance(quant, str) else DType(quant)
+    tile = tuple(int(t) for t in tile) if tile is not None else None
     order = list(g.nodes())
-    w = {n.name: op_bytes(g, n, dtype) for n in order}
+    w = {n.name: op_bytes(g, n, dtype, tile) for n in order}
+    logical = sum(op_bytes(g, n, dtype) for n in order) if tile else sum(w.values())
     # Heaviest path by dynamic programming over the topological order (ties: first predecessor).
     best: dict[str, int] = {}
     prev: dict[str, str | None] = {}
@@ -103,4 +130,5 @@ def analyze(g: Graph, quant: str | DType = "q4") -> Analysis:
     return Analysis(
         name=g.name, quant=dtype.label, delays=g.meta.delays, routing=g.meta.routing, ops=ops,
         sequential_bytes=sum(w.values()), critical_bytes=best[end], critical_path=[p for p in path if w[p]],
+        tile=tile, logical_bytes=logical,
     )

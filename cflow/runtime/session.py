@@ -41,6 +41,7 @@ from .format.header import check_header, check_plan, stale_file_error
 from .format.spec import pad
 
 MAX_THREADS = 1024  # worker threads of one model
+MAX_BATCH = 4096  # sequences decoded together (each its own KV cache)
 
 
 def _whole(v) -> bool:
@@ -121,8 +122,8 @@ class Session:
         if not isinstance(prefill_block, int) or prefill_block < 1:
             raise CflowError(f"prefill block must be a whole number of tokens >= 1, not {prefill_block!r}")
         self.tmax = 1 if self.segmented else min(prefill_block, self.max_seq)
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise CflowError(f"max_batch must be a whole number of sequences >= 1, not {max_batch!r}")
+        if not _whole(max_batch) or not 1 <= max_batch <= MAX_BATCH:
+            raise CflowError(f"max_batch must be a whole number of sequences in 1..{MAX_BATCH}, not {max_batch!r}")
         if max_batch > 1 and self.segmented:
             raise CflowError("batched decode (max_batch > 1) is not available with experts or weights on disk")
         self.n_slots = max_batch  # sequences with their own KV cache; slot 0 is the single-sequence API's
@@ -158,8 +159,10 @@ class Session:
         scratch = (T * (6 * widest + 4 * (2 * c.top_k + 1 + 4) * (c.n_layers + 1)) + 4 * widest + 4 * S
                    + 4 * c.n_experts + 4096 * 8)
         parts = {
-            f"the KV cache (config.max_seq_len={S} positions x {c.n_layers} layers; load with a smaller max_seq)":
-                2 * c.n_layers * S * c.n_kv_heads * c.head_dim * 4,
+            (f"the KV cache (config.max_seq_len={S} positions x {c.n_layers} layers"
+             + (f" x max_batch={self.n_slots} sequences" if self.n_slots > 1 else "")
+             + "; load with a smaller max_seq" + (" or max_batch)" if self.n_slots > 1 else ")")):
+                2 * c.n_layers * S * c.n_kv_heads * c.head_dim * 4 * self.n_slots,
             f"the RoPE tables (config.max_seq_len={S})": S * c.head_dim * 4,
             f"the per-thread scratch ({self.threads} threads)": scratch * self.threads,
             "the activation buffers": 4 * T * (padded(c.vocab_size, 64) + 32 * widest),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -299,14 +300,18 @@ def create_app(engine: Engine, model, model_id: str, api_key: str | None = None,
     async def chat_completions(request: Request):
         authorize(request)
         req = await parse(request, ChatCompletionRequest)
-        if model.tokenizer is None and not callable(getattr(model, "chat_prompt", None)):
+        if model.tokenizer is None:
             raise ApiError(400, "This model has no tokenizer, so it cannot read chat messages: use /v1/completions "
                            "with token ids.", param="messages", code="no_tokenizer")
-        prompt, stops = chat_prompt(model, [(m.role, m.text) for m in req.messages])
-        ids = encode(prompt, "messages") if isinstance(prompt, str) else check_ids(prompt, "messages")
+        try:
+            chat = chat_prompt(model, [(m.role, m.text) for m in req.messages])
+        except CflowError as e:  # the model's template refused these messages (e.g. roles out of order)
+            raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
+        ids = encode(chat.prompt, "messages") if isinstance(chat.prompt, str) else check_ids(chat.prompt, "messages")
         params = sampling(req, len(ids), None, "messages")
-        if stops:
-            params = SamplingParams(**{**params.__dict__, "stops": tuple(dict.fromkeys(params.stops + stops))})
+        if chat.stops or chat.stop_ids:
+            params = dataclasses.replace(params, stops=tuple(dict.fromkeys(params.stops + chat.stops)),
+                                         stop_ids=chat.stop_ids)
         job = submit(ids, params)
         rid, now = new_id("chatcmpl"), int(time.time())
         if req.stream:
@@ -376,14 +381,16 @@ async def _chat_events(job: Job, engine: Engine, rid: str, created: int, model_i
 
 
 def build_app(path: str, threads: int | None = None, max_batch: int = 1, max_queue: int = 64,
-              api_key: str | None = None, model_id: str | None = None, instance: str | None = None) -> FastAPI:
-    """Load `path` into an engine of `max_batch` slots and return the app that owns it (closed at shutdown)."""
+              api_key: str | None = None, model_id: str | None = None, instance: str | None = None,
+              **load_kwargs) -> FastAPI:
+    """Load `path` into an engine of `max_batch` slots and return the app that owns it (closed at shutdown).
+    load_kwargs go to `cflow.load` (experts="disk", expert_cache_mb=..., weights="disk", ...)."""
     from pathlib import Path
 
     from .engine import load_backend
     from .metrics import ServeMetrics
 
-    backend = load_backend(path, threads=threads, slots=max_batch)
+    backend = load_backend(path, threads=threads, slots=max_batch, **load_kwargs)
     try:
         metrics = ServeMetrics()
         engine = Engine(backend, max_queue=max_queue, metrics=metrics)

@@ -8,14 +8,18 @@ the job waits in a bounded queue (full -> `QueueFull`, a 429) until a slot is fr
     advance: one decode step moves every active slot one token forward
     emit:    each token becomes text (stop strings held back until they cannot match) and goes to the
              job's event queue, read by the handler on the asyncio loop; a finished job frees its slot,
-             which the next admit refills from the queue
+             which the next admit refills from the queue (continuous batching)
 
-The native step is only ever called from this thread. The loop is written against `Backend`
-(start / advance / stop over slot numbers), so batched decode is a local change: today's `StreamSlots`
-runs `CompiledModel.stream` per slot (a slot is one loaded model with its own KV cache: several slots
-take turns token by token, the weights are read once per token per slot); a batched backend will prefill a
-prompt into a slot and advance all active slots with one pass over the weights (issue 9), and the engine,
-the queue, the HTTP layer and the metrics stay as they are.
+The native step is only ever called from this thread. The loop is written against `Backend` (start /
+advance / stop over slot numbers); two backends implement it:
+
+    BatchedSlots   one model loaded with max_batch=B: a prompt is prefilled into its KV-cache slot
+                   (`batch_start`), and one `batch_step` advances every active slot with one pass over the
+                   weights (issue 9's batched decode)
+    StreamSlots    `CompiledModel.stream` per slot, one loaded model per slot: with one slot, exactly
+                   `m.generate`'s path (one sequence at a time behind the queue); with several, the fallback
+                   where batched decode is not available (experts or weights on disk): the slots take turns
+                   token by token, each a full weight pass
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stops: tuple[str, ...] = ()
+    stop_ids: frozenset = frozenset()  # tokens that end the answer unseen, like end-of-text (a chat's end of turn)
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,8 @@ class Job:
 
     def _feed(self, token: int) -> str | None:
         """Take one generated token; returns the finish reason if the job is done."""
+        if token in self.params.stop_ids:
+            return "stop"
         self.completion_tokens += 1
         text, stopped = self._stop.push(self._detok.push(token))
         if text:
@@ -245,12 +252,84 @@ class StreamSlots:
             m.close()
 
 
-def load_backend(path: str, threads: int | None = None, slots: int = 1, **load_kwargs) -> StreamSlots:
-    """`slots` models loaded from `path` (the JIT'd step comes from the program cache after the first)."""
+class BatchedSlots:
+    """Slots of one model loaded with max_batch=B (each slot its own KV cache and position): `start` prefills
+    a prompt into its slot, `advance` runs one `batch_step` over every active slot that has a token to feed.
+    Sampling and stopping are `CompiledModel.stream`'s (the same Sampler, seed and end-of-text ids), so a
+    request's tokens are the ones `m.generate` gives for it."""
+
+    def __init__(self, model):
+        self.model = model
+        self.slots = int(model.session.n_slots)
+        self._eos = frozenset(model.eos_ids)
+        self._sampler: dict[int, object] = {}
+        self._last: dict[int, int] = {}
+        self._first: dict[int, int | None] = {}
+
+    def _sample(self, slot: int, logits) -> int | None:
+        import numpy as np
+
+        from ..errors import RuntimeFault
+
+        top = float(np.max(logits))
+        if not math.isfinite(top):
+            raise RuntimeFault(f"the logits of slot {slot} are not finite ({top}): the model's weights or "
+                               "activations overflow")
+        tok = self._sampler[slot](logits)
+        if tok in self._eos:
+            return None
+        self._last[slot] = tok
+        return tok
+
+    def start(self, slot: int, job: Job) -> None:
+        from ..runtime.sampling import Sampler
+
+        p = job.params
+        self._sampler[slot] = Sampler(p.temperature, p.top_k, p.top_p, p.seed)
+        self._first[slot] = self._sample(slot, self.model.batch_start(job.prompt_ids, slot))
+
+    def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]:
+        out: dict[int, int | None | BaseException] = {}
+        feed = []
+        for s in slots:
+            if s in self._first:
+                out[s] = self._first.pop(s)
+            else:
+                feed.append(s)
+        if feed:
+            try:
+                rows = self.model.batch_step([self._last[s] for s in feed], feed)
+            except Exception as e:  # noqa: BLE001 -- the step failed: every sequence in it fails, the model stays
+                rows = [e] * len(feed)
+            for s, row in zip(feed, rows):
+                if isinstance(row, BaseException):
+                    out[s] = row
+                    continue
+                try:
+                    out[s] = self._sample(s, row)
+                except Exception as e:  # noqa: BLE001
+                    out[s] = e
+        return [out[s] for s in slots]
+
+    def stop(self, slot: int) -> None:
+        for d in (self._sampler, self._last, self._first):
+            d.pop(slot, None)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def load_backend(path: str, threads: int | None = None, slots: int = 1, **load_kwargs) -> Backend:
+    """The backend for `slots` sequences at once: one sequence -> StreamSlots over one model (m.generate's path);
+    several -> BatchedSlots over one model loaded with max_batch=slots, or, with experts or weights on disk
+    (no batched decode there), StreamSlots over `slots` loaded models."""
     import cflow
 
     if slots < 1:
         raise CflowError(f"--max-batch must be >= 1, not {slots}")
+    disk = load_kwargs.get("experts", "ram") == "disk" or load_kwargs.get("weights", "ram") == "disk"
+    if slots > 1 and not disk:
+        return BatchedSlots(cflow.load(path, threads=threads, max_batch=slots, **load_kwargs))
     models = []
     try:
         for _ in range(slots):

@@ -14,6 +14,7 @@
     cflow_time_to_first_token_seconds       histogram: request arrival to first token (queueing included)
     cflow_inter_token_latency_seconds       histogram: time between two tokens of one sequence
     cflow_request_duration_seconds          histogram: arrival to last token
+    cflow_decode_batch_size                 histogram: sequences advanced by one decode step
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class ServeMetrics:
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("cflow_inter_token_latency_seconds", "time between two tokens of one sequence",
                              buckets=_ITL, registry=r)
+        self.batch = Histogram("cflow_decode_batch_size", "sequences advanced by one decode step",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.duration = Histogram("cflow_request_duration_seconds", "request arrival to its last token",
                                   buckets=_LATENCY, registry=r)
 
@@ -91,6 +94,7 @@ class ServeMetrics:
         """One decode step that advanced `tokens` sequences by a token each (counted by the sequences)."""
         self.decode_seconds.inc(seconds)
         self._decode_rate.add(tokens, seconds)
+        self.batch.observe(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,24 +1,33 @@
 """Chat messages -> prompt: the model's own chat template when it has one, else a documented default.
 
-The model's template comes from `CompiledModel.chat_prompt(messages)` when the API offers it (the chat
-template work of issue 12); it may return text or token ids. Until then, and for models without a template,
-the default is ChatML-like:
+A model whose file carries a chat template (tokenizer_config.json or GGUF metadata, issue 12) is rendered
+with it (`CompiledModel.chat_prompt`, sandboxed Jinja) and its answer ends at the template's end-of-turn
+tokens (`ChatTemplate.end_of_turn_ids`) or an end-of-text token, as `m.chat` does. A model without one gets
+the ChatML-like default:
 
     <|im_start|>system\\nYou are ...<|im_end|>\\n
     <|im_start|>user\\nHello<|im_end|>\\n
     <|im_start|>assistant\\n
 
 encoded with the model's plain tokenizer (markers the tokenizer does not know become ordinary text), and
-the answer ends at the model's end-of-text tokens or at the text `<|im_end|>` (a stop string of every chat
-request, never shown).
+the answer ends at an end-of-text token or at the text `<|im_end|>` or `<|im_start|>` (stop strings of every
+such chat request, never shown).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 DEFAULT_CHAT_STOPS = (IM_END, IM_START)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    prompt: str | list[int]          # text to encode, or ids
+    stops: tuple[str, ...] = ()      # stop strings the chat adds
+    stop_ids: frozenset = frozenset()  # token ids that end the assistant's turn
 
 
 def default_chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
@@ -27,10 +36,12 @@ def default_chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
     return "".join(parts) + f"{IM_START}assistant\n"
 
 
-def chat_prompt(model, messages: Sequence[tuple[str, str]]) -> tuple[str | list[int], tuple[str, ...]]:
-    """(prompt, extra stop strings) for `messages` on `model`: its own template if it has one."""
-    own = getattr(model, "chat_prompt", None)
-    if callable(own):
-        out = own([{"role": r, "content": c} for r, c in messages])
-        return (out if isinstance(out, str) else [int(i) for i in out]), ()
-    return default_chat_prompt(messages), DEFAULT_CHAT_STOPS
+def chat_prompt(model, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
+    """The prompt for `messages` on `model`: its own template if its file has one (CflowError if that template
+    fails on these messages), else the default."""
+    template = getattr(model, "chat_template", None)
+    if template is not None and model.tokenizer is not None:
+        text = model.chat_prompt([{"role": r, "content": c} for r, c in messages])
+        eot = getattr(template, "end_of_turn_ids", None)
+        return ChatPrompt(text, (), frozenset(eot(model.tokenizer)) if callable(eot) else frozenset())
+    return ChatPrompt(default_chat_prompt(messages), DEFAULT_CHAT_STOPS)

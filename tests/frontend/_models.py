@@ -132,7 +132,7 @@ def incremental(graph, ids, k: int) -> np.ndarray:
 # What the session exports (tests/frontend/conftest.py): HF models with few layers, since export costs ~3 s a
 # layer. The exported Mistral has a sliding window of 64 < its 128 positions: it imports only for a
 # context of at most 64 tokens (CONTEXT), which also tests that the window is found in the ONNX mask.
-EXPORT_LAYERS = {"llama": 1, "mistral": 1, "mixtral": 1, "qwen2_moe": 2}
+EXPORT_LAYERS = {"llama": 1, "mistral": 1, "mixtral": 1, "qwen2_moe": 2, "qwen2": 1, "llama3": 1}
 CONTEXT = {"mistral": 64}
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from ._models import custom_pipeline_native, export_task, exported_hf_model
 
-WORKER_JOBS = ("arch2_4_combined", "qwen2_moe")
+WORKER_JOBS = ("arch2_4_combined", "qwen2_moe", "qwen2", "llama3")
 LOCAL_JOBS = ("knobs", "llama", "mistral", "mixtral")
 
 

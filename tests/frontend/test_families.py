@@ -16,7 +16,7 @@ from cflow.frontend.load import load_graph
 from cflow.ir import interpret
 from cflow.passes.pipeline import check_native, native_gaps
 
-from ._models import FAMILIES, hf_logits, hf_model, incremental
+from ._models import hf_logits, hf_model, incremental
 
 IDS = np.random.default_rng(3).integers(0, 256, 24)
 

@@ -202,8 +202,9 @@ def test_sentencepiece_vocabulary_tokenises_like_llama_cpp(tmp_path):
     from tokenizers import Tokenizer
 
     TT = gguf.TokenType
-    pieces = ["\u2581", "o", "n", "c", "e", "u", "p", "a", "t", "i", "m", "\u2581o", "\u2581on", "on", "ce", "\u2581once",
-              "up", "\u2581up", "\u2581a", "\u2581t", "ti", "me", "\u2581time", "\u2581ti", "im", "pon", "\u2581upon"]
+    pieces = ["\u2581", "o", "n", "c", "e", "u", "p", "a", "t", "i", "m", "\u2581o", "\u2581on", "on", "ce",
+              "\u2581once", "up", "\u2581up", "\u2581a", "\u2581t", "ti", "me", "\u2581time", "\u2581ti", "im", "pon",
+              "\u2581upon"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
     types = [TT.UNKNOWN, TT.CONTROL, TT.CONTROL] + [TT.BYTE] * 256 + [TT.NORMAL] * len(pieces)

@@ -12,13 +12,14 @@ from cflow.frontend.hf import from_hf_module
 from cflow.frontend.load import load_graph
 from cflow.frontend.onnx_import import from_onnx as import_onnx
 from cflow.ir import interpret
+from cflow.passes.pipeline import check_native
 
 from ._models import CONTEXT, hf_logits, incremental, ort_logits
 
 IDS = np.random.default_rng(4).integers(0, 256, 20)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "mixtral", "qwen2_moe", "qwen2"])
 def test_hf_export_parity(family, hf_onnx):
     m, path = hf_onnx(family)
     ctx = CONTEXT.get(family)  # None: the file's own context
@@ -29,6 +30,14 @@ def test_hf_export_parity(family, hf_onnx):
     # The ONNX path finds the same model as the PyTorch path (names aside).
     assert str(g).splitlines()[1:] == str(from_hf_module(m, max_seq_len=ctx)).splitlines()[1:]
     assert g.config.max_seq_len == (ctx or 128)
+
+
+def test_rope_scaling_in_an_onnx_file_is_refused_by_node(hf_onnx):
+    """Llama 3.x through ONNX: the frequencies in the graph are not default RoPE; the node is named (the PyTorch
+    and directory frontends read the scaling from the config instead)."""
+    _, path = hf_onnx("llama3")
+    with pytest.raises(UnsupportedModelError, match="RoPE frequencies are not theta"):
+        import_onnx(path)
 
 
 def test_arch2_4_round_trips_to_the_same_ir(arch24_onnx):
@@ -184,5 +193,7 @@ def test_sliding_window_that_bites_is_rejected(hf_onnx):
     with pytest.raises(UnsupportedModelError, match="is not causal at T=128") as e:
         from_onnx(path)
     assert "sliding window" in str(e.value)
-    with pytest.raises(UnsupportedModelError, match="config.sliding_window=64"):
-        from_torch(m)
+    g = from_torch(m)  # the PyTorch path models the window (IR and interpreter; the native runtime refuses it)
+    assert g.config.sliding_window == 64
+    with pytest.raises(UnsupportedModelError, match="a sliding window of 64 < the context of 128"):
+        check_native(g)

@@ -171,6 +171,9 @@ def test_models_without_a_template_say_so(chat_file):
         assert m.chat_template is None
         with pytest.raises(CflowError, match="has no chat template"):
             m.chat([{"role": "user", "content": "hi"}])
+        assert getattr(m, "chat_prompt", None) is None  # the server's cue to use its own prompt format
+        with pytest.raises(AttributeError, match="has no chat template"):
+            m.chat_prompt([{"role": "user", "content": "hi"}])
 
 
 # --- the command line ----------------------------------------------------------------------------

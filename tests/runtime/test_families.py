@@ -42,7 +42,7 @@ def test_family_runtime_matches_interpreter(tmp_path, family, quant):
 
 # The families issue 12 added whose every op the native runtime already has (RoPE scaling and partial rotary live
 # in the session's RoPE tables; Granite's multipliers, fused Phi-3 projections are folded or split at import).
-NEW_NATIVE = [("llama3", "q4"), ("llama3", "f32"), ("llama3", "q8"), ("qwen2_yarn", "q4"), ("qwen2", "q4"),
+NEW_NATIVE = [("llama3", "q4"), ("llama3", "f32"), ("llama3", "q8"), ("qwen2_yarn", "q4"),
               ("phi3", "f32"), ("phi3", "q4"), ("granite", "q8")]
 
 

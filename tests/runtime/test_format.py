@@ -12,6 +12,7 @@ from cflow.errors import CflowError, FormatError
 from cflow.layout.quant import DType
 from cflow.runtime.format import FileReader, FileWriter
 from cflow.runtime.format import spec as F
+from cflow.runtime.format.header import written_by
 
 from . import HEADER, Container, write_sample
 
@@ -43,7 +44,8 @@ def open_fails(path, *needles) -> str:
 def test_round_trip(sample):
     path, tensors = sample
     with FileReader(path) as r:
-        assert r.header == json.loads(json.dumps(HEADER))  # tuples come back as lists
+        # tuples come back as lists; the writer stamps who wrote the file (cflow, format and plan versions)
+        assert r.header == {**written_by(), **json.loads(json.dumps(HEADER))}
         assert r.layout == "vflow" and r.version == F.VERSION
         assert [t.name for t in r.tensors] == [t[0] for t in tensors]  # table order = data order
         for (name, dtype, shape, data, kw), e in zip(tensors, r.tensors):
@@ -82,7 +84,7 @@ def test_empty_container(tmp_path):
     with FileWriter(tmp_path / "e.cflow", {"a": 1}):
         pass
     with FileReader(tmp_path / "e.cflow") as r:
-        assert r.tensors == [] and r.experts == [] and r.header == {"a": 1}
+        assert r.tensors == [] and r.experts == [] and r.header == {**written_by(), "a": 1}
         r.verify()
 
 
@@ -264,7 +266,7 @@ def test_unknown_version(sample):
     c = Container(path.read_bytes())
     c.pre["version"] = F.VERSION + 1
     path.write_bytes(c.tobytes())
-    open_fails(path, "version 2 is not supported")
+    open_fails(path, "compiled by a cflow of format 2", "recompile with cflowc")
 
 
 def test_missing_and_tiny_files(tmp_path):

@@ -54,12 +54,12 @@ class SlowSlots:
         self.inner.close()
 
 
-def make_app(path, *, slots=1, max_queue=64, api_key=None, delay=None, model_id="m", instance=None):
+def make_app(path, *, slots=1, max_queue=64, api_key=None, delay=None, model_id="m", instance=None, **load_kwargs):
     from cflow.serve.app import create_app
     from cflow.serve.engine import Engine, load_backend
     from cflow.serve.metrics import ServeMetrics
 
-    backend = load_backend(path, threads=1, slots=slots)
+    backend = load_backend(path, threads=1, slots=slots, **load_kwargs)
     if delay:
         backend = SlowSlots(backend, delay)
     metrics = ServeMetrics()

@@ -36,6 +36,25 @@ def text_path(tmp_path_factory):
     return str(path)
 
 
+# The bundled model with a chat template of its own; a turn ends with eos_token (<|endoftext|>, a special token).
+CHAT_TEMPLATE = ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('start with a user turn') }}{% endif %}"
+                 "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token + '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_path(tmp_path_factory):
+    from cflow.compiler import compile_file
+    from cflow.frontend.load import load_graph
+    from cflow.models.bundled import default_model_dir
+
+    g = load_graph(default_model_dir())
+    g.meta.chat_template = {"template": CHAT_TEMPLATE, "bos_token": None, "eos_token": "<|endoftext|>"}
+    path = tmp_path_factory.mktemp("serve") / "story_chat.vflow"
+    compile_file(g, path, tokenizer=g.meta.tokenizer, eos=g.meta.eos_token_ids)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def ref_tiny(tiny_path):
     import cflow

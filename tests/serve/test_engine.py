@@ -106,13 +106,15 @@ def test_max_tokens_and_stop_strings():
         eng = Engine(be, max_queue=8)
         a = _job([1, 2, 3, 4, 5], max_tokens=3)
         b = _job([7, 8, 9, 10], stops=(" 9",))
-        eng.submit(a)
-        eng.submit(b)
-        out = await asyncio.gather(_run(a), _run(b))
+        c = Job([10, 11, 12, 13], SamplingParams(max_tokens=100, stop_ids=frozenset({12})))  # an end-of-turn id
+        for j in (a, b, c):
+            eng.submit(j)
+        out = await asyncio.gather(_run(a), _run(b), _run(c))
         eng.close()
         return out
 
-    (ta, fa), (tb, fb) = asyncio.run(main())
+    (ta, fa), (tb, fb), (tc, fc) = asyncio.run(main())
+    assert tc == " 10 11" and fc.reason == "stop" and fc.completion_tokens == 2
     assert ta == " 1 2 3" and fa.reason == "length" and fa.completion_tokens == 3
     assert tb == " 7 8" and fb.reason == "stop"
 

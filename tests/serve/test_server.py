@@ -104,6 +104,31 @@ def test_chat_streaming_and_not(text_server, ref_text):
                                                            16, temperature=0)
 
 
+def test_chat_with_the_models_own_template(chat_path):
+    """A model whose file carries a chat template: the server's answer is m.chat's (same seed), ending at the
+    template's end-of-turn token; a template that raises for the messages is a 400 naming `messages`."""
+    import cflow
+    from cflow.serve.template import chat_prompt
+
+    messages = [{"role": "user", "content": "Tell me a story about a dog."}]
+    with cflow.load(chat_path, threads=1) as ref:
+        assert ref.chat_template is not None
+        assert chat_prompt(ref, [("user", "hi")]).stop_ids == {0}  # <|endoftext|> ends a turn
+        want = ref.chat(messages, max_new_tokens=40, temperature=0.9, seed=5)
+        n_prompt = len(ref.tokenizer.encode(ref.chat_prompt(messages)))
+    app = make_app(chat_path, model_id="chat")
+    with serving(app) as url:
+        c = client(url)
+        r = c.chat.completions.create(model="chat", messages=messages, max_tokens=40, temperature=0.9, seed=5)
+        assert r.choices[0].message.content == want and r.usage.prompt_tokens == n_prompt
+        chunks = list(c.chat.completions.create(model="chat", messages=messages, max_tokens=40, temperature=0.9,
+                                                seed=5, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="chat", messages=[{"role": "assistant", "content": "Hi"}])
+        assert e.value.param == "messages" and "start with a user turn" in e.value.message
+
+
 def test_stop_strings(text_server, ref_text):
     url, _ = text_server
     full = ref_text.generate(STORY, 40, temperature=0)
@@ -122,16 +147,18 @@ def test_token_id_model_two_slots(tiny_server, ref_tiny):
     """No tokenizer: prompts are ids, answers ' ID ID ...'. Two concurrent streams on two slots, each equal to
     its own m.generate."""
     url, app = tiny_server
-    assert app.state.engine.backend.slots == 2
+    assert type(app.state.engine.backend).__name__ == "BatchedSlots" and app.state.engine.backend.slots == 2
     c = client(url)
     r = c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, temperature=0.9, seed=1)
     assert r.choices[0].text == "".join(f" {t}" for t in ref_tiny.generate([5, 6, 7], 12, temperature=0.9, seed=1))
     r = c.completions.create(model="tiny", prompt="5 6 7", max_tokens=12, temperature=0)
     assert r.choices[0].text == "".join(f" {t}" for t in ref_tiny.generate([5, 6, 7], 12, temperature=0))
     out = {}
+    together = threading.Barrier(3)
 
     def one(seed):
-        s = c.completions.create(model="tiny", prompt=[1, 2, 3, 4], max_tokens=60, temperature=1.0, seed=seed,
+        together.wait(10)
+        s = c.completions.create(model="tiny", prompt=[1, 2, 3, 4], max_tokens=120, temperature=1.0, seed=seed,
                                  stream=True)
         out[seed] = "".join(ch.choices[0].text for ch in s)
 
@@ -141,13 +168,38 @@ def test_token_id_model_two_slots(tiny_server, ref_tiny):
     for t in ts:
         t.join(30)
     for seed in (21, 22, 23):
-        assert out[seed] == "".join(f" {t}" for t in ref_tiny.generate([1, 2, 3, 4], 60, temperature=1.0, seed=seed))
+        assert out[seed] == "".join(f" {t}" for t in ref_tiny.generate([1, 2, 3, 4], 120, temperature=1.0, seed=seed))
+    steps = metric(app, "cflow_decode_batch_size_count")
+    assert steps - metric(app, "cflow_decode_batch_size_bucket", {"le": "1.0"}) > 0  # some steps advanced two
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert e.value.param == "messages" and "no tokenizer" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="tiny", prompt=[1, 99999])
     assert e.value.param == "prompt" and "99999" in e.value.message
+
+
+def test_two_slots_with_experts_on_disk(tiny_path, ref_tiny):
+    """No batched decode with the disk expert tier: two slots are two loaded models taking turns (StreamSlots),
+    each answer still m.generate's."""
+    app = make_app(tiny_path, slots=2, model_id="tiny", experts="disk")
+    assert type(app.state.engine.backend).__name__ == "StreamSlots" and app.state.engine.backend.slots == 2
+    with serving(app) as url:
+        c = client(url)
+        out = {}
+
+        def one(seed):
+            s = c.completions.create(model="tiny", prompt=[4, 3, 2], max_tokens=40, temperature=1.0, seed=seed,
+                                     stream=True)
+            out[seed] = "".join(ch.choices[0].text for ch in s)
+
+        ts = [threading.Thread(target=one, args=(seed,)) for seed in (1, 2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        for seed in (1, 2):
+            assert out[seed] == "".join(f" {t}" for t in ref_tiny.generate([4, 3, 2], 40, temperature=1.0, seed=seed))
 
 
 # --- cancellation and a full queue --------------------------------------------------------------------------

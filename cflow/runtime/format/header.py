@@ -201,6 +201,15 @@ def check_plan(reader, compiled) -> None:
                 f"{p}: tensor table entry {e.index} ({name!r}) at file offset {e.file_offset:#x}: "
                 f"{e.dtype.label} {tuple(e.shape)} tile {tuple(e.tile)} {e.nbytes} B, expected "
                 f"{t.dtype.label} {tuple(t.shape)} tile {tuple(t.file_tile)} {t.nbytes} B")
+        want = (t.block, t.expert, compiled.stage_of.get(name, e.stage))
+        if (e.layer, e.expert, e.stage) != want:  # the disk tiers find experts and stages by these fields
+            raise FormatError(f"{p}: tensor table entry {e.index} ({name!r}) at file offset {e.file_offset:#x}: "
+                              f"layer {e.layer}, expert {e.expert}, stage {e.stage}; expected layer {want[0]}, "
+                              f"expert {want[1]}, stage {want[2]}")
+    extra = len(reader.tensors) - len(compiled.tensors)
+    if extra:  # every tensor the file holds is one the plan reads: nothing unexplained in the data section
+        name = next(t.name for t in reader.tensors if t.name not in compiled.tensors)
+        raise FormatError(f"{p}: tensor table entry {name!r} is not part of the model ({extra} such entries)")
 
 
 def describe_versions(h: dict) -> str:

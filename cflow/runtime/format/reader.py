@@ -105,7 +105,10 @@ class FileReader:
         if p["magic"] != F.MAGIC:
             raise bad("magic", f"{p['magic']!r} is not {F.MAGIC!r}: not a .cflow/.vflow file")
         if p["version"] != F.VERSION:
-            raise bad("version", f"format version {p['version']} is not supported (this cflow reads {F.VERSION})")
+            from cflow import __version__
+
+            raise bad("version", f"compiled by a cflow of format {p['version']}; this is cflow {__version__} "
+                                 f"(format {F.VERSION}): recompile with cflowc")
         if zlib.crc32(raw[:-4]) != p["preamble_crc"]:
             raise bad("preamble_crc", f"checksum 0x{p['preamble_crc']:08x} does not match the preamble "
                                       f"(0x{zlib.crc32(raw[:-4]):08x}): corrupt")

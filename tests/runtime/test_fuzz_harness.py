@@ -1,0 +1,31 @@
+"""Hostile files, a short budget of the fuzz harness (benchmarks/fuzz.py; its long run is in docs/reliability.md).
+
+The .vflow/.cflow loader and the GGUF reader for ~20 s in worker subprocesses: no case may crash a worker (a
+signal), hang, or end in anything but a CflowError or a working model. A failure names the case and the command
+that replays it. The seed is fixed (CFLOW_FUZZ_SEED picks another); the ONNX target runs in the long run only
+(docs/reliability.md lists what it finds in the ONNX importer)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FUZZ = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz.py"
+
+
+def test_fuzz_short_budget(tmp_path):
+    seed = int(os.environ.get("CFLOW_FUZZ_SEED", "14"))
+    out = tmp_path / "fuzz.json"
+    r = subprocess.run([sys.executable, str(FUZZ), "--quick", "--seconds", "20", "--seed", str(seed), "--workers", "2",
+                        "--targets", "vflow,gguf",
+                        "--keep", str(tmp_path / "failures"), "--json", str(out)],
+                       capture_output=True, text=True, env=dict(os.environ), timeout=900)
+    assert out.exists(), r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    failures = "\n".join(f"{f['outcome']}: {f['kind']}: {f['desc']}: {f['detail']} -> {f['replay']}"
+                         for f in d["failures"])
+    assert d["crashes"] == d["hangs"] == d["bugs"] == 0, failures
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert d["cases"] >= 20 and d["outcomes"].get("rejected", 0) > 0 and d["outcomes"].get("loaded", 0) > 0, d
+    assert set(d["targets"]) == {"vflow", "gguf"}
