@@ -150,7 +150,8 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
     if emit == "schedule":
         from ..passes.analysis import analyze
 
-        return _write_text(args.output, str(state.schedule) + "\n" + analyze(state.graph, args.quant, args.tile).table() + "\n")
+        table = analyze(state.graph, args.quant, args.tile).table()
+        return _write_text(args.output, str(state.schedule) + "\n" + table + "\n")
     if emit == "llvm":
         from ..codegen.step import step_ir_text
 
