@@ -1,7 +1,7 @@
 """Load test of `cflow serve`: N concurrent streaming clients against one server, for a bounded time.
 
     python benchmarks/serve.py                                   # bundled model and the 114m preset, N = 1 4 16 64
-    python benchmarks/serve.py --quick                           # 5 s per level, under 2 minutes
+    python benchmarks/serve.py --quick                           # 5 s per level, about 4 minutes
     python benchmarks/serve.py --max-batch 1,8,32 --threads 1 --json docs/results/serve.json
 
 For each model the server is `cflow serve` in a process of its own on 127.0.0.1 (a free port). For each N,
@@ -248,11 +248,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", default="1,8",
                    help="server --max-batch values, one server each (default 1,8)")
     p.add_argument("--max-queue", type=int, default=64, help="server --max-queue (default 64)")
-    p.add_argument("--quick", action="store_true", help="5 s per level, 10 s drain (default: off)")
+    p.add_argument("--quick", action="store_true", help="5 s per level, 30 s drain (default: off)")
     p.add_argument("--json", default=None, help="write the records to this file (default: none)")
     args = p.parse_args(argv)
     if args.quick:
-        args.duration, args.drain = 5.0, 10.0
+        args.duration, args.drain = 5.0, 30.0
     counts = [int(x) for x in args.clients.split(",")]
     records = []
     cpu = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True)

@@ -47,6 +47,7 @@ from .protocol import (
 )
 from .template import chat_prompt
 
+MAX_BODY = 4 << 20  # bytes of a request body (a context's worth of text is far less)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat: the rest of the context
 
 
@@ -160,7 +161,16 @@ def create_app(engine: Engine, model, model_id: str, api_key: str | None = None,
                            "to cflow serve --api-key", "invalid_request_error", None, "invalid_api_key")
 
     async def parse(request: Request, cls):
-        body = await request.body()
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > MAX_BODY:
+            raise ApiError(413, f"The request body is {int(size)} bytes; at most {MAX_BODY} are accepted.")
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > MAX_BODY:
+                raise ApiError(413, f"The request body is more than {MAX_BODY} bytes.")
+            chunks.append(chunk)
+        body = b"".join(chunks)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -190,9 +190,12 @@ class Backend(Protocol):
     advance(slots):     one token for each of these slots, in order: an id, None when the sequence ended by
                         itself (an end-of-text token, or the context is full), or the exception it raised
     stop(slot):         the slot's sequence is abandoned (finished, cancelled); the slot may be started again
+    model:              the CompiledModel whose tokenizer, context and chat template requests are checked against
+                        (read by the HTTP layer; only the engine thread runs it)
     """
 
     slots: int
+    model: object
 
     def start(self, slot: int, job: Job) -> None: ...
 

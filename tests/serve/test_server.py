@@ -260,6 +260,11 @@ def test_malformed_json_and_wrong_types(tiny_server):
     url, _ = tiny_server
     st, _, body = post(url, "/v1/completions", b'{"model": "tiny", "prompt": [1, 2')
     assert st == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:  # a body too big: refused before it is read
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 50000000\r\n\r\n{")
+        assert s.recv(4096).startswith(b"HTTP/1.1 413 ")
     st, _, body = post(url, "/v1/chat/completions", b"[1, 2]")
     assert st == 400 and "JSON object" in body["error"]["message"]
     cases = [
