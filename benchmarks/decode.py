@@ -31,10 +31,13 @@ from cflow.ir.config import ModelConfig  # noqa: E402
 
 MODELS = {
     "tinyllama": ModelConfig(name="tinyllama_geometry", vocab_size=32000, d_model=2048, n_layers=22, n_heads=32,
-                             n_kv_heads=4, ffn_dim=5632, max_seq_len=512),
+                             n_kv_heads=4, ffn_dim=5632, max_seq_len=2048),
     # a smaller stand-in for quick checks (still larger than the 48 MiB L3 at Q4)
     "small": ModelConfig(name="llama_small_geometry", vocab_size=32000, d_model=1024, n_layers=8, n_heads=16,
                          n_kv_heads=4, ffn_dim=2816, max_seq_len=512),
+    # a Mixtral-like MoE (8 experts, top 2, every layer), small enough to run in minutes: 1.0 GB at Q4
+    "moe": ModelConfig(name="moe_geometry", vocab_size=32000, d_model=1024, n_layers=16, n_heads=16, n_kv_heads=4,
+                       n_experts=8, top_k=2, expert_dim=3584, max_seq_len=2048),
 }
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "bench")
 
@@ -62,6 +65,12 @@ def compiled_model(key: str, quant: str = "q4"):
     g = build_graph(config, random_weights(config), name=config.name)
     c = lower(g, quant)
     print(f"# random weights + lowering: {time.perf_counter() - t0:.1f} s", flush=True)
+    if os.path.exists(path):  # built from another version of this config (e.g. a longer context): rebuild
+        from cflow.runtime.format import FileReader
+
+        with FileReader(path) as r:
+            if r.header.get("config") != g.config.to_dict():
+                os.remove(path)
     if not os.path.exists(path):
         os.makedirs(OUT, exist_ok=True)
         info = compile_file(g, path, quant).file

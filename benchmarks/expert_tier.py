@@ -8,11 +8,12 @@ with dd = 1 and that de, then decoded with its experts on disk (O_DIRECT: the pa
 cache of a quarter of all experts, once with blocking reads (sync) and once with reads started when the
 router chooses (async). Each run is its own process (clean cache, its own peak RSS).
 
-The overlap model (the paper's, with one serial disk): from the sync run, the compute time of every
-segment of the step (the native calls between the host's expert actions) and the time of one expert read
-(reads alone, nothing in flight); per token, sync = compute + every read; async = walk the segments, each
-layer's reads queue on the disk when its router has chosen and are awaited where its experts run. The
-predicted speed-up is sync / async; the measured one is the ratio of the two runs' tok/s.
+The overlap model (the paper's, with one serial disk): from the sync run, the compute time of every segment of
+the step (the native calls between the host's expert actions) and the time of one expert read (the sync run's
+own, reads alone; several in flight take the ratio a probe of this file measures right after); per token, sync
+= compute + every read; async = walk the segments, each layer's reads queue on the disk when its router has
+chosen and are awaited where its experts run. The predicted speed-up is sync / async; the measured one is the
+ratio of the two runs' tok/s.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -63,13 +63,20 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss() -> int:
+    """This process's peak resident set (VmHWM, bytes). Not getrusage's ru_maxrss: a child forked from a big
+    parent (the one that compiled the model) inherits the parent's high-water mark across exec."""
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+
+
 def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -> dict:
     """One decode run in this process: tok/s, disk bytes per token, hit rate, segment times, peak RSS."""
     import cflow
 
     with cflow.load(path, threads=threads, experts="disk", expert_cache_mb=budget_mb, expert_io=mode) as m:
         s = m.session
-        rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rss_loaded = _peak_rss()
         prompt = [1, 2, 3, 4]
         logits = s.prefill(prompt)
         st = m.expert_stats
@@ -88,7 +95,7 @@ def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) ->
             "segment_s": (s.segment_seconds / tokens).tolist(),
             "segments": [[g.lo, g.hi, list(g.awaits), list(g.issues)] for g in s.segments],
             "misses_per_layer": {str(k): v / tokens for k, v in s.misses_by_layer().items()},
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_loaded": rss_loaded,
+            "peak_rss": _peak_rss(), "rss_loaded": rss_loaded,
             "rss_end": _rss(), "kv_bytes": s.kv.nbytes,
             "dense_bytes": dense, "cache_bytes": s.tier.slot_bytes * len(s.tier.slots),
             "expert_bytes_total": sum(e.nbytes for e in s.reader.tensors if e.expert >= 0),
@@ -178,7 +185,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="decode threads (default 2)")
     ap.add_argument("--cache-fraction", type=float, default=0.25,
                     help="expert cache budget as a fraction of all experts' bytes (default 0.25)")
-    ap.add_argument("--quick", action="store_true", help="the 114m geometry, 24 tokens (under 5 minutes)")
+    ap.add_argument("--reps", type=int, default=3, help="sync/async run pairs per delay; medians (default 3)")
+    ap.add_argument("--quick", action="store_true", help="the 114m geometry, 48 tokens (under 5 minutes)")
     ap.add_argument("--out-dir", default=os.environ.get("CFLOW_BENCH_DIR", "/tmp/cflow-bench"),
                     help="where the compiled models go (default /tmp/cflow-bench)")
     ap.add_argument("--json", help="write one record per delay to this file")
@@ -189,11 +197,11 @@ def main() -> None:
         print(json.dumps(worker(path, mode, float(budget), int(tokens), int(threads))))
         return
     if args.quick:
-        args.geometry, args.tokens = "114m", 24
+        args.geometry, args.tokens = "114m", 48
     os.makedirs(args.out_dir, exist_ok=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"# {cpu}, {os.cpu_count()} cores; geometry {args.geometry}; {args.threads} threads; {args.tokens} tokens;"
-          f" cache = {args.cache_fraction:.0%} of the experts; O_DIRECT reads")
+          f" cache = {args.cache_fraction:.0%} of the experts; O_DIRECT reads; median of {args.reps} alternating runs")
     records = []
     head = (f"{'de':>3} {'sync tok/s':>10} {'async tok/s':>11} {'measured':>9} {'predicted':>9} "
             f"{'disk MB/tok':>11} {'hit rate':>8} {'RSS MB':>7} {'peak RSS MB':>11} {'dense+cache+KV MB':>17}")
@@ -202,9 +210,17 @@ def main() -> None:
         path = build(args.geometry, de, args.out_dir)
         probe = run_one(path, "sync", 1e6, 1, args.threads)  # a cache that holds everything: sizes only
         budget_mb = max(args.cache_fraction * probe["expert_bytes_total"] / 2**20, 0.0)
-        sync = run_one(path, "sync", budget_mb, args.tokens, args.threads)
-        asyn = run_one(path, "async", budget_mb, args.tokens, args.threads)
-        t1, t_par = disk_probe(path)
+        # sync and async alternate, so drifting load on a shared machine hits both alike; each mode's median run
+        runs = {"sync": [], "async": []}
+        for _ in range(args.reps):
+            for mode in runs:
+                runs[mode].append(run_one(path, mode, budget_mb, args.tokens, args.threads))
+        sync, asyn = (sorted(runs[mode], key=lambda r: r["tok_s"])[len(runs[mode]) // 2] for mode in runs)
+        p1, p_par = disk_probe(path)
+        # The disk's speed drifts from minute to minute (shared storage): one read's time is the sync run's own
+        # (its reads are alone on the disk), and reads in flight keep the probe's ratio to it.
+        t1 = sync["read_s_per_expert"] or p1
+        t_par = t1 * p_par / p1
         # the model from each run's own compute (the async run's compute includes its I/O threads' CPU use)
         t_sync, t_async = predict(sync, t1, t_par, "sync"), predict(asyn, t1, t_par, "async")
         rec = {"delay": de, "sync_tok_s": sync["tok_s"], "async_tok_s": asyn["tok_s"],
@@ -213,12 +229,15 @@ def main() -> None:
                "peak_rss": max(sync["peak_rss"], asyn["peak_rss"]),
                "predicted_sync_tok_s": 1 / t_sync, "predicted_async_tok_s": 1 / t_async,
                "read_ms_per_expert": 1e3 * t1, "read_ms_per_expert_parallel": 1e3 * t_par,
+               "probe_read_ms": 1e3 * p1, "probe_read_ms_parallel": 1e3 * p_par,
                "compute_ms_per_token": 1e3 * sum(sync["segment_s"]), "rss_end": max(sync["rss_end"], asyn["rss_end"]),
                "kv_bytes": sync["kv_bytes"],
                "misses_per_token": sync["misses_per_token"], "dense_bytes": sync["dense_bytes"],
                "cache_bytes": sync["cache_bytes"], "expert_bytes_total": sync["expert_bytes_total"],
                "window_stages": asyn["window_stages"], "cpu": cpu, "geometry": args.geometry,
-               "threads": args.threads, "tokens": args.tokens, "direct": asyn["direct"]}
+               "threads": args.threads, "tokens": args.tokens, "direct": asyn["direct"], "reps": args.reps,
+               "sync_tok_s_runs": [r["tok_s"] for r in runs["sync"]],
+               "async_tok_s_runs": [r["tok_s"] for r in runs["async"]]}
         records.append(rec)
         if len(records) == 1:
             print(f"# experts {rec['expert_bytes_total'] / 1e6:.0f} MB in all, "

@@ -3,6 +3,7 @@
     python benchmarks/serve.py                                   # bundled model and the 114m preset, N = 1 4 16 64
     python benchmarks/serve.py --quick                           # 5 s per level, about 4 minutes
     python benchmarks/serve.py --max-batch 1,8,32 --threads 1 --json docs/results/serve.json
+    python benchmarks/serve.py --engine-only --max-batch 1,2,4,8,16,32 --models 114m   # what a shared step buys
 
 For each model the server is `cflow serve` in a process of its own on 127.0.0.1 (a free port). For each N,
 N clients each loop for --duration seconds: send a streaming /v1/completions request (--max-tokens tokens,
@@ -20,6 +21,10 @@ Reported per (model, N):
     ITL p50/p99         time between two tokens of one stream
     errors              non-200 answers, error events, broken or unfinished streams (0 expected below the queue)
     RSS                 the server's resident memory before the first level and after the last (no growth)
+
+--engine-only measures the engine's backend alone (no HTTP, no clients): every one of B slots decoding, with
+temperature 0.8 sampling, the best of 3 x --steps steps; aggregate tok/s and ms per step for each --max-batch
+(the measurement behind the default --max-batch in docs/serving.md).
 """
 
 from __future__ import annotations
@@ -236,6 +241,48 @@ def run_server(which: str, path: str, batch: int, counts, args, cpu: str, hdr: s
     return records
 
 
+def engine_only(which: str, path: str, batches, threads: int | None, steps: int) -> list[dict]:
+    """Aggregate decode tok/s of the serving backend with every slot busy, per --max-batch."""
+    from cflow.serve.engine import SamplingParams, load_backend
+
+    class _Job:  # what a backend reads of a job
+        def __init__(self, ids, params):
+            self.prompt_ids, self.params = ids, params
+
+    records, base = [], None
+    for b in batches:
+        be = load_backend(path, threads=threads, slots=b)
+        try:
+            ctx = be.model.session.max_seq
+            slots = list(range(b))
+            for s in slots:
+                ids = [1 + (7 * s + 3 * i) % 200 for i in range(8)]
+                left = be.start(s, _Job(ids, SamplingParams(max_tokens=ctx - len(ids), temperature=0.8, seed=s)))
+                while left:
+                    left = be.prefill(s)
+            if 8 + 4 + 3 * steps > ctx:
+                raise SystemExit(f"--steps {steps}: 3 rounds do not fit the context of {ctx} tokens")
+            for _ in range(4):  # warm-up (a slot that drew end-of-text still runs its step: all are counted)
+                be.advance(slots)
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    be.advance(slots)
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            be.close()
+        tok = b * steps / best
+        base = base or tok
+        rec = {"model": which, "max_batch": b, "threads": threads or len(os.sched_getaffinity(0)),
+               "aggregate_tok_s": round(tok, 1), "vs_first": round(tok / base, 2),
+               "ms_per_step": round(1e3 * best / steps, 2), "per_stream_tok_s": round(tok / b, 1)}
+        records.append(rec)
+        print(f"{which:>8} B={b:>3}: {tok:8.0f} tok/s aggregate ({tok / base:4.2f}x), {rec['ms_per_step']:6.2f} ms "
+              f"per step, {tok / b:7.0f} tok/s per stream", flush=True)
+    return records
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="bundled,114m", help="bundled and/or preset sizes (default bundled,114m)")
@@ -250,6 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-queue", type=int, default=64, help="server --max-queue (default 64)")
     p.add_argument("--quick", action="store_true", help="5 s per level, 30 s drain (default: off)")
     p.add_argument("--json", default=None, help="write the records to this file (default: none)")
+    p.add_argument("--engine-only", action="store_true",
+                   help="measure the backend alone, no server or clients (see above) (default: off)")
+    p.add_argument("--steps", type=int, default=50, help="--engine-only: decode steps per round (default 50)")
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.drain = 5.0, 30.0
@@ -265,7 +315,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="cflow-serve-bench-") as tmp:
         for which in args.models.split(","):
             path = compile_model(which, tmp)
-            for batch in [int(b) for b in args.max_batch.split(",")]:
+            batches = [int(b) for b in args.max_batch.split(",")]
+            if args.engine_only:
+                records += engine_only(which, path, batches, args.threads, args.steps)
+                continue
+            for batch in batches:
                 records += run_server(which, path, batch, counts, args, cpu, hdr, tmp)
     if args.json:
         with open(args.json, "w") as f:

@@ -321,6 +321,25 @@ class CompiledModel:
             self._ctx = []  # slot 0's cache no longer holds the single-sequence API's context
             return s.prefill(ids, slot=slot)
 
+    def batch_extend(self, prompt, slot: int) -> np.ndarray:
+        """Feed more of a prompt (ids, or text encoded on its own) to slot `slot`, continuing its sequence at its
+        current position; returns the logits [vocab] after its last token.
+
+        A long prompt can so be read in pieces (batch_start with the first, batch_extend with the rest) between
+        batch_steps of the other slots (chunked prefill: the server's engine does this). Pieces of
+        `self.prefill_block` tokens (the last may be shorter) make exactly the native calls one batch_start of the
+        whole prompt makes, so the KV cache and the logits are bit-identical."""
+        ids = self._ids(prompt)
+        with self._generation() as s:
+            self._ctx = []  # slot 0's cache no longer holds the single-sequence API's context
+            return s.prefill(ids, slot=slot)
+
+    @property
+    def prefill_block(self) -> int:
+        """Prompt tokens one native call reads: load's prefill_block, or max_batch if larger (batch_start and
+        batch_extend split longer prompts into such calls)."""
+        return int(self.session.tmax)
+
     def batch_step(self, tokens, slots) -> np.ndarray:
         """Advance each slot by one token in one pass over the weights; logits [len(slots), vocab].
 

@@ -17,6 +17,7 @@ Exported symbols (every address comes from the pointer table, so the object code
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 
@@ -49,8 +50,12 @@ PARAM_WORDS = 8  # room for later fields; unused words are zero
 class BarrierWord(enum.IntEnum):
     """i32 words of the barrier block: the count and the generation live on different cache lines."""
 
-    COUNT = 0
-    GENERATION = 16
+    COUNT = 0  # arrivals at the current barrier (every arrival writes this line)
+    SPIN = 1  # pause rounds a waiter spins before it sleeps; 0 = ops.BARRIER_SPINS (set at run time to tune)
+    GENERATION = 16  # bumped by the last arriver; waiters poll it and futex_wait on it
+    SLEEPERS = 17  # waiters inside futex_wait: the last arriver calls FUTEX_WAKE only when non-zero. On the
+    #               generation's line, which the last arriver has just written, so reading it costs no miss.
+    NAPS = 18  # times any waiter went to sleep (never reset): the session reads it to notice descheduled workers
 
 
 BARRIER_WORDS = 32  # two 64-byte cache lines
@@ -112,6 +117,7 @@ class ScratchLayout:
     top_k: int
     n_layers: int
     tmax: int = 1  # tokens per multi-token call
+    expert_rows: int = 0  # one expert's hidden width, padded to the tile unit (0: no experts)
     xn: int = 0  # f32[tmax][kmax]: normalised (or copied) step input
     xq: int = 0  # i8[tmax][kmax]: its int8 blocks
     xd: int = 0  # f32[tmax][kmax/32]: block scales
@@ -120,6 +126,15 @@ class ScratchLayout:
     scores: int = 0  # f32[max_seq]: attention scores of one head
     probs: int = 0  # f32[n_experts]: router probabilities
     route: int = 0  # [tmax][layer 0..n_layers]: i32 idx[k], f32 w[k], f32 shared gate
+    # A multi-token call of an MoE model groups the block's tokens by the expert they chose, so each chosen
+    # expert's tiles are read once per call (step.py experts_*_grouped); these fields exist only then.
+    gq: int = 0  # i8[tmax][kmax]: the int8 inputs of one expert's tokens, gathered
+    gd: int = 0  # f32[tmax][kmax/32]
+    gs: int = 0  # i32[tmax][kmax/32]
+    gy: int = 0  # f32: one expert's up outputs [tmax][expert_rows], or every down output [tmax][top_k + 1][dp]
+    gtok: int = 0  # i64[tmax]: token of each group member
+    gj: int = 0  # i64[tmax]: which of its top-k choices the expert is
+    gpos: int = 0  # i64[tmax][top_k]: row of gy holding token t's j-th expert's down output
     nbytes: int = 0  # size of one thread's area (a multiple of 4096)
 
     def token_bytes(self, field: str) -> int:
@@ -145,7 +160,17 @@ class ScratchLayout:
         self.scores = take(4 * self.max_seq)
         self.probs = take(4 * max(self.n_experts, 1))
         self.route = take(self.tmax * self.token_bytes("route"))
+        if self.grouped:
+            T, kb = self.tmax, self.kmax // BLOCK
+            self.gq, self.gd, self.gs = take(T * self.kmax), take(4 * T * kb), take(4 * T * kb)
+            self.gy = take(4 * T * max(self.expert_rows, (self.top_k + 1) * self.dp))
+            self.gtok, self.gj, self.gpos = take(8 * T), take(8 * T), take(8 * T * self.top_k)
         self.nbytes = padded(off, 4096)
+
+    @property
+    def grouped(self) -> bool:
+        """Multi-token calls run each chosen expert once for all its tokens (needs the group fields)."""
+        return self.tmax > 1 and self.n_experts > 0 and self.expert_rows > 0
 
     @property
     def route_stride(self) -> int:
@@ -157,14 +182,45 @@ class ScratchLayout:
 
     @classmethod
     def from_json(cls, d: dict) -> ScratchLayout:
-        s = cls(**{k: d[k] for k in ("kmax", "dp", "max_seq", "n_experts", "top_k", "n_layers", "tmax")})
+        s = cls(**{k: d[k] for k in ("kmax", "dp", "max_seq", "n_experts", "top_k", "n_layers", "tmax",
+                                        "expert_rows")})
         if s.to_json() != d:
             raise ValueError("stored scratch layout does not match this version")
         return s
 
 
-# Linux futex, used by the worker wake-up (ops.emit_workers). Syscall numbers are per architecture;
-# the kernels are x86 only today, so only x86-64 is accepted, and any other triple is refused here.
+def scratch_layout(config, tensors: dict, max_seq: int, tmax: int = 1) -> ScratchLayout:
+    """The scratch layout of the step compiled for these packed tensors (`PackedTensor` by name).
+
+    kmax is the widest mat-vec input as the kernels read it (padded to the tile unit, lcm of the tile's
+    rows and columns). The session's memory check sizes the scratch with this before anything is compiled;
+    the emitter must build its layout the same way, and tests/runtime/test_memory_estimate.py checks that
+    the estimate equals what is allocated."""
+    tile = next(iter(t.tile for t in tensors.values()))
+    unit = math.lcm(*tile)
+    dp = padded(config.d_model, unit)
+    kmax = dp
+    for t in tensors.values():
+        if t.form.is_tiled:
+            kmax = max(kmax, t.layout.cols_p, padded(t.layout.cols, unit))
+    return ScratchLayout(kmax=kmax, dp=dp, max_seq=max_seq, n_experts=config.n_experts, top_k=config.top_k,
+                         n_layers=config.n_layers, tmax=tmax,
+                         expert_rows=padded(config.expert_dim, unit) if config.n_experts else 0)
+
+
+def kv_floats_per_layer(config, max_seq: int) -> int:
+    """f32 entries of one layer's K (or V) cache: [max_seq][n_kv_heads * head_dim] (see Binding.KV)."""
+    return max_seq * config.n_kv_heads * config.head_dim
+
+
+def kv_cache_bytes(config, max_seq: int, n_slots: int = 1) -> int:
+    """Bytes of the whole KV cache: [slot][layer][K|V][max_seq][n_kv_heads * head_dim] f32."""
+    return 4 * n_slots * 2 * config.n_layers * kv_floats_per_layer(config, max_seq)
+
+
+# Linux futex, used by the worker wake-up (ops.emit_workers) and the stage barrier (ops.barrier). Syscall
+# numbers are per architecture; the kernels are x86 only today, so only x86-64 is accepted, and any other
+# triple is refused here.
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
 _SYS_FUTEX = {"x86_64": 202}
 

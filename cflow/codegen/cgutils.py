@@ -147,6 +147,15 @@ def half_to_float(b: ir.IRBuilder, h, isa: str):
     return b.bitcast(b.or_(fb, sign), fty)
 
 
+# -- math ------------------------------------------------------------------------------------------
+def softcap(b: ir.IRBuilder, x, cap: float):
+    """cap * tanh(x / cap) for a scalar f32 (Gemma 2's soft-caps), tanh(y) = 1 - 2 / (exp(2y) + 1): no libm call,
+    saturating to +-1 where exp overflows or underflows; absolute error ~1e-7 * cap near 0."""
+    exp = intrinsic(b.module, "llvm.exp.f32", f32, [f32])
+    e = b.call(exp, [b.fmul(x, cf(2.0 / cap))])
+    return b.fmul(cf(cap), b.fsub(cf(1.0), b.fdiv(cf(2.0), b.fadd(e, cf(1.0)))))
+
+
 # -- control flow --------------------------------------------------------------------------------
 class Loop:
     """for i in range(start, stop): a counted loop; `with Loop(b, lo, hi) as i:` emits the body."""

@@ -9,8 +9,8 @@ Signatures (plain pointers + i64, callable from ctypes and from generated code):
   matvec(u8* w, f32* x, i8* xq, f32* xd, i32* xs, f32* y, i64 r0, i64 r1)
       y[r0*TR : r1*TR] = W x for tile-rows [r0, r1). Q4/Q8 read (xq, xd, xs); F16/F32 read x,
       which must hold K' floats with zero padding. y is indexed by the output row (M' long).
-  gate_up(same args, y = h): h[rows of tile-rows r0..r1) = silu(gate x) * (up x) on the
-      interleaved gate+up stream (tile.pack_gate_up); h is M' long.
+  gate_up(same args, y = h): h[rows of tile-rows r0..r1) = act(gate x) * (up x) on the
+      interleaved gate+up stream (tile.pack_gate_up); h is M' long. act: SiLU, or tanh-GELU (GATE_ACTS).
 Numerics (Q4/Q8): per 32-block the exact integer dot of weight codes and int8 activation, times
 fp16 weight scale times f32 activation scale, summed in f32 (quant.quantize_activation_q8).
 """
@@ -18,6 +18,7 @@ fp16 weight scale times f32 activation scale, summed in f32 (quant.quantize_acti
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 from llvmlite import ir
@@ -326,7 +327,8 @@ def _pick_unroll(nunits: int, unroll: int) -> int:
 
 def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
                 max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int = DEFAULT_PREFETCH,
-                prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False) -> ir.Function:
+                prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
+                act: str = "silu") -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
@@ -335,9 +337,11 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
         unroll: block units per loop iteration.
         prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetchers).
         prefetch_locality: llvm.prefetch locality (3 = prefetcht0 into L1, 2 = prefetcht1 into L2).
-        gate_up: the stream is pack_gate_up's; write silu(gate x) * (up x) instead of W x.
+        gate_up: the stream is pack_gate_up's; write act(gate x) * (up x) instead of W x.
+        act: the gate activation (GATE_ACTS: 'silu' or 'gelu_tanh').
     """
     _check_isa(isa)
+    _check_act(act)
     L = layout
     fn = new_function(module, name, MATVEC_ARGS, linkage, ("w", "x", "xq", "xd", "xs", "y", "r0", "r1"))
     w, x, xq, xd, xs, y, r0, r1 = fn.args
@@ -358,7 +362,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
         for g in range(L.groups_per_tile):
             v = load(b, tmp, 16 * g, V(f32, 16), align=4)
             if gate_up:
-                v = _silu_mul(b, v, load(b, up, 16 * g, V(f32, 16), align=4))
+                v = _gate_mul(b, v, load(b, up, 16 * g, V(f32, 16), align=4), act)
             b.store(v, ptr(b, y_row, g), align=4)
     b.ret_void()
     return fn
@@ -370,7 +374,8 @@ MATMAT_ARGS = MATVEC_ARGS + (i64, i64, i64)  # ..., r0, r1, ntok, x_stride, y_st
 def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_stride: int, *,
                 tail: ir.Function | None = None, linkage: str = "external", token_group: int | None = None,
                 max_groups: int | None = None, unroll: int = 1, prefetch: int = DEFAULT_PREFETCH,
-                prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False) -> ir.Function:
+                prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
+                act: str = "silu") -> ir.Function:
     """Emit `name`: y[t][r0*TR : r1*TR] = W x_t for tokens t in [0, ntok) over tile-rows [r0, r1).
 
     The multi-token twin of emit_matvec (its arguments, plus ntok, x_stride, y_stride): token t's int8
@@ -384,12 +389,13 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     of a width.
     """
     _check_isa(isa)
+    _check_act(act)
     L = layout
     if act_stride % BLOCK or act_stride < L.cols_p:
         raise CodegenError(f"matmat: activation stride {act_stride} must be a multiple of {BLOCK} >= {L.cols_p}")
     if tail is None:
         tail = emit_matvec(module, f"{name}_tail", layout, isa, linkage="internal", gate_up=gate_up, unroll=unroll,
-                           prefetch=prefetch, prefetch_locality=prefetch_locality)
+                           prefetch=prefetch, prefetch_locality=prefetch_locality, act=act)
     fn = new_function(module, name, MATMAT_ARGS, linkage,
                       ("w", "x", "xq", "xd", "xs", "y", "r0", "r1", "ntok", "x_stride", "y_stride"), noalias=False)
     w, x, xq, xd, xs, y, r0, r1, ntok, x_stride, y_stride = fn.args
@@ -426,7 +432,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
             for g in range(L.groups_per_tile):
                 v = load(b, rows[k], 16 * g, V(f32, 16), align=4)
                 if gate_up:
-                    v = _silu_mul(b, v, load(b, ups[k], 16 * g, V(f32, 16), align=4))
+                    v = _gate_mul(b, v, load(b, ups[k], 16 * g, V(f32, 16), align=4), act)
                 b.store(v, ptr(b, y_row, g), align=4)
 
     full = b.sdiv(ntok, ir.Constant(i64, tg))
@@ -440,11 +446,26 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     return fn
 
 
-def _silu_mul(b, g, u):
-    """silu(g) * u = g / (1 + exp(-g)) * u."""
-    exp = intrinsic(b.module, "llvm.exp.v16f32", V(f32, 16), [V(f32, 16)])
-    one = ir.Constant(V(f32, 16), [1.0] * 16)
-    return b.fmul(b.fdiv(g, b.fadd(one, b.call(exp, [b.fsub(ir.Constant(V(f32, 16), [0.0] * 16), g)]))), u)
+GATE_ACTS = ("silu", "gelu_tanh")  # ModelConfig.activation: the gate activation of every gate_up kernel
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _check_act(act: str) -> None:
+    if act not in GATE_ACTS:
+        raise CodegenError(f"gate activation {act!r} is not one of {', '.join(GATE_ACTS)}")
+
+
+def _gate_mul(b, g, u, act: str = "silu"):
+    """act(g) * u, both activations as g / (1 + exp(-z)) * u: silu z = g; tanh-GELU
+    0.5 g (1 + tanh(y)) = g sigmoid(2y), so z = 2 sqrt(2/pi) (g + 0.044715 g^3) (overflow gives g / inf = 0)."""
+    vt = V(f32, 16)
+    exp = intrinsic(b.module, "llvm.exp.v16f32", vt, [vt])
+    one = ir.Constant(vt, [1.0] * 16)
+    z = g
+    if act == "gelu_tanh":
+        g3 = b.fmul(b.fmul(g, g), g)
+        z = b.fmul(ir.Constant(vt, [2.0 * _GELU_C] * 16), b.fadd(g, b.fmul(ir.Constant(vt, [0.044715] * 16), g3)))
+    return b.fmul(b.fdiv(g, b.fadd(one, b.call(exp, [b.fsub(ir.Constant(vt, [0.0] * 16), z)]))), u)
 
 
 # -- ctypes convenience (tests, benchmarks) ------------------------------------------------------

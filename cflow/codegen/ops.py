@@ -29,12 +29,18 @@ from .cgutils import (
     internal_function,
     intrinsic,
     pause,
-    sched_yield,
+    softcap,
     syscall,
 )
 from .target import ISA
 
-SPINS = 4000  # pause rounds before a thread waiting at a barrier starts yielding its core
+SPINS = 4000  # pause rounds before an idle worker sleeps until the next token (emit_workers)
+BARRIER_SPINS = 4000  # pause rounds before a thread waiting at a barrier sleeps (BarrierWord.SPIN overrides)
+
+
+def _flt(v: float) -> str:
+    """A float for a function name: 1e-06 -> 1em06, 0.5 -> 0p5."""
+    return repr(float(v)).replace(".", "p").replace("-", "m")
 
 
 def rmsnorm(m: ir.Module, n: int, n_pad: int, eps: float):
@@ -53,20 +59,45 @@ def rmsnorm(m: ir.Module, n: int, n_pad: int, eps: float):
             b.store(cf(0.0), b.gep(out, [i]))
         b.ret_void()
 
-    key = ("rmsnorm", n, n_pad, repr(eps).replace(".", "p").replace("-", "m"))
+    key = ("rmsnorm", n, n_pad, _flt(eps))
     return internal_function(m, key, (P(f32),) * 3, build)
 
-def add_rows(m: ir.Module, arity: int):
+def add_rows(m: ir.Module, arity: int, normed: tuple[tuple[int, float], ...] = (), d: int = 0):
+    """out[i] = in_0[i] + in_1[i] + ... over rows [lo, hi). normed: (j, eps) of the inputs RMS-normalised on the
+    way in (post norms: in_j / rms(in_j) * w_j, one weight pointer each after the inputs); their RMS is over all
+    d rows, which every thread reads itself (the add runs a stage after they were written), and rows past d
+    (padding) are left alone, since the weights stop there."""
+
     def build(b, out, *rest):
-        ins, lo, hi = rest[:arity], rest[arity], rest[arity + 1]
+        ins, ws, lo, hi = rest[:arity], rest[arity: arity + len(normed)], rest[-2], rest[-1]
+        rms = {}
+        if normed:
+            sqrt = intrinsic(m, "llvm.sqrt.f32", f32, [f32])
+            hi = b.select(b.icmp_signed("<", hi, c64(d)), hi, c64(d))
+            for k, (j, eps) in enumerate(normed):
+                acc = alloca_once(b, f32)
+                b.store(cf(0.0), acc)
+                with Loop(b, c64(0), c64(d), "ss") as i:
+                    v = b.load(b.gep(ins[j], [i]))
+                    b.store(b.fadd(b.load(acc), b.fmul(v, v)), acc)
+                rms[j] = (b.call(sqrt, [b.fadd(b.fdiv(b.load(acc), cf(d)), cf(eps))]), ws[k])
+
+        def term(j, i):
+            v = b.load(b.gep(ins[j], [i]))
+            if j not in rms:
+                return v
+            r, w = rms[j]
+            return b.fmul(b.fdiv(v, r), b.load(b.gep(w, [i])))
+
         with Loop(b, lo, hi, "r") as i:
-            s = b.load(b.gep(ins[0], [i]))
-            for p in ins[1:]:
-                s = b.fadd(s, b.load(b.gep(p, [i])))
+            s = term(0, i)
+            for j in range(1, arity):
+                s = b.fadd(s, term(j, i))
             b.store(s, b.gep(out, [i]))
         b.ret_void()
 
-    return internal_function(m, ("add", arity), (P(f32),) * (arity + 1) + (i64, i64), build)
+    key = ("add", arity) + (("norm", d, *(f"{j}e{_flt(eps)}" for j, eps in normed)) if normed else ())
+    return internal_function(m, key, (P(f32),) * (arity + 1 + len(normed)) + (i64, i64), build)
 
 def axpy(m: ir.Module):
     """out[i] = (first ? 0 : out[i]) + a * x[i] over [lo, hi)."""
@@ -94,48 +125,87 @@ def embed(m: ir.Module, dtype: DType, d: int):
 
     return internal_function(m, ("embed", dtype.label, d), (P(i8), i64, P(f32), i64, i64), build)
 
+def _futex(b: ir.IRBuilder, word, op: int, val) -> None:
+    """futex(word, op, val) through libc's syscall(); the JIT runs the code in this process, hence its triple."""
+    import llvmlite.binding as llvm
+
+    nr = sys_futex(llvm.get_process_triple())
+    b.call(syscall(b.module), [c64(nr), b.ptrtoint(word, i64), c64(op), val, c64(0)])
+
+
 def barrier(m: ir.Module, isa: str):
+    """barrier(state, nth): wait until all nth threads have arrived (BarrierWord explains the words).
+
+    A waiter spins (with pause) for SPIN rounds, then sleeps in futex_wait on the generation word, so a
+    thread waiting for a descheduled one hands its core back (possibly to that very thread) instead of
+    burning it. The last arriver bumps the generation and calls FUTEX_WAKE only if SLEEPERS is non-zero:
+    the uncontended path makes no system call. No lost wake-up: a sleeper increments SLEEPERS before it
+    rechecks the generation, the last arriver bumps the generation before it reads SLEEPERS (both seq_cst,
+    so one of them sees the other), and futex_wait itself returns at once if the generation has moved.
+    """
+
     def build(b, state, nth):
         done = b.append_basic_block("done")
         wait = b.append_basic_block("wait")
         last = b.append_basic_block("last")
         spin = b.append_basic_block("spin")
         poll = b.append_basic_block("poll")
+        sleep = b.append_basic_block("sleep")
+        recheck = b.append_basic_block("recheck")
+        nap = b.append_basic_block("nap")
+        woke = b.append_basic_block("woke")
         cnt = b.gep(state, [c32(BarrierWord.COUNT)])
         gen_p = b.gep(state, [c32(BarrierWord.GENERATION)])
+        sleepers = b.gep(state, [c32(BarrierWord.SLEEPERS)])
         b.cbranch(b.icmp_signed("<=", nth, c64(1)), done, wait)
         b.position_at_end(wait)
         gen = b.load_atomic(gen_p, "acquire", 4)
         arrived = b.atomic_rmw("add", cnt, ir.Constant(i32, 1), "acq_rel")
         is_last = b.icmp_signed("==", b.sext(arrived, i64), b.sub(nth, c64(1)))
         b.cbranch(is_last, last, spin)
+
         b.position_at_end(last)
         b.store_atomic(ir.Constant(i32, 0), cnt, "monotonic", 4)
-        b.atomic_rmw("add", gen_p, ir.Constant(i32, 1), "release")
+        b.atomic_rmw("add", gen_p, ir.Constant(i32, 1), "seq_cst")
+        anyone = b.icmp_signed("!=", b.load_atomic(sleepers, "seq_cst", 4), ir.Constant(i32, 0))
+        with b.if_then(anyone, likely=False):
+            _futex(b, gen_p, FUTEX_WAKE_PRIVATE, c64(1 << 30))
         b.branch(done)
+
         b.position_at_end(spin)
-        # Spin with pause; after SPINS rounds yield the core (a shared or oversubscribed machine
-        # must not burn the time slice of the thread everyone is waiting for).
+        budget = b.sext(b.load_atomic(b.gep(state, [c32(BarrierWord.SPIN)]), "monotonic", 4), i64)
+        budget = b.select(b.icmp_signed("==", budget, c64(0)), c64(BARRIER_SPINS), budget)
         spins = alloca_once(b, i64)
         b.store(c64(0), spins)
         b.branch(poll)
         b.position_at_end(poll)
+        moved = b.icmp_signed("!=", b.load_atomic(gen_p, "acquire", 4), gen)
+        count = b.append_basic_block("count")
+        b.cbranch(moved, done, count)
+        b.position_at_end(count)
         pause(b, isa)
         n = b.add(b.load(spins), c64(1))
         b.store(n, spins)
-        yield_bb = b.append_basic_block("yield")
-        check = b.append_basic_block("check")
-        b.cbranch(b.icmp_signed(">", n, c64(SPINS)), yield_bb, check)
-        b.position_at_end(yield_bb)
-        b.call(sched_yield(m), [])
-        b.branch(check)
-        b.position_at_end(check)
-        now = b.load_atomic(gen_p, "acquire", 4)
-        b.cbranch(b.icmp_signed("==", now, gen), poll, done)
+        b.cbranch(b.icmp_signed(">", n, budget), sleep, poll)
+
+        b.position_at_end(sleep)
+        b.atomic_rmw("add", b.gep(state, [c32(BarrierWord.NAPS)]), ir.Constant(i32, 1), "monotonic")
+        b.atomic_rmw("add", sleepers, ir.Constant(i32, 1), "seq_cst")
+        b.branch(recheck)
+        b.position_at_end(recheck)
+        b.cbranch(b.icmp_signed("!=", b.load_atomic(gen_p, "seq_cst", 4), gen), woke, nap)
+        b.position_at_end(nap)  # returns at once if the generation is no longer gen; spurious wake-ups recheck
+        _futex(b, gen_p, FUTEX_WAIT_PRIVATE, b.sext(gen, i64))
+        b.branch(recheck)
+        b.position_at_end(woke)
+        b.atomic_rmw("sub", sleepers, ir.Constant(i32, 1), "seq_cst")
+        b.branch(done)
+
         b.position_at_end(done)
         b.ret_void()
 
     return internal_function(m, ("barrier",), (P(i32), i64), build)
+
 
 def router(m: ir.Module, d: int, n_experts: int, top_k: int, normalize: bool):
 
@@ -207,33 +277,68 @@ def sigmoid_dot(m: ir.Module, d: int):
     return internal_function(m, ("sigmoid_dot", d), (P(f32), P(f32), P(f32)), build)
 
 def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
-    """Single-token GQA over the cache for kv heads [g0, g1): bias, RoPE, cache write, softmax(qK)V."""
+    """Single-token GQA over the cache for kv heads [g0, g1): bias, q/k norms, RoPE, cache write, softmax(qK)V.
+
+    q/k norms (n.qk_norm) are RMSNorms of (projection + bias) before RoPE, weights qn/kn: 'head' normalises each
+    head over head_dim (weights [hd]); 'proj' the whole projection (weights [H*hd] / [KV*hd]), whose sums every
+    thread takes over all heads itself (the projection is whole after the QKV stage: no barrier).
+    """
     H, KV, hd = n.n_heads, n.n_kv_heads, n.head_dim
     rep, half = H // KV, hd // 2
     qo, ko, vo = offsets
     scale = 1.0 / math.sqrt(hd)
     bias = n.bias
+    qk_norm = n.qk_norm
 
-    def build(b, qkv, bq, bk, bv, kc, vc, cos, sin, att, scores, pos, g0, g1):
+    def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):
         expf = intrinsic(m, "llvm.exp.f32", f32, [f32])
+        sqrt = intrinsic(m, "llvm.sqrt.f32", f32, [f32])
         qr = b.bitcast(alloca_once(b, ir.ArrayType(f32, hd)), P(f32))
         row = b.mul(pos, c64(half))
 
-        def rope_into(src, bsrc, dst):  # dst[i] = rotate-half RoPE of (src + bias) at position pos
+        def biased(src, bsrc, i):
+            x = b.load(b.gep(src, [i]))
+            return b.fadd(x, b.load(b.gep(bsrc, [i]))) if bias else x
+
+        def inv_rms(src, bsrc, count: int):  # 1 / sqrt(mean((src + bias)^2) + eps) over `count` values
+            acc = alloca_once(b, f32)
+            b.store(cf(0.0), acc)
+            with Loop(b, c64(0), c64(count), "ms") as i:
+                x = biased(src, bsrc, i)
+                b.store(b.fadd(b.load(acc), b.fmul(x, x)), acc)
+            return b.fdiv(cf(1.0), b.call(sqrt, [b.fadd(b.fdiv(b.load(acc), cf(count)), cf(n.eps))]))
+
+        def rope_into(src, bsrc, dst, norm=None):
+            """dst[i] = rotate-half RoPE of (src + bias) at position pos; norm = (weights, 1/rms): normalised first."""
             with Loop(b, c64(0), c64(half), "rp") as i:
                 ih = b.add(i, c64(half))
-                x1, x2 = b.load(b.gep(src, [i])), b.load(b.gep(src, [ih]))
-                if bias:
-                    x1 = b.fadd(x1, b.load(b.gep(bsrc, [i])))
-                    x2 = b.fadd(x2, b.load(b.gep(bsrc, [ih])))
+                x1, x2 = biased(src, bsrc, i), biased(src, bsrc, ih)
+                if norm is not None:
+                    w, inv = norm
+                    x1 = b.fmul(b.fmul(x1, inv), b.load(b.gep(w, [i])))
+                    x2 = b.fmul(b.fmul(x2, inv), b.load(b.gep(w, [ih])))
                 cs, sn = b.load(b.gep(cos, [b.add(row, i)])), b.load(b.gep(sin, [b.add(row, i)]))
                 b.store(b.fadd(b.fmul(x1, cs), b.fmul(b.fsub(cf(0.0), x2), sn)), b.gep(dst, [i]))
                 b.store(b.fadd(b.fmul(x2, cs), b.fmul(x1, sn)), b.gep(dst, [ih]))
 
+        def norm_of(off, src, bsrc, w, proj_inv):
+            """(weights, 1/rms) of the head at `off` of a projection (src: the head; None without q/k norms)."""
+            if qk_norm == "head":
+                return w, inv_rms(src, bsrc, hd)
+            if qk_norm == "proj":
+                return b.gep(w, [off]), proj_inv
+            return None
+
+        q_inv = k_inv = None
+        if qk_norm == "proj":
+            q_inv = inv_rms(b.gep(qkv, [c64(qo)]), bq, H * hd)
+            k_inv = inv_rms(b.gep(qkv, [c64(ko)]), bk, KV * hd)
+
         with Loop(b, g0, g1, "g") as g:
             goff = b.mul(g, c64(hd))
             cache_off = b.add(b.mul(pos, c64(KV * hd)), goff)
-            rope_into(b.gep(qkv, [b.add(c64(ko), goff)]), b.gep(bk, [goff]) if bias else None, b.gep(kc, [cache_off]))
+            ksrc, kb = b.gep(qkv, [b.add(c64(ko), goff)]), b.gep(bk, [goff]) if bias else None
+            rope_into(ksrc, kb, b.gep(kc, [cache_off]), norm_of(goff, ksrc, kb, kn, k_inv))
             with Loop(b, c64(0), c64(hd), "vv") as i:
                 v = b.load(b.gep(qkv, [b.add(c64(vo), b.add(goff, i))]))
                 if bias:
@@ -242,7 +347,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
             with Loop(b, c64(0), c64(rep), "h") as r:
                 h = b.add(b.mul(g, c64(rep)), r)
                 hoff = b.mul(h, c64(hd))
-                rope_into(b.gep(qkv, [b.add(c64(qo), hoff)]), b.gep(bq, [hoff]) if bias else None, qr)
+                qsrc, qb = b.gep(qkv, [b.add(c64(qo), hoff)]), b.gep(bq, [hoff]) if bias else None
+                rope_into(qsrc, qb, qr, norm_of(hoff, qsrc, qb, qn, q_inv))
                 mx = alloca_once(b, f32)
                 b.store(cf(-math.inf), mx)
                 npos = b.add(pos, c64(1))
@@ -253,6 +359,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
                     with Loop(b, c64(0), c64(hd), "qk") as i:
                         b.store(b.fadd(b.load(acc), b.fmul(b.load(b.gep(qr, [i])), b.load(b.gep(kp, [i])))), acc)
                     sc = b.fmul(b.load(acc), cf(scale))
+                    if n.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax
+                        sc = softcap(b, sc, n.softcap)
                     b.store(sc, b.gep(scores, [s]))
                     b.store(b.select(b.fcmp_ordered(">", sc, b.load(mx)), sc, b.load(mx)), mx)
                 tot = alloca_once(b, f32)
@@ -276,8 +384,9 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
                     b.store(b.fmul(b.load(o), inv), o)
         b.ret_void()
 
-    key = ("attn", H, KV, hd, qo, ko, vo, int(bias))
-    return internal_function(m, key, (P(f32),) * 10 + (i64, i64, i64), build)
+    key = ("attn", H, KV, hd, qo, ko, vo, int(bias)) + ((qk_norm, _flt(n.eps)) if qk_norm else ()) + (
+        (f"cap{_flt(n.softcap)}",) if n.softcap else ())
+    return internal_function(m, key, (P(f32),) * 12 + (i64, i64, i64), build)
 
 
 # --- persistent workers: woken per token by a futex, no Python in between ------------------------
@@ -288,9 +397,6 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     A waiting worker spins briefly (the next token usually follows within microseconds), then sleeps
     in futex_wait, so an idle loaded model costs no CPU.
     """
-    import llvmlite.binding as llvm
-
-    futex = sys_futex(llvm.get_process_triple())  # the JIT runs the code in this process
     args = [a.type for a in step.args]
     fn = ir.Function(m, ir.FunctionType(ir.VoidType(), args + [P(i32)]), worker_name)
     fn.attributes.add("nounwind")
@@ -318,7 +424,7 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     b.store(n, spins)
     b.cbranch(b.icmp_signed(">", n, c64(SPINS)), sleep, poll)
     b.position_at_end(sleep)  # futex_wait returns at once if go already moved on: no lost wake-up
-    b.call(syscall(m), [c64(futex), b.ptrtoint(go_p, i64), c64(FUTEX_WAIT_PRIVATE), b.sext(b.load(seen), i64), c64(0)])
+    _futex(b, go_p, FUTEX_WAIT_PRIVATE, b.sext(b.load(seen), i64))
     b.branch(poll)
     b.position_at_end(run)
     b.store(now, seen)
@@ -336,5 +442,5 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     b = ir.IRBuilder(kick.append_basic_block("entry"))
     go_p = b.gep(kick.args[0], [c32(CtlWord.GO)])
     b.atomic_rmw("add", go_p, ir.Constant(i32, 1), "acq_rel")
-    b.call(syscall(m), [c64(futex), b.ptrtoint(go_p, i64), c64(FUTEX_WAKE_PRIVATE), c64(1 << 30)])
+    _futex(b, go_p, FUTEX_WAKE_PRIVATE, c64(1 << 30))
     b.ret_void()

@@ -28,12 +28,22 @@ from ..layout.packed import Form
 from ..layout.quant import BLOCK, DType, padded
 from ..layout.tile import TileLayout
 from ..passes.manager import Pass, state_pass
-from ..passes.pack import expert_tensor, qkv_tensor, shared_tensor
+from ..passes.pack import expert_tensor, post_norm_tensor, qkv_tensor, shared_tensor
 from ..passes.schedule import Phase, Pool
 from . import kernels as K
 from . import ops as O
-from .abi import KICK_SYMBOL, STEP_SYMBOL, WORKER_SYMBOL, Binding, BindingKey, Mode, Param, ScratchLayout
-from .cgutils import Loop, P, c64, cf, f32, i8, i32, i64, intrinsic, void
+from .abi import (
+    KICK_SYMBOL,
+    STEP_SYMBOL,
+    WORKER_SYMBOL,
+    Binding,
+    BindingKey,
+    Mode,
+    Param,
+    ScratchLayout,
+    scratch_layout,
+)
+from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i32, i64, internal_function, intrinsic, void
 from .target import ISA
 
 STEP_ARGS = (P(P(i8)), P(i64), i64, i64, P(i32))  # see abi.py: ptrs, params, tid, nthreads, barrier
@@ -93,12 +103,7 @@ class _Emitter:
         self.unit = math.lcm(self.tr, self.tc)
         cfg = self.cfg
         self.d, self.dp = cfg.d_model, padded(cfg.d_model, self.unit)
-        kmax = self.dp
-        for t in self.tensors.values():
-            if t.form.is_tiled:
-                kmax = max(kmax, t.layout.cols_p, padded(t.layout.cols, self.unit))
-        self.scratch = ScratchLayout(kmax=kmax, dp=self.dp, max_seq=max_seq, n_experts=cfg.n_experts,
-                                     top_k=cfg.top_k, n_layers=cfg.n_layers, tmax=tmax)
+        self.scratch = scratch_layout(cfg, self.tensors, max_seq, tmax)  # the one the memory check sizes
         self.strides = self._pool_strides()
         self.routed_apart = {st.op for st in self.sched.steps() if st.phase == Phase.ROUTE}
         self.segmented = segmented
@@ -154,21 +159,30 @@ class _Emitter:
                 self.t = None
 
     # --- kernels (emitted once per specialisation) ---------------------------------------
+    def gate_act(self, gate_up: bool) -> tuple[str, tuple]:
+        """The gate activation of a gate_up kernel (one per model: ModelConfig.activation covers the dense FFN,
+        the experts and the shared expert) and its name suffix (none for SiLU: the names predate the choice)."""
+        act = self.cfg.activation
+        return act, ((act,) if gate_up and act != "silu" else ())
+
     def matmat_fn(self, layout: TileLayout, gate_up: bool = False):
         # NOTE: keyed without the row count: one mat-mat serves every matrix of a width (JIT time).
-        key = ("mm", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up))
+        act, suffix = self.gate_act(gate_up)
+        key = ("mm", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up)) + suffix
         fn = self.fns.get(key)
         if fn is None:
             fn = K.emit_matmat(self.m, "_".join(map(str, key)), layout, self.isa, self.scratch.kmax,
-                               tail=self.matvec_fn(layout, gate_up), linkage="internal", gate_up=gate_up)
+                               tail=self.matvec_fn(layout, gate_up), linkage="internal", gate_up=gate_up, act=act)
             self.fns[key] = fn
         return fn
 
     def matvec_fn(self, layout: TileLayout, gate_up: bool = False):
-        key = ("mv", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up))  # rows: no matter
+        act, suffix = self.gate_act(gate_up)
+        key = ("mv", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up)) + suffix  # rows: no matter
         fn = self.fns.get(key)
         if fn is None:
-            fn = K.emit_matvec(self.m, "_".join(map(str, key)), layout, self.isa, linkage="internal", gate_up=gate_up)
+            fn = K.emit_matvec(self.m, "_".join(map(str, key)), layout, self.isa, linkage="internal", gate_up=gate_up,
+                               act=act)
             self.fns[key] = fn
         return fn
 
@@ -329,9 +343,13 @@ class _Emitter:
 
     def step_add(self, b, step):
         lo, hi = self.d_rows(b)
+        # inputs with a post norm (attention / dense FFN outputs of Gemma 2/3) are normalised here, on the way in
+        post = [(j, self.g[v]) for j, v in enumerate(step.row_reads) if getattr(self.g.get(v), "post_norm", False)]
+        fn = O.add_rows(self.m, len(step.row_reads), tuple((j, op.eps) for j, op in post), self.d)
+        weights = [self.pointer(b, tensor_key(post_norm_tensor(op))) for _, op in post]
         with self.each_token(b):
-            b.call(O.add_rows(self.m, len(step.row_reads)),
-                   [self.value_ptr(b, step.writes[0])] + [self.value_ptr(b, v) for v in step.row_reads] + [lo, hi])
+            b.call(fn, [self.value_ptr(b, step.writes[0])] + [self.value_ptr(b, v) for v in step.row_reads]
+                   + weights + [lo, hi])
 
     def dense_mv(self, b, step, t, L, quantised: bool, gate_up: bool = False, first=None):
         """A step that normalises its input (prologue) and multiplies one dense matrix, for every token."""
@@ -360,6 +378,8 @@ class _Emitter:
         null = ir.Constant(P(f32), None)
         bq, bk, bv = ((self.pointer(b, tensor_key(f"{n.prefix}.{x}")) for x in ("bq", "bk", "bv")) if n.bias
                       else (null, null, null))
+        qn, kn = ((self.pointer(b, tensor_key(f"{n.prefix}.{x}")) for x in ("q_norm", "k_norm")) if n.qk_norm
+                  else (null, null))
         g0 = b.udiv(b.mul(c64(n.n_kv_heads), self.tid), self.nth)
         g1 = b.udiv(b.mul(c64(n.n_kv_heads), b.add(self.tid, c64(1))), self.nth)
         # NOTE: tokens in order: token t writes its K/V row at its position, then attends over rows 0 .. that
@@ -373,8 +393,9 @@ class _Emitter:
                 kc, vc = b.gep(kv, [b.add(slot_off, c64((layer - 1) * 2 * per))]), \
                     b.gep(kv, [b.add(slot_off, c64(((layer - 1) * 2 + 1) * per))])
             b.call(O.attention(self.m, n, tuple(offs)),
-                   [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, kc, vc, self.pointer(b, BindingKey(Binding.COS)),
-                    self.pointer(b, BindingKey(Binding.SIN)), self.value_ptr(b, step.writes[0]),
+                   [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
+                    self.pointer(b, BindingKey(Binding.COS)), self.pointer(b, BindingKey(Binding.SIN)),
+                    self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])
 
     def _down(self, b, t, value: str, cols: int, out: str):
@@ -397,6 +418,9 @@ class _Emitter:
             self.dense_mv(b, step, t, t.layout, t.dtype in (DType.Q4, DType.Q8), gate_up=True)
             return
         assert isinstance(n, ExpertBank)
+        if self.grouped(n):
+            self.experts_up_grouped(b, step, n)
+            return
         with self.each_token(b):  # experts: each token its own choice (per-token mat-vecs)
             self.experts_up(b, step, n)
 
@@ -459,6 +483,9 @@ class _Emitter:
         # reserve contiguous pointer-table entries for every expert's down matrix, in order
         for k in range(n.n_experts):
             self.slot(tensor_key(expert_tensor(n.prefix, k, "w_down")))
+        if self.grouped(n):
+            self.experts_down_grouped(b, step, n)
+            return
         with self.each_token(b):
             self.experts_down(b, step, n)
 
@@ -487,11 +514,171 @@ class _Emitter:
             gate = b.load(b.gep(b.bitcast(route, P(f32)), [c64(2 * n.top_k)]))
             b.call(O.axpy(self.m), [out, tmp, gate, c64(0), rlo, rhi])
 
+    # --- experts in a multi-token call: tokens grouped by the expert they chose --------------------
+    # Each expert with at least one token of the block is multiplied once, by the mat-mat, against the
+    # int8 inputs of exactly its tokens (gathered into scratch gq/gd/gs), so its tiles are read once per
+    # call however many tokens chose it, and an expert nobody chose is not touched. Every thread routes
+    # alike, so every thread builds the same groups in the same order and needs no barrier for them.
+    # Per output the arithmetic is the per-token path's (the mat-mat equals the mat-vec bit for bit; the
+    # weighted sum of a token's experts is still taken in its top-k order), so results are bit-identical.
+    def grouped(self, n: ExpertBank) -> bool:
+        if not (self.multi and self.t is None and self.scratch.grouped):
+            return False
+        # float experts read float inputs, which are not gathered: they keep the per-token mat-vecs
+        return all(self.tensors[expert_tensor(n.prefix, 0, w)].dtype in (DType.Q4, DType.Q8)
+                   for w in ("w_gate_up", "w_down"))
+
+    def route_ptr(self, b, layer: int):
+        """Token self.t's route record of a layer: i32 idx[k], f32 w[k], f32 shared gate."""
+        return b.gep(self.scratch_ptr(b, "route", i8), [c64(layer * self.scratch.route_stride)])
+
+    def group_tokens(self, b, n: ExpertBank, e):
+        """Fill gtok/gj with the block's tokens that chose expert e (token order) and return their count."""
+        count = alloca_once(b, i64, "group.n")
+        b.store(c64(0), count)
+        gtok, gj = self.scratch_ptr(b, "gtok", i64), self.scratch_ptr(b, "gj", i64)
+        with self.each_token(b):
+            idx = b.bitcast(self.route_ptr(b, n.layer), P(i32))
+            for j in range(n.top_k):
+                with b.if_then(b.icmp_signed("==", b.sext(b.load(b.gep(idx, [c64(j)])), i64), e)):
+                    k = b.load(count)
+                    b.store(self.t, b.gep(gtok, [k]))
+                    b.store(c64(j), b.gep(gj, [k]))
+                    b.store(b.add(k, c64(1)), count)
+        return b.load(count)
+
+    def group_matmat(self, b, layout: TileLayout, w, n_tok, out, y_stride: int, gate_up: bool = False):
+        """out[k] = W x_k for the gathered inputs k < n_tok, this thread's tile-rows."""
+        lo, hi = self.rows(b, layout.n_tile_rows)
+        gq, gd, gs = self.scratch_ptr(b, "gq", i8), self.scratch_ptr(b, "gd"), self.scratch_ptr(b, "gs", i32)
+        b.call(self.matmat_fn(layout, gate_up), [w, self.scratch_ptr(b, "gy"), gq, gd, gs, out, lo, hi, n_tok,
+                                                 c64(self.scratch.kmax), c64(y_stride)])
+
+    def gather_row(self, b, t, k):
+        """Copy token t's quantised input (xq, xd, xs) into gathered row k."""
+        kmax, kb = self.scratch.kmax, self.scratch.kmax // BLOCK
+        for field, g, words in (("xq", "gq", kmax // 4), ("xd", "gd", kb), ("xs", "gs", kb)):  # 4-byte words
+            src = b.gep(self.scratch_ptr(b, field, i8), [b.mul(t, c64(self.scratch.token_bytes(field)))])
+            dst = b.gep(self.scratch_ptr(b, g, i8), [b.mul(k, c64(self.scratch.token_bytes(field)))])
+            b.call(copy_words(self.m), [b.bitcast(dst, P(i32)), b.bitcast(src, P(i32)), c64(0), c64(words)])
+
+    def quantise_row(self, b, x, k, cols: int):
+        """Quantise x into gathered row k (the per-token quantisation, written where the mat-mat reads it)."""
+        kb = self.scratch.kmax // BLOCK
+        b.call(self.quant_fn(cols, padded(cols, self.tc)),
+               [x, b.gep(self.scratch_ptr(b, "gq", i8), [b.mul(k, c64(self.scratch.kmax))]),
+                b.gep(self.scratch_ptr(b, "gd"), [b.mul(k, c64(kb))]),
+                b.gep(self.scratch_ptr(b, "gs", i32), [b.mul(k, c64(kb))])])
+
+    def experts_up_grouped(self, b, step, n: ExpertBank):
+        router = self.g[n.inputs[1]]
+        gu0 = self.tensors[expert_tensor(n.prefix, 0, "w_gate_up")]
+        L = gu0.layout
+        with self.each_token(b):  # every token: norm, route (unless a ROUTE step did), int8 input
+            x = self.prologue(b, step, L.cols, False)
+            if router.name not in self.routed_apart:
+                self.call_router(b, router, x, self.route_ptr(b, n.layer))
+            self.quantise_input(b, x, L.cols, gu0.dtype)
+        ip = padded(n.hidden, self.unit)
+        h, hs = self.value_ptr(b, step.writes[0]), self.out_stride(step.writes[0])
+        gy, gtok, gj = self.scratch_ptr(b, "gy"), self.scratch_ptr(b, "gtok", i64), self.scratch_ptr(b, "gj", i64)
+        lo, hi = self.rows(b, L.n_tile_rows)
+        rlo, rhi = b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
+        with Loop(b, c64(0), c64(n.n_experts), "e") as e:
+            cnt = self.group_tokens(b, n, e)
+            with b.if_then(b.icmp_signed(">", cnt, c64(0))):
+                with Loop(b, c64(0), cnt, "g") as k:
+                    self.gather_row(b, b.load(b.gep(gtok, [k])), k)
+                self.group_matmat(b, L, self.expert_pointer(b, n, "w_gate_up", e), cnt, gy, ip, gate_up=True)
+                with Loop(b, c64(0), cnt, "g") as k:  # this thread's rows into h[t][j]
+                    t, j = b.load(b.gep(gtok, [k])), b.load(b.gep(gj, [k]))
+                    dst = b.gep(h, [b.add(b.mul(t, c64(hs)), b.mul(j, c64(ip)))])
+                    b.call(copy_rows(self.m), [dst, b.gep(gy, [b.mul(k, c64(ip))]), rlo, rhi])
+        if n.shared_hidden:  # the shared expert is a dense matrix: one mat-mat over every token
+            st = self.tensors[shared_tensor(n.prefix, "w_gate_up")]
+            lo_s, hi_s = self.rows(b, st.layout.n_tile_rows)
+            self.call_mv(b, st.layout, self.pointer(b, tensor_key(st.name), i8), self.scratch_ptr(b, "xn"),
+                         b.gep(h, [c64(n.top_k * ip)]), lo_s, hi_s, gate_up=True, x_stride=self.scratch.kmax,
+                         y_stride=hs)
+            with self.each_token(b):
+                gate_out = b.gep(b.bitcast(self.route_ptr(b, n.layer), P(f32)), [c64(2 * n.top_k)])
+                if n.shared_gate:
+                    b.call(O.sigmoid_dot(self.m, self.d), [self.pointer(b, tensor_key(f"{n.prefix}.shared_gate")),
+                                                           self.scratch_ptr(b, "xn"), gate_out])
+                else:
+                    b.store(cf(1.0), gate_out)
+
+    def experts_down_grouped(self, b, step, n: ExpertBank):
+        out, os_ = self.value_ptr(b, step.writes[0]), self.out_stride(step.writes[0])
+        h, hs = self.value_ptr(b, step.full_reads[0]), self.out_stride(step.full_reads[0])
+        t0 = self.tensors[expert_tensor(n.prefix, 0, "w_down")]
+        L = t0.layout
+        ip, dp, K = padded(n.hidden, self.unit), self.dp, n.top_k
+        gy, gtok, gj = self.scratch_ptr(b, "gy"), self.scratch_ptr(b, "gtok", i64), self.scratch_ptr(b, "gj", i64)
+        gpos = self.scratch_ptr(b, "gpos", i64)
+        lo, hi = self.rows(b, L.n_tile_rows)
+        rlo, rhi = b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
+        used = alloca_once(b, i64, "group.rows")  # gy rows taken by the experts done so far
+        b.store(c64(0), used)
+        with Loop(b, c64(0), c64(n.n_experts), "e") as e:
+            cnt = self.group_tokens(b, n, e)
+            with b.if_then(b.icmp_signed(">", cnt, c64(0))):
+                first = b.load(used)
+                with Loop(b, c64(0), cnt, "g") as k:
+                    t, j = b.load(b.gep(gtok, [k])), b.load(b.gep(gj, [k]))
+                    self.quantise_row(b, b.gep(h, [b.add(b.mul(t, c64(hs)), b.mul(j, c64(ip)))]), k, n.hidden)
+                    b.store(b.add(first, k), b.gep(gpos, [b.add(b.mul(t, c64(K)), j)]))
+                self.group_matmat(b, L, self.expert_pointer(b, n, "w_down", e), cnt,
+                                  b.gep(gy, [b.mul(first, c64(dp))]), dp)
+                b.store(b.add(first, cnt), used)
+        shared = b.gep(gy, [c64(self.tmax * K * dp)])  # token t's shared-expert output at row tmax*K + t
+        if n.shared_hidden:
+            st = self.tensors[shared_tensor(n.prefix, "w_down")]
+            with self.each_token(b):
+                self.quantise_input(b, b.gep(self.value_ptr(b, step.full_reads[0]), [c64(K * ip)]), n.shared_hidden,
+                                    st.dtype)
+            self.call_mv(b, st.layout, self.pointer(b, tensor_key(st.name), i8), b.gep(h, [c64(K * ip)]), shared,
+                         lo, hi, x_stride=hs, y_stride=dp)
+        with self.each_token(b):  # each token's weighted sum, in its top-k order (as the per-token path)
+            route = self.route_ptr(b, n.layer)
+            wts = b.gep(b.bitcast(route, P(f32)), [c64(K)])
+            o = b.gep(out, [b.mul(self.t, c64(os_))])
+            for j in range(K):
+                row = b.load(b.gep(gpos, [b.add(b.mul(self.t, c64(K)), c64(j))]))
+                b.call(O.axpy(self.m), [o, b.gep(gy, [b.mul(row, c64(dp))]), b.load(b.gep(wts, [c64(j)])),
+                                        c64(1 if j == 0 else 0), rlo, rhi])
+            if n.shared_hidden:
+                gate = b.load(b.gep(b.bitcast(route, P(f32)), [c64(2 * K)]))
+                b.call(O.axpy(self.m), [o, b.gep(shared, [b.mul(self.t, c64(dp))]), gate, c64(0), rlo, rhi])
+
     def step_head(self, b, step):
         t = self.tensors[step.tensors[0]]
         # a prompt needs the last token's logits only: the head runs for tokens [LOGITS_FROM, NTOK)
         self.dense_mv(b, step, t, t.layout, t.dtype in (DType.Q4, DType.Q8),
                       first=self.logits_from if self.multi else None)
+
+
+def copy_words(m: ir.Module):
+    """dst[i] = src[i] for i in [lo, hi): 4-byte words (a gathered activation row: kmax is a multiple of 32,
+    so its int8 codes and its block scales are whole 4-byte words)."""
+
+    def build(b, dst, src, lo, hi):
+        with Loop(b, lo, hi, "w") as i:
+            b.store(b.load(b.gep(src, [i])), b.gep(dst, [i]))
+        b.ret_void()
+
+    return internal_function(m, ("copy_words",), (P(i32), P(i32), i64, i64), build)
+
+
+def copy_rows(m: ir.Module):
+    """dst[i] = src[i] for i in [lo, hi): floats (a thread's rows of one expert output)."""
+
+    def build(b, dst, src, lo, hi):
+        with Loop(b, lo, hi, "r") as i:
+            b.store(b.load(b.gep(src, [i])), b.gep(dst, [i]))
+        b.ret_void()
+
+    return internal_function(m, ("copy_rows",), (P(f32), P(f32), i64, i64), build)
 
 
 def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,

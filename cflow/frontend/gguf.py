@@ -16,7 +16,7 @@ time, with a one-line warning of the error that adds. llama.cpp's `llama` archit
 in adjacent-pair RoPE order (convert_hf_to_gguf permutes them): the inverse permutation is applied.
 
 Architectures: llama (Llama 1-3, Mistral; rope_freqs / linear / yarn scaling), qwen2 (q/k/v biases),
-qwen2moe (shared gated expert), qwen3 (q/k norms: IR and interpreter only for now), qwen3moe (same).
+qwen2moe (shared gated expert), qwen3 (q/k norms), qwen3moe (same).
 Every other architecture is refused by name with the reason.
 
 Tokenizer: `llama` (SentencePiece) vocabularies become a byte-fallback BPE whose merges follow the

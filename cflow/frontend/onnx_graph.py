@@ -57,15 +57,25 @@ class OnnxModel:
         if not proto.opset_import or not len(g.node):
             raise CflowError(f"{where}: not an ONNX model or truncated (no graph nodes)")
         self.graph = g
+        self._check_text()
+        self.opset = self._default_opset()
         self.nodes = list(g.node)
-        self.inits = {t.name: t for t in g.initializer}
+        self.inits = {}
+        for t in g.initializer:
+            if t.name in self.inits:
+                raise CflowError(f"{where}: initializer {t.name!r} is defined twice")
+            self.inits[t.name] = t
         self.inputs = [i for i in g.input if i.name not in self.inits]
         self.outputs = [o.name for o in g.output]
         self.producer: dict[str, object] = {}
         self.consumers: dict[str, list] = defaultdict(list)
         self.index = {}
         defined = set(self.inits) | {i.name for i in self.inputs} | {""}
+        # Values that are constants: initializers, Constant nodes and foldable ops of constants. One forward pass
+        # (the nodes are checked to be in topological order below), so is_const never recurses.
+        self._consts = set(self.inits)
         for k, n in enumerate(self.nodes):
+            self._check_node(n)
             for v in n.input:
                 if not v:
                     continue  # an omitted optional input
@@ -74,8 +84,15 @@ class OnnxModel:
                                      "(file truncated or not topologically sorted)")
                 self.consumers[v].append(n)
             for v in n.output:
+                if v in defined and v:
+                    # One producer per value (ONNX is SSA): a second definition would silently replace the
+                    # first in the index and make the patterns read the wrong node.
+                    raise CflowError(f"{where}: {label(n)} writes {v!r}, which is already defined")
                 self.producer[v] = n
                 defined.add(v)
+            if n.domain in ("", "ai.onnx") and (n.op_type == "Constant" or (
+                    n.op_type in FOLDABLE and all(v in self._consts for v in n.input if v))):
+                self._consts.update(v for v in n.output if v)
             self.index[id(n)] = k
         for o in self.outputs:
             if o not in defined:
@@ -83,6 +100,92 @@ class OnnxModel:
         self._const_cache: dict[str, np.ndarray] = {}
         self._check_external()
         self.hidden = self._hidden_values()
+
+    # --- structure -----------------------------------------------------------------------
+    def _check_text(self) -> None:
+        """Every name, op type and domain is text. protobuf hands a string field that is not valid UTF-8 (a
+        corrupt file) back as bytes, which the schema lookup, the dict lookups and the messages cannot use."""
+        g = self.graph
+
+        def check(v, what: str) -> None:
+            if not isinstance(v, str):
+                raise CflowError(f"{self.where}: {what} is not valid UTF-8 text ({bytes(v)[:40]!r}): file corrupt")
+
+        for o in self.proto.opset_import:
+            check(o.domain, "an opset_import domain")
+        for p in self.proto.metadata_props:
+            check(p.key, "a metadata key")
+            check(p.value, f"metadata {p.key!r}")
+        for t in g.initializer:
+            check(t.name, "an initializer name")
+            for e in t.external_data:
+                check(e.key, f"an external-data key of tensor {t.name!r}")
+                check(e.value, f"external-data {e.key!r} of tensor {t.name!r}")
+        for v in list(g.input) + list(g.output):
+            check(v.name, "a graph input or output name")
+        for k, n in enumerate(g.node):
+            check(n.name, f"the name of node {k}")
+            where = f"node {k} ({n.name!r})"
+            check(n.op_type, f"the op type of {where}")
+            check(n.domain, f"the domain of {where}")
+            for v in list(n.input) + list(n.output):
+                check(v, f"a value name of {where}")
+            for a in n.attribute:
+                check(a.name, f"an attribute name of {where}")
+
+    def _default_opset(self) -> int:
+        from onnx import defs
+
+        versions = [o.version for o in self.proto.opset_import if o.domain in ("", "ai.onnx")]
+        if not versions:
+            raise CflowError(f"{self.where}: no opset for the default ONNX domain in opset_import")
+        top = defs.onnx_opset_version()
+        if not 1 <= versions[0] <= top:
+            raise CflowError(f"{self.where}: opset_import: default-domain opset {versions[0]} is out of range "
+                             f"1..{top} (the opsets this onnx package defines)")
+        return int(versions[0])
+
+    def _check_node(self, n) -> None:
+        """The node has the inputs, outputs and attributes its op's schema requires at the file's opset.
+
+        The pattern code indexes a node's inputs and reads its attributes by what its op_type promises;
+        a hand-edited op_type, input list or attribute type is refused here, naming the node, instead of
+        failing later as an IndexError or a wrong value."""
+        from onnx import AttributeProto, defs
+
+        if n.domain not in ("", "ai.onnx"):
+            return  # custom-domain ops match no pattern; check_ops names them
+        try:
+            s = defs.get_schema(n.op_type, self.opset, "")
+        except defs.SchemaError:
+            if n.op_type and defs.has(n.op_type):
+                raise CflowError(f"{self.where}: {label(n)}: op {n.op_type} does not exist at opset "
+                                 f"{self.opset} (the file's default-domain opset)") from None
+            return  # not an ONNX op: the pattern matcher names it (with a hint for the ones we know)
+        for what, got, lo, hi in (("inputs", len(n.input), s.min_input, s.max_input),
+                                  ("outputs", len(n.output), s.min_output, s.max_output)):
+            if not lo <= got <= hi:
+                want = f"{lo}" if lo == hi else f"{lo}..{hi}" if hi < 2**31 - 1 else f"at least {lo}"
+                raise CflowError(f"{self.where}: {label(n)} has {got} {what[:-1] if got == 1 else what}; "
+                                 f"{n.op_type} takes {want}")
+        for values, formal, what in ((n.input, list(s.inputs), "input"), (n.output, list(s.outputs), "output")):
+            for i, v in enumerate(values):
+                p = formal[min(i, len(formal) - 1)]
+                if not v and p.option != defs.OpSchema.FormalParameterOption.Optional:
+                    raise CflowError(f"{self.where}: {label(n)}: {what} {i} ({p.name}) has no name; "
+                                     f"it is required")
+        given = set()
+        for a in n.attribute:
+            given.add(a.name)
+            sa = s.attributes.get(a.name)
+            if sa is not None and a.type != int(sa.type.value):
+                got = AttributeProto.AttributeType.Name(a.type) if a.type in AttributeProto.AttributeType.values() \
+                    else str(a.type)
+                raise CflowError(f"{self.where}: {label(n)}: attribute {a.name!r} is of type {got}; "
+                                 f"{n.op_type} expects {sa.type.name}")
+        missing = sorted(k for k, sa in s.attributes.items() if sa.required and k not in given)
+        if missing:
+            raise CflowError(f"{self.where}: {label(n)}: required attribute {missing[0]!r} is missing")
 
     # --- constants ---------------------------------------------------------------------
     def _check_external(self) -> None:
@@ -126,57 +229,109 @@ class OnnxModel:
         return math.prod(int(d) for d in t.dims) * item
 
     def const(self, name: str) -> np.ndarray | None:
-        """Value of an initializer or Constant node (through Identity), else None."""
+        """Value of an initializer, a Constant node or a foldable op of constants, else None."""
         if name in self._const_cache:
             return self._const_cache[name]
-        v = None
-        if name in self.inits:
-            v = self._tensor(self.inits[name])
-        else:
-            n = self.producer.get(name)
-            if n is not None and n.op_type == "Constant":
-                v = self._constant_node(n)
-            elif n is not None and n.op_type in FOLDABLE and self.is_const(n.input[0]):
-                v = self._fold(n)
-        if v is not None and v.size <= 4096:
-            self._const_cache[name] = v
-        return v
+        if name not in self._consts:
+            return None
+        # Evaluate the producers iteratively: a hostile file may chain thousands of Identity nodes.
+        vals: dict[str, np.ndarray] = {}
+        todo = [name]
+        while todo:
+            v = todo[-1]
+            if v in vals:
+                todo.pop()
+                continue
+            if v in self._const_cache:
+                vals[v] = self._const_cache[v]
+            elif v in self.inits:
+                vals[v] = self._tensor(self.inits[v])
+            else:
+                n = self.producer[v]
+                if n.op_type == "Constant":
+                    vals[v] = self._constant_node(n)
+                else:
+                    need = [u for u in n.input if u and u not in vals]
+                    if need:
+                        todo.extend(need)
+                        continue
+                    vals[v] = self._fold(n, [vals[u] if u else None for u in n.input])
+            todo.pop()
+        for k, v in vals.items():
+            if v.size <= 4096:
+                self._const_cache[k] = v
+        return vals[name]
 
     def is_const(self, name: str) -> bool:
-        if name in self.inits:
-            return True
-        n = self.producer.get(name)
-        return n is not None and (n.op_type == "Constant" or (
-            n.op_type in FOLDABLE and all(self.is_const(v) for v in n.input if v)))
+        return name in self._consts
 
-    def _fold(self, n) -> np.ndarray:
+    def _fold(self, n, ins: list) -> np.ndarray:
+        """One foldable op on constant inputs; a hostile attribute or shape is a CflowError naming the node."""
         from onnx import helper
 
-        x = self.const(n.input[0])
+        def bad(what: str) -> CflowError:
+            return CflowError(f"{self.where}: {label(n)}: {what}")
+
+        x = ins[0]
         op = n.op_type
         if op == "Identity":
             return x
         if op == "Cast":
-            return x.astype(helper.tensor_dtype_to_np_dtype(self.attr(n, "to")))
+            to = self.attr(n, "to")
+            try:
+                dtype = helper.tensor_dtype_to_np_dtype(to)
+                return x.astype(dtype)
+            except (KeyError, ValueError, TypeError, OverflowError):
+                raise bad(f"attribute 'to' = {to} is not a type {x.dtype} can be cast to") from None
         if op == "Transpose":
-            return np.transpose(x, self.attr(n, "perm") or None)
+            perm = self.attr(n, "perm")
+            perm = list(range(x.ndim))[::-1] if perm is None else [int(p) for p in perm]
+            if sorted(perm) != list(range(x.ndim)):
+                raise bad(f"attribute 'perm' = {perm} is not a permutation of the {x.ndim} axes of "
+                          f"{n.input[0]!r} {list(x.shape)}")
+            return np.transpose(x, perm)
         if op == "Reshape":
-            shape = [int(s) for s in self.const(n.input[1]).reshape(-1)]
+            target = np.asarray(ins[1])
+            if target.dtype.kind not in "iu" or target.ndim != 1:
+                raise bad(f"input 'shape' {n.input[1]!r} is not a 1-D integer tensor")
+            shape = [int(s) for s in target]
             if not self.attr(n, "allowzero", 0):
+                if any(s == 0 and i >= x.ndim for i, s in enumerate(shape)):
+                    raise bad(f"shape {shape} copies a dimension {n.input[0]!r} {list(x.shape)} does not have")
                 shape = [x.shape[i] if s == 0 else s for i, s in enumerate(shape)]
-            return x.reshape(shape)
-        axes = self.const(n.input[1]) if len(n.input) > 1 and n.input[1] else self.attr(n, "axes")
-        axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+            try:
+                if min(shape, default=0) < -1 or shape.count(-1) > 1:
+                    raise ValueError
+                return x.reshape(shape)
+            except (ValueError, TypeError, OverflowError):
+                raise bad(f"cannot reshape {n.input[0]!r} {list(x.shape)} to {shape}") from None
+        axes = ins[1] if len(ins) > 1 and ins[1] is not None else self.attr(n, "axes")
+        try:
+            axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+        except (ValueError, TypeError, OverflowError):
+            raise bad("axes are not integers") from None
         if op == "Unsqueeze":
-            for a in sorted(a % (x.ndim + len(axes)) for a in axes):
+            if axes is None:
+                raise bad("no axes (input or attribute)")
+            r = x.ndim + len(axes)
+            norm = [a % r for a in axes if -r <= a < r]
+            if len(norm) != len(axes) or len(set(norm)) != len(norm):
+                raise bad(f"axes {axes} out of range or repeated for a rank-{r} result")
+            for a in sorted(norm):
                 x = np.expand_dims(x, a)
             return x
-        return np.squeeze(x, axis=None if axes is None else tuple(axes))
+        # Squeeze
+        if axes is None:
+            return np.squeeze(x)
+        norm = [a % x.ndim for a in axes if -x.ndim <= a < x.ndim]
+        if len(norm) != len(axes) or len(set(norm)) != len(norm) or any(x.shape[a] != 1 for a in norm):
+            raise bad(f"axes {axes} do not name distinct size-1 dimensions of {n.input[0]!r} {list(x.shape)}")
+        return np.squeeze(x, axis=tuple(norm))
 
     def const_shape(self, name: str) -> tuple | None:
         if name in self.inits:
             return tuple(self.inits[name].dims)
-        v = self.const(name) if self.is_const(name) else None
+        v = self.const(name)
         return None if v is None else tuple(v.shape)
 
     def _tensor(self, t) -> np.ndarray:
@@ -195,15 +350,21 @@ class OnnxModel:
             raise CflowError(f"{self.where}: tensor {t.name!r} is malformed ({type(e).__name__}: {e})") from None
         return a.astype(np.float32) if a.dtype.kind == "V" or str(a.dtype) == "bfloat16" else a
 
-    def _constant_node(self, n) -> np.ndarray | None:
+    def _constant_node(self, n) -> np.ndarray:
         from onnx import helper, numpy_helper
 
         for a in n.attribute:
             if a.name == "value":
-                return numpy_helper.to_array(a.t)
+                try:
+                    v = numpy_helper.to_array(a.t)
+                except Exception as e:  # noqa: BLE001 -- protobuf/numpy raise many types on a lying tensor
+                    raise CflowError(f"{self.where}: {label(n)}: attribute 'value' is malformed "
+                                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                return v.astype(np.float32) if v.dtype.kind == "V" or str(v.dtype) == "bfloat16" else v
             if a.name in ("value_float", "value_int", "value_floats", "value_ints"):
                 return np.asarray(helper.get_attribute_value(a))
-        return None
+        raise CflowError(f"{self.where}: {label(n)} has no numeric value "
+                         "(expected attribute value, value_float(s) or value_int(s))")
 
     def attr(self, node, name: str, default=None):
         from onnx import helper

@@ -29,6 +29,11 @@ def shared_tensor(bank_prefix: str, which: str) -> str:
     return f"{bank_prefix}.shared.{which}"
 
 
+def post_norm_tensor(op: Node) -> str:
+    """The post norm weight of an attention or dense FFN op with post_norm (read by the residual add)."""
+    return f"{op.prefix}.post_norm"
+
+
 def _block(name: str) -> int:
     return int(name.split(".")[1]) if name.startswith("blocks.") else -1
 
@@ -54,11 +59,15 @@ def node_tensors(g: Graph, n: Node, tile=T.DEFAULT_TILE) -> list[PackedTensor]:
         out = [mk(qkv_tensor(p), Form.CONCAT, [f"{p}.wq", f"{p}.wk", f"{p}.wv"])]
         if n.bias:
             out += [mk(f"{p}.{b}", Form.VECTOR, [f"{p}.{b}"]) for b in ("bq", "bk", "bv")]
-        return out + [mk(f"{p}.wo", Form.TILED, [f"{p}.wo"])]
+        if n.qk_norm:
+            out += [mk(f"{p}.{w}", Form.VECTOR, [f"{p}.{w}"]) for w in ("q_norm", "k_norm")]
+        out.append(mk(f"{p}.wo", Form.TILED, [f"{p}.wo"]))
+        return out + ([mk(post_norm_tensor(n), Form.VECTOR, [post_norm_tensor(n)])] if n.post_norm else [])
     if isinstance(n, DenseFFN):
         p = n.prefix
         return [mk(f"{p}.w_gate_up", Form.GATE_UP, [f"{p}.w_gate", f"{p}.w_up"]),
-                mk(f"{p}.w_down", Form.TILED, [f"{p}.w_down"])]
+                mk(f"{p}.w_down", Form.TILED, [f"{p}.w_down"])] + (
+            [mk(post_norm_tensor(n), Form.VECTOR, [post_norm_tensor(n)])] if n.post_norm else [])
     if isinstance(n, Router):
         return [mk(n.weight, Form.ROWS, [n.weight])]
     if isinstance(n, ExpertBank):

@@ -30,10 +30,8 @@ def native_gaps(c: ModelConfig) -> list[str]:
     """What the native runtime (codegen) cannot run yet in a model the IR and the interpreter do model.
 
     The one list to shorten as the kernels learn these ops. RoPE scaling and partial rotary need nothing:
-    they live in the RoPE tables the session computes (ir/rope.py)."""
+    they live in the RoPE tables the session computes (ir/rope.py); q/k norms are in the attention core."""
     gaps = []
-    if c.qk_norm:
-        gaps.append(f"q/k norms (qk_norm={c.qk_norm!r})")
     if c.activation != "silu":
         gaps.append(f"the {c.activation} feed-forward activation")
     if c.post_norms:

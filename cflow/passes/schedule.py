@@ -19,7 +19,7 @@ from ..errors import PassError
 from ..ir import Add, Attention, DenseFFN, Embedding, ExpertBank, Graph, LMHead, RMSNorm, Router
 from ..layout import tile as T
 from .manager import state_pass
-from .pack import node_tensors
+from .pack import node_tensors, post_norm_tensor
 
 
 class Phase(enum.StrEnum):
@@ -138,8 +138,10 @@ def _build(g: Graph, tile, latest: dict[str, int] | None) -> Schedule:
         for w in writes:
             ready[w] = stage
 
+    by_name = {}  # packed tensors of the nodes seen so far
     for n in g.nodes():
         ts = node_tensors(g, n, tile)
+        by_name.update((t.name, t) for t in ts)
         if isinstance(n, Embedding):
             add_step(n, Phase.EMBED, 0, writes=[n.name], tensors=[t.name for t in ts], nbytes=0)
         elif isinstance(n, (RMSNorm, Router)):
@@ -148,7 +150,8 @@ def _build(g: Graph, tile, latest: dict[str, int] | None) -> Schedule:
             src, norm = _norm_source(g, n.inputs[0])
             s = ready[src] + 1
             by = {t.name: t for t in ts}
-            qkv = [t for t in ts if t.name.endswith((".wqkv", ".bq", ".bk", ".bv"))]
+            # biases and q/k norm weights (read by the core step) travel with the projection
+            qkv = [t for t in ts if t.name.endswith((".wqkv", ".bq", ".bk", ".bv", ".q_norm", ".k_norm"))]
             add_step(n, Phase.QKV, s, full=[src], writes=[f"qkv.{n.layer}"], tensors=[t.name for t in qkv],
                      nbytes=sum(t.nbytes for t in qkv), norm=norm)
             add_step(n, Phase.CORE, s + 1, full=[f"qkv.{n.layer}"], writes=[f"att.{n.layer}"])
@@ -191,7 +194,12 @@ def _build(g: Graph, tile, latest: dict[str, int] | None) -> Schedule:
             add_step(n, Phase.DOWN, sd, full=[f"moe_h.{n.layer}"], writes=[n.name], tensors=[t.name for t in down],
                      nbytes=k_down)
         elif isinstance(n, Add):
-            add_step(n, Phase.ADD, max(ready[i] for i in n.inputs), rows=n.inputs, writes=[n.name])
+            # An input with a post norm (Gemma 2/3's attention / FFN output) is normalised on the way in: its RMS
+            # needs the whole vector, so the add waits one stage (a barrier) for every thread's rows of it.
+            post = [i for i in n.inputs if getattr(g.get(i), "post_norm", False)]
+            pt = [by_name[post_norm_tensor(g[i])] for i in post]
+            add_step(n, Phase.ADD, max(ready[i] + (i in post) for i in n.inputs), rows=n.inputs, writes=[n.name],
+                     tensors=[t.name for t in pt], nbytes=sum(t.nbytes for t in pt))
         elif isinstance(n, LMHead):
             src, norm = _norm_source(g, n.inputs[0])
             add_step(n, Phase.HEAD, ready[src] + 1, full=[src], writes=[n.name], tensors=[t.name for t in ts],

@@ -150,21 +150,34 @@ class Session:
     def _check_memory(self, expert_cache_mb: float | None) -> None:
         """What loading will allocate (KV cache, RoPE tables, per-thread scratch, buffers, weights read into RAM)
         against the memory this process may still use, before the JIT or any allocation: one error naming the
-        largest part and how to shrink it. Estimates are upper bounds of codegen.abi.ScratchLayout and the pools."""
-        from ..layout.quant import padded
+        largest part and how to shrink it."""
         from ..util import available_memory, format_bytes
+
+        parts = self.memory_parts(expert_cache_mb)
+        need, avail = sum(parts.values()), available_memory()
+        if avail is not None and need > avail:
+            big = max(parts, key=parts.get)
+            raise CflowError(f"{self.path}: loading needs {format_bytes(need)} of memory, {format_bytes(parts[big])} "
+                             f"of it for {big}, but {format_bytes(avail)} is available")
+
+    def memory_parts(self, expert_cache_mb: float | None = None) -> dict[str, int]:
+        """Bytes loading allocates, by part (what the memory check adds up). The KV cache and the scratch are
+        exact, sized by codegen.abi next to the layouts they describe (ScratchLayout, Binding.KV) rather than by
+        a second formula here; tests/runtime/test_memory_estimate.py checks they equal what _alloc allocates.
+        The activation buffers are an upper bound."""
+        from ..codegen.abi import kv_cache_bytes, scratch_layout
+        from ..layout.quant import padded
 
         c, T, S, tc = self.config, self.tmax, self.max_seq, self.tile[1]
         widest = padded(max(c.d_model, c.ffn_dim, c.expert_dim, c.shared_expert_dim, c.n_heads * c.head_dim), tc)
-        scratch = (T * (6 * widest + 4 * (2 * c.top_k + 1 + 4) * (c.n_layers + 1)) + 4 * widest + 4 * S
-                   + 4 * c.n_experts + 4096 * 8)
         parts = {
             (f"the KV cache (config.max_seq_len={S} positions x {c.n_layers} layers"
              + (f" x max_batch={self.n_slots} sequences" if self.n_slots > 1 else "")
              + "; load with a smaller max_seq" + (" or max_batch)" if self.n_slots > 1 else ")")):
-                2 * c.n_layers * S * c.n_kv_heads * c.head_dim * 4 * self.n_slots,
+                kv_cache_bytes(c, S, self.n_slots),
             f"the RoPE tables (config.max_seq_len={S})": S * c.head_dim * 4,
-            f"the per-thread scratch ({self.threads} threads)": scratch * self.threads,
+            f"the per-thread scratch ({self.threads} threads)":
+                scratch_layout(c, self.run_state.tensors, S, T).nbytes * self.threads,
             "the activation buffers": 4 * T * (padded(c.vocab_size, 64) + 32 * widest),
         }
         tensors = self.compiled.tensors
@@ -178,12 +191,10 @@ class Session:
             parts["the non-expert weights read into RAM (--weights-on-disk streams them)"] = sum(
                 t.nbytes for t in tensors.values() if t.expert < 0)
         if self.experts == "disk" and expert_cache_mb is not None and expert_cache_mb > 0:
-            parts[f"the expert cache (--expert-cache-mb {expert_cache_mb})"] = int(expert_cache_mb * 2**20)
-        need, avail = sum(parts.values()), available_memory()
-        if avail is not None and need > avail:
-            big = max(parts, key=parts.get)
-            raise CflowError(f"{self.path}: loading needs {format_bytes(need)} of memory, {format_bytes(parts[big])} "
-                             f"of it for {big}, but {format_bytes(avail)} is available")
+            # the tier never allocates more slots than there are experts (ExpertTier), so neither does the estimate
+            parts[f"the expert cache (--expert-cache-mb {expert_cache_mb})"] = min(
+                int(expert_cache_mb * 2**20), sum(t.nbytes for t in tensors.values() if t.expert >= 0))
+        return parts
 
     # --- native code ----------------------------------------------------------------------------
     def _build(self, cache) -> None:

@@ -3,23 +3,26 @@
 HTTP handlers never touch the model. They build a `Job` (prompt ids, sampling parameters) and `submit` it;
 the job waits in a bounded queue (full -> `QueueFull`, a 429) until a slot is free. The engine thread loops:
 
-    admit:   a free slot takes the next job from the queue; the backend reads its prompt (prefill)
+    admit:   a free slot takes the next job from the queue
     check:   at every token boundary a cancelled job (client gone) leaves and frees its slot
-    advance: one decode step moves every active slot one token forward
+    advance: one decode step moves every slot whose prompt is read one token forward
     emit:    each token becomes text (stop strings held back until they cannot match) and goes to the
              job's event queue, read by the handler on the asyncio loop; a finished job frees its slot,
              which the next admit refills from the queue (continuous batching)
+    prefill: one piece (one prefill block, a single native call) of the oldest prompt still being read
+             (chunked prefill: a long prompt delays the running slots by one block per token, not by its
+             whole length)
 
 The native step is only ever called from this thread. The loop is written against `Backend` (start /
-advance / stop over slot numbers); two backends implement it:
+prefill / advance / stop over slot numbers); two backends implement it:
 
-    BatchedSlots   one model loaded with max_batch=B: a prompt is prefilled into its KV-cache slot
-                   (`batch_start`), and one `batch_step` advances every active slot with one pass over the
-                   weights (issue 9's batched decode)
+    BatchedSlots   one model loaded with max_batch=B: a prompt is prefilled into its KV-cache slot a block at
+                   a time (`batch_start`, `batch_extend`), and one `batch_step` advances every decoding slot
+                   with one pass over the weights (issue 9's batched decode)
     StreamSlots    `CompiledModel.stream` per slot, one loaded model per slot: with one slot, exactly
                    `m.generate`'s path (one sequence at a time behind the queue); with several, the fallback
                    where batched decode is not available (experts or weights on disk): the slots take turns
-                   token by token, each a full weight pass
+                   token by token, each a full weight pass; a prompt is read in one go at admission
 """
 
 from __future__ import annotations
@@ -185,10 +188,13 @@ class Job:
 class Backend(Protocol):
     """What the engine needs from the model, by slot number (0 .. slots-1). Called from the engine thread only.
 
-    start(slot, job):   read the job's prompt into the slot (prefill); the first token is returned by the next
-                        advance that includes the slot
-    advance(slots):     one token for each of these slots, in order: an id, None when the sequence ended by
-                        itself (an end-of-text token, or the context is full), or the exception it raised
+    start(slot, job):   give the slot to the job; returns how many of its prompt tokens are still to be read: 0 if
+                        start read the whole prompt itself, else the engine calls prefill until it returns 0
+    prefill(slot):      read the next piece of the slot's prompt (one native call, at most a prefill block);
+                        returns the prompt tokens still to be read
+    advance(slots):     one token for each of these slots (each with its prompt read), in order: an id, None when
+                        the sequence ended by itself (an end-of-text token, or the context is full), or the
+                        exception it raised; a slot's first advance returns the token its prompt predicts
     stop(slot):         the slot's sequence is abandoned (finished, cancelled); the slot may be started again
     model:              the CompiledModel whose tokenizer, context and chat template requests are checked against
                         (read by the HTTP layer; only the engine thread runs it)
@@ -197,7 +203,9 @@ class Backend(Protocol):
     slots: int
     model: object
 
-    def start(self, slot: int, job: Job) -> None: ...
+    def start(self, slot: int, job: Job) -> int: ...
+
+    def prefill(self, slot: int) -> int: ...
 
     def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]: ...
 
@@ -223,12 +231,16 @@ class StreamSlots:
     def model(self):
         return self.models[0]
 
-    def start(self, slot: int, job: Job) -> None:
+    def start(self, slot: int, job: Job) -> int:
         p = job.params
         gen = self.models[slot].stream(job.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
                                        top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=True)
         self._gens[slot] = gen
         self._first[slot] = next(gen, None)  # prefill and the first token, so that start is the prompt's time
+        return 0  # `stream` reads the prompt in one go (the disk tiers read it token by token anyway)
+
+    def prefill(self, slot: int) -> int:
+        return 0
 
     def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]:
         out: list[int | None | BaseException] = []
@@ -256,18 +268,21 @@ class StreamSlots:
 
 
 class BatchedSlots:
-    """Slots of one model loaded with max_batch=B (each slot its own KV cache and position): `start` prefills
-    a prompt into its slot, `advance` runs one `batch_step` over every active slot that has a token to feed.
+    """Slots of one model loaded with max_batch=B (each slot its own KV cache and position): `prefill` reads a
+    prompt into its slot one prefill block per call (chunked prefill: the engine interleaves the pieces with
+    decode steps), `advance` runs one `batch_step` over every given slot that has a token to feed.
     Sampling and stopping are `CompiledModel.stream`'s (the same Sampler, seed and end-of-text ids), so a
     request's tokens are the ones `m.generate` gives for it."""
 
     def __init__(self, model):
         self.model = model
         self.slots = int(model.session.n_slots)
+        self.chunk = model.prefill_block  # pieces of exactly one native call: the same calls as one batch_start
         self._eos = frozenset(model.eos_ids)
         self._sampler: dict[int, object] = {}
         self._last: dict[int, int] = {}
         self._first: dict[int, int | None] = {}
+        self._prompt: dict[int, tuple[list[int], int]] = {}  # slot -> (prompt ids, how many are read)
 
     def _sample(self, slot: int, logits) -> int | None:
         import numpy as np
@@ -284,12 +299,26 @@ class BatchedSlots:
         self._last[slot] = tok
         return tok
 
-    def start(self, slot: int, job: Job) -> None:
+    def start(self, slot: int, job: Job) -> int:
         from ..runtime.sampling import Sampler
 
         p = job.params
         self._sampler[slot] = Sampler(p.temperature, p.top_k, p.top_p, p.seed)
-        self._first[slot] = self._sample(slot, self.model.batch_start(job.prompt_ids, slot))
+        self._prompt[slot] = (job.prompt_ids, 0)
+        return len(job.prompt_ids)
+
+    def prefill(self, slot: int) -> int:
+        ids, done = self._prompt[slot]
+        piece = ids[done : done + self.chunk]
+        # the first piece empties the slot's KV cache; the others continue at the slot's position
+        logits = (self.model.batch_extend if done else self.model.batch_start)(piece, slot)
+        done += len(piece)
+        if done < len(ids):
+            self._prompt[slot] = (ids, done)
+            return len(ids) - done
+        del self._prompt[slot]
+        self._first[slot] = self._sample(slot, logits)
+        return 0
 
     def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]:
         out: dict[int, int | None | BaseException] = {}
@@ -315,7 +344,7 @@ class BatchedSlots:
         return [out[s] for s in slots]
 
     def stop(self, slot: int) -> None:
-        for d in (self._sampler, self._last, self._first):
+        for d in (self._sampler, self._last, self._first, self._prompt):
             d.pop(slot, None)
 
     def close(self) -> None:
@@ -364,7 +393,8 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics
         self._waiting: collections.deque[Job] = collections.deque()
-        self._active: dict[int, Job] = {}
+        self._active: dict[int, Job] = {}  # slot -> its job, prompt being read or decoding
+        self._reading: dict[int, int] = {}  # slots still reading their prompts (oldest first) -> tokens left
         self._cond = threading.Condition()
         self._stopping = False
         self._served = 0
@@ -440,8 +470,8 @@ class Engine:
                         break
                 self._admit()
                 self._drop_cancelled()
-                if self._active:
-                    self._step()
+                self._step()
+                self._prefill()
         except BaseException as e:  # a bug: fail everything in flight, /health turns 503
             self.error = e
             raise
@@ -455,6 +485,7 @@ class Engine:
             self._waiting.clear()
             slots = list(self._active)
             self._active.clear()
+            self._reading.clear()
             self._gauges()
         for s in slots:
             try:
@@ -479,24 +510,48 @@ class Engine:
             job.started_at = time.monotonic()
             t0 = time.perf_counter()
             try:
-                self.backend.start(slot, job)
+                left = self.backend.start(slot, job) or 0
             except Exception as e:  # noqa: BLE001 -- that request fails; the model stays usable
                 self.backend.stop(slot)
                 self._done(job, "error", str(e))
                 continue
-            if self.metrics is not None:
-                self.metrics.prefill(len(job.prompt_ids), time.perf_counter() - t0)
+            if self.metrics is not None and left < len(job.prompt_ids):  # (a backend that read it in start)
+                self.metrics.prefill(len(job.prompt_ids) - left, time.perf_counter() - t0)
             with self._cond:
                 self._active[slot] = job
                 self._gauges()
+            if left:
+                self._reading[slot] = left
 
     def _drop_cancelled(self) -> None:
         for slot, job in list(self._active.items()):
             if job.cancelled:
                 self._release(slot, "cancelled")
 
+    def _prefill(self) -> None:
+        """Chunked prefill: one piece (one native call) of the oldest prompt still being read. Between two
+        decode steps the running slots so wait for at most one prefill block, not for a whole long prompt."""
+        if not self._reading:
+            return
+        slot, before = next(iter(self._reading.items()))
+        t0 = time.perf_counter()
+        try:
+            left = self.backend.prefill(slot)
+        except Exception as e:  # noqa: BLE001 -- that request fails; the model stays usable
+            self._release(slot, "error", str(e) or type(e).__name__)
+            return
+        if self.metrics is not None:
+            self.metrics.prefill(before - left, time.perf_counter() - t0)
+        if left:
+            self._reading[slot] = left
+        else:
+            del self._reading[slot]
+
     def _step(self) -> None:
-        slots = list(self._active)
+        """One decode step for every slot whose prompt is read."""
+        slots = [s for s in self._active if s not in self._reading]
+        if not slots:
+            return
         t0 = time.perf_counter()
         out = self.backend.advance(slots)
         dt = time.perf_counter() - t0
@@ -529,6 +584,7 @@ class Engine:
 
     def _release(self, slot: int, reason: str, error: str | None = None) -> None:
         job = self._active.get(slot)
+        self._reading.pop(slot, None)
         try:
             self.backend.stop(slot)
         finally:

@@ -41,7 +41,10 @@ class SlowSlots:
         return self.inner.model
 
     def start(self, slot, job):
-        self.inner.start(slot, job)
+        return self.inner.start(slot, job)
+
+    def prefill(self, slot):
+        return self.inner.prefill(slot)
 
     def advance(self, slots):
         time.sleep(self.delay)

@@ -15,9 +15,10 @@ class Script:
     """Slots that 'generate' the job's prompt ids back, one per step, then end (None); prompt id 666 raises.
     Logs every call, and checks the engine never calls it from two threads at once."""
 
-    def __init__(self, slots: int, delay: float = 0.0):
-        self.slots, self.delay = slots, delay
+    def __init__(self, slots: int, delay: float = 0.0, chunk: int = 0):
+        self.slots, self.delay, self.chunk = slots, delay, chunk  # chunk: prompt ids per prefill (0: all at start)
         self.todo: dict[int, list[int]] = {}
+        self.unread: dict[int, int] = {}
         self.log: list[tuple] = []
         self.busy = threading.Lock()
         self.threads: set[int] = set()
@@ -32,6 +33,19 @@ class Script:
             assert slot not in self.todo, "slot reused before stop"
             self.todo[slot] = list(job.prompt_ids)
             self.log.append(("start", slot, job.prompt_ids[0]))
+            if self.chunk:
+                self.unread[slot] = len(job.prompt_ids)
+            return self.unread.get(slot, 0)
+        finally:
+            self.busy.release()
+
+    def prefill(self, slot):
+        self._enter()
+        try:
+            assert self.unread.get(slot), "prefill of a slot whose prompt is read"
+            self.unread[slot] = max(0, self.unread[slot] - self.chunk)
+            self.log.append(("prefill", slot, self.unread[slot]))
+            return self.unread[slot]
         finally:
             self.busy.release()
 
@@ -40,6 +54,7 @@ class Script:
         try:
             time.sleep(self.delay)
             self.log.append(("advance", tuple(slots)))
+            assert not any(self.unread.get(s) for s in slots), "advance of a slot still reading its prompt"
             out = []
             for s in slots:
                 if not self.todo[s]:
@@ -53,6 +68,7 @@ class Script:
 
     def stop(self, slot):
         self.todo.pop(slot, None)
+        self.unread.pop(slot, None)
         self.log.append(("stop", slot))
 
     def close(self):
@@ -97,6 +113,37 @@ def test_jobs_join_and_leave_at_token_boundaries():
     assert sorted(after[1]) == [0, 1]
     assert max(len(e[1]) for e in be.log if e[0] == "advance") == 2
     assert len(be.threads) == 1 and be.log[-1] == ("close",)
+
+
+def test_chunked_prefill_interleaves_with_decode():
+    """A long prompt arriving while another stream runs is read a piece per loop turn, each piece followed by a
+    decode step of the running stream (which keeps getting tokens); the new stream decodes once its prompt is read."""
+    be = Script(2, delay=0.002, chunk=4)
+
+    async def main():
+        eng = Engine(be, max_queue=8)
+        a, b = _job(list(range(100, 160))), _job(list(range(1, 41)))
+        eng.submit(a)
+        text_a = []
+        async for ev in a.events():
+            if isinstance(ev, Piece):
+                text_a.append(ev.text)
+                if len(text_a) == 2:
+                    eng.submit(b)  # the long prompt arrives while a is decoding
+        out_b = await _run(b)
+        eng.close()
+        return "".join(text_a), out_b
+
+    ta, (tb, fb) = asyncio.run(main())
+    assert ta == "".join(f" {i}" for i in range(100, 160))
+    assert tb == "".join(f" {i}" for i in range(1, 41)) and fb.reason == "stop"
+    slot_b = next(e[1] for e in be.log if e[0] == "start" and e[2] == 1)
+    slot_a = 1 - slot_b
+    pieces = [i for i, e in enumerate(be.log) if e[:2] == ("prefill", slot_b)]
+    assert [be.log[i][2] for i in pieces] == list(range(36, -1, -4))  # 40 ids, 4 per piece
+    for i, j in zip(pieces, pieces[1:]):  # a decode step of a between every two pieces of b
+        assert any(e[0] == "advance" and slot_a in e[1] for e in be.log[i + 1 : j]), be.log[i : j + 1]
+    assert not any(e[0] == "advance" and slot_b in e[1] for e in be.log[: pieces[-1]])  # b decodes after its prompt
 
 
 def test_max_tokens_and_stop_strings():

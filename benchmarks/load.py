@@ -1,0 +1,248 @@
+"""Decode speed with the machine quiet and with another process busy: the default thread count against 1 and 2.
+
+    python benchmarks/load.py                                   # tiny and 114m (arch1, Q4), 3 rounds
+    python benchmarks/load.py --models 114m --rounds 5 --json docs/results/load.json
+    python benchmarks/load.py --baseline /tmp/cflow_old         # the same runs with another cflow tree, interleaved
+    python benchmarks/load.py --spins 0,100,1000,10000 --threads 2   # tune the barrier's spin budget
+
+The load generator (`start_load`): `spin` is one process running `python -c 'while True: pass'`, placed by
+the scheduler; `spin-pinned` is the same process pinned to the last CPU this process may run on. On a
+2-core machine either one takes a core's worth of CPU time from decode; `--load none,spin,spin-pinned`
+picks the conditions.
+
+Every measurement runs in a fresh child process (`--worker`), so that `--baseline DIR` can run another cflow
+tree (PYTHONPATH=DIR and its own CFLOW_CACHE_DIR; e.g. `git archive HEAD | tar -x -C DIR` before a change)
+in the same run as this one, interleaved. A child loads the model (threads as asked; `default` passes
+none, so cflow picks), decodes one untimed warm-up sequence, then greedy sequences (reset, a 4-token
+prompt, up to --tokens steps) until --seconds of decode time have passed: tok/s = tokens / decode time.
+It also reports the share of the machine's CPU time that processes other than itself and the load generator
+used meanwhile (`other_load`, 0..1 of all cores): on a shared machine, figures with a high share are noise.
+
+Reported per (model, load): tok/s of each thread setting (median over rounds), and the ratios that matter:
+default / 1 thread (the target: >= 0.9 under load) and 2 / 1 threads. With --baseline, new / baseline for
+each setting. --spins sets the barrier's spin budget (BarrierWord.SPIN, pause rounds before a waiter
+sleeps; 0 = the compiled-in default) in the children, one setting per value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+OUT = os.path.join(ROOT, "out", "bench")
+MODELS = {"tiny": "preset:arch1@tiny", "114m": "preset:arch1@114m"}
+PROMPT = [1, 2, 3, 4]
+
+
+# --- the load generator ----------------------------------------------------------------------------------------
+def start_load(kind: str) -> subprocess.Popen | None:
+    """Start the background load `kind` (none, spin, spin-pinned); stop it with stop_load."""
+    if kind == "none":
+        return None
+    if kind not in ("spin", "spin-pinned"):
+        raise SystemExit(f"unknown load {kind!r}: expected none, spin or spin-pinned")
+    cpu = max(os.sched_getaffinity(0))
+    pin = (lambda: os.sched_setaffinity(0, {cpu})) if kind == "spin-pinned" else None
+    p = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin)
+    time.sleep(0.3)  # let it get going (and the scheduler place it) before anything is timed
+    return p
+
+
+def stop_load(p: subprocess.Popen | None) -> None:
+    if p is not None:
+        p.kill()
+        p.wait()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+# --- one measurement, in a child process -----------------------------------------------------------------------
+def _ticks(pids: list[int]) -> tuple[int, int, int]:
+    """(all CPU ticks, idle + iowait ticks, ticks of this process and `pids`) from /proc."""
+    with open("/proc/stat") as f:
+        v = list(map(int, f.readline().split()[1:]))
+    mine = 0
+    for pid in ["self", *pids]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                s = f.read().rsplit(")", 1)[1].split()
+            mine += int(s[11]) + int(s[12])
+        except OSError:
+            pass
+    return sum(v), v[3] + v[4], mine
+
+
+def worker(path: str, threads: int, tokens: int, seconds: float, spin: int, exclude: list[int]) -> dict:
+    import numpy as np
+
+    import cflow
+
+    m = cflow.load(path, threads=threads or None)
+    s = m.session
+    if spin:
+        from cflow.codegen.abi import BarrierWord
+
+        s.barrier[BarrierWord.SPIN] = spin
+    n = min(tokens, s.max_seq - len(PROMPT))
+
+    def sequence() -> float:
+        s.reset()
+        logits = s.prefill(PROMPT)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            logits = s.step(int(np.argmax(logits)))
+        return time.perf_counter() - t0
+
+    sequence()  # warm-up: page in the weights, start the workers
+    a = _ticks(exclude)
+    spent, done = 0.0, 0
+    while spent < seconds:
+        spent += sequence()
+        done += n
+    z = _ticks(exclude)
+    total, idle, mine = (z[i] - a[i] for i in range(3))
+    out = {"threads": m.threads, "tok_s": done / spent, "tokens": done, "seconds": spent,
+           "other_load": max(0.0, (total - idle - mine) / max(total, 1)), "cflow": os.path.dirname(cflow.__file__)}
+    m.close()
+    return out
+
+
+def run_child(path: str, threads: int, args, spin: int, tree: str | None, exclude: list[int]) -> dict:
+    env = dict(os.environ)
+    if tree:
+        env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
+        env["CFLOW_CACHE_DIR"] = os.path.join(tree, ".cflow-cache")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", path, str(threads), str(args.tokens),
+           str(args.seconds), str(spin), ",".join(map(str, exclude))]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"worker failed ({' '.join(cmd)}):\n{r.stderr}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def compiled(name: str) -> str:
+    """The model's compiled file in out/bench/ (built once)."""
+    source = MODELS.get(name, name)
+    if os.path.exists(source):
+        return source
+    path = os.path.join(OUT, f"load_{source.split(':', 1)[-1].replace('@', '_')}_q4.vflow")
+    if not os.path.exists(path):
+        from cflow.compiler import compile_file
+        from cflow.frontend.load import load_graph
+
+        os.makedirs(OUT, exist_ok=True)
+        compile_file(load_graph(source), path, "q4")
+    return path
+
+
+# --- the run ----------------------------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="tiny,114m", help=f"comma-separated: {', '.join(MODELS)} or .vflow paths")
+    p.add_argument("--load", default="none,spin", help="comma-separated: none, spin, spin-pinned")
+    p.add_argument("--threads", default="default,1,2", help="comma-separated thread settings (default = cflow's)")
+    p.add_argument("--rounds", type=int, default=3, help="repeats of the whole grid, interleaved; medians reported")
+    p.add_argument("--tokens", type=int, default=124, help="decode steps per sequence (capped by the context)")
+    p.add_argument("--seconds", type=float, default=1.0, help="decode time per measurement")
+    p.add_argument("--spins", default="0", help="barrier spin budgets to measure (0 = compiled-in default)")
+    p.add_argument("--baseline", metavar="DIR", help="another cflow tree to measure in the same run")
+    p.add_argument("--json", metavar="FILE", help="write every measurement and the summary here")
+    p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        path, threads, tokens, seconds, spin, exclude = args.worker
+        args.tokens = int(tokens)
+        rec = worker(path, int(threads), int(tokens), float(seconds), int(spin),
+                     [int(x) for x in exclude.split(",") if x])
+        print(json.dumps(rec))
+        return
+
+    sys.path.insert(0, ROOT)
+    settings = [0 if t == "default" else int(t) for t in args.threads.split(",")]
+    loads = args.load.split(",")
+    spins = [int(x) for x in args.spins.split(",")]
+    trees = [("new", None)] + ([("baseline", os.path.abspath(args.baseline))] if args.baseline else [])
+    paths = {name: compiled(name) for name in args.models.split(",")}
+    print(f"# {cpu_model()}, {os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable; "
+          f"{args.rounds} rounds x {args.seconds:g} s per measurement", flush=True)
+    records = []
+    for rnd in range(args.rounds):
+        for name, path in paths.items():
+            for load in loads:
+                gen = start_load(load)
+                try:
+                    exclude = [gen.pid] if gen else []
+                    for spin in spins:
+                        for th in settings:
+                            for tree, tdir in trees:
+                                if spin and tree == "baseline":
+                                    continue  # an older tree has no spin word
+                                r = run_child(path, th, args, spin, tdir, exclude)
+                                r.update(round=rnd, model=name, load=load, spin=spin, tree=tree,
+                                         setting="default" if th == 0 else str(th))
+                                records.append(r)
+                                print(f"  round {rnd} {name:5} load={load:11} spin={spin:<6} {tree:8} "
+                                      f"threads={r['setting']:7} ({r['threads']}) {r['tok_s']:10.1f} tok/s  "
+                                      f"other load {r['other_load']:.0%}", flush=True)
+                finally:
+                    stop_load(gen)
+
+    def med(**key) -> float | None:
+        v = [r["tok_s"] for r in records if all(r[k] == x for k, x in key.items())]
+        return statistics.median(v) if v else None
+
+    def fmt(x: float | None) -> str:
+        return f"{x:5.2f}" if x is not None else "    -"
+
+    summary = []
+    print(f"\n{'model':6} {'load':11} {'spin':>6} {'tree':8} " + " ".join(f"{s:>9}" for s in args.threads.split(","))
+          + "  default/1  2/1  other load (max)")
+    for name in paths:
+        for load in loads:
+            for spin in spins:
+                for tree, _ in trees:
+                    if spin and tree == "baseline":
+                        continue
+                    row = {s: med(model=name, load=load, spin=spin, tree=tree, setting=s)
+                           for s in args.threads.split(",")}
+                    other = max(r["other_load"] for r in records
+                                if (r["model"], r["load"], r["spin"], r["tree"]) == (name, load, spin, tree))
+                    ratio = {k: (row[a] / row[b] if row.get(a) and row.get(b) else None)
+                             for k, a, b in (("default/1", "default", "1"), ("2/1", "2", "1"))}
+                    rec = {"model": name, "load": load, "spin": spin, "tree": tree, "tok_s": row,
+                           "ratios": ratio, "other_load_max": round(other, 3)}
+                    if tree == "baseline":
+                        rec["new/baseline"] = {s: row[s] and med(model=name, load=load, spin=spin, tree="new",
+                                                                 setting=s) / row[s] for s in row}
+                    summary.append(rec)
+                    print(f"{name:6} {load:11} {spin:>6} {tree:8} "
+                          + " ".join(f"{row[s]:9.1f}" for s in row)
+                          + f"  {fmt(ratio['default/1'])}  {fmt(ratio['2/1'])}  {other:.0%}")
+                    if tree == "baseline":
+                        print(f"{'':35}new/baseline: " + ", ".join(f"{s} {v:.2f}" for s, v in
+                                                                   rec["new/baseline"].items() if v))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_model(), "cpus": os.cpu_count(), "argv": sys.argv[1:], "summary": summary,
+                       "records": records}, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

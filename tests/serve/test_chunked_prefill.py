@@ -1,0 +1,102 @@
+"""Chunked prefill on the real model: a prompt fed in prefill-block pieces (batch_start, then batch_extend) is bit
+for bit one batch_start, and the engine reads a long prompt piece by piece between the decode steps of a running
+stream, whose tokens stay m.generate's."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import cflow
+from cflow.errors import CflowError
+from cflow.serve.engine import Engine, Job, Piece, SamplingParams, load_backend
+from cflow.serve.metrics import ServeMetrics
+
+LONG = [(7 * i) % 250 + 1 for i in range(90)]
+
+
+def test_batch_extend_equals_one_batch_start(tiny_path):
+    with cflow.load(tiny_path, threads=1, max_batch=2, prefill_block=8) as m:
+        block = m.prefill_block
+        assert block == 8
+        whole = m.batch_start(LONG, 0)
+        piece = m.batch_start(LONG[:block], 1)
+        for i in range(block, len(LONG), block):
+            piece = m.batch_extend(LONG[i : i + block], 1)
+        assert np.array_equal(whole, piece)
+        for _ in range(3):  # the KV caches are the same too: the next tokens see the same past
+            rows = m.batch_step([5, 5], [0, 1])
+            assert np.array_equal(rows[0], rows[1])
+        # continuing a slot past its context is refused with both numbers; the slot stays usable
+        with pytest.raises(CflowError, match="does not fit the context"):
+            m.batch_extend([1] * 40, 1)
+        with pytest.raises(CflowError, match="empty prompt"):
+            m.batch_extend([], 1)
+        with pytest.raises(CflowError, match="slot 2 out of range"):
+            m.batch_extend([1], 2)
+        assert np.array_equal(m.batch_start(LONG, 1), whole)
+
+
+class Recorder:
+    """Passes a backend through and logs its prefill pieces and decode steps."""
+
+    def __init__(self, inner):
+        self.inner, self.slots, self.log = inner, inner.slots, []
+
+    @property
+    def model(self):
+        return self.inner.model
+
+    def start(self, slot, job):
+        self.log.append(("start", slot, len(job.prompt_ids)))
+        return self.inner.start(slot, job)
+
+    def prefill(self, slot):
+        left = self.inner.prefill(slot)
+        self.log.append(("prefill", slot, left))
+        return left
+
+    def advance(self, slots):
+        self.log.append(("advance", tuple(slots)))
+        return self.inner.advance(slots)
+
+    def stop(self, slot):
+        self.inner.stop(slot)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_long_prompt_interleaves_with_a_running_stream(tiny_path, ref_tiny):
+    be = Recorder(load_backend(tiny_path, threads=1, slots=2, prefill_block=8))
+    metrics = ServeMetrics()
+
+    async def main():
+        eng = Engine(be, max_queue=4, metrics=metrics)
+        a = Job([1, 2, 3], SamplingParams(max_tokens=100, temperature=1.0, seed=5))
+        b = Job(LONG, SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=6))
+        eng.submit(a)
+        texts = {a: [], b: []}
+        async for ev in a.events():
+            if isinstance(ev, Piece):
+                texts[a].append(ev.text)
+                if len(texts[a]) == 3:
+                    eng.submit(b)  # a long prompt arrives while a is decoding
+        async for ev in b.events():
+            if isinstance(ev, Piece):
+                texts[b].append(ev.text)
+        await asyncio.to_thread(eng.close)
+        return "".join(texts[a]), "".join(texts[b])
+
+    ta, tb = asyncio.run(main())
+    assert ta == "".join(f" {t}" for t in ref_tiny.generate([1, 2, 3], 100, temperature=1.0, seed=5))
+    assert tb == "".join(f" {t}" for t in ref_tiny.generate(LONG, 30, temperature=0.9, top_p=0.9, seed=6))
+    log = be.log
+    slot_b = next(e[1] for e in log if e[0] == "start" and e[2] == len(LONG))
+    slot_a = 1 - slot_b
+    pieces = [i for i, e in enumerate(log) if e[:2] == ("prefill", slot_b)]
+    assert [log[i][2] for i in pieces] == list(range(82, -1, -8)) + [0]  # 11 pieces of 8, then the last 2
+    for i, j in zip(pieces, pieces[1:]):  # the running stream gets a token between every two pieces
+        assert any(e[0] == "advance" and slot_a in e[1] for e in log[i + 1 : j]), log[i : j + 1]
+    assert not any(e[0] == "advance" and slot_b in e[1] for e in log[: pieces[-1]])
+    assert metrics.registry.get_sample_value("cflow_prompt_tokens_total") == 3 + len(LONG)
