@@ -55,7 +55,7 @@ class BarrierWord(enum.IntEnum):
     GENERATION = 16  # bumped by the last arriver; waiters poll it and futex_wait on it
     SLEEPERS = 17  # waiters inside futex_wait: the last arriver calls FUTEX_WAKE only when non-zero. On the
     #               generation's line, which the last arriver has just written, so reading it costs no miss.
-    NAPS = 18  # times any waiter went to sleep (never reset): the session reads it to notice descheduled workers
+    NAPS = 18  # times any waiter went to sleep (never reset): Session.barrier_naps reports it (benchmarks/load.py)
 
 
 BARRIER_WORDS = 32  # two 64-byte cache lines

@@ -14,6 +14,7 @@ import ctypes
 import os
 import threading
 import time
+import warnings
 
 import attrs
 import numpy as np
@@ -25,6 +26,7 @@ from ..codegen.abi import (
     PARAM_WORDS,
     STEP_SYMBOL,
     WORKER_SYMBOL,
+    BarrierWord,
     Binding,
     CtlWord,
     Mode,
@@ -61,6 +63,25 @@ class Segment:
     awaits: tuple[int, ...]  # layers whose chosen experts must be in RAM before the segment runs
     issues: tuple[int, ...]  # layers whose route is known after it: start their reads (async)
     releases: tuple[int, ...]  # layers whose experts are no longer needed after it
+
+
+class OversubscribedWarning(UserWarning):
+    """More worker threads were asked for than this process may run on (os.sched_getaffinity)."""
+
+
+def _thread_count(threads: int | None) -> int:
+    """The worker threads of a model: by default the cores this process may run on (its affinity mask, which
+    taskset, cgroups' cpusets and container limits narrow; os.cpu_count() would count the whole machine).
+    Asking for more still works (the barriers sleep instead of spinning) but every extra thread shares a core,
+    so it warns; Python's default filter shows a given warning once per process."""
+    usable = len(os.sched_getaffinity(0))
+    if threads is None:
+        return usable
+    if threads > usable:
+        warnings.warn(f"threads={threads} but this process may run on {usable} core{'s' * (usable != 1)} "
+                      f"(os.sched_getaffinity): threads will share cores; the default is {usable}",
+                      OversubscribedWarning, stacklevel=3)
+    return int(threads)
 
 
 class Session:
@@ -100,7 +121,7 @@ class Session:
             self._check_plan()
         except FormatError as e:  # from another cflow: say so (recompile), not "does not match"
             raise stale_file_error(h, self.path, e) or e from None
-        self.threads = int(threads or len(os.sched_getaffinity(0)))
+        self.threads = _thread_count(threads)
         if max_seq is not None and max_seq > self.config.max_seq_len:
             raise CflowError(f"max_seq {max_seq} exceeds the model's context of {self.config.max_seq_len} tokens "
                              "(config.max_seq_len)")
@@ -402,6 +423,12 @@ class Session:
     @pos.setter
     def pos(self, value: int) -> None:
         self.slot_pos[0] = value
+
+    @property
+    def barrier_naps(self) -> int:
+        """Times a thread waiting at a stage barrier stopped spinning and slept (BarrierWord.NAPS, counted since
+        load): about zero on a quiet machine, growing when a worker is descheduled (benchmarks/load.py)."""
+        return int(self.barrier[BarrierWord.NAPS])
 
     def reset(self, slot: int | None = None) -> None:
         """Empty every sequence (or one slot): its next token goes to position 0."""

@@ -1,0 +1,116 @@
+"""The stage barrier's sleep path and the default thread count.
+
+The barrier (codegen/ops.py::barrier) spins BarrierWord.SPIN pause rounds, then sleeps in futex_wait. On a quiet
+machine with one thread per core the sleep path is rare, so a test that just decodes never runs it. Here a
+child process is pinned to at most 2 CPUs and decodes with 2, 3 and 4 threads and a spin budget of 1 round: a
+waiter then sleeps at nearly every barrier (a thread that is not on a CPU cannot arrive within one pause), and
+the logits must still be bit-identical to 1 thread. A lost wake-up would hang, so the child runs under a
+subprocess timeout: the test fails instead of hanging the suite, and asserts nothing about time.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from cflow.codegen.abi import BARRIER_WORDS, BarrierWord
+from cflow.compiler import compile_file
+from cflow.frontend.load import load_graph
+from cflow.runtime.session import OversubscribedWarning, Session
+
+CHILD = r"""
+import hashlib, json, os, sys
+import numpy as np
+cpus = sorted(os.sched_getaffinity(0))[:2]
+os.sched_setaffinity(0, cpus)  # at most 2 cores, whatever the host has: 3 and 4 threads oversubscribe
+import warnings
+warnings.simplefilter("ignore")  # the oversubscription warning is tested on its own below
+from cflow.codegen.abi import BarrierWord
+from cflow.runtime.session import Session
+
+path, spin = sys.argv[1], int(sys.argv[2])
+out = {"cpus": len(cpus)}
+for threads in (1, 2, 3, 4):
+    s = Session(path, threads=threads)
+    s.barrier[BarrierWord.SPIN] = spin
+    h = hashlib.sha256()
+    logits = s.prefill([1, 2, 3, 4, 5])  # the multi-token body crosses the same barriers
+    h.update(logits.tobytes())
+    tokens = []
+    for _ in range(12):
+        t = int(np.argmax(logits))
+        tokens.append(t)
+        logits = s.step(t)
+        h.update(logits.tobytes())
+    out[threads] = {"digest": h.hexdigest(), "tokens": tokens, "naps": s.barrier_naps}
+    s.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module", params=["arch1", "arch2_4_combined"])
+def model_file(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("barrier") / f"{request.param}.vflow")
+    compile_file(load_graph(f"preset:{request.param}@tiny"), path, "q4")
+    return path
+
+
+def test_sleeping_barrier_is_bit_identical_to_one_thread(model_file):
+    r = subprocess.run([sys.executable, "-c", CHILD, model_file, "1"], capture_output=True, text=True,
+                       timeout=180, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    ref = out["1"]
+    assert ref["naps"] == 0  # one thread never waits
+    for threads in ("2", "3", "4"):
+        assert out[threads]["tokens"] == ref["tokens"], threads
+        assert out[threads]["digest"] == ref["digest"], threads  # every logit, bit for bit
+    # With more threads than cores and one spin round, waiters must have slept: the path above was exercised.
+    assert out["4"]["naps"] > 0
+    assert out["3"]["naps"] > 0
+
+
+def test_barrier_words_are_placed_as_documented():
+    line = 16  # i32 words per 64-byte cache line
+    assert all(0 <= w < BARRIER_WORDS for w in BarrierWord)
+    assert BarrierWord.COUNT // line != BarrierWord.GENERATION // line  # arrivals do not evict the pollers' line
+    for w in (BarrierWord.SLEEPERS, BarrierWord.NAPS):  # written/read next to the generation, which is hot anyway
+        assert w // line == BarrierWord.GENERATION // line
+    assert len(set(BarrierWord)) == len(BarrierWord)
+
+
+# --- the default thread count: the cores this process may run on -------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("threads") / "arch1.vflow")
+    compile_file(load_graph("preset:arch1@tiny"), path, "q4")
+    return path
+
+
+def test_default_threads_follow_the_affinity_mask(tiny_file, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})  # e.g. taskset -c 0-2 on a bigger host
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default never warns
+        s = Session(tiny_file)
+        s2 = Session(tiny_file, threads=3)  # exactly the usable cores: no warning either
+    try:
+        assert s.threads == 3 and s2.threads == 3
+    finally:
+        s.close()
+        s2.close()
+
+
+def test_more_threads_than_usable_cores_warns(tiny_file, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with pytest.warns(OversubscribedWarning, match=r"threads=2 but this process may run on 1 core \(") as rec:
+        s = Session(tiny_file, threads=2)
+    try:
+        assert len(rec) == 1  # once per load, not per worker
+        assert s.threads == 2  # still honoured: it works, only slower
+        logits = s.prefill([1, 2, 3])
+        assert logits.shape[-1] > 0
+    finally:
+        s.close()
