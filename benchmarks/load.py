@@ -1,6 +1,7 @@
 """Decode speed with the machine quiet and with another process busy: the default thread count against 1 and 2.
 
     python benchmarks/load.py                                   # tiny and 114m (arch1, Q4), 3 rounds
+    python benchmarks/load.py --models small --spins 0,2000000000   # the futex barrier vs one that never sleeps
     python benchmarks/load.py --models 114m --rounds 5 --json docs/results/load.json
     python benchmarks/load.py --baseline /tmp/cflow_old         # the same runs with another cflow tree, interleaved
     python benchmarks/load.py --spins 0,100,1000,10000 --threads 2   # tune the barrier's spin budget
@@ -21,7 +22,9 @@ used meanwhile (`other_load`, 0..1 of all cores): on a shared machine, figures w
 Reported per (model, load): tok/s of each thread setting (median over rounds), and the ratios that matter:
 default / 1 thread (the target: >= 0.9 under load) and 2 / 1 threads. With --baseline, new / baseline for
 each setting. --spins sets the barrier's spin budget (BarrierWord.SPIN, pause rounds before a waiter
-sleeps; 0 = the compiled-in default) in the children, one setting per value.
+sleeps; 0 = the compiled-in default) in the children, one setting per value; a budget of 2000000000 rounds
+never sleeps, which is the spin-only barrier cflow had before (the same code otherwise). `naps_per_token` is
+how many barrier waits per token ended in futex_wait (Session.barrier_naps).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")
 OUT = os.path.join(ROOT, "out", "bench")
-MODELS = {"tiny": "preset:arch1@tiny", "114m": "preset:arch1@114m"}
+MODELS = {"tiny": "preset:arch1@tiny", "small": "preset:arch1@small", "114m": "preset:arch1@114m"}
 PROMPT = [1, 2, 3, 4]
 
 
@@ -111,14 +114,17 @@ def worker(path: str, threads: int, tokens: int, seconds: float, spin: int, excl
 
     sequence()  # warm-up: page in the weights, start the workers
     a = _ticks(exclude)
+    naps = getattr(s, "barrier_naps", 0)  # an older --baseline tree has no counter
     spent, done = 0.0, 0
     while spent < seconds:
         spent += sequence()
         done += n
     z = _ticks(exclude)
+    naps = getattr(s, "barrier_naps", 0) - naps  # barrier waits that ended in futex_wait, in the timed part
     total, idle, mine = (z[i] - a[i] for i in range(3))
     out = {"threads": m.threads, "tok_s": done / spent, "tokens": done, "seconds": spent,
-           "other_load": max(0.0, (total - idle - mine) / max(total, 1)), "cflow": os.path.dirname(cflow.__file__)}
+           "other_load": max(0.0, (total - idle - mine) / max(total, 1)), "naps_per_token": naps / max(done, 1),
+           "cflow": os.path.dirname(cflow.__file__)}
     m.close()
     return out
 
@@ -199,7 +205,8 @@ def main(argv=None) -> None:
                                 records.append(r)
                                 print(f"  round {rnd} {name:5} load={load:11} spin={spin:<6} {tree:8} "
                                       f"threads={r['setting']:7} ({r['threads']}) {r['tok_s']:10.1f} tok/s  "
-                                      f"other load {r['other_load']:.0%}", flush=True)
+                                      f"naps/token {r['naps_per_token']:6.2f}  other load {r['other_load']:.0%}",
+                                      flush=True)
                 finally:
                     stop_load(gen)
 

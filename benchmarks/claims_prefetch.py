@@ -1,0 +1,135 @@
+"""Explicit software prefetch in the Q4 mat-vec against none, same run, same weights.
+
+    python benchmarks/claims_prefetch.py [--layers 8] [--threads 1,2] [--rounds 7] [--json FILE]
+
+The paper found that an explicit PREFETCHT0 gave no gain and up to 4% loss; cflow's kernel prefetches one Q4
+unit (2304 B) ahead into L1 (kernels.DEFAULT_PREFETCH, DEFAULT_PREFETCH_LOCALITY = 3, tuned on an Intel host).
+emit_matvec has the knob (prefetch=0 turns it off), so the variants here are the shipped kernel with only
+`prefetch` / `prefetch_locality` changed: off, t0 (the default), t1 (into L2, locality 2).
+
+Weights and driver are benchmarks/matvec.py's (TinyLlama-1.1B layer shapes, `--layers` distinct copies, far
+past the L3). Each round measures the read bandwidth and then every variant, in an order that rotates per
+round, so all see the same machine state; reported per variant: the median GB/s, and the median of the
+per-round ratios to the no-prefetch kernel (the figure to quote: same-run ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import bandwidth  # noqa: E402
+import matvec  # noqa: E402
+
+from cflow.codegen import kernels as K  # noqa: E402
+from cflow.codegen.cache import ObjectCache  # noqa: E402
+from cflow.codegen.cgutils import Loop  # noqa: E402
+from cflow.codegen.library import Library  # noqa: E402
+from cflow.codegen.target import host_target  # noqa: E402
+from cflow.layout.quant import DType  # noqa: E402
+from cflow.layout.tile import TileLayout  # noqa: E402
+
+if not hasattr(K, "_Loop"):  # benchmarks/matvec.py::build still names the loop helper by its old name
+    K._Loop = Loop
+
+VARIANTS = {"off": dict(prefetch=0), "t0": dict(prefetch=K.DEFAULT_PREFETCH, prefetch_locality=3),
+            "t1": dict(prefetch=K.DEFAULT_PREFETCH, prefetch_locality=2)}
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    tile = (128, 256)
+    target = host_target()
+    isa = target.isa
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    drives = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, tuning in VARIANTS.items():
+            lib = Library(name=f"claims_prefetch_{name}", target=target, cache=ObjectCache(d))
+            lib.add_ir(matvec.build(tile, isa, dict(max_groups=K.MAX_GROUPS, unroll=K.DEFAULT_UNROLL,
+                                                    **{"prefetch_locality": K.DEFAULT_PREFETCH_LOCALITY, **tuning})))
+            lib.finalize()
+            drives[name] = lib.get_cfunc("drive", None, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp)
+    mats, one, bufs = matvec.make_weights(tile, args.layers)
+    nbytes = sum(v.size for layer in bufs for v in layer.values())
+    table = (ctypes.c_void_p * (4 * args.layers))(*[layer[k].ctypes.data for layer in bufs for k in matvec.ORDER])
+    act = [K.Activation(matvec.D, matvec.D), K.Activation(matvec.FF, matvec.FF)]
+    for a in act:
+        a.xq[:] = np.random.default_rng(2).integers(-127, 128, a.xq.size)
+        a.xd[:] = 0.01
+    y = np.zeros(2 * matvec.FF + 512, np.float32)
+
+    def ranges(tid, nt):
+        out = []
+        for name in matvec.ORDER:
+            n = TileLayout(DType.Q4, *matvec.SHAPES[name], tile).n_tile_rows
+            out += [n * tid // nt, n * (tid + 1) // nt]
+        return (ctypes.c_int64 * 8)(*out)
+
+    def run(drive, nt):
+        rs = [ranges(t, nt) for t in range(nt)]
+        a0, a1 = act
+        calls = [lambda r=r: drive(table, args.layers, r, vp(a0.xq.ctypes.data), vp(a0.xd.ctypes.data),
+                                   vp(a0.xs.ctypes.data), vp(a1.xq.ctypes.data), vp(a1.xd.ctypes.data),
+                                   vp(a1.xs.ctypes.data), vp(y.ctypes.data)) for r in rs]
+        return nbytes / bandwidth.run_threads(calls) / 1e9
+
+    outs = {}
+    for name, drive in drives.items():  # warm up, and the outputs must not depend on the prefetch
+        run(drive, 1)
+        outs[name] = y.copy()
+    assert all(np.array_equal(outs[n], outs["off"]) for n in outs), "prefetch changed the numbers"
+    print(f"# {cpu_model()}; {target.describe()}; {args.layers} layers x {nbytes / args.layers / 1e6:.1f} MB Q4; "
+          f"{args.rounds} rounds; outputs bit-identical across variants")
+    names = list(drives)
+    records = []
+    summary = {}
+    for nt in [int(t) for t in args.threads.split(",")]:
+        rows = []
+        for rnd in range(args.rounds):
+            bw = bandwidth.measure_read_bandwidth(nt, reps=1)
+            order = names[rnd % len(names):] + names[: rnd % len(names)]
+            gbps = {n: run(drives[n], nt) for n in order}
+            rows.append((bw, gbps))
+            records.append({"threads": nt, "round": rnd, "read_gbps": bw, "gbps": gbps})
+        s = {"read_gbps": statistics.median(r[0] for r in rows)}
+        for n in names:
+            s[n] = {"gbps": statistics.median(r[1][n] for r in rows),
+                    "of_read_bw": statistics.median(r[1][n] / r[0] for r in rows),
+                    "vs_off": statistics.median(r[1][n] / r[1]["off"] for r in rows)}
+        summary[nt] = s
+        print(f"threads={nt}  read {s['read_gbps']:6.2f} GB/s  " + "  ".join(
+            f"{n}: {s[n]['gbps']:6.2f} GB/s ({s[n]['of_read_bw']:.1%}, {s[n]['vs_off']:.3f}x off)" for n in names))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_model(), "target": target.describe(), "layers": args.layers, "variants": VARIANTS,
+                       "summary": summary, "records": records, "argv": sys.argv[1:]}, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

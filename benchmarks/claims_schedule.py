@@ -1,0 +1,164 @@
+"""What the delays buy the schedule: barriers per token, critical path and expert bytes per preset, and decode
+tok/s of arch1 against arch2_4_combined at equal bytes per token, with a per-stage profile of both.
+
+    python benchmarks/claims_schedule.py --static                      # the tables only (no timing, seconds)
+    python benchmarks/claims_schedule.py --size 114m --threads 1,2 --rounds 5 --json docs/results/claims_schedule.json
+
+Static part (analytic, per preset at --size, Q4): stages per token (build_schedule: one barrier after each
+stage, codegen/step.py), the critical-path reduction (passes/analysis.py, as docs/analysis.md), and the weight
+bytes per token with the router's top-k experts against reading every expert (conditional expert loading).
+
+Timed part: both presets compiled to Q4 .vflow (out/bench/), each measurement a fresh greedy decode of
+--tokens steps after a 4-token prompt, best of 3 sequences; the two presets alternate within every round,
+so their ratio is a same-run figure; medians over rounds. Then one profiling build of each (per-stage cycle
+stamps, benchmarks/decode.py::profile) at each thread count, grouped by what the stages do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from cflow.ir import build_graph  # noqa: E402
+from cflow.layout import DEFAULT_TILE  # noqa: E402
+from cflow.layout.quant import DType  # noqa: E402
+from cflow.models import PRESETS, get_preset  # noqa: E402
+from cflow.passes.analysis import _tensor_bytes, analyze  # noqa: E402
+from cflow.passes.pipeline import lower  # noqa: E402
+
+OUT = os.path.join(HERE, "..", "out", "bench")
+PROMPT = [1, 2, 3, 4]
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def static(size: str) -> list[dict]:
+    rows = []
+    for name in PRESETS:
+        c = get_preset(name, size)
+        g = build_graph(c)
+        a = analyze(g, "q4", DEFAULT_TILE)
+        sched = lower(g, "q4", DEFAULT_TILE).schedule  # the lowering passes (quantised sizes), no weights touched
+        topk = sum(s.nbytes for s in sched.steps())
+        extra = 0  # the experts the router did not choose, had every expert been read
+        for n in g.nodes():
+            if n.kind == "experts":
+                per = sum(_tensor_bytes(w, g.meta.shapes[w], DType.Q4, DEFAULT_TILE) for w in n.expert_weight_names(0))
+                extra += (c.n_experts - n.top_k) * per
+        rows.append({"preset": name, "stages": sched.n_stages, "barriers_per_token": sched.n_stages,
+                     "critical_path_reduction": a.reduction, "sequential_mb": a.sequential_bytes / 1e6,
+                     "critical_mb": a.critical_bytes / 1e6, "bytes_per_token_topk": topk,
+                     "bytes_per_token_all_experts": topk + extra, "n_experts": c.n_experts, "top_k": c.top_k})
+    return rows
+
+
+def compiled(name: str, size: str) -> str:
+    path = os.path.join(OUT, f"claims_{name}_{size}_q4.vflow")
+    if not os.path.exists(path):
+        from cflow.compiler import compile_file
+        from cflow.frontend.load import load_graph
+
+        os.makedirs(OUT, exist_ok=True)
+        compile_file(load_graph(f"preset:{name}@{size}"), path, "q4")
+    return path
+
+
+def tok_s(m, tokens: int) -> float:
+    s = m.session
+    best = 0.0
+    for _ in range(3):
+        s.reset()
+        logits = s.prefill(PROMPT)
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            logits = s.step(int(np.argmax(logits)))
+        best = max(best, tokens / (time.perf_counter() - t0))
+    return best
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="114m")
+    ap.add_argument("--static", action="store_true", help="print the analytic table only")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    table = static(args.size)
+    print(f"# {args.size}, Q4, tile {DEFAULT_TILE[0]}x{DEFAULT_TILE[1]}")
+    print("| preset | stages = barriers/token | critical-path reduction | MB/token (top-k experts) | "
+          "MB/token (all experts) | all / top-k |")
+    print("|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['preset']} | {r['stages']} | {r['critical_path_reduction']:.2f}x | "
+              f"{r['bytes_per_token_topk'] / 1e6:.2f} | {r['bytes_per_token_all_experts'] / 1e6:.2f} | "
+              f"{r['bytes_per_token_all_experts'] / r['bytes_per_token_topk']:.2f}x |")
+    out = {"size": args.size, "cpu": cpu_model(), "static": table, "argv": sys.argv[1:]}
+    if not args.static:
+        from decode import profile
+
+        import cflow
+
+        names = ("arch1", "arch2_4_combined")
+        paths = {n: compiled(n, args.size) for n in names}
+        threads = [int(t) for t in args.threads.split(",")]
+        models = {(n, t): cflow.load(paths[n], threads=t) for n in names for t in threads}
+        for m in models.values():
+            tok_s(m, 4)  # warm-up: pages, workers
+        bpt = {n: models[(n, threads[0])].bytes_per_token for n in names}
+        rec = []
+        for rnd in range(args.rounds):
+            for t in threads:
+                order = names if rnd % 2 == 0 else names[::-1]
+                for n in order:
+                    rec.append({"round": rnd, "preset": n, "threads": t, "tok_s": tok_s(models[(n, t)], args.tokens)})
+        for m in models.values():
+            m.close()
+        summary = {}
+        print(f"\n# {cpu_model()}; decode tok/s, {args.tokens} tokens, best of 3 per measurement, "
+              f"median of {args.rounds} rounds; bytes/token: " + ", ".join(f"{n} {bpt[n] / 1e6:.2f} MB" for n in names))
+        for t in threads:
+            med = {n: statistics.median(r["tok_s"] for r in rec if r["preset"] == n and r["threads"] == t)
+                   for n in names}
+            per_round = [next(r["tok_s"] for r in rec if r["round"] == k and r["threads"] == t
+                              and r["preset"] == "arch2_4_combined")
+                         / next(r["tok_s"] for r in rec if r["round"] == k and r["threads"] == t
+                                and r["preset"] == "arch1") for k in range(args.rounds)]
+            summary[t] = {**med, "ratio_median_of_rounds": statistics.median(per_round)}
+            print(f"threads={t}: arch1 {med['arch1']:8.1f} tok/s   arch2_4_combined {med['arch2_4_combined']:8.1f} "
+                  f"tok/s   arch2_4 / arch1 = {summary[t]['ratio_median_of_rounds']:.3f} (median of per-round ratios)")
+        out.update(bytes_per_token=bpt, records=rec, summary=summary)
+        if not args.no_profile:
+            profiles = {}
+            for t in threads:
+                for n in names:
+                    text = profile(paths[n], t, PROMPT, args.tokens)
+                    profiles[f"{n}/{t}"] = text
+                    print(f"\n## {n}, {t} thread(s)\n{text}")
+            out["profiles"] = profiles
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
