@@ -270,7 +270,8 @@ class StreamSlots:
 class BatchedSlots:
     """Slots of one model loaded with max_batch=B (each slot its own KV cache and position): `prefill` reads a
     prompt into its slot one prefill block per call (chunked prefill: the engine interleaves the pieces with
-    decode steps), `advance` runs one `batch_step` over every given slot that has a token to feed.
+    decode steps), `advance` runs one `batch_step` over every given slot that has a token to feed (or, when
+    slot 0 is the only one, the single-sequence decode step, which is faster for one token).
     Sampling and stopping are `CompiledModel.stream`'s (the same Sampler, seed and end-of-text ids), so a
     request's tokens are the ones `m.generate` gives for it."""
 
@@ -330,7 +331,16 @@ class BatchedSlots:
                 feed.append(s)
         if feed:
             try:
-                rows = self.model.batch_step([self._last[s] for s in feed], feed)
+                if feed == [0]:
+                    # One sequence decoding, in slot 0 (the engine gives a request the lowest free slot, so a
+                    # lone client always lands there): the single-sequence decode step, which uses slot 0's KV
+                    # cache and position, computes bit for bit what a one-slot batch_step does
+                    # (tests/runtime/test_batch.py) without the multi-token program's per-call work (token,
+                    # slot and position bindings, the block loops). A lone sequence in another slot still goes
+                    # through batch_step: the decode step has no slot parameter.
+                    rows = [self.model.session.step(self._last[0])]
+                else:
+                    rows = self.model.batch_step([self._last[s] for s in feed], feed)
             except Exception as e:  # noqa: BLE001 -- the step failed: every sequence in it fails, the model stays
                 rows = [e] * len(feed)
             for s, row in zip(feed, rows):
@@ -506,7 +516,7 @@ class Engine:
             if job.cancelled:
                 self._done(job, "cancelled")
                 continue
-            slot = free[0]
+            slot = free[0]  # the lowest: a lone request gets slot 0, where BatchedSlots uses the decode step
             job.started_at = time.monotonic()
             t0 = time.perf_counter()
             try:

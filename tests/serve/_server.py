@@ -31,40 +31,49 @@ def serving(app):
 
 
 class SlowSlots:
-    """A backend that sleeps before every step: long enough generations to cancel, fill the queue, ..."""
+    """A backend that sleeps before every step (and, with prefill_delay, before every prefill piece): long enough
+    generations to cancel, fill the queue, ...; it logs its calls (start / prefill / advance / stop)."""
 
-    def __init__(self, inner, delay: float):
-        self.inner, self.delay, self.slots = inner, delay, inner.slots
+    def __init__(self, inner, delay: float, prefill_delay: float = 0.0):
+        self.inner, self.delay, self.prefill_delay, self.slots = inner, delay, prefill_delay, inner.slots
+        self.log: list[tuple] = []
 
     @property
     def model(self):
         return self.inner.model
 
     def start(self, slot, job):
+        self.log.append(("start", slot, tuple(job.prompt_ids)))
         return self.inner.start(slot, job)
 
     def prefill(self, slot):
-        return self.inner.prefill(slot)
+        time.sleep(self.prefill_delay)
+        left = self.inner.prefill(slot)
+        self.log.append(("prefill", slot, left))
+        return left
 
     def advance(self, slots):
         time.sleep(self.delay)
+        self.log.append(("advance", tuple(slots)))
         return self.inner.advance(slots)
 
     def stop(self, slot):
+        self.log.append(("stop", slot))
         self.inner.stop(slot)
 
     def close(self):
         self.inner.close()
 
 
-def make_app(path, *, slots=1, max_queue=64, api_key=None, delay=None, model_id="m", instance=None, **load_kwargs):
+def make_app(path, *, slots=1, max_queue=64, api_key=None, delay=None, prefill_delay=0.0, model_id="m",
+             instance=None, **load_kwargs):
     from cflow.serve.app import create_app
     from cflow.serve.engine import Engine, load_backend
     from cflow.serve.metrics import ServeMetrics
 
     backend = load_backend(path, threads=1, slots=slots, **load_kwargs)
-    if delay:
-        backend = SlowSlots(backend, delay)
+    if delay or prefill_delay:
+        backend = SlowSlots(backend, delay or 0.0, prefill_delay)
     metrics = ServeMetrics()
     engine = Engine(backend, max_queue=max_queue, metrics=metrics)
     return create_app(engine, backend.model, model_id, api_key=api_key, metrics=metrics, instance=instance,

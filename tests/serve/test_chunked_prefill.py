@@ -100,3 +100,53 @@ def test_long_prompt_interleaves_with_a_running_stream(tiny_path, ref_tiny):
         assert any(e[0] == "advance" and slot_a in e[1] for e in log[i + 1 : j]), log[i : j + 1]
     assert not any(e[0] == "advance" and slot_b in e[1] for e in log[: pieces[-1]])
     assert metrics.registry.get_sample_value("cflow_prompt_tokens_total") == 3 + len(LONG)
+
+
+class _Req:
+    """What a backend reads of a job."""
+
+    def __init__(self, ids, params):
+        self.prompt_ids, self.params = ids, params
+
+
+def _decode_alone(be, slot, ids, params, n):
+    left = be.start(slot, _Req(ids, params))
+    while left:
+        left = be.prefill(slot)
+    out = [be.advance([slot])[0] for _ in range(n)]
+    be.stop(slot)
+    return out
+
+
+def test_one_sequence_in_slot_0_runs_the_decode_step(tiny_path, ref_tiny):
+    """BatchedSlots with one sequence decoding in slot 0 runs the single-sequence decode step (Session.step), in any
+    other slot a one-slot batch_step (the multi-token program); both give m.generate's tokens."""
+    be = load_backend(tiny_path, threads=1, slots=2, prefill_block=8)
+    calls = {"step": 0, "batch_step": 0}
+    m = be.model
+    step, batch_step = m.session.step, m.batch_step
+
+    def counting(name, fn):
+        def call(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return call
+
+    m.session.step, m.batch_step = counting("step", step), counting("batch_step", batch_step)
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=8)
+        want = ref_tiny.generate(LONG[:20], 30, temperature=0.9, top_p=0.95, seed=8)
+        assert _decode_alone(be, 0, LONG[:20], params, 30) == want
+        assert calls == {"step": 29, "batch_step": 0}  # the first token is the prompt's
+        assert _decode_alone(be, 1, LONG[:20], params, 30) == want
+        assert calls == {"step": 29, "batch_step": 29}
+        # two slots decoding: one batch_step for both
+        for s in (0, 1):
+            left = be.start(s, _Req([3, 4, 5], SamplingParams(max_tokens=10, temperature=0)))
+            while left:
+                left = be.prefill(s)
+        be.advance([0, 1])
+        be.advance([0, 1])
+        assert calls == {"step": 29, "batch_step": 30}
+    finally:
+        be.close()

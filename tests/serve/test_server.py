@@ -1,6 +1,7 @@
 """cflow serve over real HTTP, driven by the official `openai` client: parity with m.generate, streaming,
 chat, cancellation, a full queue, bad requests, the API key, models, health and metrics."""
 
+import http.client
 import json
 import socket
 import threading
@@ -202,6 +203,107 @@ def test_two_slots_with_experts_on_disk(tiny_path, ref_tiny):
             assert out[seed] == "".join(f" {t}" for t in ref_tiny.generate([4, 3, 2], 40, temperature=1.0, seed=seed))
 
 
+# --- the raw server-sent events (what any SSE client sees, not the openai client's parse) --------------------
+def open_stream(url, path, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A POST whose answer is read as it comes (http.client undoes the chunked transfer encoding only)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def raw_events(url, path, body: dict) -> list[str]:
+    """The `data:` payloads of a whole event stream, checking the framing: every event is one `data: ...` line
+    followed by a blank line, and the stream ends with `data: [DONE]` and nothing after it."""
+    conn, r = open_stream(url, path, body)
+    try:
+        assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+        raw = r.read().decode()
+    finally:
+        conn.close()
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    events = raw.split("\n\n")
+    assert events[-1] == ""
+    for e in events[:-1]:
+        assert e.startswith("data: ") and "\n" not in e, e
+    return [e.removeprefix("data: ") for e in events[:-1]]
+
+
+def test_raw_sse_completion_chunks_end_with_done(text_server, ref_text):
+    url, _ = text_server
+    body = {"model": "story", "prompt": STORY, "max_tokens": 24, "temperature": 0.8, "seed": 9, "stream": True,
+            "stream_options": {"include_usage": True}}
+    *chunks, done = raw_events(url, "/v1/completions", body)
+    assert done == "[DONE]"
+    chunks = [json.loads(c) for c in chunks]
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and ids.pop().startswith("cmpl-")
+    for c in chunks:
+        assert c["object"] == "text_completion" and c["model"] == "story" and isinstance(c["created"], int)
+    *text_chunks, last, usage = chunks
+    for c in text_chunks:  # one choice per chunk, text only, no finish_reason yet, usage null until the end
+        assert [set(ch) for ch in c["choices"]] == [{"index", "text", "logprobs", "finish_reason"}]
+        assert c["choices"][0]["index"] == 0 and c["choices"][0]["text"] and c["choices"][0]["finish_reason"] is None
+        assert c["usage"] is None
+    assert last["choices"][0]["text"] == "" and last["choices"][0]["finish_reason"] in ("stop", "length")
+    text = "".join(c["choices"][0]["text"] for c in text_chunks)
+    assert text == ref_text.generate(STORY, 24, temperature=0.8, seed=9)
+    n_prompt = len(ref_text.tokenizer.encode(STORY))
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == n_prompt
+    assert usage["usage"]["total_tokens"] == n_prompt + usage["usage"]["completion_tokens"] > n_prompt
+    # without include_usage the finishing chunk comes right before [DONE]
+    *chunks, done = raw_events(url, "/v1/completions", {**body, "stream_options": None})
+    assert done == "[DONE]" and json.loads(chunks[-1])["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(json.loads(c)["choices"] for c in chunks)
+
+
+def test_raw_sse_chat_chunks_end_with_done(text_server, ref_text):
+    url, _ = text_server
+    messages = [{"role": "user", "content": "Tell me about a dog."}]
+    body = {"model": "story", "messages": messages, "max_tokens": 24, "temperature": 0.7, "seed": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    *chunks, done = raw_events(url, "/v1/chat/completions", body)
+    assert done == "[DONE]"
+    chunks = [json.loads(c) for c in chunks]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "story" for c in chunks)
+    first, *middle, last, usage = chunks
+    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}]
+    for c in middle:  # a delta carries only the keys it sets
+        assert list(c["choices"][0]["delta"]) == ["content"] and c["choices"][0]["finish_reason"] is None
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    assert "".join(c["choices"][0]["delta"]["content"] for c in middle) == _chat_reference(
+        ref_text, messages, 24, temperature=0.7, seed=4)
+
+
+def test_raw_sse_error_event_then_done(tiny_path):
+    """A sequence that fails during generation: an error event in OpenAI's error shape, then [DONE]."""
+    from cflow.serve.app import create_app
+    from cflow.serve.engine import Engine, load_backend
+
+    class Failing:  # the second step raises (as a model fault would); the first token got through
+        def __init__(self, inner):
+            self.inner, self.slots, self.steps = inner, inner.slots, 0
+            self.model, self.start, self.prefill, self.stop, self.close = (
+                inner.model, inner.start, inner.prefill, inner.stop, inner.close)
+
+        def advance(self, slots):
+            self.steps += 1
+            return [RuntimeError("the model broke")] * len(slots) if self.steps == 2 else self.inner.advance(slots)
+
+    be = Failing(load_backend(tiny_path, threads=1, slots=1))
+    app = create_app(Engine(be, max_queue=4), be.model, "tiny", owns_engine=True)
+    with serving(app) as url:
+        *chunks, err, done = raw_events(url, "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 9,
+                                                                 "temperature": 0, "stream": True})
+        assert done == "[DONE]" and len(chunks) == 1 and json.loads(chunks[0])["choices"][0]["text"]
+        e = json.loads(err)["error"]
+        assert set(e) == {"message", "type", "param", "code"} and e["type"] == "server_error"
+        assert "the model broke" in e["message"]
+
+
 # --- cancellation and a full queue --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slow_server(tiny_path):
@@ -237,6 +339,69 @@ def test_cancel_mid_stream_frees_the_slot(slow_server):
     wait_for(lambda: engine.stats().active == 0)
     r = client(url).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3  # the model stays usable
+
+
+def _read_text_events(r, n):
+    """Read a streaming completion until n events with text came; returns their text."""
+    got = []
+    while len(got) < n:
+        line = r.readline()
+        assert line, "the stream ended early"
+        if line.startswith(b"data: {"):
+            t = json.loads(line[6:])["choices"][0]["text"]
+            if t:
+                got.append(t)
+    return "".join(got)
+
+
+LONG_PROMPT = [(7 * i) % 250 + 1 for i in range(90)]
+
+
+def test_cancel_with_batched_slots_while_prefilling_and_decoding(tiny_path, ref_tiny):
+    """--max-batch 2: a client that leaves while its long prompt is still being read (chunked prefill, 8 tokens a
+    piece) frees its slot before the prompt is done, and the next request takes that slot while the other stream
+    goes on; a client that leaves mid-stream frees its slot at the next token. The texts stay m.generate's."""
+    app = make_app(tiny_path, slots=2, max_queue=4, delay=0.01, prefill_delay=0.05, prefill_block=8, model_id="tiny")
+    engine = app.state.engine
+    log = engine.backend.log
+    assert type(engine.backend.inner).__name__ == "BatchedSlots"
+    want_a = "".join(f" {t}" for t in ref_tiny.generate([1, 2, 3], 100, temperature=0))
+
+    def cancelled():
+        return metric(app, "cflow_requests_total", {"outcome": "cancelled"})
+
+    with serving(app) as url:
+        conn_a, ra = open_stream(url, "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 100,
+                                                          "temperature": 0, "stream": True})
+        text_a = _read_text_events(ra, 2)  # a decodes in slot 0
+        conn_b, rb = open_stream(url, "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 10,
+                                                          "temperature": 0, "stream": True})
+        assert rb.status == 200  # the headers come at once; the first token only after the 90-token prompt
+        wait_for(lambda: ("prefill", 1, 82) in log)  # b's first piece is read in slot 1: 82 tokens to go
+        conn_b.close()
+        rb.close()
+        wait_for(lambda: cancelled() >= 1)
+        stop_b = log.index(("stop", 1))
+        b_pieces = [e for e in log[:stop_b] if e[:2] == ("prefill", 1)]
+        assert 1 <= len(b_pieces) < 11 and b_pieces[-1][2] > 0  # left before its prompt was read
+        assert not any(e[0] == "advance" and 1 in e[1] for e in log[:stop_b])
+        # the freed slot is refilled while a keeps streaming
+        r = client(url).completions.create(model="tiny", prompt=[4, 5, 6], max_tokens=5, temperature=0)
+        assert r.choices[0].text == "".join(f" {t}" for t in ref_tiny.generate([4, 5, 6], 5, temperature=0))
+        assert ("start", 1, (4, 5, 6)) in log[stop_b:]
+        assert engine.stats().active == 1  # a is still running
+        text_a += _read_text_events(ra, 3)
+        assert want_a.startswith(text_a)
+        steps_before = sum(e[0] == "advance" for e in log)
+        conn_a.close()  # a leaves mid-stream
+        ra.close()
+        wait_for(lambda: cancelled() >= 2)
+        wait_for(lambda: engine.stats().active == 0)
+        stop_a = len(log) - 1 - log[::-1].index(("stop", 0))
+        assert sum(e[0] == "advance" for e in log[:stop_a]) - steps_before < 20  # not the ~90 tokens a had left
+        r = client(url).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=7, temperature=0)
+        assert r.choices[0].text == want_a[: len(r.choices[0].text)] and r.usage.completion_tokens == 7
+        assert log[-1] == ("stop", 0)  # ... served from slot 0 again
 
 
 def test_full_queue_answers_429_with_retry_after(slow_server):
