@@ -47,7 +47,7 @@ def add_args(p):
                    help="keep the experts on disk: read the chosen ones with O_DIRECT inside the expert-delay "
                    "window (default: all weights mapped in RAM)")
     p.add_argument("--expert-cache-mb", type=number(0, lo_open=True), default=None, metavar="MB",
-                   help="with --experts-on-disk: RAM for recently used experts (default: an eighth of the experts)")
+                   help="with --experts-on-disk: RAM for recently used experts (default: a quarter of the experts)")
     p.add_argument("--weights-on-disk", action="store_true",
                    help="stream the big non-expert matrices from the file every token, stage by stage (for a model "
                    "larger than RAM; implies --experts-on-disk) (default: mapped in RAM)")

@@ -38,6 +38,17 @@ class ExpertReadError(RuntimeFault):
     """A read of an expert's tiles failed, came back short, or did not match its checksum."""
 
 
+def changed_since(fd: int, at_open: os.stat_result) -> str:
+    """For a failed read: what happened to the open file since load ('' if nothing visible). A file renamed
+    over the path is not here: the open descriptor keeps the file that was loaded, which stays consistent."""
+    now = os.fstat(fd)
+    if now.st_size < at_open.st_size:
+        return f"; the file was truncated since it was loaded ({at_open.st_size} bytes then, {now.st_size} now)"
+    if (now.st_mtime_ns, now.st_size) != (at_open.st_mtime_ns, at_open.st_size):
+        return "; the file was modified since it was loaded"
+    return ""
+
+
 @attrs.define
 class TierStats:
     hits: int = 0  # chosen experts found in the cache (or already in flight)
@@ -68,12 +79,15 @@ class ExpertTier:
     """A bounded cache of experts read from `reader`'s file (see the module docstring).
 
     names: (block, expert) -> the tensor names of that expert, in the order of its ranges.
+    layers: 0-based weight block -> the 1-based layers that run it (a shared-block model runs a block more
+    than once), for error messages; by default block b is layer b + 1.
     """
 
     def __init__(self, reader, names: dict[tuple[int, int], list[str]], budget_bytes: int, min_slots: int,
-                 direct: bool = True, io_threads: int = IO_THREADS):
+                 direct: bool = True, io_threads: int = IO_THREADS, layers: dict[int, tuple[int, ...]] | None = None):
         self.path = reader.path
         self.names = names
+        self.layers = layers or {}
         self.layout: dict[tuple[int, int], list[tuple[str, int, F.Range]]] = {}  # key -> (name, slot offset, range)
         slot_bytes = 0
         for key, tnames in names.items():
@@ -83,12 +97,12 @@ class ExpertTier:
             for r in ranges:
                 name = by_offset.get(r.file_offset)
                 if name is None or reader.entry(name).nbytes != r.nbytes:
-                    raise FormatError(f"{self.path}: expert table: layer {key[0]} expert {key[1]} range at file "
+                    raise FormatError(f"{self.path}: expert table: {self.describe(*key)} range at file "
                                       f"offset 0x{r.file_offset:x} is not one whole tensor of that expert")
                 parts.append((name, off, r))
                 off += F.pad(r.nbytes)
             if sorted(n for n, _, _ in parts) != sorted(tnames):
-                raise FormatError(f"{self.path}: expert table: layer {key[0]} expert {key[1]} ranges do not cover "
+                raise FormatError(f"{self.path}: expert table: {self.describe(*key)} ranges do not cover "
                                   f"its tensors {sorted(tnames)}")
             self.layout[key] = parts
             slot_bytes = max(slot_bytes, off)
@@ -105,9 +119,25 @@ class ExpertTier:
         self.stats = TierStats()
         self.direct = direct
         self.fd = self._open(direct)
+        self.at_open = os.fstat(self.fd)
         self.pool = cf.ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="cflow-io")
         self.lock = threading.Lock()
         self.fail_hook = None  # tests: called as fail_hook(key, range index) before each read; may raise OSError
+        # benchmarks: a list to append one record per read and per wait to (perf_counter seconds), or None:
+        # ("read", block, expert, layer, submitted, started, disk done, checksummed) / ("wait", block, begin, end)
+        self.trace: list | None = None
+
+    def describe(self, block: int, expert: int, layer: int | None = None) -> str:
+        """'layer 5 (weight block 1, also run as layer 2) expert 3': the executed layer a read was for, and the
+        stored block it reads (one read serves every layer that runs the block)."""
+        runs = self.layers.get(block, (block + 1,))
+        if layer is None:
+            if len(runs) == 1:
+                return f"layer {runs[0]} (weight block {block}) expert {expert}"
+            return f"weight block {block} (run as layers {', '.join(map(str, runs))}) expert {expert}"
+        others = [x for x in runs if x != layer]
+        also = f", also run as layer{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others else ""
+        return f"layer {layer} (weight block {block}{also}) expert {expert}"
 
     # --- file -------------------------------------------------------------------------------------
     def _open(self, direct: bool) -> int:
@@ -146,8 +176,9 @@ class ExpertTier:
     def _touch(self, i: int) -> None:
         self.lru.move_to_end(i)
 
-    def issue(self, block: int, experts) -> int:
-        """Start reading the experts of `block` that are not cached or in flight; returns how many."""
+    def issue(self, block: int, experts, layer: int | None = None) -> int:
+        """Start reading the experts of `block` that are not cached or in flight; returns how many.
+        layer: the executed layer whose router chose them (named in a read error)."""
         misses = 0
         for e in experts:
             key = (block, int(e))
@@ -166,7 +197,7 @@ class ExpertTier:
             s.key, s.ready, s.pins = key, False, 1
             self.where[key] = i
             self._touch(i)
-            s.future = self.pool.submit(self._read, key, s.buf)
+            s.future = self.pool.submit(self._read, key, s.buf, layer, time.perf_counter())
         return misses
 
     def wait(self, block: int, experts) -> dict[str, int]:
@@ -186,7 +217,10 @@ class ExpertTier:
             base = s.buf.ctypes.data
             for name, off, _ in self.layout[key]:
                 out[name] = base + off
-        self.stats.wait_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.wait_seconds += t1 - t0
+        if self.trace is not None:
+            self.trace.append(("wait", block, t0, t1))
         return out
 
     def release(self, block: int, experts) -> None:
@@ -218,32 +252,37 @@ class ExpertTier:
             s.pins = 0
 
     # --- I/O (in the pool's threads) ----------------------------------------------------------------
-    def _read(self, key: tuple[int, int], buf: np.ndarray) -> None:
+    def _read(self, key: tuple[int, int], buf: np.ndarray, layer: int | None = None, submitted: float = 0.0) -> None:
         t0 = time.perf_counter()
-        block, e = key
-        nread = 0
+        nread, disk = 0, 0.0
         for k, (name, off, r) in enumerate(self.layout[key]):
             want = F.pad(r.nbytes)
             view = memoryview(buf[off : off + want])
-            where = f"{self.path}: layer {block} expert {e} ({name}) at file offset 0x{r.file_offset:x}"
+            where = f"{self.path}: {self.describe(*key, layer)} ({name}) at file offset 0x{r.file_offset:x}"
             try:
                 if self.fail_hook is not None:
                     self.fail_hook(key, k)
+                t_io = time.perf_counter()
                 got = os.preadv(self.fd, [view], r.file_offset)
+                disk += time.perf_counter() - t_io
             except OSError as err:
                 raise ExpertReadError(f"{where}: read failed: {err.strerror or err}") from None
             if got < r.nbytes:
-                raise ExpertReadError(f"{where}: short read, {got} of {r.nbytes} bytes (file truncated?)")
+                raise ExpertReadError(f"{where}: short read, {got} of {r.nbytes} bytes (file truncated?)"
+                                      f"{changed_since(self.fd, self.at_open)}")
             crc = zlib.crc32(view[: r.nbytes])
             if crc != r.crc:
                 raise ExpertReadError(f"{where}: checksum mismatch, stored 0x{r.crc:08x}, read 0x{crc:08x} "
-                                      "(corrupt expert tile)")
+                                      f"(corrupt expert tile){changed_since(self.fd, self.at_open)}")
             if not self.direct:
                 os.posix_fadvise(self.fd, r.file_offset, want, os.POSIX_FADV_DONTNEED)
             nread += want
+        t1 = time.perf_counter()
         with self.lock:
             self.stats.bytes_read += nread
-            self.stats.read_seconds += time.perf_counter() - t0
+            self.stats.read_seconds += t1 - t0
+            if self.trace is not None:
+                self.trace.append(("read", *key, layer, submitted, t0, t0 + disk, t1))
 
     def close(self) -> None:
         if self.pool is not None:

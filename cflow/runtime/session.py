@@ -340,7 +340,10 @@ class Session:
             if not expert_cache_mb > 0:
                 raise CflowError(f"expert cache must be > 0 MB, not {expert_cache_mb}")
             budget = int(expert_cache_mb * 2**20)
-        self.tier = ExpertTier(self.reader, names, budget, self._min_slots)
+        layers: dict[int, tuple[int, ...]] = {}  # weight block -> the layers that run it (named in read errors)
+        for l in self._layer_misses:
+            layers[self.config.block_of(l)] = (*layers.get(self.config.block_of(l), ()), l)
+        self.tier = ExpertTier(self.reader, names, budget, self._min_slots, layers=layers)
 
     def _open_streamer(self) -> None:
         """Stream every big non-expert matrix (tiled forms) per stage; norms, biases, router and the
@@ -379,7 +382,7 @@ class Session:
         for k, seg in enumerate(self.segments):
             for l in seg.awaits:
                 if self.expert_io == "sync":
-                    self._layer_misses[l] += self.tier.issue(blk(l), chosen[l])
+                    self._layer_misses[l] += self.tier.issue(blk(l), chosen[l], l)
                 for name, addr in self.tier.wait(blk(l), chosen[l]).items():
                     self.ptrs[self._ptr_index[name]] = addr
             if self.streamer is not None:
@@ -394,7 +397,7 @@ class Session:
             for l in seg.issues:
                 chosen[l] = self._route(l)
                 if self.expert_io == "async":
-                    self._layer_misses[l] += self.tier.issue(blk(l), chosen[l])
+                    self._layer_misses[l] += self.tier.issue(blk(l), chosen[l], l)
             for l in seg.releases:
                 self.tier.release(blk(l), chosen[l])
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import RuntimeFault
 from ..layout.tile import aligned_empty
+from .experts import changed_since
 from .format import spec as F
 
 MAX_GAP = 64 << 10  # bytes of other tensors (norms, biases) a request reads through rather than split
@@ -89,8 +90,10 @@ class StageStreamer:
         self.stats = StreamStats()
         self.direct = direct
         self.fd = self._open(direct)
+        self.at_open = os.fstat(self.fd)
         self.pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="cflow-stream")
         self.lock = threading.Lock()
+        self.fail_hook = None  # tests: called as fail_hook(stage, run index) before each read; may raise OSError
 
     def _open(self, direct: bool) -> int:
         if direct and hasattr(os, "O_DIRECT"):
@@ -105,7 +108,10 @@ class StageStreamer:
                 if fd is not None:
                     os.close(fd)
         self.direct = False
-        return os.open(self.path, os.O_RDONLY)
+        try:
+            return os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise RuntimeFault(f"{self.path}: cannot open to stream weights: {e.strerror}") from None
 
     @property
     def bytes_per_token(self) -> int:
@@ -164,19 +170,25 @@ class StageStreamer:
     def _read(self, stage: int, buf: np.ndarray) -> None:
         t0 = time.perf_counter()
         n = 0
-        for r in self.runs[stage]:
+        for k, r in enumerate(self.runs[stage]):
             view = memoryview(buf[r.buf_offset : r.buf_offset + r.nbytes])
-            where = f"{self.path}: stage {stage} weights at file offset 0x{r.file_offset:x}"
+            names = [t[0] for t in r.tensors]
+            what = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            where = f"{self.path}: stage {stage} weights ({what}) at file offset 0x{r.file_offset:x}"
             try:
+                if self.fail_hook is not None:
+                    self.fail_hook(stage, k)
                 got = os.preadv(self.fd, [view], r.file_offset)
             except OSError as err:
                 raise WeightReadError(f"{where}: read failed: {err.strerror or err}") from None
             last = max(off + nb for _, off, nb, _ in r.tensors)
             if got < last:
-                raise WeightReadError(f"{where}: short read, {got} of {last} bytes (file truncated?)")
+                raise WeightReadError(f"{where}: short read, {got} of {last} bytes (file truncated?)"
+                                      f"{changed_since(self.fd, self.at_open)}")
             for name, off, nb, crc in r.tensors:
                 if zlib.crc32(view[off : off + nb]) != crc:
-                    raise WeightReadError(f"{where}: tensor {name!r} checksum mismatch (corrupt file)")
+                    raise WeightReadError(f"{where}: tensor {name!r} checksum mismatch (corrupt file)"
+                                          f"{changed_since(self.fd, self.at_open)}")
             if not self.direct:
                 os.posix_fadvise(self.fd, r.file_offset, r.nbytes, os.POSIX_FADV_DONTNEED)
             n += r.nbytes

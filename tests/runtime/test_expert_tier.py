@@ -1,6 +1,7 @@
 """The disk expert tier: experts read on demand (O_DIRECT, checksummed) give exactly the all-in-RAM logits."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,10 +92,31 @@ def test_injected_read_failure_then_usable(files):
                 raise OSError(5, "Input/output error")
 
         m.session.tier.fail_hook = fail
-        with pytest.raises(RuntimeFault, match=r"layer \d+ expert \d+ .* at file offset 0x[0-9a-f]+: read failed"):
+        with pytest.raises(RuntimeFault, match=r"de2.cflow: layer \d+ \(weight block \d+\) expert \d+ \(blocks\.\d+\."
+                                               r"moe\.experts\.\d+\.\w+\) at file offset 0x[0-9a-f]+: read failed"):
             _greedy(m)
         m.session.tier.fail_hook = None
         assert _greedy(m) == want  # a new request works and gives the same tokens
+
+
+def test_read_error_names_the_executed_layer_of_a_shared_block(files):
+    """arch5_shared runs each weight block more than once: the error names the layer that chose the expert and
+    the block it read."""
+    with cflow.load(files["arch5_shared"], threads=1, experts="disk", expert_cache_mb=0.5) as m:
+        cfg = m.session.config
+        assert cfg.n_blocks < cfg.n_layers
+
+        def fail(key, k):
+            raise OSError(5, "Input/output error")
+
+        m.session.tier.fail_hook = fail
+        with pytest.raises(ExpertReadError) as e:
+            m.logits(IDS)
+        got = re.search(r"layer (\d+) \(weight block (\d+), also run as layers? ([\d, ]+)\) expert \d+", str(e.value))
+        assert got, str(e.value)
+        layer, block = int(got[1]), int(got[2])
+        assert cfg.block_of(layer) == block
+        assert all(cfg.block_of(int(x)) == block for x in got[3].split(", "))
 
 
 def test_corrupted_expert_tile_is_caught_before_use(files, tmp_path):
@@ -109,7 +131,7 @@ def test_corrupted_expert_tile_is_caught_before_use(files, tmp_path):
             f.seek(off)
             f.write(bytes([b[0] ^ 0xFF]))
     with cflow.load(bad, experts="disk", expert_cache_mb=0.5) as m:  # structure is fine: loads
-        with pytest.raises(ExpertReadError, match=r"layer 0 expert \d+ .*checksum mismatch"):
+        with pytest.raises(ExpertReadError, match=r"layer 1 \(weight block 0\) expert \d+ .*checksum mismatch"):
             m.logits(IDS)
 
 
@@ -221,3 +243,69 @@ def test_corrupt_streamed_weight_is_caught(dense_files, tmp_path):
     with cflow.load(bad, weights="disk") as m:
         with pytest.raises(WeightReadError, match=r"blocks.1.ffn.w_down.*checksum mismatch"):
             m.logits(IDS)
+
+
+def test_streamer_injected_read_failure_then_usable(dense_files):
+    from cflow.runtime.streaming import WeightReadError
+
+    path = dense_files["vflow"]
+    with cflow.load(path, threads=1) as ram:
+        want = _greedy(ram)
+    with cflow.load(path, threads=1, weights="disk", read_ahead=2) as m:
+        calls = {"n": 0}
+
+        def fail(stage, k):
+            calls["n"] += 1
+            if calls["n"] == 7:
+                raise OSError(5, "Input/output error")
+
+        m.session.streamer.fail_hook = fail
+        with pytest.raises(WeightReadError, match=r"stage \d+ weights \(blocks\.\d.*\) at file offset 0x[0-9a-f]+: "
+                                                  r"read failed: Input/output error"):
+            _greedy(m)
+        m.session.streamer.fail_hook = None
+        assert _greedy(m) == want  # the read-ahead was dropped and restarts: a new request gives the same tokens
+
+
+@pytest.mark.parametrize("mode", ["experts", "weights"])
+def test_truncated_while_streaming_is_one_clear_error(dense_files, files, tmp_path, mode):
+    """Truncated under a loaded model: every later request fails the same clear way (no crash), and it closes."""
+    src = files["de2"] if mode == "experts" else dense_files["cflow"]
+    p = tmp_path / f"t{src.suffix}"
+    shutil.copy(src, p)
+    kw = dict(experts="disk", expert_cache_mb=0.5) if mode == "experts" else dict(weights="disk")
+    with cflow.load(p, threads=1, **kw) as m:
+        if mode == "experts":
+            with FileReader(p) as r:
+                cut = min(t.file_offset for t in r.tensors if t.expert >= 0)
+        else:
+            cut = min(r.file_offset for runs in m.session.streamer.runs.values() for r in runs)
+        os.truncate(p, cut)  # everything read per token is gone; what was read at load stays in RAM
+        for _ in range(2):
+            with pytest.raises(RuntimeFault, match=r"short read, 0 of \d+ bytes \(file truncated\?\); the file was "
+                                                   r"truncated since it was loaded"):
+                _greedy(m, 2)
+
+
+@pytest.mark.parametrize("mode", ["experts", "weights"])
+def test_file_replaced_while_loaded(dense_files, files, tmp_path, mode):
+    """A different file renamed over the path: the open descriptors keep the file that was loaded, so decoding
+    goes on bit-identical (nothing is inconsistent). The same file rewritten in place: one clear error."""
+    src, other = (files["de2"], dense_files["vflow"]) if mode == "experts" else (dense_files["cflow"], files["de3"])
+    kw = dict(experts="disk", expert_cache_mb=0.5) if mode == "experts" else dict(weights="disk")
+    with cflow.load(src, threads=1) as ram:
+        want = _greedy(ram)
+    p = tmp_path / f"m{src.suffix}"
+    shutil.copy(src, p)
+    with cflow.load(p, threads=1, **kw) as m:
+        tmp = tmp_path / "incoming"
+        shutil.copy(other, tmp)
+        os.replace(tmp, p)  # what `mv new.cflow m.cflow` or an atomic deploy does
+        assert _greedy(m) == want
+    shutil.copy(src, p)
+    with cflow.load(p, threads=1, **kw) as m:
+        shutil.copyfile(other, p)  # same inode, other bytes (cp new.cflow m.cflow)
+        for _ in range(2):
+            with pytest.raises(RuntimeFault, match=r"(checksum mismatch|short read).*; the file was (modified|"
+                                                   r"truncated) since it was loaded"):
+                _greedy(m, 2)
