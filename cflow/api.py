@@ -328,9 +328,11 @@ class CompiledModel:
         A long prompt can so be read in pieces (batch_start with the first, batch_extend with the rest) between
         batch_steps of the other slots (chunked prefill: the server's engine does this). Pieces of
         `self.prefill_block` tokens (the last may be shorter) make exactly the native calls one batch_start of the
-        whole prompt makes, so the KV cache and the logits are bit-identical."""
+        whole prompt makes, so the KV cache and the logits are bit-identical. A slot that holds no sequence (never
+        started, or released) is refused: extending it would continue from whatever its cache last held."""
         ids = self._ids(prompt)
         with self._generation() as s:
+            s.check_open(slot, "batch_extend")
             self._ctx = []  # slot 0's cache no longer holds the single-sequence API's context
             return s.prefill(ids, slot=slot)
 
@@ -340,11 +342,20 @@ class CompiledModel:
         batch_extend split longer prompts into such calls)."""
         return int(self.session.tmax)
 
+    def batch_release(self, slot: int) -> None:
+        """Free slot `slot` once its sequence is finished: batch_step and batch_extend refuse it until batch_start
+        gives it a new prompt (so a finished request's slot cannot be stepped by mistake)."""
+        with self._generation() as s:
+            if slot == 0:
+                self._ctx = []
+            s.release(slot)
+
     def batch_step(self, tokens, slots) -> np.ndarray:
         """Advance each slot by one token in one pass over the weights; logits [len(slots), vocab].
 
         Slots are independent (own positions and KV cache): any subset may step, a finished one may be
-        restarted with batch_start while the others go on (continuous batching)."""
+        restarted with batch_start while the others go on (continuous batching). Every slot must hold a
+        sequence (batch_start, not released), have room in its context, and there may be at most max_batch."""
         with self._generation() as s:
             self._ctx = []
             return s.step_batch(tokens, slots)

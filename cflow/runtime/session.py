@@ -150,6 +150,10 @@ class Session:
         self.n_slots = max_batch  # sequences with their own KV cache; slot 0 is the single-sequence API's
         self.tmax = max(self.tmax, max_batch) if max_batch > 1 else self.tmax
         self.slot_pos = np.zeros(max_batch, np.int64)  # next position of each slot
+        # Slots holding a sequence: set by prefill (and step, for slot 0), cleared by reset and release.
+        # step_batch refuses the others, so a slot never started, or reused after release, is one clear error
+        # instead of silently decoding on top of whatever (or nothing) its KV cache holds.
+        self.slot_open = np.zeros(max_batch, bool)
         self._check_memory(expert_cache_mb)  # before anything is compiled or allocated
         self._build(cache)
         self.tier_tensors: set[str] = set()
@@ -437,9 +441,11 @@ class Session:
         """Empty every sequence (or one slot): its next token goes to position 0."""
         if slot is None:
             self.slot_pos[:] = 0
+            self.slot_open[:] = False
         else:
             self._check_slot(slot)
             self.slot_pos[slot] = 0
+            self.slot_open[slot] = False
         self._reset_io()
 
     def step(self, token: int) -> np.ndarray:
@@ -459,7 +465,22 @@ class Session:
                 self._reset_io()  # the model stays usable: no pins left, failed reads forgotten
                 raise
         self.pos += 1
+        self.slot_open[0] = True
         return self.logits_view
+
+    def release(self, slot: int) -> None:
+        """Mark slot `slot` free: its sequence is over; step_batch refuses it until a prefill starts a new one."""
+        slot = self._check_slot(slot)
+        self.slot_pos[slot] = 0
+        self.slot_open[slot] = False
+
+    def check_open(self, slot: int, what: str) -> int:
+        """The slot number, if slot `slot` holds a sequence; else a RuntimeFault naming `what` was refused."""
+        slot = self._check_slot(slot)
+        if not self.slot_open[slot]:
+            raise RuntimeFault(f"{what}: slot {slot} holds no sequence (never started, or released after it "
+                               "finished); start one with batch_start(prompt, slot)")
+        return slot
 
     def _check_slot(self, slot) -> int:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_slots:
@@ -489,14 +510,18 @@ class Session:
 
         Returns a copy of the logits [len(slots), vocab]; each slot advances by one position.
         """
+        slots = list(slots)
+        if len(slots) > self.n_slots:
+            raise RuntimeFault(f"batch of {len(slots)} sequences exceeds the compiled maximum max_batch={self.n_slots} "
+                               "(load with a larger max_batch)")
         tokens, slots = self._check_ids(tokens), [self._check_slot(s) for s in slots]
         if not slots or len(tokens) != len(slots):
             raise RuntimeFault(f"step_batch needs one token per slot and at least one slot, got {len(tokens)} "
                                f"tokens for {len(slots)} slots")
         if len(set(slots)) != len(slots):
             raise RuntimeFault(f"step_batch: a slot appears twice in {slots}")
-        if len(slots) > self.tmax:
-            raise RuntimeFault(f"batch of {len(slots)} exceeds the compiled maximum of {self.tmax}")
+        for s in slots:
+            self.check_open(s, "step_batch")
         full = [s for s in slots if self.slot_pos[s] >= self.max_seq]
         if full:
             raise RuntimeFault(f"context full in slot {full[0]}: position {self.slot_pos[full[0]]} reaches the "
@@ -534,6 +559,7 @@ class Session:
             self.tokens[:n], self.slots[:n], self.positions[:n] = chunk, slot, np.arange(p, p + n)
             self._run_multi(n, n - 1)
             self.slot_pos[slot] += n
+            self.slot_open[slot] = True
         return self._logits_row(n - 1).copy()
 
     def close(self) -> None:

@@ -78,3 +78,44 @@ def test_bad_batches_are_refused_and_the_model_stays_usable(path):
         assert np.isfinite(m.batch_step([3], [0])).all()
     with pytest.raises(CflowError, match="max_batch"):
         cflow.load(path, max_batch=0)
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("slots") / "arch2_4_combined.vflow"
+    compile_file(load_graph("preset:arch2_4_combined@tiny"), p, "q4")
+    return p
+
+
+def test_slot_never_started_or_released_is_refused(moe_path):
+    with cflow.load(moe_path, threads=1) as one:
+        want = one.logits(PROMPTS[1]).copy()
+    with cflow.load(moe_path, threads=1, max_batch=2) as m:
+        t = int(np.argmax(m.batch_start(PROMPTS[0], 0)))
+        with pytest.raises(CflowError, match="step_batch: slot 1 holds no sequence .*batch_start"):
+            m.batch_step([t, t], [0, 1])  # slot 1 was never started
+        with pytest.raises(CflowError, match="batch_extend: slot 1 holds no sequence"):
+            m.batch_extend([5], 1)
+        m.batch_release(0)  # slot 0 finished
+        for call in (lambda: m.batch_step([t], [0]), lambda: m.batch_extend([5], 0)):
+            with pytest.raises(CflowError, match="slot 0 holds no sequence"):
+                call()
+        assert np.array_equal(m.batch_start(PROMPTS[1], 0), want)  # reuse through batch_start: a fresh sequence
+        assert np.isfinite(m.batch_step([t], [0])).all()
+
+
+def test_batch_above_max_batch_and_full_context_are_refused(moe_path):
+    with cflow.load(moe_path, threads=1, max_batch=2, max_seq=16) as m:
+        last = [m.batch_start([1] * 14, 0), m.batch_start([2, 3], 1)]
+        toks = [int(np.argmax(x)) for x in last]
+        with pytest.raises(CflowError, match="batch of 3 sequences exceeds the compiled maximum max_batch=2"):
+            m.batch_step(toks + [4], [0, 1, 2])
+        for _ in range(2):  # slot 0 reaches position 16, the end of its context
+            toks = [int(np.argmax(r)) for r in m.batch_step(toks, [0, 1])]
+        with pytest.raises(CflowError, match="context full in slot 0: position 16 reaches the maximum of 16"):
+            m.batch_step(toks, [0, 1])
+        with pytest.raises(CflowError, match="prompt of 1 tokens does not fit the context \\(0 left of 16\\)"):
+            m.batch_extend([7], 0)
+        assert np.isfinite(m.batch_step(toks[1:], [1])).all()  # the other slot goes on
+        assert np.isfinite(m.batch_start([5, 6], 0)).all()  # and the full one can take a new prompt
+        assert np.isfinite(m.batch_step([1, 2], [0, 1])).all()
