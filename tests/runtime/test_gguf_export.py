@@ -24,6 +24,8 @@ DENSE = ModelConfig(name="tiny_dense", vocab_size=320, d_model=64, n_layers=2, n
 # attention biases, tied embeddings, another rope base and head count: every optional path of the exporter
 KNOBS = DENSE.evolve(name="tiny_knobs", n_heads=2, n_kv_heads=1, head_dim=32, attn_bias=True, tie_embeddings=True,
                      rope_theta=500000.0, norm_eps=1e-6)
+# Mixtral's shape: every layer an expert bank (softmax router, top 2 of 4, renormalised), no dense FFN
+MOE = DENSE.evolve(name="tiny_moe", ffn_dim=0, n_experts=4, top_k=2, expert_dim=64)
 
 
 def _weights(c: ModelConfig, seed: int = 0) -> dict:
@@ -51,8 +53,9 @@ def _tensors(r) -> dict:
 
 
 def _dense(t) -> np.ndarray:
-    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(t.data.shape[0], -1) \
-        if t.data.ndim == 2 else np.asarray(t.data, dtype=np.float32)
+    if t.data.ndim == 1:
+        return np.asarray(t.data, dtype=np.float32)
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(*t.data.shape[:-1], -1)
 
 
 def _rope_pairs(x: np.ndarray, pos: np.ndarray, base: float) -> np.ndarray:
@@ -99,6 +102,20 @@ def gguf_forward(path, ids) -> np.ndarray:
             out[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
         x = x + out.reshape(T, H * hd) @ W[p + "attn_output.weight"].T
         h = rms(x, W[p + "ffn_norm.weight"])
+        if p + "ffn_gate_inp.weight" in W:  # llama.cpp's build_moe_ffn: softmax, top k, renormalised weights
+            k = int(_field(r, f"{arch}.expert_used_count"))
+            z = h @ W[p + "ffn_gate_inp.weight"].T
+            probs = np.exp(z - z.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            moe = np.zeros_like(x)
+            for t in range(T):
+                top = np.argsort(-probs[t], kind="stable")[:k]
+                for e, wt in zip(top, probs[t, top] / probs[t, top].sum()):
+                    g = h[t] @ W[p + "ffn_gate_exps.weight"][e].T
+                    act = g / (1 + np.exp(-g)) * (h[t] @ W[p + "ffn_up_exps.weight"][e].T)
+                    moe[t] += wt * (act @ W[p + "ffn_down_exps.weight"][e].T)
+            x = x + moe
+            continue
         g = h @ W[p + "ffn_gate.weight"].T
         x = x + (g / (1 + np.exp(-g)) * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
     head = W.get("output.weight", W["token_embd.weight"])
@@ -180,6 +197,35 @@ def test_gguf_function_equals_cflow(tmp_path, config, quant, qtype):
     assert np.abs(got - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
 
 
+@pytest.mark.parametrize("quant, qtype", [("q4", Q.Q4_0), ("q8", Q.Q8_0), ("f32", Q.F32)], ids=["q4", "q8", "f32"])
+def test_moe_export_stacks_experts_bit_identically_and_computes_like_cflow(tmp_path, quant, qtype):
+    c = _lowered(MOE, quant)
+    path = tmp_path / "m.gguf"
+    export_gguf(c.graph, path)
+    r = gguf.GGUFReader(path)
+    assert (_field(r, "llama.expert_count"), _field(r, "llama.expert_used_count")) == (4, 2)
+    assert _field(r, "llama.feed_forward_length") == 64
+    t = _tensors(r)
+    assert not any(".ffn_gate.weight" in n for n in t)
+    for i in range(MOE.n_layers):
+        p = f"blocks.{i}.moe"
+        inp = t[f"blk.{i}.ffn_gate_inp.weight"]
+        assert inp.tensor_type == Q.F32 and np.array_equal(inp.data, c.graph.weights[f"{p}.router"])
+        assert np.array_equal(t[f"blk.{i}.ffn_norm.weight"].data, c.graph.weights[f"blocks.{i}.moe_norm"])
+        for m, g in (("w_gate", "ffn_gate_exps"), ("w_up", "ffn_up_exps"), ("w_down", "ffn_down_exps")):
+            got = t[f"blk.{i}.{g}.weight"]
+            rows, cols = c.graph.meta.shapes[f"{p}.experts.0.{m}"]
+            assert got.tensor_type == qtype and list(got.shape) == [cols, rows, 4], (i, g)  # GGUF order: ne0 first
+            for e in range(4):
+                w = c.graph.weights[f"{p}.experts.{e}.{m}"]
+                want = to_gguf_bytes(w) if isinstance(w, QTensor) else w
+                assert np.array_equal(got.data[e], want), (i, g, e)
+    ids = np.random.default_rng(3).integers(0, MOE.vocab_size, 12)
+    ref = interpret(c.graph, ids)  # f32 activations on the stored (dequantised) weights
+    got = gguf_forward(path, ids)
+    assert np.abs(got - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
+
+
 def test_unquantised_tied_graph_omits_output(tmp_path):
     g = build_graph(KNOBS, _weights(KNOBS), name="raw")
     export_gguf(g, tmp_path / "m.gguf")
@@ -219,9 +265,13 @@ def test_synthetic_vocab_is_unique():
 def test_unsupported_models_are_refused(tmp_path):
     from cflow.models import PRESETS
 
-    moe = PRESETS["arch1"]["tiny"]
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+    moe = PRESETS["arch1"]["tiny"]  # a dense FFN and an expert bank in every layer
+    with pytest.raises(UnsupportedModelError, match="mixed with dense FFN"):
         export_gguf(build_graph(moe), tmp_path / "moe.gguf")
+    with pytest.raises(UnsupportedModelError, match="shared experts"):
+        export_gguf(build_graph(MOE.evolve(shared_expert_dim=32)), tmp_path / "sh.gguf")
+    with pytest.raises(UnsupportedModelError, match="norm_topk=False"):
+        export_gguf(build_graph(MOE.evolve(norm_topk=False)), tmp_path / "nt.gguf")
     with pytest.raises(UnsupportedModelError, match="delays"):
         export_gguf(build_graph(DENSE.evolve(dense_delay=1)), tmp_path / "d.gguf")
     with pytest.raises(UnsupportedModelError, match="weight sharing"):
@@ -232,14 +282,15 @@ def test_unsupported_models_are_refused(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_llama_cpp_greedy_tokens_equal_ours(tmp_path):
+@pytest.mark.parametrize("config", [DENSE, MOE], ids=["dense", "moe"])
+def test_llama_cpp_greedy_tokens_equal_ours(tmp_path, config):
     llama_cpp = pytest.importorskip("llama_cpp")
-    c = _lowered(DENSE, "q4")
+    c = _lowered(config, "q4")
     path = tmp_path / "m.gguf"
     export_gguf(c.graph, path)
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, n_threads_batch=1, logits_all=False,
                           verbose=False)
-    ids = [int(i) for i in np.random.default_rng(2).integers(0, DENSE.vocab_size, 10)]
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, config.vocab_size, 10)]
     it = Interpreter(c.graph, act_quant="q8")  # the runtime's arithmetic: int8 activation blocks
     compared = 0
     for pos, tok in enumerate(ids):

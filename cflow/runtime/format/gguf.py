@@ -1,4 +1,4 @@
-"""Export a dense Llama-family graph to GGUF, so llama.cpp can run the very same weights.
+"""Export a Llama-family graph (dense, or Mixtral-style MoE) to GGUF, so llama.cpp can run the very same weights.
 
     export_gguf(graph, "model.gguf", tokenizer_json=None) -> info dict
 
@@ -13,6 +13,16 @@ What is written (architecture "llama", the tensor names llama.cpp's llama arch l
   blk.N.attn_q/k/v.bias      F32, if the model has attention biases (q/k permuted too)
   blk.N.ffn_gate/up/down     as stored
   output_norm.weight         F32
+
+A mixture-of-experts graph whose every layer is an expert bank and none a dense FFN (Mixtral's shape)
+is written like llama.cpp's convert_hf_to_gguf.py writes Mixtral, still as the llama arch:
+  blk.N.ffn_norm.weight      the MoE norm (moe_norm), F32
+  blk.N.ffn_gate_inp.weight  the router [n_experts, d_model], as stored (F32)
+  blk.N.ffn_gate_exps/ffn_up_exps/ffn_down_exps   the experts' matrices stacked on a third axis
+                             [n_experts, rows, cols], each expert's blocks copied bit-identically
+  llama.expert_count / expert_used_count = n_experts / top_k; feed_forward_length = expert_dim.
+llama.cpp's llama arch routes as cflow does (softmax over all experts, the top k, their weights
+renormalised to sum to 1), so only configs with norm_topk, no shared expert and SiLU experts export.
   output.weight              the head as stored (omitted when the graph's head reads tok_embeddings)
 
 RoPE layout: cflow (like Hugging Face) rotates halves: dimension i of a head pairs with i + head_dim/2.
@@ -28,9 +38,10 @@ dimension count and base, RMS eps, vocab size, file type (MOSTLY_Q4_0 etc.) and 
   - none: a synthetic "llama" (SPM) vocabulary of vocab_size tokens: <unk>, <s>, </s>, the 256 byte
     tokens <0x00>..<0xFF> (llama.cpp's SPM loader needs every byte token), then unique filler pieces.
     Enough for llama.cpp to load the model and run token ids; text tokenisation is meaningless.
-Anything the llama arch cannot express is refused with UnsupportedModelError: MoE, weight sharing
-(arch5), dense/expert delays other than (0, 0), layers without a dense FFN, and Q4/Q8 rows whose
-length is not a multiple of 32 (GGUF blocks cannot be padded).
+Anything the llama arch cannot express is refused with UnsupportedModelError: MoE mixed with dense FFNs
+(arch1-4 style) or with shared experts or unnormalised top-k weights, weight sharing (arch5), dense/expert
+delays other than (0, 0), layers without an FFN of either kind, and Q4/Q8 rows whose length is not a
+multiple of 32 (GGUF blocks cannot be padded).
 """
 
 from __future__ import annotations
@@ -61,7 +72,11 @@ _BLOCK_NAMES = {
     "ffn.w_gate": "ffn_gate.weight",
     "ffn.w_up": "ffn_up.weight",
     "ffn.w_down": "ffn_down.weight",
+    "moe_norm": "ffn_norm.weight",  # MoE-only layers (Mixtral): the norm before the router and experts
+    "moe.router": "ffn_gate_inp.weight",
 }
+# expert matrix -> the stacked GGUF tensor in block N holding it for every expert
+_EXPERT_NAMES = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight", "w_down": "ffn_down_exps.weight"}
 
 
 def _gguf():
@@ -82,13 +97,18 @@ def rope_row_permutation(n_heads: int, head_dim: int) -> np.ndarray:
 
 
 def gguf_tensor_names(config) -> dict[str, str]:
-    """IR weight name -> GGUF tensor name for a dense Llama-family config (head: see export_gguf)."""
+    """IR weight name -> GGUF tensor name for a Llama-family config (head: see export_gguf). Every expert's
+    w_gate of block N maps to the one stacked blk.N.ffn_gate_exps.weight (likewise up, down)."""
     from ...ir.build import weight_shapes
 
     out = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
     for name in weight_shapes(config):
         if name.startswith("blocks."):
             _, i, rest = name.split(".", 2)
+            parts = rest.split(".")
+            if len(parts) == 4 and parts[:2] == ["moe", "experts"] and parts[3] in _EXPERT_NAMES:
+                out[name] = f"blk.{int(i)}.{_EXPERT_NAMES[parts[3]]}"
+                continue
             if rest not in _BLOCK_NAMES:
                 raise UnsupportedModelError(f"GGUF export: weight {name} has no llama.cpp counterpart")
             out[name] = f"blk.{int(i)}.{_BLOCK_NAMES[rest]}"
@@ -96,13 +116,23 @@ def gguf_tensor_names(config) -> dict[str, str]:
 
 
 def check_exportable(graph) -> None:
-    """Raise UnsupportedModelError unless the graph is a plain dense Llama-family decoder."""
+    """Raise UnsupportedModelError unless the graph is a plain Llama-family decoder: every layer a dense SwiGLU
+    FFN, or every layer a Mixtral-style expert bank (no dense FFN, no shared expert, normalised top-k)."""
     c = graph.config
     kinds = {n.kind for n in graph.nodes()}
+    layers = range(1, c.n_layers + 1)
     if c.n_experts or kinds & {"router", "experts"}:
-        raise UnsupportedModelError(
-            f"GGUF export of {graph.name}: mixture-of-experts layers (n_experts={c.n_experts}) are not supported; "
-            "only dense Llama-family models export to the llama arch")
+        if any(c.has_dense(i) for i in layers) or not all(c.has_moe(i) for i in layers):
+            raise UnsupportedModelError(
+                f"GGUF export of {graph.name}: mixture-of-experts layers mixed with dense FFN layers (n_experts="
+                f"{c.n_experts}, ffn_dim={c.ffn_dim}) have no llama-arch equivalent; only Mixtral-style models "
+                "(every layer an expert bank, no dense FFN) export")
+        if c.shared_expert_dim:
+            raise UnsupportedModelError(f"GGUF export of {graph.name}: shared experts (shared_expert_dim="
+                                        f"{c.shared_expert_dim}) are not in llama.cpp's llama arch")
+        if not c.norm_topk:
+            raise UnsupportedModelError(f"GGUF export of {graph.name}: llama.cpp's llama arch renormalises the top-k "
+                                        "expert weights; this model does not (norm_topk=False)")
     if c.n_blocks != c.n_layers:
         raise UnsupportedModelError(f"GGUF export of {graph.name}: weight sharing (n_blocks={c.n_blocks} < "
                                     f"n_layers={c.n_layers}) has no llama.cpp equivalent")
@@ -110,7 +140,7 @@ def check_exportable(graph) -> None:
     if delays != (0, 0):
         raise UnsupportedModelError(f"GGUF export of {graph.name}: delays (dd, de)={delays} change the function; "
                                     "llama.cpp's llama arch computes delays (0, 0) only")
-    if c.ffn_dim <= 0 or (c.dense_layers is not None and sorted(c.dense_layers) != list(range(1, c.n_layers + 1))):
+    if not c.n_experts and (c.ffn_dim <= 0 or (c.dense_layers is not None and sorted(c.dense_layers) != list(layers))):
         raise UnsupportedModelError(f"GGUF export of {graph.name}: every layer needs a dense SwiGLU FFN")
     if c.head_dim % 2:
         raise UnsupportedModelError(f"GGUF export of {graph.name}: head_dim={c.head_dim} is odd")
@@ -300,6 +330,15 @@ def _planned(graph, name: str):
     return shape, np.dtype(np.float16 if dt == DType.F16 else np.float32), None
 
 
+def _planned_stack(graph, names: list[str]):
+    """_planned for several same-shaped matrices written as one [len(names), rows, cols] tensor."""
+    plans = [_planned(graph, n) for n in names]
+    shape, dt, raw = plans[0]
+    if shape is None or any(p != plans[0] for p in plans):
+        return None, None, None
+    return (len(names), *shape), dt, raw
+
+
 def _file_type(graph):
     LFT = _gguf().LlamaFileType
     q = graph.meta.quant or DType.F32
@@ -320,13 +359,21 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
     t0 = time.perf_counter()
     names = gguf_tensor_names(c)
     head = graph["logits"].weight  # "lm_head" (quantised graphs, also when tied) or "tok_embeddings"
-    order = ["tok_embeddings"]
+    moe = bool(c.n_experts)
+    # the file's tensors in order; an entry is one IR weight name, or a list of the experts' matrices that
+    # are stacked into one GGUF tensor
+    order: list = ["tok_embeddings"]
     for i in range(c.n_layers):
         p = f"blocks.{i}"
         order += [f"{p}.attn_norm", f"{p}.attn.wq", f"{p}.attn.wk", f"{p}.attn.wv"]
         if c.attn_bias:
             order += [f"{p}.attn.bq", f"{p}.attn.bk", f"{p}.attn.bv"]
-        order += [f"{p}.attn.wo", f"{p}.ffn_norm", f"{p}.ffn.w_gate", f"{p}.ffn.w_up", f"{p}.ffn.w_down"]
+        order.append(f"{p}.attn.wo")
+        if moe:
+            order += [f"{p}.moe_norm", f"{p}.moe.router"]
+            order += [[f"{p}.moe.experts.{e}.{m}" for e in range(c.n_experts)] for m in ("w_gate", "w_up", "w_down")]
+        else:
+            order += [f"{p}.ffn_norm", f"{p}.ffn.w_gate", f"{p}.ffn.w_up", f"{p}.ffn.w_down"]
     order.append("norm")
     if head != "tok_embeddings":
         order.append(head)
@@ -345,6 +392,12 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
                 f"GGUF export: graph {graph.name} has no weight {name!r} (a graph without weights?)") from None
         return _tensor_payload(name, w, perms.get(name))
 
+    def entry_payload(entry):
+        if isinstance(entry, str):
+            return payload(entry)
+        parts = [payload(n) for n in entry]
+        return np.ascontiguousarray(np.stack([d for d, _ in parts])), parts[0][1]
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
@@ -354,7 +407,10 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
         w.add_context_length(c.max_seq_len)
         w.add_embedding_length(c.d_model)
         w.add_block_count(c.n_layers)
-        w.add_feed_forward_length(c.ffn_dim)
+        w.add_feed_forward_length(c.expert_dim if moe else c.ffn_dim)
+        if moe:
+            w.add_expert_count(c.n_experts)
+            w.add_expert_used_count(c.top_k)
         w.add_head_count(c.n_heads)
         w.add_head_count_kv(c.n_kv_heads)
         w.add_key_length(c.head_dim)
@@ -369,10 +425,14 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
         # time: only one tensor's bytes are held at once (the graph's weights may be quantised lazily).
         infos = []
         for name in order:
-            gname = "output.weight" if name == head != "tok_embeddings" else names[name]
-            shape, dt, raw = _planned(graph, name)
+            if isinstance(name, list):
+                gname = names[name[0]]
+                shape, dt, raw = _planned_stack(graph, name)
+            else:
+                gname = "output.weight" if name == head != "tok_embeddings" else names[name]
+                shape, dt, raw = _planned(graph, name)
             if shape is None:  # an unquantised graph: look at the array itself (no quantisation cost)
-                data, raw = payload(name)
+                data, raw = entry_payload(name)
                 shape, dt = data.shape, data.dtype
                 del data
             nb = int(np.prod(shape)) * dt.itemsize
@@ -382,7 +442,7 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for name, (_gname, dt, nb) in zip(order, infos):
-            data, _ = payload(name)
+            data, _ = entry_payload(name)
             if data.dtype != dt or data.nbytes != nb:
                 raise CflowError(
                     f"GGUF export: {name} is {data.dtype}, {data.nbytes} B; its metadata said {dt}, {nb} B")
