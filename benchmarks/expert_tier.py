@@ -1,6 +1,6 @@
 """Experts on disk: synchronous vs asynchronous expert reads inside the expert-delay window, against the overlap model.
 
-    python benchmarks/expert_tier.py --quick                 # < 5 minutes
+    python benchmarks/expert_tier.py --quick                 # about 1 minute
     python benchmarks/expert_tier.py --json docs/results/expert_tier.json
 
 For each expert delay de in {0, 1, 2, 3}, an arch2_4_combined-geometry MoE (random weights, Q4) is compiled
@@ -8,12 +8,14 @@ with dd = 1 and that de, then decoded with its experts on disk (O_DIRECT: the pa
 cache of a quarter of all experts, once with blocking reads (sync) and once with reads started when the
 router chooses (async). Each run is its own process (clean cache, its own peak RSS).
 
-The overlap model (the paper's, with one serial disk): from the sync run, the compute time of every segment of
-the step (the native calls between the host's expert actions) and the time of one expert read (the sync run's
-own, reads alone; several in flight take the ratio a probe of this file measures right after); per token, sync
-= compute + every read; async = walk the segments, each layer's reads queue on the disk when its router has
-chosen and are awaited where its experts run. The predicted speed-up is sync / async; the measured one is the
-ratio of the two runs' tok/s.
+The overlap model (`predict`, see docs/expert-tier.md): per token, walk the step's segments (the native calls
+between the host's expert actions) with their measured compute times; each miss is a read that waits for an
+I/O thread, then shares the disk's bandwidth with the other reads in flight, then is checksummed. The read
+costs come from the sync run's own trace of its reads (`ExpertTier.trace`: one alone, two in flight), the
+compute and host time from each mode's own run. Sync reads start at the await, async ones when the router has
+chosen; the step stalls at an await until its layer's reads are done. The predicted speed-up is sync / async;
+the measured one is the ratio of the two runs' tok/s; both per pair of runs next to each other in time (the
+disk's speed drifts), medians over the pairs.
 """
 
 from __future__ import annotations
@@ -71,31 +73,41 @@ def _peak_rss() -> int:
 
 
 def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -> dict:
-    """One decode run in this process: tok/s, disk bytes per token, hit rate, segment times, peak RSS."""
+    """One decode run in this process: tok/s, disk bytes per token, hit rate, segment times, the reads' and
+    waits' trace summary (what the overlap model takes), peak RSS."""
     import cflow
 
+    rss_base = _peak_rss()  # the interpreter and the libraries (numpy, llvmlite), before the model
     with cflow.load(path, threads=threads, experts="disk", expert_cache_mb=budget_mb, expert_io=mode) as m:
         s = m.session
         rss_loaded = _peak_rss()
         prompt = [1, 2, 3, 4]
         logits = s.prefill(prompt)
+        rss_prefilled = _rss()  # the KV cache and activation pools touched, the cache partly filled
         st = m.expert_stats
         base = (st.hits, st.misses, st.bytes_read, st.read_seconds)
         s.segment_seconds[:] = 0
+        s.tier.trace = trace = []
+        misses, last = [], s.misses_by_layer()
         t0 = time.perf_counter()
         for _ in range(tokens):
             logits = s.step(int(np.argmax(logits)))
+            now = s.misses_by_layer()
+            misses.append({str(k): now[k] - last[k] for k in now})
+            last = now
         dt = time.perf_counter() - t0
-        hits, misses = st.hits - base[0], st.misses - base[1]
+        hits, n_miss = st.hits - base[0], st.misses - base[1]
         dense = sum(e.nbytes for e in s.reader.tensors if e.expert < 0)
         return {
             "mode": mode, "tok_s": tokens / dt, "disk_bytes_per_token": (st.bytes_read - base[2]) / tokens,
-            "hit_rate": hits / max(1, hits + misses), "misses_per_token": misses / tokens,
-            "read_s_per_expert": (st.read_seconds - base[3]) / max(1, misses),
+            "hit_rate": hits / max(1, hits + n_miss), "misses_per_token": n_miss / tokens,
+            "read_s_per_expert": (st.read_seconds - base[3]) / max(1, n_miss),
             "segment_s": (s.segment_seconds / tokens).tolist(),
             "segments": [[g.lo, g.hi, list(g.awaits), list(g.issues)] for g in s.segments],
             "misses_per_layer": {str(k): v / tokens for k, v in s.misses_by_layer().items()},
-            "peak_rss": _peak_rss(), "rss_loaded": rss_loaded,
+            "misses_by_token": misses, **trace_summary(trace, tokens),
+            "host_s_per_token": dt / tokens - s.segment_seconds.sum() / tokens - st_wait(trace) / tokens,
+            "peak_rss": _peak_rss(), "rss_base": rss_base, "rss_loaded": rss_loaded, "rss_prefilled": rss_prefilled,
             "rss_end": _rss(), "kv_bytes": s.kv.nbytes,
             "dense_bytes": dense, "cache_bytes": s.tier.slot_bytes * len(s.tier.slots),
             "expert_bytes_total": sum(e.nbytes for e in s.reader.tensors if e.expert >= 0),
@@ -103,70 +115,157 @@ def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) ->
         }
 
 
-def disk_probe(path: str, n: int = 24) -> tuple[float, float]:
-    """Seconds per expert read from this file with O_DIRECT: one at a time (latency t1), and with the tier's
-    IO_THREADS requests in flight (t_par: wall time / reads). Random experts, distinct sets for the two."""
-    import concurrent.futures as cf
+def st_wait(trace: list) -> float:
+    return sum(w[3] - w[2] for w in trace if w[0] == "wait")
 
-    from cflow.layout.tile import aligned_empty
+
+def trace_summary(trace: list, tokens: int) -> dict:
+    """From the tier's trace: per read, the time it queued for an I/O thread, its preadv time (split by how many
+    other reads were on the disk meanwhile) and its checksum time; per token, the time the step waited."""
+    reads = [r for r in trace if r[0] == "read"]
+    waits = [w for w in trace if w[0] == "wait"]
+    disk = [(r[5], r[6]) for r in reads]
+
+    def overlapping(a, b):
+        return sum(1 for c, d in disk if c < b and d > a) - 1
+
+    alone = [b - a for a, b in disk if overlapping(a, b) == 0]
+    shared = [b - a for a, b in disk if overlapping(a, b) > 0]
+    def mean(xs):
+        return float(np.mean(xs)) if xs else 0.0
+
+    return {"trace": {
+        "reads": len(reads), "queue_ms": 1e3 * mean([r[5] - r[4] for r in reads]),
+        "disk_ms": 1e3 * mean([b - a for a, b in disk]), "disk_ms_alone": 1e3 * mean(alone),
+        "disk_ms_overlapped": 1e3 * mean(shared), "reads_alone": len(alone),
+        "crc_ms": 1e3 * mean([r[7] - r[6] for r in reads]),
+        "wait_ms_per_token": 1e3 * sum(w[3] - w[2] for w in waits) / tokens}}
+
+
+def read_params(run: dict) -> dict:
+    """The disk model's parameters, from a run's own trace (seconds): q, the wait for an I/O thread; d1, one
+    read's preadv alone on the disk; s, what a second read in flight adds (two started together finish after
+    d1 + s); c, the checksum after the read (CPU, in the I/O thread)."""
+    tr = run["trace"]
+    d1 = tr["disk_ms_alone"] or tr["disk_ms"]
+    return {"q": tr["queue_ms"] / 1e3, "d1": d1 / 1e3,
+            "s": min(d1, max(0.0, (tr["disk_ms_overlapped"] or d1) - d1)) / 1e3, "c": tr["crc_ms"] / 1e3}
+
+
+class Disk:
+    """The disk as the model sees it: a read waits q for an I/O thread (at most `threads` reads are in service,
+    the rest queue in order), then a fixed latency d0, then its transfer, which shares the disk's bandwidth
+    equally with the other transfers in flight (alone it takes x), then its checksum c. With d0 = d1 - s and
+    x = s this reproduces the measured d1 for a read alone and d1 + s for two at once; a read issued early
+    is slowed by the ones issued after it while it is still in flight (a FIFO disk would not do that)."""
+
+    def __init__(self, rp: dict, threads: int = 4):
+        self.d0, self.x, self.q, self.c, self.threads = rp["d1"] - rp["s"], rp["s"], rp["q"], rp["c"], threads
+        self.now = 0.0
+        self.queued: list[tuple[float, int]] = []  # (time it may start, read)
+        self.latent: dict[int, float] = {}  # read -> when its transfer starts
+        self.moving: dict[int, float] = {}  # read -> seconds of transfer left if it were alone
+        self.checking: dict[int, float] = {}  # read -> when its checksum is done
+        self.done: dict[int, float] = {}
+
+    def add(self, read: int, at: float) -> None:
+        self.queued.append((at + self.q, read))
+        self.queued.sort()
+
+    def _in_service(self) -> int:
+        return len(self.latent) + len(self.moving) + len(self.checking)
+
+    def _next(self) -> float | None:
+        ts = list(self.latent.values()) + list(self.checking.values())
+        if self.queued and self._in_service() < self.threads:
+            ts.append(max(self.now, self.queued[0][0]))
+        if self.moving:
+            ts.append(self.now + min(self.moving.values()) * len(self.moving))
+        return min(ts) if ts else None
+
+    def _advance(self, t: float) -> None:
+        if self.moving and t > self.now:
+            share = (t - self.now) / len(self.moving)
+            for r in self.moving:
+                self.moving[r] -= share
+        self.now = max(self.now, t)
+        eps, changed = 1e-12, True
+        while changed:  # one event can free a thread for the next read: repeat until nothing moves
+            changed = False
+            while self.queued and self._in_service() < self.threads and self.queued[0][0] <= self.now + eps:
+                self.latent[self.queued.pop(0)[1]] = self.now + self.d0
+                changed = True
+            for r in [r for r, at in self.latent.items() if at <= self.now + eps]:
+                del self.latent[r]
+                self.moving[r] = self.x
+                changed = True
+            for r in [r for r, left in self.moving.items() if left <= eps]:
+                del self.moving[r]
+                self.checking[r] = self.now + self.c
+                changed = True
+            for r in [r for r, at in self.checking.items() if at <= self.now + eps]:
+                del self.checking[r]
+                self.done[r] = self.now
+                changed = True
+
+    def run_until(self, t: float) -> None:
+        while (nxt := self._next()) is not None and nxt <= t:
+            self._advance(nxt)
+        self._advance(t)
+
+    def wait(self, reads: list[int], t: float) -> float:
+        """When all `reads` are done (at least t)."""
+        self.run_until(t)
+        while not all(r in self.done for r in reads):
+            self._advance(self._next())
+        return max([t] + [self.done[r] for r in reads])
+
+
+def predict(run: dict, rp: dict, mode: str) -> float:
+    """Seconds per token under the overlap model, token by token: walk the step's segments with their measured
+    compute; each miss of a layer is one read on the Disk above. Async reads are submitted after the segment
+    where their layer's router chose, sync ones at the await; the step stalls at an await until its layer's
+    reads are done (max of compute and reads over each window, not their sum). Plus the run's host time per
+    token (the Python between the native calls)."""
     from cflow.runtime.experts import IO_THREADS
-    from cflow.runtime.format import FileReader
-    from cflow.runtime.format.spec import ALIGN, pad
 
-    with FileReader(path) as r:
-        keys = r.experts
-        rng = np.random.default_rng(0)
-        pick = [keys[i] for i in rng.permutation(len(keys))[: 2 * n]]
-        ranges = [r.expert_ranges(*k) for k in pick]
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    size = max(sum(pad(x.nbytes) for x in rs) for rs in ranges)
+    total = 0.0
+    for miss in run["misses_by_token"]:
+        disk, t, reads = Disk(rp, IO_THREADS), 0.0, {}
 
-    def read(rs):
-        buf = aligned_empty(size, ALIGN)
-        off = 0
-        for x in rs:
-            os.preadv(fd, [memoryview(buf[off : off + pad(x.nbytes)])], x.file_offset)
-            off += pad(x.nbytes)
+        def submit(layer, at, miss=miss, disk=disk, reads=reads):
+            reads[layer] = [len(disk.done) + len(disk.queued) + disk._in_service() + k
+                            for k in range(miss.get(str(layer), 0))]
+            for r in reads[layer]:
+                disk.add(r, at)
 
-    try:
-        t0 = time.perf_counter()
-        for rs in ranges[:n]:
-            read(rs)
-        t1 = (time.perf_counter() - t0) / n
-        with cf.ThreadPoolExecutor(IO_THREADS) as pool:
-            t0 = time.perf_counter()
-            list(pool.map(read, ranges[n:]))
-            t_par = (time.perf_counter() - t0) / len(ranges[n:])
-    finally:
-        os.close(fd)
-    return t1, t_par
+        for (_lo, _hi, awaits, issues), c in zip(run["segments"], run["segment_s"]):
+            for layer in awaits:
+                if mode == "sync":
+                    submit(layer, t)
+                t = disk.wait(reads.get(layer, []), t)
+            t += c
+            if mode == "async":
+                disk.run_until(t)
+                for layer in issues:
+                    submit(layer, t)
+        total += t
+    return total / len(run["misses_by_token"]) + run["host_s_per_token"]
 
 
-def predict(run: dict, t1: float, t_par: float, mode: str) -> float:
-    """Per-token seconds under the overlap model (see the module docstring): the measured compute of every
-    segment, and each layer's misses read as one batch on a disk that serves a batch of m reads in
-    t1 + (m - 1) * t_par and is busy m * t_par; async batches start after the route's segment, sync ones at
-    the await; the step waits where a layer's experts are used."""
-    miss = {int(k): v for k, v in run["misses_per_layer"].items()}
-    t, disk, done = 0.0, 0.0, {}
-
-    def submit(layer, at):
-        nonlocal disk
-        m = miss.get(layer, 0.0)
-        start = max(at, disk)
-        disk = start + m * t_par
-        done[layer] = start + (t1 + (m - 1) * t_par if m >= 1 else m * t1)
-
-    for (_lo, _hi, awaits, issues), c in zip(run["segments"], run["segment_s"]):
-        for layer in awaits:
-            if mode == "sync":
-                submit(layer, t)
-            t = max(t, done.get(layer, t))
-        t += c
-        if mode == "async":
-            for layer in issues:
-                submit(layer, t)
-    return t
+def score(runs: dict, sync: dict) -> dict:
+    """Measured and predicted speed-ups per pair of runs next to each other in time (the disk's speed drifts),
+    and their medians over the pairs."""
+    pairs = []
+    for s_run, a_run in zip(runs["sync"], runs["async"]):
+        rp = read_params(s_run)
+        t_sync, t_async = predict(s_run, rp, "sync"), predict(a_run, rp, "async")
+        pairs.append((a_run["tok_s"] / s_run["tok_s"], t_sync / t_async, 1 / t_sync, 1 / t_async))
+    med = [float(np.median([p[i] for p in pairs])) for i in range(4)]
+    return {"measured_speedup": med[0], "predicted_speedup": med[1],
+            "measured_speedup_pairs": [p[0] for p in pairs], "predicted_speedup_pairs": [p[1] for p in pairs],
+            "predicted_sync_tok_s": med[2], "predicted_async_tok_s": med[3],
+            "read_params_ms": {k: 1e3 * v for k, v in read_params(sync).items()}}
 
 
 def run_one(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -> dict:
@@ -186,25 +285,38 @@ def main() -> None:
     ap.add_argument("--cache-fraction", type=float, default=0.25,
                     help="expert cache budget as a fraction of all experts' bytes (default 0.25)")
     ap.add_argument("--reps", type=int, default=3, help="sync/async run pairs per delay; medians (default 3)")
-    ap.add_argument("--quick", action="store_true", help="the 114m geometry, 48 tokens (under 5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="the 114m geometry, 64 tokens, 5 run pairs (~2 minutes)")
     ap.add_argument("--out-dir", default=os.environ.get("CFLOW_BENCH_DIR", "/tmp/cflow-bench"),
                     help="where the compiled models go (default /tmp/cflow-bench)")
     ap.add_argument("--json", help="write one record per delay to this file")
+    ap.add_argument("--rescore", metavar="JSON", help="recompute the model's predictions in a results file from "
+                    "the runs it holds (no decoding)")
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rescore:
+        with open(args.rescore) as f:
+            records = json.load(f)
+        for rec in records:
+            rec.update(score(rec["runs"], rec["sync_run"]))
+            print(f"de={rec['delay']}: measured {rec['measured_speedup']:.2f}x, "
+                  f"predicted {rec['predicted_speedup']:.2f}x")
+        with open(args.rescore, "w") as f:
+            json.dump(records, f, indent=1)
+        return
     if args.worker:
         path, mode, budget, tokens, threads = args.worker
         print(json.dumps(worker(path, mode, float(budget), int(tokens), int(threads))))
         return
     if args.quick:
-        args.geometry, args.tokens = "114m", 48
+        args.geometry, args.tokens, args.reps = "114m", 64, 5
     os.makedirs(args.out_dir, exist_ok=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"# {cpu}, {os.cpu_count()} cores; geometry {args.geometry}; {args.threads} threads; {args.tokens} tokens;"
           f" cache = {args.cache_fraction:.0%} of the experts; O_DIRECT reads; median of {args.reps} alternating runs")
     records = []
-    head = (f"{'de':>3} {'sync tok/s':>10} {'async tok/s':>11} {'measured':>9} {'predicted':>9} "
-            f"{'disk MB/tok':>11} {'hit rate':>8} {'RSS MB':>7} {'peak RSS MB':>11} {'dense+cache+KV MB':>17}")
+    head = (f"{'de':>3} {'window':>6} {'sync tok/s':>10} {'async tok/s':>11} {'measured':>9} {'predicted':>9} "
+            f"{'predicted sync/async':>20} {'disk MB/tok':>11} {'hit rate':>8} {'peak RSS MB':>11} "
+            f"{'of it model MB':>14} {'budget MB':>9}")
     for de in (int(d) for d in args.delays.split(",")):
         t0 = time.perf_counter()
         path = build(args.geometry, de, args.out_dir)
@@ -216,41 +328,45 @@ def main() -> None:
             for mode in runs:
                 runs[mode].append(run_one(path, mode, budget_mb, args.tokens, args.threads))
         sync, asyn = (sorted(runs[mode], key=lambda r: r["tok_s"])[len(runs[mode]) // 2] for mode in runs)
-        p1, p_par = disk_probe(path)
-        # The disk's speed drifts from minute to minute (shared storage): one read's time is the sync run's own
-        # (its reads are alone on the disk), and reads in flight keep the probe's ratio to it.
-        t1 = sync["read_s_per_expert"] or p1
-        t_par = t1 * p_par / p1
-        # the model from each run's own compute (the async run's compute includes its I/O threads' CPU use)
-        t_sync, t_async = predict(sync, t1, t_par, "sync"), predict(asyn, t1, t_par, "async")
-        rec = {"delay": de, "sync_tok_s": sync["tok_s"], "async_tok_s": asyn["tok_s"],
-               "predicted_speedup": t_sync / t_async, "measured_speedup": asyn["tok_s"] / sync["tok_s"],
+        # The model's inputs: each mode's compute per segment and host time (the async run's compute includes
+        # the CPU its I/O threads take from the decode threads), the disk's parameters from the sync run's reads.
+        rec = {"delay": de, "sync_tok_s": sync["tok_s"], "async_tok_s": asyn["tok_s"], **score(runs, sync),
                "disk_bytes_per_token": asyn["disk_bytes_per_token"], "hit_rate": asyn["hit_rate"],
                "peak_rss": max(sync["peak_rss"], asyn["peak_rss"]),
-               "predicted_sync_tok_s": 1 / t_sync, "predicted_async_tok_s": 1 / t_async,
-               "read_ms_per_expert": 1e3 * t1, "read_ms_per_expert_parallel": 1e3 * t_par,
-               "probe_read_ms": 1e3 * p1, "probe_read_ms_parallel": 1e3 * p_par,
-               "compute_ms_per_token": 1e3 * sum(sync["segment_s"]), "rss_end": max(sync["rss_end"], asyn["rss_end"]),
-               "kv_bytes": sync["kv_bytes"],
+               "rss_base": min(sync["rss_base"], asyn["rss_base"]),
+               "rss_loaded": max(sync["rss_loaded"], asyn["rss_loaded"]),
+               "rss_prefilled": max(sync["rss_prefilled"], asyn["rss_prefilled"]),
+               "compute_ms_per_token": 1e3 * sum(sync["segment_s"]),
+               "async_compute_ms_per_token": 1e3 * sum(asyn["segment_s"]),
+               "host_ms_per_token": 1e3 * sync["host_s_per_token"],
+               "rss_end": max(sync["rss_end"], asyn["rss_end"]), "kv_bytes": sync["kv_bytes"],
                "misses_per_token": sync["misses_per_token"], "dense_bytes": sync["dense_bytes"],
                "cache_bytes": sync["cache_bytes"], "expert_bytes_total": sync["expert_bytes_total"],
                "window_stages": asyn["window_stages"], "cpu": cpu, "geometry": args.geometry,
                "threads": args.threads, "tokens": args.tokens, "direct": asyn["direct"], "reps": args.reps,
+               "sync_run": sync, "async_run": asyn,  # the median runs: everything the model reads
+               "runs": runs,
                "sync_tok_s_runs": [r["tok_s"] for r in runs["sync"]],
                "async_tok_s_runs": [r["tok_s"] for r in runs["async"]]}
         records.append(rec)
         if len(records) == 1:
-            print(f"# experts {rec['expert_bytes_total'] / 1e6:.0f} MB in all, "
-                  f"cache {rec['cache_bytes'] / 1e6:.0f} MB, dense weights {rec['dense_bytes'] / 1e6:.0f} MB")
+            print(f"# experts {rec['expert_bytes_total'] / 2**20:.0f} MiB in all, "
+                  f"cache {rec['cache_bytes'] / 2**20:.1f} MiB, dense weights {rec['dense_bytes'] / 2**20:.1f} MiB, "
+                  f"KV {rec['kv_bytes'] / 2**20:.1f} MiB; "
+                  "window = most stages between a router's choice and its experts; peak RSS = VmHWM; of it model "
+                  "= peak RSS - the RSS before load (interpreter and libraries); budget = dense + cache + KV")
             print(head)
-        print(f"{de:>3} {rec['sync_tok_s']:>10.2f} {rec['async_tok_s']:>11.2f} {rec['measured_speedup']:>8.2f}x "
-              f"{rec['predicted_speedup']:>8.2f}x {rec['disk_bytes_per_token'] / 1e6:>11.2f} "
-              f"{100 * rec['hit_rate']:>7.1f}% {rec['rss_end'] / 2**20:>7.0f} {rec['peak_rss'] / 2**20:>11.0f} "
-              f"{(rec['dense_bytes'] + rec['cache_bytes'] + rec['kv_bytes']) / 2**20:>17.0f}"
-              f"   (compute {rec['compute_ms_per_token']:.1f} ms/token, {rec['misses_per_token']:.1f} reads/token, "
-              f"{rec['read_ms_per_expert']:.2f} ms alone / {rec['read_ms_per_expert_parallel']:.2f} ms in parallel; "
-              f"predicted {rec['predicted_sync_tok_s']:.0f} / {rec['predicted_async_tok_s']:.0f} tok/s; "
-              f"{time.perf_counter() - t0:.0f} s)", flush=True)
+        budget = rec["dense_bytes"] + rec["cache_bytes"] + rec["kv_bytes"]
+        pred = f"{rec['predicted_sync_tok_s']:.0f} / {rec['predicted_async_tok_s']:.0f}"
+        rp = rec["read_params_ms"]
+        print(f"{de:>3} {max(map(int, rec['window_stages'].values())):>6} {rec['sync_tok_s']:>10.1f} "
+              f"{rec['async_tok_s']:>11.1f} {rec['measured_speedup']:>8.2f}x {rec['predicted_speedup']:>8.2f}x "
+              f"{pred:>20} {rec['disk_bytes_per_token'] / 1e6:>11.2f} {100 * rec['hit_rate']:>7.1f}% "
+              f"{rec['peak_rss'] / 2**20:>11.0f} {(rec['peak_rss'] - rec['rss_base']) / 2**20:>14.0f} "
+              f"{budget / 2**20:>9.0f}   (compute {rec['compute_ms_per_token']:.2f} ms/token sync, "
+              f"{rec['async_compute_ms_per_token']:.2f} async; {rec['misses_per_token']:.1f} reads/token; read: "
+              f"queue {rp['q']:.2f} + disk {rp['d1']:.2f} (+{rp['s']:.2f} per read in flight) + checksum "
+              f"{rp['c']:.2f} ms; {time.perf_counter() - t0:.0f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
