@@ -1,9 +1,9 @@
 """Load test of `cflow serve`: N concurrent streaming clients against one server, for a bounded time.
 
-    python benchmarks/serve.py                                   # bundled model and the 114m preset, N = 1 4 16 64
-    python benchmarks/serve.py --quick                           # 5 s per level, about 4 minutes
-    python benchmarks/serve.py --max-batch 1,8,32 --threads 1 --json docs/results/serve.json
-    python benchmarks/serve.py --engine-only --max-batch 1,2,4,8,16,32 --models 114m   # what a shared step buys
+    python benchmarks/serve.py --threads 1 --json docs/results/serve.json   # bundled + 114m, N = 1 4 16 64, 20 s each
+    python benchmarks/serve.py --quick --threads 1 --json docs/results/serve_quick.json   # 5 s per level, ~4 min
+    python benchmarks/serve.py --engine-only --models 114m,bundled --max-batch 1,2,4,8,16,32 --threads 1 --repeat 3 \
+        --json docs/results/serve_engine_t1.json                       # what a shared step buys (no HTTP)
 
 For each model the server is `cflow serve` in a process of its own on 127.0.0.1 (a free port). For each N,
 N clients each loop for --duration seconds: send a streaming /v1/completions request (--max-tokens tokens,
@@ -24,7 +24,19 @@ Reported per (model, N):
 
 --engine-only measures the engine's backend alone (no HTTP, no clients): every one of B slots decoding, with
 temperature 0.8 sampling, the best of 3 x --steps steps; aggregate tok/s and ms per step for each --max-batch
-(the measurement behind the default --max-batch in docs/serving.md).
+(the measurement behind the default --max-batch in docs/serving.md). For each B > 1 it also times one slot
+decoding alone: slot 0 (where BatchedSlots runs the single-sequence decode step) and slot 1 (a one-slot
+batch_step, the multi-token program). --repeat R runs the whole sweep R times; every run is recorded.
+
+--chunked-prefill TOKENS (engine, 8 slots, no HTTP): a stream decodes; after its 20th token a TOKENS-token prompt
+arrives. It is read once at once (one prefill call) and once a prefill block per loop turn (chunked prefill):
+the running stream's longest gap between tokens, its tokens while the prompt is read, the new request's TTFT.
+
+    python benchmarks/serve.py --chunked-prefill 900 --models 114m --threads 1 --repeat 2 \
+        --json docs/results/serve_chunked_prefill.json
+
+--json FILE writes {"command", "cpu", "usable_cores", "records": [...]} with one record per level (server runs)
+or per B and run (--engine-only).
 """
 
 from __future__ import annotations
@@ -241,45 +253,148 @@ def run_server(which: str, path: str, batch: int, counts, args, cpu: str, hdr: s
     return records
 
 
-def engine_only(which: str, path: str, batches, threads: int | None, steps: int) -> list[dict]:
-    """Aggregate decode tok/s of the serving backend with every slot busy, per --max-batch."""
-    from cflow.serve.engine import SamplingParams, load_backend
+def _start_slots(be, slots, steps: int) -> None:
+    """Give each slot an 8-token prompt (read to its end) and a sampler, as the engine does for a request."""
+    from cflow.serve.engine import SamplingParams
 
     class _Job:  # what a backend reads of a job
         def __init__(self, ids, params):
             self.prompt_ids, self.params = ids, params
 
+    ctx = be.model.session.max_seq
+    if 8 + 4 + 3 * steps > ctx:
+        raise SystemExit(f"--steps {steps}: 3 rounds do not fit the context of {ctx} tokens")
+    for s in slots:
+        be.stop(s)
+        ids = [1 + (7 * s + 3 * i) % 200 for i in range(8)]
+        left = be.start(s, _Job(ids, SamplingParams(max_tokens=ctx - len(ids), temperature=0.8, seed=s)))
+        while left:
+            left = be.prefill(s)
+
+
+def _best_round(be, slots, steps: int) -> float:
+    """Seconds of the fastest of 3 rounds of `steps` advances of `slots` (after 4 warm-up steps; a slot that drew
+    end-of-text still runs its step, so every step counts len(slots) tokens)."""
+    for _ in range(4):
+        be.advance(slots)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            be.advance(slots)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def engine_only(which: str, path: str, batches, threads: int | None, steps: int, run: int) -> list[dict]:
+    """Aggregate decode tok/s of the serving backend with every slot busy, per --max-batch; and, for each B > 1,
+    one slot decoding alone: slot 0 (BatchedSlots uses the single-sequence decode step) and slot 1 (a one-slot
+    batch_step, the multi-token program)."""
+    from cflow.serve.engine import load_backend
+
     records, base = [], None
+    threads_n = threads or len(os.sched_getaffinity(0))
     for b in batches:
         be = load_backend(path, threads=threads, slots=b)
         try:
-            ctx = be.model.session.max_seq
             slots = list(range(b))
-            for s in slots:
-                ids = [1 + (7 * s + 3 * i) % 200 for i in range(8)]
-                left = be.start(s, _Job(ids, SamplingParams(max_tokens=ctx - len(ids), temperature=0.8, seed=s)))
-                while left:
-                    left = be.prefill(s)
-            if 8 + 4 + 3 * steps > ctx:
-                raise SystemExit(f"--steps {steps}: 3 rounds do not fit the context of {ctx} tokens")
-            for _ in range(4):  # warm-up (a slot that drew end-of-text still runs its step: all are counted)
-                be.advance(slots)
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    be.advance(slots)
-                best = min(best, time.perf_counter() - t0)
+            _start_slots(be, slots, steps)
+            best = _best_round(be, slots, steps)
+            alone = {}
+            if b > 1:  # rounds of slot 0 alone and of slot 1 alone taken in turn, so that drift hits both alike
+                _start_slots(be, [0, 1], steps)
+                for _ in range(4):
+                    be.advance([0])
+                    be.advance([1])
+                alone = {0: float("inf"), 1: float("inf")}
+                for _ in range(3):
+                    for s in (0, 1):
+                        t0 = time.perf_counter()
+                        for _ in range(steps):
+                            be.advance([s])
+                        alone[s] = min(alone[s], time.perf_counter() - t0)
         finally:
             be.close()
         tok = b * steps / best
         base = base or tok
-        rec = {"model": which, "max_batch": b, "threads": threads or len(os.sched_getaffinity(0)),
-               "aggregate_tok_s": round(tok, 1), "vs_first": round(tok / base, 2),
-               "ms_per_step": round(1e3 * best / steps, 2), "per_stream_tok_s": round(tok / b, 1)}
+        rec = {"model": which, "backend": type(be).__name__, "max_batch": b, "active": b, "threads": threads_n,
+               "run": run, "aggregate_tok_s": round(tok, 1), "vs_first": round(tok / base, 2),
+               "ms_per_step": round(1e3 * best / steps, 3), "per_stream_tok_s": round(tok / b, 1)}
         records.append(rec)
         print(f"{which:>8} B={b:>3}: {tok:8.0f} tok/s aggregate ({tok / base:4.2f}x), {rec['ms_per_step']:6.2f} ms "
               f"per step, {tok / b:7.0f} tok/s per stream", flush=True)
+        for s, sec in alone.items():
+            path_name = "decode step" if s == 0 else "multi-token program"
+            records.append({"model": which, "backend": type(be).__name__, "max_batch": b, "active": 1, "slot": s,
+                            "path": path_name, "threads": threads_n, "run": run,
+                            "aggregate_tok_s": round(steps / sec, 1), "ms_per_step": round(1e3 * sec / steps, 3)})
+        if alone:
+            print(f"{'':>8} B={b:>3}, one slot decoding: slot 0 (decode step) {1e3 * alone[0] / steps:6.3f} ms, "
+                  f"slot 1 (multi-token program) {1e3 * alone[1] / steps:6.3f} ms per step: "
+                  f"{alone[1] / alone[0]:4.2f}x", flush=True)
+    return records
+
+
+async def _prompt_beside_stream(be, long_ids):
+    """(longest gap of the running stream, its tokens, the new request's TTFT) while long_ids are read."""
+    from cflow.serve.engine import Engine, Job, Piece, SamplingParams
+
+    eng = Engine(be, max_queue=4)
+    a = Job([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=len(long_ids), temperature=0.8, seed=1))
+    b = Job(long_ids, SamplingParams(max_tokens=4, temperature=0.8, seed=2))
+    eng.submit(a)
+    times, sent, first_b = [], None, None
+
+    async def first_token():
+        nonlocal first_b
+        async for ev in b.events():
+            if isinstance(ev, Piece) and first_b is None:
+                first_b = time.perf_counter()
+
+    task = None
+    async for ev in a.events():
+        if isinstance(ev, Piece):
+            times.append(time.perf_counter())
+        if len(times) == 20 and task is None:
+            sent = time.perf_counter()
+            eng.submit(b)
+            task = asyncio.create_task(first_token())
+        if first_b is not None and times[-1] > first_b:
+            break
+    eng.cancel(a)
+    await task
+    await asyncio.to_thread(eng.close)
+    window = [t for t in times if sent <= t <= first_b]
+    gaps = [y - x for x, y in zip([sent] + window, window + [first_b])]
+    return max(gaps), len(window), first_b - sent
+
+
+def chunked_prefill(which: str, path: str, threads: int | None, prompt_len: int, runs: int) -> list[dict]:
+    """A prompt of prompt_len tokens arrives while a stream decodes (engine with 8 slots, no HTTP). Read at once
+    (the backend's piece set to the whole prompt: one prefill call, the same native calls) or one prefill block
+    per loop turn (the default): the running stream's longest gap between two tokens and its tokens while the
+    prompt is read, and the new request's time to first token."""
+    from cflow.serve.engine import load_backend
+
+    records = []
+    rng = random.Random(1)
+    long_ids = [rng.randrange(1, 1000) for _ in range(prompt_len)]
+    for run in range(runs):
+        for mode in ("at once", "blocks"):
+            be = load_backend(path, threads=threads, slots=8)
+            if be.model.session.max_seq < prompt_len + 16:
+                raise SystemExit(f"--chunked-prefill {prompt_len}: no room in a context of {be.model.session.max_seq}")
+            block = be.chunk
+            if mode == "at once":
+                be.chunk = prompt_len
+
+            gap, got, ttft = asyncio.run(_prompt_beside_stream(be, long_ids))
+            rec = {"model": which, "threads": threads or len(os.sched_getaffinity(0)), "max_batch": 8, "run": run,
+                   "prompt_tokens": prompt_len, "prefill": mode, "prefill_block": block,
+                   "longest_gap_s": round(gap, 3), "stream_tokens_meanwhile": got, "new_ttft_s": round(ttft, 3)}
+            records.append(rec)
+            print(f"{which:>8} run {run} {mode:>8}: running stream's longest gap {gap:6.3f} s, {got:3} tokens while "
+                  f"the {prompt_len}-token prompt was read; its first token after {ttft:6.3f} s", flush=True)
     return records
 
 
@@ -300,6 +415,11 @@ def main(argv=None) -> int:
     p.add_argument("--engine-only", action="store_true",
                    help="measure the backend alone, no server or clients (see above) (default: off)")
     p.add_argument("--steps", type=int, default=50, help="--engine-only: decode steps per round (default 50)")
+    p.add_argument("--chunked-prefill", type=int, default=None, metavar="TOKENS",
+                   help="measure a prompt of TOKENS tokens arriving beside a decoding stream, read at once and in "
+                   "prefill blocks (engine only, --max-batch 8; see above) (default: off)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="--engine-only, --chunked-prefill: runs, every one recorded (default 1)")
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.drain = 5.0, 30.0
@@ -316,14 +436,20 @@ def main(argv=None) -> int:
         for which in args.models.split(","):
             path = compile_model(which, tmp)
             batches = [int(b) for b in args.max_batch.split(",")]
+            if args.chunked_prefill:
+                records += chunked_prefill(which, path, args.threads, args.chunked_prefill, args.repeat)
+                continue
             if args.engine_only:
-                records += engine_only(which, path, batches, args.threads, args.steps)
+                for r in range(args.repeat):
+                    records += engine_only(which, path, batches, args.threads, args.steps, r)
                 continue
             for batch in batches:
                 records += run_server(which, path, batch, counts, args, cpu, hdr, tmp)
     if args.json:
+        out = {"command": "python benchmarks/serve.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               "cpu": cpu, "usable_cores": len(os.sched_getaffinity(0)), "records": records}
         with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
 
 

@@ -3,6 +3,8 @@
     pip install -e ".[serve]"                                                 # fastapi, uvicorn, ray[serve], ...
     python examples/ray_serve.py model.vflow --replicas 2 --threads 1         # two replicas, one core each
     python examples/ray_serve.py model.vflow --autoscale 1:4 --threads 2      # 1..4 replicas, on queue length
+    ray start --head --num-cpus 8   (+ `ray start --address=HEAD:6379` on the other machines), then
+    python examples/ray_serve.py /same/path/model.vflow --address auto --host 0.0.0.0 --replicas 4 --api-key KEY
 
 Each replica is a Ray actor (a process of its own) holding exactly what `cflow serve` runs: one engine thread
 that owns the model, its queue and slots, and the same FastAPI app (so the API, errors, streaming, /metrics
@@ -98,6 +100,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting per replica (default 16)")
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (default: none)")
     p.add_argument("--model-name", default=None, help="model id (default: the file name without extension)")
+    p.add_argument("--address", default="local",
+                   help="Ray cluster: 'local' starts one on this machine; 'auto' or HOST:PORT joins one started with "
+                   "`ray start --head` / `ray start --address=...` (default local)")
     args = p.parse_args(argv)
     autoscale = tuple(int(x) for x in args.autoscale.split(":")) if args.autoscale else None
 
@@ -108,8 +113,11 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    ray.init(address="local", include_dashboard=False, num_cpus=len(os.sched_getaffinity(0)),
-             object_store_memory=100 * 2**20, logging_level="warning", log_to_driver=False)
+    if args.address == "local":  # a cluster of this machine alone, sized to the cores we may use
+        ray.init(address="local", include_dashboard=False, num_cpus=len(os.sched_getaffinity(0)),
+                 object_store_memory=100 * 2**20, logging_level="warning", log_to_driver=False)
+    else:  # a running cluster: its nodes' resources are already declared (ray start --num-cpus ...)
+        ray.init(address=args.address, logging_level="warning", log_to_driver=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
