@@ -114,6 +114,7 @@ def main(argv=None) -> None:
     out = {"size": args.size, "cpu": cpu_model(), "static": table, "argv": sys.argv[1:]}
     if not args.static:
         from decode import profile
+        from load import _ticks  # CPU time of other processes meanwhile (0..1 of all cores)
 
         import cflow
 
@@ -129,7 +130,12 @@ def main(argv=None) -> None:
             for t in threads:
                 order = names if rnd % 2 == 0 else names[::-1]
                 for n in order:
-                    rec.append({"round": rnd, "preset": n, "threads": t, "tok_s": tok_s(models[(n, t)], args.tokens)})
+                    a = _ticks([])
+                    v = tok_s(models[(n, t)], args.tokens)
+                    z = _ticks([])
+                    total, idle, mine = (z[i] - a[i] for i in range(3))
+                    rec.append({"round": rnd, "preset": n, "threads": t, "tok_s": v,
+                                "other_load": max(0.0, (total - idle - mine) / max(total, 1))})
         for m in models.values():
             m.close()
         summary = {}
@@ -142,9 +148,12 @@ def main(argv=None) -> None:
                               and r["preset"] == "arch2_4_combined")
                          / next(r["tok_s"] for r in rec if r["round"] == k and r["threads"] == t
                                 and r["preset"] == "arch1") for k in range(args.rounds)]
-            summary[t] = {**med, "ratio_median_of_rounds": statistics.median(per_round)}
+            other = max(r["other_load"] for r in rec if r["threads"] == t)
+            summary[t] = {**med, "ratio_median_of_rounds": statistics.median(per_round),
+                          "ratio_min": min(per_round), "ratio_max": max(per_round), "other_load_max": other}
             print(f"threads={t}: arch1 {med['arch1']:8.1f} tok/s   arch2_4_combined {med['arch2_4_combined']:8.1f} "
-                  f"tok/s   arch2_4 / arch1 = {summary[t]['ratio_median_of_rounds']:.3f} (median of per-round ratios)")
+                  f"tok/s   arch2_4 / arch1 = {summary[t]['ratio_median_of_rounds']:.3f} (median of per-round ratios, "
+                  f"range {min(per_round):.2f}..{max(per_round):.2f}; other load up to {other:.0%})")
         out.update(bytes_per_token=bpt, records=rec, summary=summary)
         if not args.no_profile:
             profiles = {}
