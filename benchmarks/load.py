@@ -24,7 +24,8 @@ default / 1 thread (the target: >= 0.9 under load) and 2 / 1 threads. With --bas
 each setting. --spins sets the barrier's spin budget (BarrierWord.SPIN, pause rounds before a waiter
 sleeps; 0 = the compiled-in default) in the children, one setting per value; a budget of 2000000000 rounds
 never sleeps, which is the spin-only barrier cflow had before (the same code otherwise). `naps_per_token` is
-how many barrier waits per token ended in futex_wait (Session.barrier_naps).
+how many barrier waits per token ended in futex_wait (Session.barrier_naps); `solo_share` the share of
+decode steps the default thread count ran on one thread because workers were descheduled (Session.solo_calls).
 """
 
 from __future__ import annotations
@@ -115,15 +116,18 @@ def worker(path: str, threads: int, tokens: int, seconds: float, spin: int, excl
     sequence()  # warm-up: page in the weights, start the workers
     a = _ticks(exclude)
     naps = getattr(s, "barrier_naps", 0)  # an older --baseline tree has no counter
+    solo = getattr(s, "solo_calls", 0)
     spent, done = 0.0, 0
     while spent < seconds:
         spent += sequence()
         done += n
     z = _ticks(exclude)
     naps = getattr(s, "barrier_naps", 0) - naps  # barrier waits that ended in futex_wait, in the timed part
+    solo = getattr(s, "solo_calls", 0) - solo  # calls the default thread count ran on one thread (backed off)
     total, idle, mine = (z[i] - a[i] for i in range(3))
     out = {"threads": m.threads, "tok_s": done / spent, "tokens": done, "seconds": spent,
            "other_load": max(0.0, (total - idle - mine) / max(total, 1)), "naps_per_token": naps / max(done, 1),
+           "solo_share": solo / max(done, 1),
            "cflow": os.path.dirname(cflow.__file__)}
     m.close()
     return out
@@ -205,7 +209,8 @@ def main(argv=None) -> None:
                                 records.append(r)
                                 print(f"  round {rnd} {name:5} load={load:11} spin={spin:<6} {tree:8} "
                                       f"threads={r['setting']:7} ({r['threads']}) {r['tok_s']:10.1f} tok/s  "
-                                      f"naps/token {r['naps_per_token']:6.2f}  other load {r['other_load']:.0%}",
+                                      f"naps/token {r['naps_per_token']:6.2f}  solo {r.get('solo_share', 0):4.0%}  "
+                                      f"other load {r['other_load']:.0%}",
                                       flush=True)
                 finally:
                     stop_load(gen)

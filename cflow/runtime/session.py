@@ -84,6 +84,59 @@ def _thread_count(threads: int | None) -> int:
     return int(threads)
 
 
+class _Backoff:
+    """The default thread count under load: back off to one thread while the workers are being descheduled.
+
+    With another process busy on a core, a stage barrier waits for a worker that is not running, once per stage,
+    so the default (every usable core) decodes many times slower than one thread (docs/performance.md, "Under
+    load"); no spin budget fixes that (the waiter either burns the core the worker needs or pays a wake-up per
+    stage). The barrier counts the waits that ended in futex_wait (BarrierWord.NAPS). NAPS such sleeps within
+    WINDOW multi-threaded calls (one per call on average; a quiet host shows 0-0.6, a loaded one 1-40) mean a
+    worker is being descheduled, and the calls of the next `backoff` seconds run on the caller's thread alone
+    (nthreads = 1: the same arithmetic, bit-identical results; the workers stay asleep). Then multi-threaded
+    calls probe again, and the first one under load usually decides at once; the backoff doubles up to MOST
+    seconds while the load lasts (so probing costs little) and resets after a quiet window. In seconds, not
+    calls: a call takes 50 us on a tiny model, 30 ms on a 1B one.
+    Only the default thread count adapts; an explicit `threads=N` is taken as asked."""
+
+    WINDOW = 8  # multi-threaded calls per probe window
+    NAPS = 8  # barrier sleeps in a window that mean descheduled workers
+    # Seconds on one thread after a failed window, doubling from FIRST up to MOST. FIRST is short because bursts
+    # of other work (another job for 50 ms) also trip the window, and staying single-threaded past their end
+    # costs; MOST is long because each probe under load costs a call that waits for a descheduled worker.
+    FIRST, MOST = 0.02, 2.0
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.until = 0.0  # run single-threaded until this time
+        self.backoff = self.FIRST
+        self.calls = self.naps = 0
+        self.seen = 0  # BarrierWord.NAPS after the last multi-threaded call
+        self.solo_calls = 0  # calls run single-threaded since load (reported by Session.solo_calls)
+
+    def solo(self) -> bool:
+        """Run the next call on the caller's thread alone?"""
+        if self.until and self.clock() < self.until:
+            self.solo_calls += 1
+            return True
+        self.until = 0.0
+        return False
+
+    def after(self, naps: int) -> None:
+        """After a multi-threaded call: `naps` = BarrierWord.NAPS now."""
+        self.naps += naps - self.seen
+        self.seen = naps
+        self.calls += 1
+        if self.naps >= self.NAPS:  # at once, not at the window's end: under load one call already shows it
+            self.until = self.clock() + self.backoff
+            self.backoff = min(2 * self.backoff, self.MOST)
+        elif self.calls < self.WINDOW:
+            return
+        else:
+            self.backoff = self.FIRST
+        self.calls = self.naps = 0
+
+
 class Session:
     """Everything needed to run decode steps of one compiled file."""
 
@@ -107,6 +160,7 @@ class Session:
         self.tier = None
         self.streamer = None
         self._pool = None
+        self._backoff = None
         self.path = str(path)
         self.reader = FileReader(self.path)
         if verify:
@@ -167,6 +221,7 @@ class Session:
             self._open_streamer()
         self._alloc()
         self._pool = _Workers(self.library, self._args, self.threads) if self.threads > 1 else None
+        self._backoff = _Backoff() if self._pool is not None and threads is None else None
 
     # --- validation -----------------------------------------------------------------------------
     def _check_plan(self) -> None:
@@ -410,10 +465,17 @@ class Session:
         return dict(self._layer_misses)
 
     def _run_native(self) -> None:
-        if self._pool is None:
-            self._fn(self._args[0], self._args[1], 0, 1, self._args[2])
+        if self._pool is None or (self._backoff is not None and self._backoff.solo()):
+            self._fn(self._args[0], self._args[1], 0, 1, self._args[2])  # one thread: the workers stay asleep
         else:
             self._pool.run()
+            if self._backoff is not None:
+                self._backoff.after(int(self.barrier[BarrierWord.NAPS]))
+
+    @property
+    def solo_calls(self) -> int:
+        """Native calls the default thread count ran on one thread because workers were descheduled (_Backoff)."""
+        return self._backoff.solo_calls if self._backoff is not None else 0
 
     # --- running ----------------------------------------------------------------------------------
     def _reset_io(self) -> None:

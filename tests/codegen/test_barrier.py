@@ -5,7 +5,8 @@ machine with one thread per core the sleep path is rare, so a test that just dec
 child process is pinned to at most 2 CPUs and decodes with 2, 3 and 4 threads and a spin budget of 1 round: a
 waiter then sleeps at nearly every barrier (a thread that is not on a CPU cannot arrive within one pause), and
 the logits must still be bit-identical to 1 thread. A lost wake-up would hang, so the child runs under a
-subprocess timeout: the test fails instead of hanging the suite, and asserts nothing about time.
+subprocess timeout: the test fails instead of hanging the suite, and asserts nothing about time. The default
+thread count, seeing its waiters sleep, must back off to one thread (session._Backoff), still bit-identical.
 """
 
 import json
@@ -33,7 +34,7 @@ from cflow.runtime.session import Session
 
 path, spin = sys.argv[1], int(sys.argv[2])
 out = {"cpus": len(cpus)}
-for threads in (1, 2, 3, 4):
+for threads in (1, 2, 3, 4, None):  # None: the default thread count, which backs off when workers sleep
     s = Session(path, threads=threads)
     s.barrier[BarrierWord.SPIN] = spin
     h = hashlib.sha256()
@@ -45,7 +46,8 @@ for threads in (1, 2, 3, 4):
         tokens.append(t)
         logits = s.step(t)
         h.update(logits.tobytes())
-    out[threads] = {"digest": h.hexdigest(), "tokens": tokens, "naps": s.barrier_naps}
+    out[threads or "default"] = {"digest": h.hexdigest(), "tokens": tokens, "naps": s.barrier_naps,
+                                 "solo": s.solo_calls, "threads": s.threads}
     s.close()
 print(json.dumps(out))
 """
@@ -65,12 +67,18 @@ def test_sleeping_barrier_is_bit_identical_to_one_thread(model_file):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     ref = out["1"]
     assert ref["naps"] == 0  # one thread never waits
-    for threads in ("2", "3", "4"):
+    for threads in ("2", "3", "4", "default"):
         assert out[threads]["tokens"] == ref["tokens"], threads
         assert out[threads]["digest"] == ref["digest"], threads  # every logit, bit for bit
     # With more threads than cores and one spin round, waiters must have slept: the path above was exercised.
     assert out["4"]["naps"] > 0
     assert out["3"]["naps"] > 0
+    assert out["4"]["solo"] == 0  # an explicit thread count is taken as asked
+    if out["cpus"] >= 2:
+        # The default (2 threads here) sees its waiters sleep at almost every barrier with a spin budget of one
+        # round, so after its first probe window (session._Backoff.WINDOW calls) it runs on one thread.
+        assert out["default"]["threads"] == out["cpus"]
+        assert out["default"]["solo"] > 0
 
 
 def test_barrier_words_are_placed_as_documented():
@@ -114,3 +122,39 @@ def test_more_threads_than_usable_cores_warns(tiny_file, monkeypatch):
         assert logits.shape[-1] > 0
     finally:
         s.close()
+
+
+def test_backoff_policy_with_a_fake_clock():
+    from cflow.runtime.session import _Backoff
+
+    now = [0.0]
+    b = _Backoff(clock=lambda: now[0])
+    naps = 0
+
+    def probe(per_call: int) -> int:
+        """Multi-threaded calls until the policy decides (backs off, or a quiet window passes); returns them."""
+        nonlocal naps
+        for k in range(1, b.WINDOW + 1):
+            assert not b.solo()
+            naps += per_call
+            b.after(naps)
+            if b.until:
+                return k
+        return b.WINDOW
+
+    assert probe(0) == b.WINDOW  # quiet: never backs off
+    assert not b.solo() and b.solo_calls == 0
+    assert probe(1) == b.NAPS  # one sleep per call: a descheduled worker, decided when NAPS sleeps are seen
+    assert b.solo() and b.solo()  # single-threaded for FIRST seconds
+    now[0] += b.FIRST + 1e-9
+    assert probe(b.NAPS) == 1  # heavily loaded: the first probe call decides; the backoff is twice as long
+    now[0] += 2 * b.FIRST - 1e-3
+    assert b.solo()
+    now[0] += 2e-3
+    for _ in range(10):  # the backoff doubles up to MOST while the load lasts
+        probe(3)
+        now[0] += b.MOST + 1e-9
+    assert b.backoff == b.MOST
+    assert probe(0) == b.WINDOW  # a quiet window resets it
+    assert b.backoff == b.FIRST and not b.solo()
+    assert b.solo_calls == 3
