@@ -78,6 +78,9 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
+        threads: worker threads. Default: the cores this process may run on (os.sched_getaffinity), backing off
+            to one thread while another process keeps a worker off its core (docs/performance.md, "Under
+            load"); a number is taken as asked, and one above the usable cores warns (OversubscribedWarning).
         experts: 'ram' (every weight mapped from the file) or 'disk': non-expert weights read into RAM,
             experts read on demand with O_DIRECT into a cache of `expert_cache_mb` MiB (default: a
             quarter of the experts, at least what one expert-delay window needs).
