@@ -309,3 +309,27 @@ def test_file_replaced_while_loaded(dense_files, files, tmp_path, mode):
             with pytest.raises(RuntimeFault, match=r"(checksum mismatch|short read).*; the file was (modified|"
                                                    r"truncated) since it was loaded"):
                 _greedy(m, 2)
+
+
+@pytest.mark.parametrize("io", ["async", "sync"])
+def test_reads_issued_at_the_router_awaited_at_the_use(files, io):
+    """de = 2: async reads of a layer are submitted right after its router's segment and awaited only after at
+    least one more native call (the window); sync ones are submitted at the await."""
+    with cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.5, expert_io=io) as m:
+        s = m.session
+        assert max(s.window_stages.values()) > 0
+        events = []
+        issue, wait, native = s.tier.issue, s.tier.wait, s._run_native
+        s.tier.issue = lambda b, e, layer=None: events.append(("issue", layer)) or issue(b, e, layer)
+        s.tier.wait = lambda b, e: events.append(("wait", b)) or wait(b, e)
+        s._run_native = lambda: events.append(("native", None)) or native()
+        s.step(5)
+        blk = s.config.block_of
+        for layer, window in s.window_stages.items():
+            i = events.index(("issue", layer))
+            j = next(k for k in range(i, len(events)) if events[k] == ("wait", blk(layer)))
+            natives = sum(1 for ev in events[i:j] if ev[0] == "native")
+            if io == "sync":
+                assert natives == 0
+            else:
+                assert natives >= (1 if window > 0 else 0), (layer, window, events[i:j])
