@@ -282,6 +282,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
     q/k norms (n.qk_norm) are RMSNorms of (projection + bias) before RoPE, weights qn/kn: 'head' normalises each
     head over head_dim (weights [hd]); 'proj' the whole projection (weights [H*hd] / [KV*hd]), whose sums every
     thread takes over all heads itself (the projection is whole after the QKV stage: no barrier).
+    n.softcap caps the scores (Gemma 2); n.window > 0 attends to the last `window` positions only (the cache
+    keeps every position: only the loops start later), the same function for decode, prefill and batches.
     """
     H, KV, hd = n.n_heads, n.n_kv_heads, n.head_dim
     rep, half = H // KV, hd // 2
@@ -289,6 +291,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
     scale = 1.0 / math.sqrt(hd)
     bias = n.bias
     qk_norm = n.qk_norm
+    window = n.window  # a sliding window (Gemma 2/3, Mistral): attend to positions [pos - window + 1, pos] only
 
     def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):
         expf = intrinsic(m, "llvm.exp.f32", f32, [f32])
@@ -352,7 +355,11 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
                 mx = alloca_once(b, f32)
                 b.store(cf(-math.inf), mx)
                 npos = b.add(pos, c64(1))
-                with Loop(b, c64(0), npos, "s") as s:
+                start = c64(0)
+                if window:  # max(0, pos + 1 - window): the oldest position still inside the window
+                    lo = b.sub(npos, c64(window))
+                    start = b.select(b.icmp_signed(">", lo, c64(0)), lo, c64(0))
+                with Loop(b, start, npos, "s") as s:
                     kp = b.gep(kc, [b.add(b.mul(s, c64(KV * hd)), goff)])
                     acc = alloca_once(b, f32)
                     b.store(cf(0.0), acc)
@@ -365,14 +372,14 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
                     b.store(b.select(b.fcmp_ordered(">", sc, b.load(mx)), sc, b.load(mx)), mx)
                 tot = alloca_once(b, f32)
                 b.store(cf(0.0), tot)
-                with Loop(b, c64(0), npos, "ex") as s:
+                with Loop(b, start, npos, "ex") as s:
                     p = b.call(expf, [b.fsub(b.load(b.gep(scores, [s])), b.load(mx))])
                     b.store(p, b.gep(scores, [s]))
                     b.store(b.fadd(b.load(tot), p), tot)
                 out = b.gep(att, [hoff])
                 with Loop(b, c64(0), c64(hd), "oz") as i:
                     b.store(cf(0.0), b.gep(out, [i]))
-                with Loop(b, c64(0), npos, "pv") as s:
+                with Loop(b, start, npos, "pv") as s:
                     p = b.load(b.gep(scores, [s]))
                     vp = b.gep(vc, [b.add(b.mul(s, c64(KV * hd)), goff)])
                     with Loop(b, c64(0), c64(hd), "ov") as i:
@@ -385,7 +392,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
         b.ret_void()
 
     key = ("attn", H, KV, hd, qo, ko, vo, int(bias)) + ((qk_norm, _flt(n.eps)) if qk_norm else ()) + (
-        (f"cap{_flt(n.softcap)}",) if n.softcap else ())
+        (f"cap{_flt(n.softcap)}",) if n.softcap else ()) + ((f"win{window}",) if window else ())
     return internal_function(m, key, (P(f32),) * 12 + (i64, i64, i64), build)
 
 

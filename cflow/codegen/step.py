@@ -43,7 +43,7 @@ from .abi import (
     ScratchLayout,
     scratch_layout,
 )
-from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i32, i64, internal_function, intrinsic, void
+from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i32, i64, internal_function, intrinsic, softcap, void
 from .target import ISA
 
 STEP_ARGS = (P(P(i8)), P(i64), i64, i64, P(i32))  # see abi.py: ptrs, params, tid, nthreads, barrier
@@ -382,6 +382,9 @@ class _Emitter:
                   else (null, null))
         g0 = b.udiv(b.mul(c64(n.n_kv_heads), self.tid), self.nth)
         g1 = b.udiv(b.mul(c64(n.n_kv_heads), b.add(self.tid, c64(1))), self.nth)
+        # Gemma 3's sliding-window layers rotate at their own base (ir/rope.py:layer_rope): a second table pair
+        table = "local" if self.cfg.local_rope_theta and self.cfg.is_sliding(layer) else ""
+        cos, sin = (self.pointer(b, BindingKey(k, table)) for k in (Binding.COS, Binding.SIN))
         # NOTE: tokens in order: token t writes its K/V row at its position, then attends over rows 0 .. that
         # position of its own slot, exactly what decode steps do (in a prompt block later tokens see earlier
         # ones); each thread owns its kv heads for every token, so no barrier is needed.
@@ -394,8 +397,7 @@ class _Emitter:
                     b.gep(kv, [b.add(slot_off, c64(((layer - 1) * 2 + 1) * per))])
             b.call(O.attention(self.m, n, tuple(offs)),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
-                    self.pointer(b, BindingKey(Binding.COS)), self.pointer(b, BindingKey(Binding.SIN)),
-                    self.value_ptr(b, step.writes[0]),
+                    cos, sin, self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])
 
     def _down(self, b, t, value: str, cols: int, out: str):
@@ -653,9 +655,29 @@ class _Emitter:
 
     def step_head(self, b, step):
         t = self.tensors[step.tensors[0]]
+        first = self.logits_from if self.multi else None
         # a prompt needs the last token's logits only: the head runs for tokens [LOGITS_FROM, NTOK)
-        self.dense_mv(b, step, t, t.layout, t.dtype in (DType.Q4, DType.Q8),
-                      first=self.logits_from if self.multi else None)
+        self.dense_mv(b, step, t, t.layout, t.dtype in (DType.Q4, DType.Q8), first=first)
+        cap = self.g[step.op].softcap
+        if cap:  # Gemma 2's final soft-cap, on this thread's own logit rows (no barrier: it wrote them itself)
+            lo, hi = self.rows(b, t.layout.n_tile_rows)
+            vocab = c64(self.cfg.vocab_size)
+            lo, hi = b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
+            hi = b.select(b.icmp_signed("<", hi, vocab), hi, vocab)
+            with self.each_token(b, first):
+                b.call(softcap_rows(self.m, float(cap)), [self.value_ptr(b, step.writes[0]), lo, hi])
+
+
+def softcap_rows(m: ir.Module, cap: float):
+    """x[i] = cap * tanh(x[i] / cap) for i in [lo, hi) (the final logit soft-cap)."""
+
+    def build(b, x, lo, hi):
+        with Loop(b, lo, hi, "r") as i:
+            p = b.gep(x, [i])
+            b.store(softcap(b, b.load(p), cap), p)
+        b.ret_void()
+
+    return internal_function(m, ("softcap_rows", O._flt(cap)), (P(f32), i64, i64), build)
 
 
 def copy_words(m: ir.Module):

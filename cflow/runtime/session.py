@@ -255,7 +255,8 @@ class Session:
              + (f" x max_batch={self.n_slots} sequences" if self.n_slots > 1 else "")
              + "; load with a smaller max_seq" + (" or max_batch)" if self.n_slots > 1 else ")")):
                 kv_cache_bytes(c, S, self.n_slots),
-            f"the RoPE tables (config.max_seq_len={S})": S * c.head_dim * 4,
+            f"the RoPE tables (config.max_seq_len={S})": S * c.head_dim * 4 * (  # a second pair: Gemma 3's local
+                2 if c.local_rope_theta and any(c.is_sliding(l) for l in range(1, c.n_layers + 1)) else 1),
             f"the per-thread scratch ({self.threads} threads)":
                 scratch_layout(c, self.run_state.tensors, S, T).nbytes * self.threads,
             "the activation buffers": 4 * T * (padded(c.vocab_size, 64) + 32 * widest),
@@ -317,10 +318,19 @@ class Session:
         self.slots = np.zeros(T, np.int64)
         self.kv = np.zeros(self.n_slots * 2 * cfg.n_layers * prog.kv_floats_per_layer, np.float32)
         half = cfg.head_dim // 2
-        cos, sin = rope_tables(cfg, self.max_seq)  # ir/rope.py: RoPE scaling and partial rotary included
+        # ir/rope.py: RoPE scaling and partial rotary included. Gemma 3's sliding-window layers rotate at their own
+        # base: the "local" pair (BindingKey name, codegen/step.py), the model's RoPE from a layer that is not local.
+        local = [l for l in range(1, cfg.n_layers + 1) if cfg.local_rope_theta and cfg.is_sliding(l)]
+        other = [l for l in range(1, cfg.n_layers + 1) if l not in local]
+        cos, sin = rope_tables(cfg, self.max_seq, layer=other[0] if other else 1)
         self.cos = np.ascontiguousarray(cos, np.float32).reshape(-1)
         self.sin = np.ascontiguousarray(sin, np.float32).reshape(-1)
         assert self.cos.size == self.max_seq * half
+        self._rope = {"": (self.cos, self.sin)}  # name -> (cos, sin); kept alive with the session
+        if local:
+            lc, ls = rope_tables(cfg, self.max_seq, layer=local[0])
+            self._rope["local"] = (np.ascontiguousarray(lc, np.float32).reshape(-1),
+                                  np.ascontiguousarray(ls, np.float32).reshape(-1))
         self.scratch = _zeros(prog.scratch.nbytes * self.threads)
         self.params = np.zeros(PARAM_WORDS, np.int64)
         self.barrier = _zeros(4 * BARRIER_WORDS, 64).view(np.int32)
@@ -342,6 +352,8 @@ class Session:
                     a = v.ctypes.data
             elif key.kind == Binding.POOL:
                 a = self.pools[Pool(key.name)].ctypes.data
+            elif key.kind in (Binding.COS, Binding.SIN):
+                a = self._rope[key.name][0 if key.kind == Binding.COS else 1].ctypes.data
             else:
                 a = fixed[key.kind].ctypes.data
             addr.append(a)
