@@ -1,6 +1,6 @@
 """Load test of `cflow serve`: N concurrent streaming clients against one server, for a bounded time.
 
-    python benchmarks/serve.py --threads 1 --json docs/results/serve.json   # bundled + 114m, N = 1 4 16 64, 20 s each
+    python benchmarks/serve.py --models 114m --threads 1 --json docs/results/serve_114m.json #  N = 1 4 16 64, 20 s each
     python benchmarks/serve.py --quick --threads 1 --json docs/results/serve_quick.json   # 5 s per level, ~2 min
     python benchmarks/serve.py --engine-only --models 114m,bundled --max-batch 1,2,4,8,16,32 --threads 1 --repeat 3 \
         --json docs/results/serve_engine_t1.json                       # what a shared step buys (no HTTP)
