@@ -8,6 +8,12 @@ then the mat-vec, so both see the same machine state; rounds during which other 
 the CPU are discarded and retried (up to --max-wait); each number is the best quiet round.
 
     python benchmarks/matvec.py [--layers 22] [--threads 1,2] [--rounds 5] [--emit asm]
+
+--l1-limit (1 thread) runs each decode kernel over the SAME cache-resident weights (one L1-sized tile-row,
+and one tile-row of the TinyLlama gate+up and down matrices, which stays in L2) and over >= 1 GB of distinct
+copies streamed from DRAM, and the read loop, back to back per round; prints medians and the ratios:
+
+    python benchmarks/matvec.py --l1-limit --rounds 3 [--json docs/results/matvec_l1_limit.json]
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ from llvmlite import ir  # noqa: E402
 
 from cflow.codegen import kernels as K  # noqa: E402
 from cflow.codegen.cache import ObjectCache  # noqa: E402
+from cflow.codegen.cgutils import Loop  # noqa: E402
 from cflow.codegen.library import Library  # noqa: E402
 from cflow.codegen.target import host_target  # noqa: E402
 from cflow.layout.quant import DType, quantize, quantize_activation_q8  # noqa: E402
-from cflow.layout.tile import TileLayout, pack, pack_concat, pack_gate_up  # noqa: E402
+from cflow.layout.tile import TileLayout, aligned_empty, pack, pack_concat, pack_gate_up  # noqa: E402
 
 D, FF, KV = 2048, 5632, 256
 SHAPES = {"qkv": (D + 2 * KV, D), "o": (D, D), "gate_up": (FF, D), "down": (D, FF)}
@@ -57,7 +64,7 @@ def build(tile, isa, tuning):
     drv = ir.Function(mod, ir.FunctionType(ir.VoidType(), args), "drive")
     w, n, rng, xq0, xd0, xs0, xq1, xd1, xs1, y = drv.args
     b = ir.IRBuilder(drv.append_basic_block("entry"))
-    with K._Loop(b, ir.Constant(i64, 0), n, "layer") as layer:
+    with Loop(b, ir.Constant(i64, 0), n, "layer") as layer:
         for j, name in enumerate(ORDER):
             wp = b.load(b.gep(w, [b.add(b.mul(layer, ir.Constant(i64, 4)), ir.Constant(i64, j))]))
             r0 = b.load(b.gep(rng, [ir.Constant(i64, 2 * j)]))
@@ -103,6 +110,121 @@ def check(lib, tile, mats, one, isa):
     return float(np.abs(y - ref).max() / np.abs(ref).max())
 
 
+# -- --l1-limit: the same kernel on cache-resident weights vs streamed from DRAM ---------------------------------
+# Each case is one emitted decode kernel (emit_matvec; default tuning unless --prefetch etc.) and a driver calling it
+# `reps` times over `nmats` weight copies: nmats = 1 with many reps keeps the weights in L1 or L2, so the
+# time is what one core needs to issue the loop's instructions; nmats copies of >= 1 GB with reps = 1
+# stream from DRAM. Same machine code in both; only the data set differs.
+LIMIT_CASES = {
+    # name: (rows, cols, gate_up, tile-rows used when cache-resident)
+    "l1_128x256": (128, 256, False, 1),  # one tile-row of 8 block units, 18 KiB: fits the 32 KiB L1d
+    "gate_up_2048_5632": (FF, D, True, 1),  # TinyLlama gate+up: one tile-row pair = 288 KiB (L2)
+    "down_5632_2048": (D, FF, False, 1),  # TinyLlama down: one tile-row = 396 KiB (L2)
+}
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+
+
+def build_repeat(tile, isa, tuning):
+    """One module: for every case its kernel + rep_<case>(i8** w, i64 nmats, i64 reps, i64 r1, xq, xd, xs, y):
+    for r in range(reps): for m in range(nmats): kernel(w[m], null, xq, xd, xs, y, 0, r1)."""
+    mod = ir.Module(name="bench_matvec_limit")
+    P, i8, i32, i64, f32 = ir.PointerType, ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    for name, (rows, cols, gu, _) in LIMIT_CASES.items():
+        L = TileLayout(DType.Q4, rows, cols, tile)
+        fn = K.emit_matvec(mod, f"mv_{name}", L, isa, linkage="internal", gate_up=gu, **tuning)
+        args = [P(P(i8)), i64, i64, i64, P(i8), P(f32), P(i32), P(f32)]
+        drv = ir.Function(mod, ir.FunctionType(ir.VoidType(), args), f"rep_{name}")
+        w, nmats, reps, r1, xq, xd, xs, y = drv.args
+        b = ir.IRBuilder(drv.append_basic_block("entry"))
+        with Loop(b, ir.Constant(i64, 0), reps, "rep"):
+            with Loop(b, ir.Constant(i64, 0), nmats, "m") as m:
+                b.call(fn, [b.load(b.gep(w, [m])), ir.Constant(P(f32), None), xq, xd, xs, y,
+                            ir.Constant(i64, 0), r1])
+        b.ret_void()
+    return mod
+
+
+def l1_limit(args, tile, target, isa, tuning):
+    """Cache-resident GB/s (the instruction-throughput limit of one core), DRAM-streaming GB/s of the
+    same kernel and the read bandwidth, 1 thread, one round = all of them back to back; medians."""
+    import json
+
+    lib = Library(name="bench_matvec_limit", target=target)
+    lib.add_ir(build_repeat(tile, isa, tuning))
+    lib.finalize()
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    rng = np.random.default_rng(0)
+    cases = {}
+    for name, (rows, cols, gu, rows_hot) in LIMIT_CASES.items():
+        L = TileLayout(DType.Q4, rows, cols, tile)
+        m = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        w = pack_gate_up(m, m[::-1].copy(), "q4", tile) if gu else pack(m, "q4", tile)
+        per_row = L.tile_row_nbytes * (2 if gu else 1)
+        act = K.Activation(cols, L.cols_p)
+        act.xq[:] = rng.integers(-127, 128, act.xq.size)
+        act.xd[:] = 0.01
+        act.xs[:] = act.xq.reshape(-1, 32).sum(1)
+        n_copies = -(-args.stream_bytes // w.size)  # DRAM set: distinct copies, >= stream_bytes in all
+        big = aligned_empty(n_copies * w.size)  # contiguous, 64-B aligned copies, as a model's weights are laid out
+        big.reshape(n_copies, w.size)[:] = w
+        cases[name] = dict(
+            fn=lib.get_cfunc(f"rep_{name}", None, vp, i64, i64, i64, vp, vp, vp, vp),
+            hot=(ctypes.c_void_p * 1)(big.ctypes.data), hot_rows=rows_hot, hot_bytes=rows_hot * per_row,
+            cold=(ctypes.c_void_p * n_copies)(*[big.ctypes.data + i * w.size for i in range(n_copies)]),
+            n_copies=n_copies, cold_bytes=big.size, rows=L.n_tile_rows, act=act, keep=big,
+            y=np.zeros(L.rows_p, np.float32), layout=f"Q4 {rows}x{cols}{' gate+up' if gu else ''}",
+        )
+        cases[name]["reps"] = max(1, int(args.hot_bytes // cases[name]["hot_bytes"]))
+
+    def call(c, table, nmats, reps, r1):
+        a = c["act"]
+        t0 = time.perf_counter()
+        c["fn"](table, nmats, reps, r1, vp(a.xq.ctypes.data), vp(a.xd.ctypes.data), vp(a.xs.ctypes.data),
+                vp(c["y"].ctypes.data))
+        return time.perf_counter() - t0
+
+    def one_round():
+        out = [bandwidth.measure_read_bandwidth(1, reps=1)]
+        for c in cases.values():
+            out.append(c["hot_bytes"] * c["reps"] / call(c, c["hot"], 1, c["reps"], c["hot_rows"]) / 1e9)
+            out.append(c["cold_bytes"] / call(c, c["cold"], c["n_copies"], 1, c["rows"]) / 1e9)
+        return tuple(out)
+
+    for c in cases.values():  # warm up: page in every copy, warm the code
+        call(c, c["cold"], c["n_copies"], 1, c["rows"])
+        call(c, c["hot"], 1, 10, c["hot_rows"])
+    r = bandwidth.measure_rounds(one_round, args.rounds, args.max_wait)
+    used = r._used()
+    med = np.median(np.array(used), axis=0)
+    bw = float(med[0])
+    cpu = cpu_model()
+    print(f"cpu: {cpu}  ({os.cpu_count()} cpus)  kernels={isa}  tile={tile[0]}x{tile[1]}  1 thread  "
+          f"medians of {len(used)} rounds ({r.describe()})")
+    print(f"read bandwidth (cflow.codegen.bandwidth, 1 GiB): {bw:6.2f} GB/s")
+    print(f"kernel tuning: {tuning}")
+    rec = dict(cpu=cpu, isa=str(isa), tile=list(tile), tuning=tuning, threads=1, rounds=len(used), quality=r.describe(),
+               other_load_max=r.worst, read_gbps=bw, read_gbps_rounds=[v[0] for v in used], cases={})
+    print(f"{'kernel':24} {'resident set':>12} {'resident GB/s':>13} {'DRAM set':>9} {'DRAM GB/s':>9} "
+          f"{'DRAM/resident':>13} {'DRAM/read':>9}")
+    for k, (name, c) in enumerate(cases.items()):
+        hot, cold = float(med[1 + 2 * k]), float(med[2 + 2 * k])
+        print(f"{name:24} {c['hot_bytes'] / 1024:9.0f} KiB {hot:13.2f} {c['cold_bytes'] / 1e9:7.2f} GB {cold:9.2f} "
+              f"{cold / hot:13.1%} {cold / bw:9.1%}")
+        rec["cases"][name] = dict(
+            layout=c["layout"], resident_bytes=c["hot_bytes"], resident_reps=c["reps"], dram_bytes=c["cold_bytes"],
+            dram_copies=c["n_copies"], resident_gbps=hot, dram_gbps=cold, dram_over_resident=cold / hot,
+            dram_over_read=cold / bw, resident_over_read=hot / bw,
+            resident_gbps_rounds=[v[1 + 2 * k] for v in used], dram_gbps_rounds=[v[2 + 2 * k] for v in used])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rec, f, indent=1)
+        print(f"wrote {args.json}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=22)
@@ -116,15 +238,24 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int, default=K.DEFAULT_PREFETCH, help="prefetch distance (bytes, 0 = off)")
     ap.add_argument("--prefetch-locality", type=int, default=K.DEFAULT_PREFETCH_LOCALITY, help="3 = prefetcht0, 2 = t1")
     ap.add_argument("--emit", choices=["asm", "llvm"], default=None, help="print the driver module and exit")
+    ap.add_argument("--l1-limit", action="store_true",
+                    help="1 thread: decode kernels on cache-resident weights vs streamed from DRAM vs read bandwidth")
+    ap.add_argument("--stream-bytes", type=float, default=1.1e9, help="--l1-limit: DRAM set per kernel (bytes)")
+    ap.add_argument("--hot-bytes", type=float, default=2e9, help="--l1-limit: bytes consumed per resident timing")
+    ap.add_argument("--json", default=None, help="--l1-limit: write the record here")
     args = ap.parse_args(argv)
     tile = tuple(int(v) for v in args.tile.lower().split("x"))
     target = host_target()
     isa = args.isa or target.isa
+    tuning = dict(max_groups=args.max_groups, unroll=args.unroll, prefetch=args.prefetch,
+                  prefetch_locality=args.prefetch_locality)
+    if args.l1_limit:
+        args.stream_bytes = int(args.stream_bytes)
+        return l1_limit(args, tile, target, isa, tuning)
     threads = [int(t) for t in args.threads.split(",")]
 
     t0 = time.perf_counter()
-    mod = build(tile, isa, dict(max_groups=args.max_groups, unroll=args.unroll, prefetch=args.prefetch,
-                          prefetch_locality=args.prefetch_locality))
+    mod = build(tile, isa, tuning)
     t_emit = time.perf_counter() - t0
     print(f"target {target.describe()}  kernels={isa}  tile={tile[0]}x{tile[1]}")
     # Compile twice into a fresh cache directory: cold (LLVM opt + codegen), then a cache hit.
