@@ -196,8 +196,9 @@ def torch_time_decode(model, prompt: list[int], tokens: int, threads: int, reps:
 
 # --- main ----------------------------------------------------------------------------------------
 
-def gguf_file(key: str, c, rebuild: bool = False) -> str:
-    path = os.path.join(OUT, f"{MODELS[key].name}_q4.gguf")
+def gguf_file(key: str, c, rebuild: bool = False, quant: str = "q4") -> str:
+    """The GGUF export of lowered plan `c` (quantised as `quant`: q4 -> Q4_0, q8 -> Q8_0), written once."""
+    path = os.path.join(OUT, f"{MODELS[key].name}_{quant}.gguf")
     if rebuild or not os.path.exists(path):
         info = export_gguf(c.graph, path)
         print(f"# exported {path}: {info['file_bytes'] / 1e9:.2f} GB, {info['tensors']} tensors, "

@@ -3,14 +3,24 @@
     python benchmarks/prefill.py --quick                       # < 5 minutes
     python benchmarks/prefill.py --json docs/results/prefill.json
 
-TinyLlama-1.1B geometry (benchmarks/decode.py's random weights), Q4 and Q8 (Q4 only with --quick), 1 and 2
-threads. In one run: the machine's int8 dot-product peak (a VNNI loop of independent vpdpbusd chains on
-registers, llvmlite); prompt tok/s for prompt lengths 128, 512 and 2048 (the model's context permitting)
-with cflow's prefill (blocks of --block tokens) and token by token (the old path), and llama.cpp on
-bit-identical GGUF weights when llama-cpp-python is installed (n_batch 512, its default); batched decode
-aggregate tok/s for B = 1, 2, 4, 8, 16 and its fraction of the bound that binds (weights read once per
-step at the read bandwidth, or the int8 peak). Every record: engine, geometry, quant, threads,
-prompt_tokens, batch, tok_s.
+TinyLlama-1.1B geometry (benchmarks/decode.py's random weights; --models tinyllama,moe adds the MoE
+geometry), Q4 and Q8 (Q4 only with --quick), 1 and 2 threads. In one run: the machine's int8 dot-product
+peak (a VNNI loop of independent vpdpbusd chains on registers, llvmlite) and read bandwidth per thread
+count; prompt tok/s for prompt lengths 128, 512 and 2048 (the model's context permitting) with cflow's
+prefill (blocks of --block tokens) and token by token (the old path), and llama.cpp on bit-identical
+GGUF weights (Q4_0 / Q8_0) when llama-cpp-python is installed (n_batch 512, its default). Both engines
+get the same warm-up (an 8-token prompt after loading) and the best of --reps timed runs.
+
+Batched decode: aggregate tok/s of batch_step for B = 1, 2, 4, 8, 16, as a ratio to single-stream decode
+(Session.step, the decode body, loaded with the defaults) and as a fraction of the bound that binds:
+the bytes one step reads at the read bandwidth (for MoE the dense weights plus the union of the experts
+the B tokens choose; expected union under uniform routing, E * (1 - (1 - k/E)^B) per layer), or the
+int8 peak. --rss runs a prompt of that length in a child process and reports its peak RSS against the
+KV cache plus one block's buffers (Session.memory_parts), the weights being file-backed (mmapped).
+
+Every record: engine, geometry, quant, threads, prompt_tokens, batch, tok_s, plus the peak, bandwidth
+and fractions it was judged against; the JSON's "machine" block holds the per-thread-count peak and
+bandwidth, "rss" the memory measurement.
 """
 
 from __future__ import annotations
@@ -100,13 +110,20 @@ def int8_peak(threads: int, seconds: float = 0.5) -> float:
     return sum(rates)
 
 
+WARM = 8  # warm-up prompt tokens after loading, for both engines (the JIT / first-touch of the pages)
+
+
+def prompt_ids(n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(n).integers(10, 30000, n)]
+
+
 def cflow_prompt(path, threads: int, n: int, block: int, reps: int) -> float:
-    ids = [int(x) for x in np.random.default_rng(n).integers(10, 30000, n)]
+    ids = prompt_ids(n)
     best = 0.0
     with cflow.load(path, threads=threads, prefill_block=block, max_seq=max(n, 16)) as m:
         s = m.session
         s.reset()
-        s.prefill(ids[: min(8, n)])  # warm up (the JIT and the pages)
+        s.prefill(ids[:WARM])
         for _ in range(reps):
             s.reset()
             t0 = time.perf_counter()
@@ -120,100 +137,295 @@ def llama_prompt(gguf: str, threads: int, n: int, reps: int) -> float:
 
     llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=max(n, 64), n_batch=512,
                 logits_all=False, verbose=False)
-    ids = [int(x) for x in np.random.default_rng(n).integers(10, 30000, n)]
+    ids = prompt_ids(n)
+    llm.reset()
+    llm.eval(ids[:WARM])  # the same warm-up cflow gets
     best = 0.0
     for _ in range(reps):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(ids)
         best = max(best, n / (time.perf_counter() - t0))
+    del llm
     return best
 
 
-def cflow_batch(path, threads: int, batch: int, steps: int) -> float:
-    with cflow.load(path, threads=threads, max_batch=batch, prefill_block=max(batch, 8)) as m:
+def cflow_single(path, threads: int, steps: int, reps: int) -> float:
+    """Single-stream decode tok/s: Session.step (the decode body), loaded the normal way (max_batch 1)."""
+    with cflow.load(path, threads=threads) as m:
         s = m.session
-        toks = []
-        for i in range(batch):
-            toks.append(int(np.argmax(s.prefill([1 + i, 2, 3], slot=i))))
+        s.reset()
+        tok = int(np.argmax(s.prefill([1, 2, 3])))
+        for _ in range(2):
+            tok = int(np.argmax(s.step(tok)))
+        best = 0.0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = int(np.argmax(s.step(tok)))
+            best = max(best, steps / (time.perf_counter() - t0))
+    return best
+
+
+def cflow_batch(path, threads: int, batch: int, steps: int, reps: int) -> float:
+    with cflow.load(path, threads=threads, max_batch=batch, prefill_block=max(batch, 8)) as m:
         slots = list(range(batch))
-        out = s.step_batch(toks, slots)
+        toks = [int(np.argmax(m.batch_start([1 + i, 2, 3], i))) for i in slots]
+        out = m.batch_step(toks, slots)  # warm-up
+        best = 0.0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = m.batch_step([int(np.argmax(r)) for r in out], slots)
+            best = max(best, batch * steps / (time.perf_counter() - t0))
+    return best
+
+
+def weight_bytes(path) -> tuple[int, int, int, int]:
+    """(bytes the decode step reads per token, of which expert bytes, n_experts, top_k) from the file."""
+    with cflow.load(path, threads=1) as m:
+        c = m.session.config
+        experts = sum(t.nbytes for t in m.session.compiled.tensors.values() if t.expert >= 0)
+        return m.bytes_per_token, experts, c.n_experts, c.top_k
+
+
+def step_bytes(bpt: int, experts: int, n_experts: int, top_k: int, batch: int) -> float:
+    """Weight bytes one batched step of `batch` tokens reads: the dense part once, each layer's experts in the
+    expected union of the tokens' choices (uniform routing: E * (1 - (1 - k/E)^B) distinct experts)."""
+    if not n_experts:
+        return float(bpt)
+    dense = bpt - experts * top_k / n_experts
+    return dense + experts * (1 - (1 - top_k / n_experts) ** batch)
+
+
+def _stage_kind(st) -> str:
+    kinds = sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st if x.nbytes})
+    return " + ".join(kinds) or "no weights: " + ",".join(sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st}))
+
+
+def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0) -> dict:
+    """Where the time goes in the multi-token body: per-stage cycle stamps of a profiling build (worker 0 stamps
+    after each stage's barrier), summed over the native calls and scaled to their wall time. batch = 0: an
+    n-token prompt in blocks of `block` (per-block times too, to show the growth with position); batch = B:
+    n steps of B sequences (batch_step)."""
+    from cflow.runtime.session import Session
+
+    s = Session(path, threads=threads, profile=True, prefill_block=max(batch, 8) if batch else block,
+                max_batch=max(batch, 1),
+                max_seq=max(n + 8, 16))
+    ids = prompt_ids(n)
+    stages = s.compiled.schedule.stages
+    ticks = np.zeros(len(stages))
+    wall, per_call = 0.0, []
+    if batch:
+        for i in range(batch):
+            s.prefill([1 + i, 2, 3], slot=i)
+        toks, slots = [5] * batch, list(range(batch))
+        calls = [lambda: s.step_batch(toks, slots)] * n
+    else:
+        calls = [lambda c=ids[i : i + block]: s.prefill(c) for i in range(0, n, block)]
+    calls[0]()  # warm-up (not counted); for a prompt the first block runs again below
+    if not batch:
+        s.reset()
+    for call in calls:
         t0 = time.perf_counter()
-        for _ in range(steps):
-            out = s.step_batch([int(np.argmax(r)) for r in out], slots)
-        return batch * steps / (time.perf_counter() - t0)
+        call()
+        dt = time.perf_counter() - t0
+        wall += dt
+        per_call.append(dt)
+        ticks += np.diff(s.prof)
+    s.close()
+    per_tick = wall / ticks.sum()
+    groups: dict[str, float] = {}
+    for st, t in zip(stages, ticks):
+        groups[_stage_kind(st)] = groups.get(_stage_kind(st), 0.0) + t * per_tick
+    toks_done = n * batch if batch else n
+    return {"threads": threads, "prompt_tokens": 0 if batch else n, "batch": batch or 1, "block": block,
+            "wall_s": wall, "tok_s": toks_done / wall,
+            "stages_ms_per_token": {k: 1e3 * v / toks_done for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+            "share": {k: v / wall for k, v in groups.items()},
+            "ms_per_call": [1e3 * x for x in per_call]}
+
+
+def print_profile(p: dict, label: str) -> None:
+    print(f"   profile, {label} ({p['threads']} threads, {p['tok_s']:.1f} tok/s):", flush=True)
+    for k, v in p["stages_ms_per_token"].items():
+        print(f"      {k:<44} {v:8.3f} ms/token {p['share'][k]:6.1%}")
+    if p["batch"] == 1 and len(p["ms_per_call"]) > 1:
+        c = p["ms_per_call"]
+        print(f"      per block of {p['block']}: first {c[0]:.0f} ms, last {c[-1]:.0f} ms", flush=True)
+
+
+def rss_child(path: str, threads: int, n: int, block: int) -> None:
+    """In its own process: load, feed an n-token prompt, print one JSON line with the memory figures."""
+    def status():
+        out = {}
+        for ln in open("/proc/self/status"):
+            k, v = ln.split(":", 1)
+            if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[k] = int(v.split()[0]) * 1024
+        return out
+
+    before = status()
+    with cflow.load(path, threads=threads, prefill_block=block, max_seq=n) as m:
+        loaded = status()
+        m.session.prefill(prompt_ids(n))
+        after = status()
+        parts = m.session.memory_parts()
+    print(json.dumps({"prompt_tokens": n, "threads": threads, "block": block, "before_load": before,
+                      "after_load": loaded, "after_prompt": after, "memory_parts": parts}))
+
+
+def measure_rss(path: str, threads: int, n: int, block: int) -> dict:
+    import subprocess
+
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss-child", path, str(threads), str(n),
+                          str(block)], check=True, capture_output=True, text=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    parts = r["memory_parts"]
+    kv = next(v for k, v in parts.items() if k.startswith("the KV cache"))
+    block_bufs = sum(v for k, v in parts.items() if not k.startswith("the KV cache"))
+    a, b, p = r["before_load"], r["after_load"], r["after_prompt"]
+    r.update({"kv_cache_bytes": kv, "block_buffers_bytes": block_bufs,
+              "anon_growth_bytes": p["RssAnon"] - a["RssAnon"],  # what loading + the prompt allocated
+              "prompt_anon_growth_bytes": p["RssAnon"] - b["RssAnon"],  # what the prompt itself added
+              "peak_rss_bytes": p["VmHWM"], "file_backed_bytes": p["RssFile"]})
+    r["within_target"] = r["anon_growth_bytes"] <= kv + block_bufs
+    return r
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tinyllama", choices=list(MODELS))
+    ap.add_argument("--models", default="tinyllama", help=f"geometries, of {','.join(MODELS)} (default tinyllama)")
     ap.add_argument("--quants", default="q4,q8", help="weight types (default q4,q8)")
     ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
     ap.add_argument("--lengths", default="128,512,2048", help="prompt lengths (default 128,512,2048)")
-    ap.add_argument("--batches", default="1,2,4,8,16", help="batched-decode sizes (default 1,2,4,8,16)")
+    ap.add_argument("--batches", default="1,2,4,8,16", help="batched-decode sizes (default 1,2,4,8,16); '' skips")
     ap.add_argument("--block", type=int, default=64, help="prompt tokens per native call (default 64)")
     ap.add_argument("--reps", type=int, default=2, help="repetitions, best kept (default 2)")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per timed batched repetition (default 16)")
+    ap.add_argument("--rss", type=int, default=2048, help="prompt length of the peak-RSS child (0: skip)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="also profile the stages of an N-token prompt and of N steps of the largest batch")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if installed")
-    ap.add_argument("--quick", action="store_true", help="Q4, lengths 128 and 512, batches 1,4,8 (< 5 minutes)")
+    ap.add_argument("--quick", action="store_true",
+                    help="Q4, lengths 128 and 512, batches 1,4,8, one rep, RSS at 512 (< 5 minutes)")
     ap.add_argument("--json", help="write the records to this file")
     args = ap.parse_args(argv)
     if args.quick:
-        args.quants, args.lengths, args.batches, args.reps = "q4", "128,512", "1,4,8", 1
+        args.quants, args.lengths, args.batches, args.reps, args.steps = "q4", "128,512", "1,4,8", 1, 8
+        args.rss = min(args.rss, 512)
+    t_start = time.perf_counter()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp
 
         have_llama = not args.no_llama
+        llama_version = llama_cpp.__version__
     except ImportError:
-        have_llama = False
-    geom = MODELS[args.model]
-    print(f"# {cpu}; {args.model} geometry; prefill blocks of {args.block}; llama.cpp "
-          f"{'yes' if have_llama else 'not installed (pip install llama-cpp-python)'}", flush=True)
-    records = []
-    for quant in args.quants.split(","):
-        path, c = compiled_model(args.model, quant)
-        gguf = None
-        if have_llama and quant in ("q4", "q8"):
-            from peers import gguf_file  # the exporter writes bit-identical Q4_0 / Q8_0
+        have_llama, llama_version = False, None
+    print(f"# {cpu}; prefill blocks of {args.block}; llama.cpp "
+          f"{llama_version if have_llama else 'not used (pip install llama-cpp-python)'}", flush=True)
+    threads_list = [int(t) for t in args.threads.split(",")]
+    machine = {}
+    for threads in threads_list:
+        machine[threads] = {"int8_peak_gops": int8_peak(threads), "read_gbs": measure_read_bandwidth(threads)}
+        print(f"# {threads} thread(s): int8 peak {machine[threads]['int8_peak_gops']:.0f} GOP/s (vpdpbusd), "
+              f"read bandwidth {machine[threads]['read_gbs']:.1f} GB/s", flush=True)
+    records, rss, profiles = [], [], []
+    for model in args.models.split(","):
+        geom = MODELS[model]
+        for quant in args.quants.split(","):
+            path, c = compiled_model(model, quant)
+            gguf = None
+            if have_llama and quant in ("q4", "q8"):
+                from peers import gguf_file  # the exporter writes bit-identical Q4_0 / Q8_0
 
-            gguf = gguf_file(args.model, c) if quant == "q4" else None
-        bpt = cflow.load(path, threads=1).bytes_per_token
-        params = 2 * bpt / (0.5625 if quant == "q4" else 1.0625)  # ops per token ~ 2 x weights
-        for threads in (int(t) for t in args.threads.split(",")):
-            peak = int8_peak(threads)
-            read = measure_read_bandwidth(threads)
-            print(f"## {quant}, {threads} thread(s): int8 peak {peak:.0f} GOP/s, read bandwidth {read:.1f} GB/s",
-                  flush=True)
-            for n in (int(x) for x in args.lengths.split(",")):
-                if n > geom.max_seq_len:
-                    print(f"   prompt {n}: skipped (context {geom.max_seq_len})")
-                    continue
-                row = {"geometry": args.model, "quant": quant, "threads": threads, "prompt_tokens": n, "batch": 1}
-                pre = cflow_prompt(path, threads, n, args.block, args.reps)
-                one = cflow_prompt(path, threads, min(n, 128), 1, 1)  # token by token (128 tokens is enough)
-                records += [{**row, "engine": "cflow", "tok_s": pre},
-                            {**row, "engine": "cflow-token-by-token", "tok_s": one}]
-                line = (f"   prompt {n:5d}: cflow {pre:7.1f} tok/s ({pre * params / 1e9 / peak:5.1%} of int8 peak), "
-                        f"token by token {one:6.1f}")
-                if gguf:
-                    lp = llama_prompt(gguf, threads, n, args.reps)
-                    records.append({**row, "engine": "llama.cpp", "tok_s": lp})
-                    line += f", llama.cpp {lp:6.1f} ({pre / lp:.2f}x)"
-                print(line, flush=True)
-            base = None
-            for bsz in (int(x) for x in args.batches.split(",")):
-                agg = cflow_batch(path, threads, bsz, 8 if args.quick else 16)
-                base = base or agg
-                bound = min(read * 1e9 / bpt * bsz, peak * 1e9 / params)  # tok/s: memory or compute
-                records.append({"engine": "cflow", "geometry": args.model, "quant": quant, "threads": threads,
-                                "prompt_tokens": 0, "batch": bsz, "tok_s": agg})
-                print(f"   batch {bsz:3d}: {agg:7.1f} tok/s aggregate ({agg / base:4.2f}x B=1), "
-                      f"{agg / bound:5.1%} of the binding limit ({bound:.0f} tok/s)", flush=True)
+                try:
+                    gguf = gguf_file(model, c, quant=quant)
+                except cflow.CflowError as e:  # e.g. a geometry the exporter cannot write
+                    print(f"# no GGUF for {model} {quant}: {e}", flush=True)
+            del c
+            bpt, experts, n_exp, top_k = weight_bytes(path)
+            params = bpt / (0.5625 if quant == "q4" else 1.0625)  # active weights per token
+            ops = 2 * params  # int8 ops per token (a multiply-add = 2)
+            for threads in threads_list:
+                peak, read = machine[threads]["int8_peak_gops"], machine[threads]["read_gbs"]
+                print(f"## {model} {quant}, {threads} thread(s): {bpt / 1e6:.0f} MB read per token", flush=True)
+                for n in (int(x) for x in args.lengths.split(",") if x):
+                    if n > geom.max_seq_len:
+                        print(f"   prompt {n}: skipped (context {geom.max_seq_len})")
+                        continue
+                    row = {"geometry": model, "quant": quant, "threads": threads, "prompt_tokens": n, "batch": 1,
+                           "int8_peak_gops": peak, "read_gbs": read}
+                    pre = cflow_prompt(path, threads, n, args.block, args.reps)
+                    one = cflow_prompt(path, threads, min(n, 128), 1, 1)  # token by token (128 tokens is enough)
+                    frac = pre * ops / 1e9 / peak
+                    records += [{**row, "engine": "cflow", "tok_s": pre, "frac_int8_peak": frac},
+                                {**row, "engine": "cflow-token-by-token", "tok_s": one,
+                                 "frac_int8_peak": one * ops / 1e9 / peak}]
+                    line = (f"   prompt {n:5d}: cflow {pre:7.1f} tok/s ({frac:5.1%} of int8 peak), "
+                            f"token by token {one:6.1f}")
+                    if gguf:
+                        lp = llama_prompt(gguf, threads, n, args.reps)
+                        records.append({**row, "engine": "llama.cpp", "tok_s": lp,
+                                        "frac_int8_peak": lp * ops / 1e9 / peak, "cflow_over_llama": pre / lp})
+                        line += f", llama.cpp {lp:6.1f} (cflow {pre / lp:.2f}x)"
+                    print(line, flush=True)
+                batches = [int(x) for x in args.batches.split(",") if x]
+                if batches:
+                    single = cflow_single(path, threads, args.steps * 2, args.reps)
+                    records.append({"engine": "cflow-decode-step", "geometry": model, "quant": quant,
+                                    "threads": threads, "prompt_tokens": 0, "batch": 1, "tok_s": single,
+                                    "int8_peak_gops": peak, "read_gbs": read,
+                                    "bandwidth_bound_tok_s": read * 1e9 / bpt})
+                    print(f"   single-stream decode (Session.step): {single:7.1f} tok/s "
+                          f"({single * bpt / 1e9 / read:5.1%} of the read bandwidth)", flush=True)
+                for bsz in batches:
+                    agg = cflow_batch(path, threads, bsz, args.steps, args.reps)
+                    nbytes = step_bytes(bpt, experts, n_exp, top_k, bsz)
+                    mem = read * 1e9 / nbytes * bsz  # tok/s if the step is bound by reading its weights
+                    comp = peak * 1e9 / ops  # tok/s if bound by the int8 peak
+                    bound = min(mem, comp)
+                    records.append({"engine": "cflow", "geometry": model, "quant": quant, "threads": threads,
+                                    "prompt_tokens": 0, "batch": bsz, "tok_s": agg, "int8_peak_gops": peak,
+                                    "read_gbs": read, "step_weight_bytes": nbytes, "bandwidth_bound_tok_s": mem,
+                                    "compute_bound_tok_s": comp, "binds": "bandwidth" if mem <= comp else "compute",
+                                    "frac_bound": agg / bound, "x_single_stream": agg / single})
+                    print(f"   batch {bsz:3d}: {agg:7.1f} tok/s aggregate ({agg / single:4.2f}x single stream), "
+                          f"{agg / bound:5.1%} of the {'bandwidth' if mem <= comp else 'compute'} limit "
+                          f"({bound:.0f} tok/s; {nbytes / 1e6:.0f} MB read per step)", flush=True)
+                if args.profile and threads == threads_list[-1]:
+                    for bsz in [0] + batches[-1:]:
+                        p = profile_stages(path, threads, args.profile if not bsz else 16, args.block, bsz)
+                        p.update({"geometry": model, "quant": quant})
+                        profiles.append(p)
+                        print_profile(p, f"batch of {bsz}" if bsz else f"{args.profile}-token prompt")
+                if args.rss and args.rss <= geom.max_seq_len and threads == threads_list[-1]:
+                    r = measure_rss(path, threads, args.rss, args.block)
+                    r.update({"geometry": model, "quant": quant})
+                    rss.append(r)
+                    print(f"   RSS, {args.rss}-token prompt in its own process: peak {r['peak_rss_bytes'] / 2**20:.0f} "
+                          f"MiB ({r['file_backed_bytes'] / 2**20:.0f} MiB file-backed weights); anonymous memory grew "
+                          f"{r['anon_growth_bytes'] / 2**20:.0f} MiB (the prompt itself: "
+                          f"{r['prompt_anon_growth_bytes'] / 2**20:.1f} MiB) vs KV cache "
+                          f"{r['kv_cache_bytes'] / 2**20:.0f} MiB + one block's buffers "
+                          f"{r['block_buffers_bytes'] / 2**20:.0f} MiB: "
+                          f"{'within' if r['within_target'] else 'ABOVE'} the target", flush=True)
+    seconds = time.perf_counter() - t_start
+    print(f"# {seconds:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "records": records}, f, indent=1)
+            json.dump({"cpu": cpu, "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:]),
+                       "llama_cpp": llama_version if have_llama else None, "seconds": seconds,
+                       "machine": {str(k): v for k, v in machine.items()}, "records": records, "rss": rss,
+                       "profiles": profiles},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
-    os.makedirs(OUT, exist_ok=True)
-    main()
+    if sys.argv[1:2] == ["--rss-child"]:
+        rss_child(sys.argv[2], *(int(x) for x in sys.argv[3:6]))
+    else:
+        os.makedirs(OUT, exist_ok=True)
+        main()
