@@ -12,11 +12,13 @@ object per array element (18 s for a 150k-token vocabulary).
 Tensors. Q4_0 and Q8_0 are cflow's Q4 and Q8 block for block: they become QTensors with the same
 bytes (bit-exact when compiled at the same --quant). F32, F16 and BF16 become float32 exactly. Every
 other type (K-quants, IQ*, Q5_*, ...) is dequantised with `gguf.quants` and requantised at compile
-time, with a one-line warning of the error that adds. llama.cpp's `llama` architecture stores q/k rows
-in adjacent-pair RoPE order (convert_hf_to_gguf permutes them): the inverse permutation is applied.
+time, with a one-line warning of the error that adds; a type the gguf package cannot dequantise (Q8_K,
+llama.cpp's activation type, which it never stores in files) is refused by tensor name. llama.cpp's
+`llama` architecture stores q/k rows in adjacent-pair RoPE order (convert_hf_to_gguf permutes them):
+the inverse permutation is applied.
 
-Architectures: llama (Llama 1-3, Mistral; rope_freqs / linear / yarn scaling), qwen2 (q/k/v biases),
-qwen2moe (shared gated expert), qwen3 (q/k norms), qwen3moe (same).
+Architectures: llama (Llama 1-3, Mistral; rope_freqs / linear / yarn scaling; Mixtral: merged ffn_*_exps expert
+tensors), qwen2 (q/k/v biases), qwen2moe (shared gated expert), qwen3 (q/k norms), qwen3moe (same).
 Every other architecture is refused by name with the reason.
 
 Tokenizer: `llama` (SentencePiece) vocabularies become a byte-fallback BPE whose merges follow the
@@ -442,12 +444,20 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
         raise GGUFError(f"{f.path}: block {missing[0] - 1} has no feed-forward tensors (blk.{missing[0] - 1}.ffn_gate "
                         "or ffn_gate_inp)")
     if moe:
-        if arch not in ("qwen2moe", "qwen3moe"):
+        if arch not in ("llama", "qwen2moe", "qwen3moe"):
             raise UnsupportedModelError(f"{f.path}: architecture {arch!r} with expert tensors is not modelled")
         E = k("expert_count", int, required=True)
-        kw.update(n_experts=E, top_k=k("expert_used_count", int, required=True),
-                  expert_dim=k("expert_feed_forward_length", int, required=True),
-                  norm_topk=f.get(f"{arch}.expert_weights_norm", bool, arch == "qwen3moe"))
+        # Mixtral ('llama' with experts): convert_hf_to_gguf writes the experts' width as feed_forward_length and no
+        # expert_feed_forward_length; llama.cpp renormalises its top-k weights (as transformers' Mixtral does)
+        llama_moe = arch == "llama"
+        if llama_moe and dense:
+            raise UnsupportedModelError(f"{f.path}: architecture 'llama' mixing dense and expert blocks is not "
+                                        "modelled")
+        edim = k("expert_feed_forward_length", int, None)
+        if edim is None:
+            edim = k("feed_forward_length" if llama_moe else "expert_feed_forward_length", int, required=True)
+        kw.update(n_experts=E, top_k=k("expert_used_count", int, required=True), expert_dim=edim,
+                  norm_topk=f.get(f"{arch}.expert_weights_norm", bool, arch in ("llama", "qwen3moe")))
         shexp = k("expert_shared_feed_forward_length", int, 0)
         if "blk.0.ffn_gate_shexp.weight" in f.tensors:
             kw.update(shared_expert_dim=shexp or f.tensors["blk.0.ffn_gate_shexp.weight"].dims[1],
@@ -535,6 +545,28 @@ def _plan(f: GGUFFile, c: ModelConfig, arch: str, consumed: set) -> dict:
     if missing:
         raise GGUFError(f"{f.path}: no tensor for weight {missing[0]!r} (expected its llama.cpp name)")
     return plan
+
+
+def _check_types(f: GGUFFile, plan: dict) -> None:
+    """Refuse, before anything is compiled, a tensor type the gguf package cannot dequantise (Q8_K: llama.cpp's
+    intermediate type for activations, which its tools never store in a file, has no dequantiser there)."""
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    seen: dict = {}  # type -> whether it dequantises
+    for ld in plan.values():
+        t = ld.t
+        if t.type in (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q8_0):
+            continue
+        if t.type not in seen:
+            block, tsize = gguf.GGML_QUANT_SIZES[t.type]
+            try:  # one all-zero block: every type decodes it (to zeros) if it decodes anything
+                gguf.quants.dequantize(np.zeros((1, tsize), np.uint8), t.type)
+                seen[t.type] = True
+            except NotImplementedError:
+                seen[t.type] = False
+        if not seen[t.type]:
+            raise UnsupportedModelError(f"{f.path}: tensor {t.name!r} (info at offset {t.info_at:#x}) is stored as "
+                                        f"{t.type.name}, which the gguf package cannot dequantise")
 
 
 def _loss_note(f: GGUFFile, plan: dict) -> str | None:
@@ -695,6 +727,7 @@ def from_gguf(path, name: str | None = None, max_seq_len: int | None = None) -> 
     name = name or f.get("general.name", str) or Path(f.path).stem
     config, extra = _config(f, arch, name, max_seq_len)
     plan = _plan(f, config, arch, extra["consumed"])
+    _check_types(f, plan)
     tok, chat, eos = tokenizer_from_gguf(f)
     note = _loss_note(f, plan)
     if note:

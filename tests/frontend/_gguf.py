@@ -52,12 +52,14 @@ def write_gguf(graph, path, arch: str, qtype=None, extra_tensors=None, tokenizer
     w.add_rope_dimension_count(c.head_dim)
     w.add_rope_freq_base(float(c.rope_theta))
     w.add_layer_norm_rms_eps(float(c.norm_eps))
-    if c.ffn_dim:
-        w.add_feed_forward_length(c.ffn_dim)
+    mixtral = arch == "llama" and c.n_experts  # convert_hf_to_gguf: the experts' width as feed_forward_length
+    if c.ffn_dim or mixtral:
+        w.add_feed_forward_length(c.expert_dim if mixtral else c.ffn_dim)
     if c.n_experts:
         w.add_expert_count(c.n_experts)
         w.add_expert_used_count(c.top_k)
-        w.add_expert_feed_forward_length(c.expert_dim)
+        if not mixtral:
+            w.add_expert_feed_forward_length(c.expert_dim)
         if c.shared_expert_dim:
             w.add_expert_shared_feed_forward_length(c.shared_expert_dim)
     for k, v in (metadata or {}).items():
