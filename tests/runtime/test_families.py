@@ -138,14 +138,17 @@ def test_sliding_window_in_a_batch_equals_each_sequence_alone(tmp_path, family):
 
 
 # One matrix over every native family x {f32, f16, q8, q4}, filling the cells the tests above leave out: the quick
-# route (8 tokens: a 4-token prefill through the multi-token body, then 4 decode steps), runtime vs the interpreter on
-# the same stored weights; greedy choices where the margin is clear at q8/q4; f32 also against transformers.
+# route (8 tokens through the decode body alone: the multi-token body is checked per family by the tests above),
+# runtime vs the interpreter on the same stored weights; greedy choices where the margin is clear at q8/q4; f32 also
+# against transformers. f16 is left out for the families that differ from one already in the matrix only in their
+# RoPE tables (the f16 kernels never see RoPE): that kept the whole matrix near a minute on this 2-core host.
+_ROPE_ONLY = {"mistral", "llama3", "llama_linear", "llama_dynamic", "qwen2_yarn", "granite"}
 _COVERED = {(f, "f32") for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3", "phi3")} | {
     (f, "q4") for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3", "qwen2_yarn", "phi3")} | {
-    ("llama3", "q8"), ("granite", "q8")} | {(f, "f32") for f in LEARNT} | {(f, q) for f, qs in LEARNT.items() for q in qs}
+    ("llama3", "q8"), ("granite", "q8")} | {(f, q) for f, qs in LEARNT.items() for q in ("f32", *qs)}
 MATRIX = [(f, q) for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3", "llama_linear", "llama_dynamic",
                            "qwen2", "qwen2_yarn", "phi3", "granite", *LEARNT)
-          for q in ("f32", "f16", "q8", "q4") if (f, q) not in _COVERED]
+          for q in ("f32", "f16", "q8", "q4") if (f, q) not in _COVERED and not (q == "f16" and f in _ROPE_ONLY)]
 
 
 @pytest.mark.parametrize("family, quant", MATRIX, ids=[f"{f}-{q}" for f, q in MATRIX])
@@ -156,7 +159,7 @@ def test_every_family_at_every_quantisation(tmp_path, family, quant):
     ids = np.random.default_rng(7).integers(0, c.graph.config.vocab_size, 8)
     it = Interpreter(c.graph, act_quant="q8" if quant in ("q8", "q4") else None)
     ref = np.concatenate([it.prefill(ids[:4])[-1:]] + [it.step(int(t))[None] for t in ids[4:]])
-    with Session(str(path), threads=2, prefill_block=4) as s:
+    with Session(str(path), threads=2, prefill_block=1) as s:
         got = np.stack([s.prefill(ids[:4])] + [s.step(int(t)).copy() for t in ids[4:]])
     scale = max(1.0, float(np.abs(ref).max()))
     if quant in ("f32", "f16"):  # float weights and activations: only the summation order differs
