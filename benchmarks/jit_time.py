@@ -1,0 +1,124 @@
+"""JIT time of the compiled step against depth, weight sharing and tile rows (issue 14: "JIT time bounded").
+
+    python benchmarks/jit_time.py                    # the table in docs/reliability.md ("Limits")
+    python benchmarks/jit_time.py --json out.json
+
+Each row compiles a tiny model (the presets' `tiny` geometry: d_model 64, 4 heads, 4 experts of 64, vocab 256,
+random weights, q4) with cflowc's lowering, then loads it in a fresh subprocess with an empty program and object
+cache (CFLOW_CACHE_DIR in a new temporary directory), so the whole JIT runs: emitting the step (codegen/step.py),
+LLVM's optimisation and its code generation (codegen/library.py stats). Reported: the IR size of the emitted
+step (lines of LLVM IR), the seconds of each part and the whole cflow.load. One process at a time (run under the
+CPU lock on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# (label, preset, n_layers, n_blocks or None = unshared, tile)
+ROWS = [
+    ("depth", "arch2_4_combined", 4, None, (32, 64)),
+    ("depth", "arch2_4_combined", 8, None, (32, 64)),
+    ("depth", "arch2_4_combined", 16, None, (32, 64)),
+    ("depth", "arch2_4_combined", 32, None, (32, 64)),
+    ("sharing", "arch5_shared", 8, 4, (32, 64)),
+    ("tile rows", "arch2_4_combined", 4, None, (16, 64)),
+    ("tile rows", "arch2_4_combined", 4, None, (128, 64)),
+    ("tile rows", "arch2_4_combined", 4, None, (512, 64)),
+]
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def write_model(path: str, preset: str, n_layers: int, n_blocks: int | None, tile) -> None:
+    import numpy as np
+
+    from cflow.compiler import compile_file
+    from cflow.ir import build_graph
+    from cflow.ir.build import weight_shapes
+    from cflow.models.presets import get_preset
+
+    c = get_preset(preset, "tiny").evolve(n_layers=n_layers, n_blocks=n_blocks or n_layers)
+    rng = np.random.default_rng(0)
+    w = {n: (0.1 * rng.standard_normal(s)).astype(np.float32) for n, s in weight_shapes(c).items()}
+    compile_file(build_graph(c, w, name=c.name), path, "q4", tuple(tile))
+
+
+def measure_one(path: str, prefill_block: int) -> dict:
+    """In this (fresh) process: cflow.load with an empty cache; the step's IR size and the JIT's parts."""
+    import cflow
+    from cflow.codegen import step as step_mod
+
+    emit = []
+    build = step_mod.build_step
+
+    def timed_build(*a, **k):  # the session imports build_step from the module at call time
+        t = time.perf_counter()
+        p = build(*a, **k)
+        emit.append(time.perf_counter() - t)
+        return p
+
+    step_mod.build_step = timed_build
+    t0 = time.perf_counter()
+    m = cflow.load(path, threads=1, prefill_block=prefill_block)
+    total = time.perf_counter() - t0
+    prog = m.session.program.module
+    ir_lines = (prog if isinstance(prog, str) else str(prog)).count("\n")
+    st = m.session.library.stats
+    m.generate([1, 2], max_new_tokens=1)  # the step runs
+    m.close()
+    return {"ir_lines": ir_lines, "emit_s": round(sum(emit), 2), "optimise_s": round(st["optimise_s"], 2),
+            "codegen_s": round(st["codegen_s"], 2), "load_s": round(total, 2), "cache_hit": st["cache_hit"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefill-block", type=int, default=64,
+                    help="tokens per prefill call: 1 = the decode body only; > 1 adds the multi-token body "
+                    "(default 64, what cflow.load uses)")
+    ap.add_argument("--json", metavar="FILE", help="also write the rows to this file (default: stdout only)")
+    ap.add_argument("--one", nargs=2, metavar=("FILE", "PREFILL_BLOCK"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure_one(args.one[0], int(args.one[1]))))
+        return 0
+    print(f"# {cpu_model()}; prefill block {args.prefill_block}; tiny geometry, q4, 1 thread, empty caches")
+    print(f"{'what':<10} {'preset':<17} {'layers':>6} {'blocks':>6} {'tile':>7} {'IR lines':>9} {'emit s':>7} "
+          f"{'opt s':>6} {'codegen s':>9} {'load s':>7}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cflow-jit-") as tmp:
+        for label, preset, n_layers, n_blocks, tile in ROWS:
+            path = os.path.join(tmp, f"{preset}-{n_layers}-{n_blocks}-{tile[0]}x{tile[1]}.vflow")
+            write_model(path, preset, n_layers, n_blocks, tile)
+            env = dict(os.environ, CFLOW_CACHE_DIR=tempfile.mkdtemp(dir=tmp))
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", path, str(args.prefill_block)],
+                                 capture_output=True, text=True, env=env, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            assert not r["cache_hit"], "the cache directory was not empty"
+            r.update(what=label, preset=preset, n_layers=n_layers, n_blocks=n_blocks or n_layers, tile=list(tile))
+            rows.append(r)
+            print(f"{label:<10} {preset:<17} {n_layers:>6} {r['n_blocks']:>6} {tile[0]:>3}x{tile[1]:<3} "
+                  f"{r['ir_lines']:>9} {r['emit_s']:>7} {r['optimise_s']:>6} {r['codegen_s']:>9} {r['load_s']:>7}",
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_model(), "prefill_block": args.prefill_block, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
