@@ -249,7 +249,7 @@ def test_tokenizer_json_byte_level_bpe(tmp_path):
     export_gguf(c.graph, tmp_path / "m.gguf", tokenizer_json=str(tj))
     r = gguf.GGUFReader(tmp_path / "m.gguf")
     toks = _field(r, "tokenizer.ggml.tokens")
-    assert _field(r, "tokenizer.ggml.model") == "gpt2" and _field(r, "tokenizer.ggml.pre") == "default"
+    assert _field(r, "tokenizer.ggml.model") == "gpt2" and _field(r, "tokenizer.ggml.pre") == "gpt-2"
     assert len(toks) == n + 3 and len(set(toks)) == n + 3  # padded with unique unused tokens
     vocab = spec["model"]["vocab"]
     assert all(toks[i] == t for t, i in vocab.items())

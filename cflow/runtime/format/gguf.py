@@ -277,7 +277,9 @@ def _write_tokenizer(w, tokenizer_json, vocab_size: int) -> None:
     else:
         merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
+        # GPT-2's regex, which a ByteLevel pre-tokenizer with use_regex applies (llama.cpp's "default" splits
+        # digits apart: " 3" would become two tokens)
+        w.add_tokenizer_pre("gpt-2")
         w.add_token_list(toks)
         w.add_token_types(types)
         w.add_token_merges(merges)
