@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import CflowError, UnsupportedModelError
 from ..ir import Graph, build_graph, verify, weight_shapes
 from ..ir.config import ModelConfig
-from ..ir.rope import inv_freq, longrope_attention_factor, scaling_label, yarn_attention_factor
+from ..ir.rope import inv_freq, longrope_attention_factor, scaling_dict, scaling_label, yarn_attention_factor
 from .hf_weights import (
     Folds,
     eos_token_ids,
@@ -516,8 +516,15 @@ def _check_rotary(rot, c: ModelConfig) -> None:
             continue
         mine, factor = inv_freq(c.head_dim, theta, scaling, c.rope_dim, c.max_seq_len)
         got = buf.detach().float().numpy()
-        mine = mine[: c.rope_dim // 2]
-        if got.shape != mine.shape or not np.allclose(got, mine, rtol=1e-5, atol=0):
+        wanted = [mine[: c.rope_dim // 2]]
+        sd = scaling_dict(scaling) or {}
+        if sd.get("rope_type") == "longrope":
+            # transformers swaps the buffer between longrope's short and long sets by the length of the last
+            # forward call, so a module holds either; cflow's choice (by the compiled context) is checked by the
+            # frequencies of both sets being the config's
+            short, _ = inv_freq(c.head_dim, theta, scaling, c.rope_dim, int(sd["original_max_position_embeddings"]))
+            wanted.append(short[: c.rope_dim // 2])
+        if not any(got.shape == w.shape and np.allclose(got, w, rtol=1e-5, atol=0) for w in wanted):
             what = scaling_label(scaling) or "default RoPE"
             raise _unsupported(f"model.rotary_emb.{lt}inv_freq",
                                f"does not match {what} with rope_theta={theta:g} over {c.rope_dim} dimensions")
