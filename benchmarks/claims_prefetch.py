@@ -36,25 +36,14 @@ from load import _ticks  # noqa: E402  (CPU time of other processes during a rou
 
 from cflow.codegen import kernels as K  # noqa: E402
 from cflow.codegen.cache import ObjectCache  # noqa: E402
-from cflow.codegen.cgutils import Loop  # noqa: E402
 from cflow.codegen.library import Library  # noqa: E402
-from cflow.codegen.target import host_target  # noqa: E402
+from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 from cflow.layout.quant import DType  # noqa: E402
 from cflow.layout.tile import TileLayout  # noqa: E402
-
-if not hasattr(K, "_Loop"):  # benchmarks/matvec.py::build still names the loop helper by its old name
-    K._Loop = Loop
 
 VARIANTS = {"off": dict(prefetch=0), "t0": dict(prefetch=K.DEFAULT_PREFETCH, prefetch_locality=3),
             "t1": dict(prefetch=K.DEFAULT_PREFETCH, prefetch_locality=2)}
 
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main(argv=None) -> None:

@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+from cflow.codegen.target import cpu_model  # noqa: E402
 from cflow.ir import build_graph  # noqa: E402
 from cflow.layout import DEFAULT_TILE  # noqa: E402
 from cflow.layout.quant import DType  # noqa: E402
@@ -39,13 +40,6 @@ from cflow.passes.pipeline import lower  # noqa: E402
 OUT = os.path.join(HERE, "..", "out", "bench")
 PROMPT = [1, 2, 3, 4]
 
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def static(size: str) -> list[dict]:

@@ -39,24 +39,33 @@ GEOMETRIES = {
 }
 
 
-def build(geometry: str, de: int, out_dir: str) -> str:
-    from cflow.compiler import compile_file
-    from cflow.ir import build_graph
-    from cflow.models import get_preset
-
-    g = dict(GEOMETRIES[geometry])
-    cfg = get_preset("arch2_4_combined", g.pop("preset")).evolve(**g, dense_delay=1, expert_delay=de)
-    path = os.path.join(out_dir, f"expert_tier_{geometry}_de{de}.cflow")
+def compile_random(cfg, path: str, seed: int) -> str:
+    """Compile cfg with fixed random weights (matrices N(0, 0.02), norms 1) to path at Q4, unless it exists."""
     if not os.path.exists(path):
-        rng = np.random.default_rng(de)
+        from cflow.compiler import compile_file
+        from cflow.ir import build_graph
         from cflow.ir.build import weight_shapes
 
-        weights = {n: (rng.standard_normal(s).astype(np.float32) * (0.02 if len(s) == 2 else 1.0)
-                       if len(s) == 2 else np.ones(s, np.float32)) for n, s in weight_shapes(cfg).items()}
+        rng = np.random.default_rng(seed)
+        weights = {n: (rng.standard_normal(s).astype(np.float32) * 0.02 if len(s) == 2 else np.ones(s, np.float32))
+                   for n, s in weight_shapes(cfg).items()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             compile_file(build_graph(cfg, weights, name=cfg.name), path, "q4")
     return path
+
+
+def geometry_config(geometry: str, **edits):
+    """The arch2_4_combined config of a GEOMETRIES entry, with further config edits."""
+    from cflow.models import get_preset
+
+    g = dict(GEOMETRIES[geometry])
+    return get_preset("arch2_4_combined", g.pop("preset")).evolve(**g, **edits)
+
+
+def build(geometry: str, de: int, out_dir: str) -> str:
+    cfg = geometry_config(geometry, dense_delay=1, expert_delay=de)
+    return compile_random(cfg, os.path.join(out_dir, f"expert_tier_{geometry}_de{de}.cflow"), seed=de)
 
 
 def _rss() -> int:
@@ -277,6 +286,8 @@ def run_one(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -
 
 
 def main() -> None:
+    from cflow.codegen.target import cpu_model
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--geometry", choices=list(GEOMETRIES), default="wide", help="model geometry (default wide)")
     ap.add_argument("--delays", default="0,1,2,3", help="expert delays to compile and run (default 0,1,2,3)")
@@ -310,7 +321,7 @@ def main() -> None:
     if args.quick:
         args.geometry, args.tokens, args.reps = "114m", 64, 5
     os.makedirs(args.out_dir, exist_ok=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_model()
     print(f"# {cpu}, {os.cpu_count()} cores; geometry {args.geometry}; {args.threads} threads; {args.tokens} tokens;"
           f" cache = {args.cache_fraction:.0%} of the experts; O_DIRECT reads; median of {args.reps} alternating runs")
     records = []

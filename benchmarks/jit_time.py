@@ -23,6 +23,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from cflow.codegen.target import cpu_model  # noqa: E402
+
 # (label, preset, n_layers, n_blocks or None = unshared, tile)
 ROWS = [
     ("depth", "arch2_4_combined", 4, None, (32, 64)),
@@ -35,13 +37,6 @@ ROWS = [
     ("tile rows", "arch2_4_combined", 4, None, (512, 64)),
 ]
 
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def write_model(path: str, preset: str, n_layers: int, n_blocks: int | None, tile) -> None:

@@ -65,16 +65,6 @@ def stop_load(p: subprocess.Popen | None) -> None:
         p.wait()
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
 
 # --- one measurement, in a child process -----------------------------------------------------------------------
 def _ticks(pids: list[int]) -> tuple[int, int, int]:
@@ -163,6 +153,8 @@ def compiled(name: str) -> str:
 
 # --- the run ----------------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
+    from cflow.codegen.target import cpu_model
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tiny,114m", help=f"comma-separated: {', '.join(MODELS)} or .vflow paths")
     p.add_argument("--load", default="none,spin", help="comma-separated: none, spin, spin-pinned")

@@ -38,7 +38,7 @@ from cflow.codegen import kernels as K  # noqa: E402
 from cflow.codegen.cache import ObjectCache  # noqa: E402
 from cflow.codegen.cgutils import Loop  # noqa: E402
 from cflow.codegen.library import Library  # noqa: E402
-from cflow.codegen.target import host_target  # noqa: E402
+from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 from cflow.layout.quant import DType, quantize, quantize_activation_q8  # noqa: E402
 from cflow.layout.tile import TileLayout, aligned_empty, pack, pack_concat, pack_gate_up  # noqa: E402
 
@@ -122,10 +122,6 @@ LIMIT_CASES = {
     "down_5632_2048": (D, FF, False, 1),  # TinyLlama down: one tile-row = 396 KiB (L2)
 }
 
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
 
 
 def build_repeat(tile, isa, tuning):

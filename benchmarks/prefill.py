@@ -40,6 +40,7 @@ from bandwidth import measure_read_bandwidth  # noqa: E402
 from decode import MODELS, OUT, compiled_model  # noqa: E402
 
 import cflow  # noqa: E402
+from cflow.codegen.target import cpu_model  # noqa: E402
 
 
 def int8_peak(threads: int, seconds: float = 0.5) -> float:
@@ -316,7 +317,7 @@ def main(argv=None) -> None:
         args.quants, args.lengths, args.batches, args.reps, args.steps = "q4", "128,512", "1,4,8", 1, 8
         args.rss = min(args.rss, 512)
     t_start = time.perf_counter()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_model()
     try:
         import llama_cpp
 

@@ -25,39 +25,16 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 
 import numpy as np
 
-GEOMETRIES = {
-    "114m": dict(preset="114m"),
-    "wide": dict(preset="114m", d_model=1024, n_heads=16, n_kv_heads=16, head_dim=64, ffn_dim=8192,
-                 expert_dim=1024, n_layers=8, n_blocks=8, vocab_size=16384),
-}
+# the expert tier's geometries, model builder and RSS reader
+from expert_tier import GEOMETRIES, _peak_rss, compile_random, geometry_config
 
 
 def build(geometry: str, suffix: str, out_dir: str) -> str:
-    from cflow.compiler import compile_file
-    from cflow.ir import build_graph
-    from cflow.ir.build import weight_shapes
-    from cflow.models import get_preset
-
-    g = dict(GEOMETRIES[geometry])
-    cfg = get_preset("arch2_4_combined", g.pop("preset")).evolve(**g)
-    path = os.path.join(out_dir, f"read_ahead_{geometry}{suffix}")
-    if not os.path.exists(path):
-        rng = np.random.default_rng(0)  # the same weights in both files
-        weights = {n: (rng.standard_normal(s).astype(np.float32) * 0.02 if len(s) == 2 else np.ones(s, np.float32))
-                   for n, s in weight_shapes(cfg).items()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            compile_file(build_graph(cfg, weights, name=cfg.name), path, "q4")
-    return path
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+    # the same weights (seed 0) in the .vflow and the .cflow file
+    return compile_random(geometry_config(geometry), os.path.join(out_dir, f"read_ahead_{geometry}{suffix}"), seed=0)
 
 
 def worker(path: str, depth: int, tokens: int, threads: int) -> dict:
@@ -119,6 +96,8 @@ def disk_rate(path: str, chunk: int, n: int = 48) -> tuple[float, float]:
 
 
 def main() -> None:
+    from cflow.codegen.target import cpu_model
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--geometry", choices=list(GEOMETRIES), default="wide", help="model geometry (default wide)")
     ap.add_argument("--depths", default="0,1,2,4", help="read-ahead depths in stages (default 0,1,2,4)")
@@ -138,7 +117,7 @@ def main() -> None:
     if args.quick:
         args.geometry, args.reps = "114m", 2
     os.makedirs(args.out_dir, exist_ok=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_model()
     files = {"vflow": build(args.geometry, ".vflow", args.out_dir),
              "cflow": build(args.geometry, ".cflow", args.out_dir)}
     depths = [int(d) for d in args.depths.split(",")]

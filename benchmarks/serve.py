@@ -425,8 +425,9 @@ def main(argv=None) -> int:
         args.duration, args.drain = 5.0, 30.0
     counts = [int(x) for x in args.clients.split(",")]
     records = []
-    cpu = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True)
-                .stdout.splitlines() if ln.startswith("Model name")), "?")
+    from cflow.codegen.target import cpu_model
+
+    cpu = cpu_model()
     print(f"# cflow serve load test: {cpu}, {len(os.sched_getaffinity(0))} usable cores; server --threads "
           f"{args.threads or 'default'} --max-queue {args.max_queue}; {args.max_tokens} tokens per request, "
           f"{args.duration:g} s per level", flush=True)

@@ -172,6 +172,15 @@ def host_target(cpu: str | None = None, features: str | None = None, *, env: boo
     return Target(triple=llvm.get_process_triple(), cpu=cpu, features=_format_features(base))
 
 
+def cpu_model() -> str:
+    """The host's CPU model as /proc/cpuinfo (and lscpu) name it: recorded beside every benchmark figure."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
+    except OSError:
+        return "unknown CPU"
+
+
 def generic_target() -> Target:
     """The architecture's baseline CPU (SSE2 on x86-64): the portable-kernel path, runnable on any host."""
     return host_target(cpu="generic", features="", env=False)

@@ -80,18 +80,24 @@ def test_budget_below_one_window_is_refused(files, tmp_path):
         cflow.load(dense, experts="disk")
 
 
+def _fail_at(n: int):
+    """A fail_hook (expert tier or weight streamer) whose n-th read raises an I/O error."""
+    calls = 0
+
+    def fail(*_):
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise OSError(5, "Input/output error")
+
+    return fail
+
+
 def test_injected_read_failure_then_usable(files):
     with cflow.load(files["de2"], threads=2) as ram:
         want = _greedy(ram)
     with cflow.load(files["de2"], threads=2, experts="disk", expert_cache_mb=0.5) as m:
-        calls = {"n": 0}
-
-        def fail(key, k):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise OSError(5, "Input/output error")
-
-        m.session.tier.fail_hook = fail
+        m.session.tier.fail_hook = _fail_at(3)
         with pytest.raises(RuntimeFault, match=r"de2.cflow: layer \d+ \(weight block \d+\) expert \d+ \(blocks\.\d+\."
                                                r"moe\.experts\.\d+\.\w+\) at file offset 0x[0-9a-f]+: read failed"):
             _greedy(m)
@@ -252,14 +258,7 @@ def test_streamer_injected_read_failure_then_usable(dense_files):
     with cflow.load(path, threads=1) as ram:
         want = _greedy(ram)
     with cflow.load(path, threads=1, weights="disk", read_ahead=2) as m:
-        calls = {"n": 0}
-
-        def fail(stage, k):
-            calls["n"] += 1
-            if calls["n"] == 7:
-                raise OSError(5, "Input/output error")
-
-        m.session.streamer.fail_hook = fail
+        m.session.streamer.fail_hook = _fail_at(7)
         with pytest.raises(WeightReadError, match=r"stage \d+ weights \(blocks\.\d.*\) at file offset 0x[0-9a-f]+: "
                                                   r"read failed: Input/output error"):
             _greedy(m)
