@@ -21,13 +21,12 @@ import json
 import os
 import statistics
 import sys
-import time
-
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+
+from decode import time_decode  # noqa: E402
 
 from cflow.codegen.target import cpu_model  # noqa: E402
 from cflow.ir import build_graph  # noqa: E402
@@ -74,16 +73,7 @@ def compiled(name: str, size: str) -> str:
 
 
 def tok_s(m, tokens: int) -> float:
-    s = m.session
-    best = 0.0
-    for _ in range(3):
-        s.reset()
-        logits = s.prefill(PROMPT)
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            logits = s.step(int(np.argmax(logits)))
-        best = max(best, tokens / (time.perf_counter() - t0))
-    return best
+    return time_decode(m, PROMPT, tokens, reps=3)  # benchmarks/decode.py's best-of-reps greedy decode
 
 
 def main(argv=None) -> None:
