@@ -123,7 +123,7 @@ class ScratchLayout:
     xd: int = 0  # f32[tmax][kmax/32]: block scales
     xs: int = 0  # i32[tmax][kmax/32]: block code sums
     tmp: int = 0  # f32[dp]: one expert's down output before its weighted add
-    scores: int = 0  # f32[max_seq]: attention scores of one head
+    scores: int = 0  # f32[max_seq + 2 * 16]: attention scores of one head (exp runs 16 lanes past the last)
     probs: int = 0  # f32[n_experts]: router probabilities
     route: int = 0  # [tmax][layer 0..n_layers]: i32 idx[k], f32 w[k], f32 shared gate
     # A multi-token call of an MoE model groups the block's tokens by the expert they chose, so each chosen
@@ -157,7 +157,7 @@ class ScratchLayout:
         self.xd = take(self.tmax * self.token_bytes("xd"))
         self.xs = take(self.tmax * self.token_bytes("xs"))
         self.tmp = take(4 * self.dp)
-        self.scores = take(4 * self.max_seq)
+        self.scores = take(4 * (self.max_seq + 32))  # ops.ATT_LANES of slack past the end (and a window's start)
         self.probs = take(4 * max(self.n_experts, 1))
         self.route = take(self.tmax * self.token_bytes("route"))
         if self.grouped:

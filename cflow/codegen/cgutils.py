@@ -4,6 +4,7 @@ allocas, intrinsics and libc/syscall declarations, vector idioms. Pure llvmlite.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from llvmlite import ir
@@ -154,6 +155,45 @@ def softcap(b: ir.IRBuilder, x, cap: float):
     exp = intrinsic(b.module, "llvm.exp.f32", f32, [f32])
     e = b.call(exp, [b.fmul(x, cf(2.0 / cap))])
     return b.fmul(cf(cap), b.fsub(cf(1.0), b.fdiv(cf(2.0), b.fadd(e, cf(1.0)))))
+
+
+def exp_vec(b: ir.IRBuilder, x):
+    """exp(x) for a <n x float>, in plain IEEE ops (no libm call, no FMA: the same bits on every ISA).
+
+    Cody-Waite: x = k ln2 + r, |r| <= ln2/2, k rounded to nearest by the 1.5 * 2^23 trick; exp(r) by Cephes'
+    polynomial for expf (max error ~1 ulp on [-ln2/2, ln2/2]); 2^k built in the exponent field. Accurate for
+    -87.33 <= x <= 88 (the softmax passes x <= 0); below, and -inf (masked lanes), exactly 0; above 88, +inf
+    once 2^k overflows; NaN stays NaN.
+    """
+    n = x.type.count
+    fv, iv = V(f32, n), V(i32, n)
+
+    def k(v):
+        return const_vec(f32, n, v)
+
+    xc = b.select(b.fcmp_ordered(">", x, k(88.72283)), k(88.72283), x)
+    xc = b.select(b.fcmp_ordered("<", xc, k(-87.33654)), k(-87.33654), xc)
+    magic = k(12582912.0)  # 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits
+    kf = b.fsub(b.fadd(b.fmul(xc, k(1.44269504088896341)), magic), magic)
+    r = b.fsub(b.fsub(xc, b.fmul(kf, k(0.693359375))), b.fmul(kf, k(-2.12194440e-4)))
+    z = b.fmul(r, r)
+    p = k(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = b.fadd(b.fmul(p, r), k(c))
+    y = b.fadd(b.fadd(b.fmul(p, z), r), k(1.0))
+    scale = b.bitcast(b.shl(b.add(b.fptosi(kf, iv), const_vec(i32, n, 127)), const_vec(i32, n, 23)), fv)
+    y = b.fmul(y, scale)
+    y = b.select(b.fcmp_ordered("<", x, k(-87.33654)), k(0.0), y)
+    y = b.select(b.fcmp_ordered(">", x, k(88.72283)), k(math.inf), y)
+    return b.select(b.fcmp_unordered("uno", x, x), x, y)
+
+
+def hsum(b: ir.IRBuilder, v):
+    """The lanes of a <n x float> (n a power of two) summed by a fixed halving tree: (v[:n/2] + v[n/2:]) ..."""
+    while v.type.count > 1:
+        h = v.type.count // 2
+        v = b.fadd(shuffle(b, v, range(h)), shuffle(b, v, range(h, 2 * h)))
+    return b.extract_element(v, c32(0))
 
 
 # -- control flow --------------------------------------------------------------------------------

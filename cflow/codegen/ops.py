@@ -17,12 +17,16 @@ from .abi import FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE, BarrierWord, CtlWord, s
 from .cgutils import (
     Loop,
     P,
+    V,
     alloca_once,
     c32,
     c64,
     cf,
+    const_vec,
+    exp_vec,
     f32,
     half_to_float,
+    hsum,
     i8,
     i32,
     i64,
@@ -30,6 +34,7 @@ from .cgutils import (
     intrinsic,
     pause,
     softcap,
+    splat,
     syscall,
 )
 from .target import ISA
@@ -276,7 +281,10 @@ def sigmoid_dot(m: ir.Module, d: int):
 
     return internal_function(m, ("sigmoid_dot", d), (P(f32), P(f32), P(f32)), build)
 
-def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
+ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is padded by this much (abi.py)
+
+
+def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: str):
     """Single-token GQA over the cache for kv heads [g0, g1): bias, q/k norms, RoPE, cache write, softmax(qK)V.
 
     q/k norms (n.qk_norm) are RMSNorms of (projection + bias) before RoPE, weights qn/kn: 'head' normalises each
@@ -284,6 +292,12 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
     thread takes over all heads itself (the projection is whole after the QKV stage: no barrier).
     n.softcap caps the scores (Gemma 2); n.window > 0 attends to the last `window` positions only (the cache
     keeps every position: only the loops start later), the same function for decode, prefill and batches.
+
+    The core is vectorised in a fixed order, so a token's output depends only on its inputs and position:
+    q.k in W = gcd(head_dim, 16)-lane chunks (products summed chunk-pairwise, then the lanes by a halving
+    tree); exp over ATT_LANES scores at a time (cgutils.exp_vec), their sum lane-wise then by the tree; the
+    weighted V sum in W-lane accumulators, one position after another. FMA where the ISA has it (one
+    rounding per multiply-add), separate multiply and add on the generic path.
     """
     H, KV, hd = n.n_heads, n.n_kv_heads, n.head_dim
     rep, half = H // KV, hd // 2
@@ -292,12 +306,22 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
     bias = n.bias
     qk_norm = n.qk_norm
     window = n.window  # a sliding window (Gemma 2/3, Mistral): attend to positions [pos - window + 1, pos] only
+    W = math.gcd(hd, 16)
+    nc = hd // W
+    vt, L = V(f32, W), ATT_LANES
+    fma = isa != ISA.GENERIC
 
     def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):
-        expf = intrinsic(m, "llvm.exp.f32", f32, [f32])
         sqrt = intrinsic(m, "llvm.sqrt.f32", f32, [f32])
+        vfma = intrinsic(m, f"llvm.fma.v{W}f32", vt, [vt, vt, vt])
         qr = b.bitcast(alloca_once(b, ir.ArrayType(f32, hd)), P(f32))
         row = b.mul(pos, c64(half))
+
+        def madd(x, y, acc):  # acc + x * y
+            return b.call(vfma, [x, y, acc]) if fma else b.fadd(b.fmul(x, y), acc)
+
+        def vload(base, i):
+            return b.load(b.bitcast(b.gep(base, [i]), P(vt)), align=4)
 
         def biased(src, bsrc, i):
             x = b.load(b.gep(src, [i]))
@@ -332,11 +356,24 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
                 return b.gep(w, [off]), proj_inv
             return None
 
+        def tree(vals):  # pairwise sum of a list of vectors, a fixed shape
+            while len(vals) > 1:
+                vals = [b.fadd(vals[j], vals[j + 1]) if j + 1 < len(vals) else vals[j] for j in range(0, len(vals), 2)]
+            return vals[0]
+
         q_inv = k_inv = None
         if qk_norm == "proj":
             q_inv = inv_rms(b.gep(qkv, [c64(qo)]), bq, H * hd)
             k_inv = inv_rms(b.gep(qkv, [c64(ko)]), bk, KV * hd)
 
+        npos = b.add(pos, c64(1))
+        start = c64(0)
+        if window:  # max(0, pos + 1 - window): the oldest position still inside the window
+            lo = b.sub(npos, c64(window))
+            start = b.select(b.icmp_signed(">", lo, c64(0)), lo, c64(0))
+        lane = ir.Constant(V(i64, L), list(range(L)))
+        mx, tot = alloca_once(b, f32), alloca_once(b, V(f32, L))
+        accs = [alloca_once(b, vt) for _ in range(nc)]
         with Loop(b, g0, g1, "g") as g:
             goff = b.mul(g, c64(hd))
             cache_off = b.add(b.mul(pos, c64(KV * hd)), goff)
@@ -352,46 +389,43 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int]):
                 hoff = b.mul(h, c64(hd))
                 qsrc, qb = b.gep(qkv, [b.add(c64(qo), hoff)]), b.gep(bq, [hoff]) if bias else None
                 rope_into(qsrc, qb, qr, norm_of(hoff, qsrc, qb, qn, q_inv))
-                mx = alloca_once(b, f32)
+                q = [vload(qr, c64(c * W)) for c in range(nc)]
                 b.store(cf(-math.inf), mx)
-                npos = b.add(pos, c64(1))
-                start = c64(0)
-                if window:  # max(0, pos + 1 - window): the oldest position still inside the window
-                    lo = b.sub(npos, c64(window))
-                    start = b.select(b.icmp_signed(">", lo, c64(0)), lo, c64(0))
-                with Loop(b, start, npos, "s") as s:
+                with Loop(b, start, npos, "s") as s:  # scores[s] = q.k_s * scale
                     kp = b.gep(kc, [b.add(b.mul(s, c64(KV * hd)), goff)])
-                    acc = alloca_once(b, f32)
-                    b.store(cf(0.0), acc)
-                    with Loop(b, c64(0), c64(hd), "qk") as i:
-                        b.store(b.fadd(b.load(acc), b.fmul(b.load(b.gep(qr, [i])), b.load(b.gep(kp, [i])))), acc)
-                    sc = b.fmul(b.load(acc), cf(scale))
+                    sc = b.fmul(hsum(b, tree([b.fmul(q[c], vload(kp, c64(c * W))) for c in range(nc)])), cf(scale))
                     if n.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax
                         sc = softcap(b, sc, n.softcap)
                     b.store(sc, b.gep(scores, [s]))
                     b.store(b.select(b.fcmp_ordered(">", sc, b.load(mx)), sc, b.load(mx)), mx)
-                tot = alloca_once(b, f32)
-                b.store(cf(0.0), tot)
-                with Loop(b, start, npos, "ex") as s:
-                    p = b.call(expf, [b.fsub(b.load(b.gep(scores, [s])), b.load(mx))])
-                    b.store(p, b.gep(scores, [s]))
+                # exp(scores - max), ATT_LANES at a time; lanes past pos are masked to -inf (exp gives 0)
+                b.store(const_vec(f32, L, 0.0), tot)
+                nchunk = b.udiv(b.add(b.sub(npos, start), c64(L - 1)), c64(L))
+                m_v = splat(b, b.load(mx), L)
+                with Loop(b, c64(0), nchunk, "ex") as j:
+                    s0 = b.add(start, b.mul(j, c64(L)))
+                    sp = b.bitcast(b.gep(scores, [s0]), P(V(f32, L)))
+                    live = b.icmp_signed("<", b.add(splat(b, s0, L), lane), splat(b, npos, L))
+                    x = b.select(live, b.fsub(b.load(sp, align=4), m_v), const_vec(f32, L, -math.inf))
+                    p = exp_vec(b, x)
+                    b.store(p, sp, align=4)
                     b.store(b.fadd(b.load(tot), p), tot)
-                out = b.gep(att, [hoff])
-                with Loop(b, c64(0), c64(hd), "oz") as i:
-                    b.store(cf(0.0), b.gep(out, [i]))
-                with Loop(b, start, npos, "pv") as s:
-                    p = b.load(b.gep(scores, [s]))
+                inv = b.fdiv(cf(1.0), hsum(b, b.load(tot)))
+                for a in accs:
+                    b.store(const_vec(f32, W, 0.0), a)
+                with Loop(b, start, npos, "pv") as s:  # out += p_s * v_s
+                    p = splat(b, b.load(b.gep(scores, [s])), W)
                     vp = b.gep(vc, [b.add(b.mul(s, c64(KV * hd)), goff)])
-                    with Loop(b, c64(0), c64(hd), "ov") as i:
-                        o = b.gep(out, [i])
-                        b.store(b.fadd(b.load(o), b.fmul(p, b.load(b.gep(vp, [i])))), o)
-                inv = b.fdiv(cf(1.0), b.load(tot))
-                with Loop(b, c64(0), c64(hd), "on") as i:
-                    o = b.gep(out, [i])
-                    b.store(b.fmul(b.load(o), inv), o)
+                    for c, a in enumerate(accs):
+                        b.store(madd(p, vload(vp, c64(c * W)), b.load(a)), a)
+                out = b.gep(att, [hoff])
+                iv = splat(b, inv, W)
+                for c, a in enumerate(accs):
+                    b.store(b.fmul(b.load(a), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
         b.ret_void()
 
-    key = ("attn", H, KV, hd, qo, ko, vo, int(bias)) + ((qk_norm, _flt(n.eps)) if qk_norm else ()) + (
+    key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul") + (
+        (qk_norm, _flt(n.eps)) if qk_norm else ()) + (
         (f"cap{_flt(n.softcap)}",) if n.softcap else ()) + ((f"win{window}",) if window else ())
     return internal_function(m, key, (P(f32),) * 12 + (i64, i64, i64), build)
 

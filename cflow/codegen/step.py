@@ -395,7 +395,7 @@ class _Emitter:
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
                 kc, vc = b.gep(kv, [b.add(slot_off, c64((layer - 1) * 2 * per))]), \
                     b.gep(kv, [b.add(slot_off, c64(((layer - 1) * 2 + 1) * per))])
-            b.call(O.attention(self.m, n, tuple(offs)),
+            b.call(O.attention(self.m, n, tuple(offs), self.isa),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
                     cos, sin, self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])

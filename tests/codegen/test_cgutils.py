@@ -1,0 +1,77 @@
+"""The vector math helpers the attention core is built from (codegen/cgutils.py): exp_vec against numpy over its
+whole range and its edges, and hsum's fixed halving order, on the host and on the generic (SSE2) target."""
+
+import ctypes
+
+import numpy as np
+import pytest
+from llvmlite import ir
+
+from cflow.codegen.cgutils import P, V, exp_vec, f32, hsum, i64
+from cflow.codegen.library import compile_ir
+from cflow.codegen.target import generic_target, host_target
+
+TARGETS = {"host": host_target(env=False), "generic": generic_target()}
+
+
+def _kernel(target, n=16):
+    """f(x, y, count): y[i*n:(i+1)*n] = exp_vec(x[...]) over count vectors; returns the last vector's hsum too."""
+    m = ir.Module(name="cg")
+    m.triple = target.triple
+    fn = ir.Function(m, ir.FunctionType(f32, [P(f32), P(f32), i64]), "f")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    x, y, count = fn.args
+    loop, done = fn.append_basic_block("loop"), fn.append_basic_block("done")
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(i64)
+    i.add_incoming(ir.Constant(i64, 0), fn.entry_basic_block)
+    off = b.mul(i, ir.Constant(i64, n))
+    v = b.load(b.bitcast(b.gep(x, [off]), P(V(f32, n))), align=4)
+    b.store(exp_vec(b, v), b.bitcast(b.gep(y, [off]), P(V(f32, n))), align=4)
+    s = hsum(b, v)
+    nxt = b.add(i, ir.Constant(i64, 1))
+    i.add_incoming(nxt, loop)
+    b.cbranch(b.icmp_signed("<", nxt, count), loop, done)
+    b.position_at_end(done)
+    b.ret(s)
+    lib = compile_ir(m, target=target, cache=False)
+    return lib, lib.get_cfunc("f", ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_exp_vec_matches_numpy(name):
+    lib, f = _kernel(TARGETS[name])
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-87.3, 88.0, 16 * 4000), np.linspace(-20, 0, 16 * 100)]).astype(np.float32)
+    y = np.empty_like(x)
+    f(x.ctypes.data, y.ctypes.data, len(x) // 16)
+    ref = np.exp(x.astype(np.float64))
+    rel = np.abs(y - ref) / ref
+    assert rel.max() < 3e-7  # ~2 ulp of f32
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_exp_vec_edges(name):
+    lib, f = _kernel(TARGETS[name])
+    x = np.array([-np.inf, -1e30, -87.34, -87.33, 0.0, -0.0, 1.0, 88.0, 89.0, np.inf, np.nan, -np.nan,
+                  -1e-30, 1e-30, -0.5, 0.5], np.float32)
+    y = np.empty_like(x)
+    f(x.ctypes.data, y.ctypes.data, 1)
+    assert y[0] == 0.0 and y[1] == 0.0 and y[2] == 0.0  # below the smallest normal result: exactly 0
+    assert y[3] > 0 and abs(y[3] / np.exp(np.float64(x[3])) - 1) < 3e-7
+    assert y[4] == 1.0 and y[5] == 1.0 and y[12] == 1.0 and y[13] == 1.0
+    assert abs(y[6] / np.e - 1) < 3e-7 and np.isfinite(y[7])
+    assert y[8] == np.inf and y[9] == np.inf and np.isnan(y[10]) and np.isnan(y[11])
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_hsum_is_a_fixed_halving_tree(name):
+    lib, f = _kernel(TARGETS[name])
+    v = np.array([1e8, 1.0, -1e8, 3.0, 0.25, 7.0, 1e-3, -2.0, 5.0, 1e7, 0.5, -1e7, 2.0, 1.5, -0.75, 9.0], np.float32)
+    y = np.empty_like(v)
+    want = v.copy()
+    while len(want) > 1:
+        h = len(want) // 2
+        want = (want[:h] + want[h:]).astype(np.float32)
+    assert f(v.ctypes.data, y.ctypes.data, 1) == want[0]
