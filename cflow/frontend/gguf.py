@@ -18,8 +18,12 @@ llama.cpp's activation type, which it never stores in files) is refused by tenso
 the inverse permutation is applied.
 
 Architectures: llama (Llama 1-3, Mistral; rope_freqs / linear / yarn scaling; Mixtral: merged ffn_*_exps expert
-tensors), qwen2 (q/k/v biases), qwen2moe (shared gated expert), qwen3 (q/k norms), qwen3moe (same).
-Every other architecture is refused by name with the reason.
+tensors), qwen2 (q/k/v biases), qwen2moe (shared gated expert), qwen3 (q/k norms), qwen3moe (same), gemma /
+gemma2 / gemma3 (norms stored as 1 + w by the converter; the sqrt(d) embedding scale, soft-caps, sliding-window
+pattern and local RoPE base as llama.cpp fixes them), phi3 (fused attn_qkv and gate+up ffn_up split by rows,
+partial rotary, longrope factor tensors), olmoe (whole-projection q/k norms, no top-k renormalisation), granite
+(embedding / residual / attention / logit scales from the metadata, folded into the weights). Every other
+architecture is refused by name with the reason.
 
 Tokenizer: `llama` (SentencePiece) vocabularies become a byte-fallback BPE whose merges follow the
 scores, `gpt2` ones a byte-level BPE with the file's merges and the pre-tokeniser regex its
@@ -43,6 +47,7 @@ from ..ir import Graph, build_graph, verify, weight_shapes
 from ..ir.config import ModelConfig
 from ..ir.rope import yarn_attention_factor
 from ..layout.quant import BLOCK, DType, QTensor, dequantize, quantize
+from .hf_weights import partial_rotary_permutation
 from .tensors import LazyWeights
 
 MAGIC = b"GGUF"
@@ -61,15 +66,9 @@ STRING, ARRAY = 8, 9
 _TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
                8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
 
-ARCHS = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
-_PERMUTED = ("llama",)  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs whose converter reorders q/k rows
+ARCHS = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "phi3", "olmoe", "granite")
+_PERMUTED = ("llama", "granite")  # llama.cpp's LLAMA_ROPE_TYPE_NORM archs whose converter reorders q/k rows
 _REFUSED = {
-    "gemma": "Gemma GGUFs are not read yet (the IR models Gemma: compile its Hugging Face directory)",
-    "gemma2": "Gemma 2 GGUFs are not read yet (the IR models Gemma 2: compile its Hugging Face directory)",
-    "gemma3": "Gemma 3 GGUFs are not read yet (the IR models Gemma 3: compile its Hugging Face directory)",
-    "phi3": "Phi-3 GGUFs (fused attn_qkv, rope factor tensors) are not read yet: compile the Hugging Face directory",
-    "olmoe": "OLMoE GGUFs are not read yet: compile the Hugging Face directory",
-    "granite": "Granite GGUFs (multipliers in the metadata) are not read yet: compile the Hugging Face directory",
     "deepseek2": "multi-head latent attention is not modelled",
     "mamba": "state-space models are not modelled",
     "rwkv6": "RWKV is not modelled",
@@ -328,11 +327,15 @@ def _rope_unpermute(n_heads: int, head_dim: int) -> np.ndarray:
 
 
 class _Loader:
-    """Loads one IR weight from the file: the whole tensor, or expert `e` of a 3-D one; 1-D weights may be
-    reshaped (the shared-expert gate [d] -> [1, d])."""
+    """Loads one IR weight from the file: the whole tensor, expert `e` of a 3-D one, or a block of rows of a fused
+    2-D one (Phi-3's attn_qkv and gate+up ffn_up); 1-D weights may be reshaped (the shared-expert gate [d] -> [1, d]);
+    rows may be reordered (perm) and a folded scalar multiplied in (scale: Gemma's embedding scale, Granite's
+    multipliers; a Q4_0/Q8_0 tensor that is scaled is dequantised first, so it is requantised, not copied)."""
 
-    def __init__(self, f: GGUFFile, t: _Tensor, expert: int | None = None, perm=None, shape=None):
-        self.f, self.t, self.expert, self.perm, self.shape = f, t, expert, perm, shape
+    def __init__(self, f: GGUFFile, t: _Tensor, expert: int | None = None, perm=None, shape=None, rows=None,
+                 scale: float = 1.0):
+        self.f, self.t, self.expert, self.perm, self.shape, self.rows, self.scale = \
+            f, t, expert, perm, shape, rows, scale
 
     def __call__(self):
         gguf = _gguf()
@@ -340,12 +343,16 @@ class _Loader:
         Q = gguf.GGMLQuantizationType
         block, tsize = gguf.GGML_QUANT_SIZES[t.type]
         cols = t.dims[0]
+        row_bytes = (cols // block) * tsize
         rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
         start = 0
         if self.expert is not None:  # one expert of [E, rows_e, cols]
             rows = t.dims[1]
-            start = self.expert * rows * (cols // block) * tsize
-        raw = f.raw(t, start, rows * (cols // block) * tsize)
+            start = self.expert * rows * row_bytes
+        if self.rows is not None:  # rows [r0, r0 + n) of a fused [rows, cols] tensor
+            r0, rows = self.rows
+            start += r0 * row_bytes
+        raw = f.raw(t, start, rows * row_bytes)
         if t.type == Q.Q4_0 or t.type == Q.Q8_0:
             w = _qtensor(raw, rows, cols, DType.Q4 if t.type == Q.Q4_0 else DType.Q8)
         elif t.type == Q.F32:
@@ -362,6 +369,8 @@ class _Loader:
                                 "package") from None
         if len(t.dims) == 1 or (self.shape is not None and len(self.shape) == 1):
             w = dequantize(w).reshape(-1)
+        if self.scale != 1.0:
+            w = (dequantize(w) * np.float32(self.scale)).astype(np.float32)
         w = _permute_rows(w, self.perm)
         if self.shape is not None and not isinstance(w, QTensor):
             w = w.reshape(self.shape)
@@ -369,7 +378,14 @@ class _Loader:
 
 
 # --- architecture -> config ------------------------------------------------------------------------
+_GEMMA = ("gemma", "gemma2", "gemma3")
+_SWA = {"gemma2": 2, "gemma3": 6}  # llama.cpp's set_swa_pattern(n): layer il slides when il % n < n - 1
+_BIG_GEMMA = {"gemma2": 46, "gemma3": 62}  # the 27B layer counts: llama.cpp scales q by 1/sqrt(d / H) there
+
+
 def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple[ModelConfig, dict]:
+    """ModelConfig from the metadata, as llama.cpp reads it for `arch`, and the extras the weight plan needs:
+    'consumed' (tensors turned into config, e.g. RoPE factors) and 'folds' (scalars folded into the weights)."""
     def k(key, kind, default=None, required=False):
         return f.get(f"{arch}.{key}", kind, default, required)
 
@@ -399,10 +415,20 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
     hd = k("attention.key_length", int, d // H)
     if k("attention.value_length", int, hd) != hd:
         raise UnsupportedModelError(f"{f.path}: '{arch}.attention.value_length' != key_length: not modelled")
+    kw: dict = {}
+    consumed: set = set()
     rope_dim = k("rope.dimension_count", int, hd)
     if rope_dim != hd:
-        raise UnsupportedModelError(f"{f.path}: '{arch}.rope.dimension_count'={rope_dim} < head dim {hd}: partial "
-                                    "rotary embeddings are not read from GGUF yet")
+        if arch in _PERMUTED:
+            raise UnsupportedModelError(f"{f.path}: '{arch}.rope.dimension_count'={rope_dim} < head dim {hd}: partial "
+                                        f"rotary embeddings in {arch!r}'s adjacent-pair row order are not read")
+        if not (2 <= rope_dim < hd and rope_dim % 2 == 0):
+            raise GGUFError(f"{f.path}: metadata '{arch}.rope.dimension_count'={rope_dim}: expected an even count "
+                            f"up to the head dim {hd}")
+        kw["rope_dim"] = rope_dim  # NEOX order, as Hugging Face's: the rows are reordered in the plan
+    if arch == "granite" and f.get("granite.rope.scaling.finetuned", bool, True) is False:
+        raise UnsupportedModelError(f"{f.path}: 'granite.rope.scaling.finetuned'=false: attention without RoPE is "
+                                    "not modelled")
     eps = k("attention.layer_norm_rms_epsilon", float, required=True)
     theta = k("rope.freq_base", float, 10000.0)
     ctx_file = k("context_length", int, MAX_CONTEXT)
@@ -410,7 +436,6 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
     emb = f.tensors.get("token_embd.weight")
     if emb is None or len(emb.dims) != 2 or emb.dims[0] != d:
         raise GGUFError(f"{f.path}: tensor 'token_embd.weight' missing or not [vocab, {d}]")
-    kw: dict = {}
     stype = k("rope.scaling.type", str, "none")
     if stype == "linear":
         kw["rope_scaling"] = {"rope_type": "linear", "factor": k("rope.scaling.factor", float, required=True)}
@@ -418,23 +443,45 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
         factor = k("rope.scaling.factor", float, required=True)
         orig = k("rope.scaling.original_context_length", int, required=True)
         kw["rope_scaling"] = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
-                              "attention_factor": k("rope.scaling.attn_factor", float, yarn_attention_factor(factor))}
+                              "attention_factor": k("rope.scaling.attn_factor", float, yarn_attention_factor(factor)),
+                              "beta_fast": k("rope.scaling.yarn_beta_fast", float, 32.0),
+                              "beta_slow": k("rope.scaling.yarn_beta_slow", float, 1.0)}
     elif stype != "none":
         raise UnsupportedModelError(f"{f.path}: '{arch}.rope.scaling.type'={stype!r} is not modelled "
                                     "(none, linear, yarn)")
+
+    def factors(t: _Tensor) -> list[float]:
+        if t.dims != (rope_dim // 2,):
+            raise GGUFError(f"{f.path}: tensor {t.name!r} at offset {t.info_at:#x}: dims {t.dims}, expected "
+                            f"({rope_dim // 2},)")
+        out = [float(x) for x in np.asarray(_Loader(f, t)(), np.float64).reshape(-1)]
+        if not all(x > 0 and np.isfinite(x) for x in out):
+            raise GGUFError(f"{f.path}: tensor {t.name!r}: factors must be positive")
+        consumed.add(t.name)
+        return out
+
     rf = f.tensors.get("rope_freqs.weight")
+    long_, short = f.tensors.get("rope_factors_long.weight"), f.tensors.get("rope_factors_short.weight")
+    if (rf is not None or long_ is not None or short is not None) and "rope_scaling" in kw:
+        raise UnsupportedModelError(f"{f.path}: RoPE factor tensors together with '{arch}.rope.scaling.type'")
     if rf is not None:  # Llama 3.1+: per-frequency divisors, i.e. longrope with one factor set and no attention factor
-        if "rope_scaling" in kw:
-            raise UnsupportedModelError(f"{f.path}: rope_freqs.weight together with '{arch}.rope.scaling.type'")
-        if rf.dims != (hd // 2,):
-            raise GGUFError(f"{f.path}: tensor 'rope_freqs.weight' at offset {rf.info_at:#x}: dims {rf.dims}, "
-                            f"expected ({hd // 2},)")
-        factors = [float(x) for x in np.asarray(_Loader(f, rf)(), np.float64).reshape(-1)]
-        if not all(x > 0 and np.isfinite(x) for x in factors):
-            raise GGUFError(f"{f.path}: tensor 'rope_freqs.weight': factors must be positive")
-        kw["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors, "long_factor": factors,
+        fs = factors(rf)
+        kw["rope_scaling"] = {"rope_type": "longrope", "short_factor": fs, "long_factor": fs,
                               "original_max_position_embeddings": max(ctx, 1), "attention_factor": 1.0}
-    dense = [i + 1 for i in range(L) if f"blk.{i}.ffn_gate.weight" in f.tensors]
+    elif long_ is not None or short is not None:  # Phi-3 longrope: short factors up to the original context
+        if long_ is None or short is None:
+            raise GGUFError(f"{f.path}: only one of rope_factors_long.weight / rope_factors_short.weight")
+        orig = k("rope.scaling.original_context_length", int, required=True)
+        kw["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors(short), "long_factor": factors(long_),
+                              "original_max_position_embeddings": orig,
+                              "attention_factor": k("rope.scaling.attn_factor", float, 1.0)}
+        if ctx > orig:
+            warnings.warn(f"{f.path}: longrope uses its long factors at every position for a context of {ctx} > "
+                          f"{orig} tokens, as llama.cpp does (transformers uses the short ones for shorter "
+                          f"sequences; compile with max_seq_len <= {orig} for them)", stacklevel=3)
+    fused_up = arch == "phi3"  # Phi-3's ffn_up holds the gate rows, then the up rows (llama.cpp's SWIGLU split)
+    dense = [i + 1 for i in range(L) if f"blk.{i}.ffn_gate.weight" in f.tensors
+             or (fused_up and f"blk.{i}.ffn_up.weight" in f.tensors)]
     moe = [i + 1 for i in range(L) if f"blk.{i}.ffn_gate_inp.weight" in f.tensors]
     both = sorted(set(dense) & set(moe))
     if both:
@@ -444,20 +491,22 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
         raise GGUFError(f"{f.path}: block {missing[0] - 1} has no feed-forward tensors (blk.{missing[0] - 1}.ffn_gate "
                         "or ffn_gate_inp)")
     if moe:
-        if arch not in ("llama", "qwen2moe", "qwen3moe"):
+        if arch not in ("llama", "qwen2moe", "qwen3moe", "olmoe"):
             raise UnsupportedModelError(f"{f.path}: architecture {arch!r} with expert tensors is not modelled")
         E = k("expert_count", int, required=True)
-        # Mixtral ('llama' with experts): convert_hf_to_gguf writes the experts' width as feed_forward_length and no
-        # expert_feed_forward_length; llama.cpp renormalises its top-k weights (as transformers' Mixtral does)
-        llama_moe = arch == "llama"
-        if llama_moe and dense:
+        # Mixtral ('llama' with experts) and OLMoE: convert_hf_to_gguf writes the experts' width as
+        # feed_forward_length and no expert_feed_forward_length; llama.cpp renormalises Mixtral's top-k weights
+        # (as transformers does), never OLMoE's (its graph passes norm_w = false whatever the metadata says)
+        width_is_ff = arch in ("llama", "olmoe")
+        if arch == "llama" and dense:
             raise UnsupportedModelError(f"{f.path}: architecture 'llama' mixing dense and expert blocks is not "
                                         "modelled")
         edim = k("expert_feed_forward_length", int, None)
         if edim is None:
-            edim = k("feed_forward_length" if llama_moe else "expert_feed_forward_length", int, required=True)
-        kw.update(n_experts=E, top_k=k("expert_used_count", int, required=True), expert_dim=edim,
-                  norm_topk=f.get(f"{arch}.expert_weights_norm", bool, arch in ("llama", "qwen3moe")))
+            edim = k("feed_forward_length" if width_is_ff else "expert_feed_forward_length", int, required=True)
+        norm_topk = False if arch == "olmoe" else f.get(f"{arch}.expert_weights_norm", bool, arch in ("llama",
+                                                                                                     "qwen3moe"))
+        kw.update(n_experts=E, top_k=k("expert_used_count", int, required=True), expert_dim=edim, norm_topk=norm_topk)
         shexp = k("expert_shared_feed_forward_length", int, 0)
         if "blk.0.ffn_gate_shexp.weight" in f.tensors:
             kw.update(shared_expert_dim=shexp or f.tensors["blk.0.ffn_gate_shexp.weight"].dims[1],
@@ -470,6 +519,33 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
     if qk:
         qn = f.tensors["blk.0.attn_q_norm.weight"]
         kw["qk_norm"] = "head" if qn.dims == (hd,) else "proj"
+    # Gemma: GeGLU (ggml_gelu is the tanh approximation), norms already stored as 1 + w by the converter,
+    # the embedding scaled by sqrt(d) in the graph, Gemma 2/3 sandwich norms, soft-caps and sliding windows
+    if arch in _GEMMA:
+        kw["activation"] = "gelu_tanh"
+    if arch in ("gemma2", "gemma3"):
+        kw["post_norms"] = True
+    if arch == "gemma2":  # llama.cpp's defaults when the keys are absent
+        kw.update(attn_softcap=k("attn_logit_softcapping", float, 50.0),
+                  final_softcap=k("final_logit_softcapping", float, 30.0))
+    elif arch == "gemma3":
+        kw["final_softcap"] = k("final_logit_softcapping", float, 0.0)
+    kw.update(_windows(f, arch, L, ctx, theta, "rope_scaling" in kw))
+    folds = {"embed": 1.0, "logit": 1.0, "residual": 1.0, "q": 1.0}
+    if arch in _GEMMA:
+        folds["embed"] = float(np.sqrt(np.float32(d)))
+        if L == _BIG_GEMMA.get(arch):
+            folds["q"] = float(np.sqrt(hd / (d / H)))
+    elif arch == "granite":  # convert_hf_to_gguf renames the *_multiplier fields to *_scale; 0 or absent = none
+        folds["embed"] = k("embedding_scale", float, 0.0) or 1.0
+        folds["residual"] = k("residual_scale", float, 0.0) or 1.0
+        logit = k("logit_scale", float, required=True)
+        if not logit > 0:
+            raise GGUFError(f"{f.path}: metadata 'granite.logit_scale'={logit}: expected > 0")
+        folds["logit"] = 1.0 / logit
+        attn = k("attention.scale", float, 0.0)
+        if attn:
+            folds["q"] = attn * float(np.sqrt(hd))
     try:
         c = ModelConfig(name=name, vocab_size=emb.dims[1], d_model=d, n_layers=L, n_heads=H, n_kv_heads=KV,
                         head_dim=hd, rope_theta=theta, norm_eps=eps, max_seq_len=ctx,
@@ -477,7 +553,38 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
                         attn_bias="blk.0.attn_q.bias" in f.tensors, **kw)
     except CflowError as e:
         raise GGUFError(f"{f.path}: the metadata does not describe a valid model: {e}") from None
-    return c, {"consumed": {"rope_freqs.weight"} if rf is not None else set()}
+    return c, {"consumed": consumed, "folds": folds}
+
+
+def _windows(f: GGUFFile, arch: str, L: int, ctx: int, theta: float, scaled: bool) -> dict:
+    """Sliding-window fields as llama.cpp sets them: Gemma 2 every other layer (window 4096 when the key is
+    absent), Gemma 3 five of every six with RoPE base 10000 and no scaling there, Phi-3 every layer (llama.cpp
+    turns Phi's window off; transformers applies it, and so do we). `{arch}.attention.sliding_window_pattern`
+    (a period or per-layer flags) overrides the pattern. Other architectures: llama.cpp reads no window."""
+    if arch not in ("gemma2", "gemma3", "phi3"):
+        return {}
+    window = f.get(f"{arch}.attention.sliding_window", int, 4096 if arch == "gemma2" else 0)
+    if not window:
+        return {}
+    pattern = f.meta.get(f"{arch}.attention.sliding_window_pattern", _SWA.get(arch, 0))
+    if isinstance(pattern, np.ndarray) and pattern.dtype == bool and len(pattern) == L:
+        sliding = [i + 1 for i in range(L) if pattern[i]]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+        sliding = [i + 1 for i in range(L) if pattern == 0 or i % pattern < pattern - 1]
+    else:
+        raise GGUFError(f"{f.path}: metadata '{arch}.attention.sliding_window_pattern': expected a period or "
+                        f"{L} per-layer flags")
+    if not sliding:
+        return {}
+    kw: dict = {}
+    layers = None if len(sliding) == L else sliding
+    if window < ctx:
+        kw.update(sliding_window=window, sliding_layers=layers)
+    if arch == "gemma3":
+        local = f.get("gemma3.rope.freq_base_swa", float, 10000.0)
+        if local != theta or scaled:  # the sliding layers turn at their own base, unscaled
+            kw.update(sliding_window=window, sliding_layers=layers, local_rope_theta=local)
+    return kw
 
 
 _BLOCK = {  # GGUF tensor in blk.N -> IR weight in blocks.N (dense / attention)
@@ -488,42 +595,81 @@ _BLOCK = {  # GGUF tensor in blk.N -> IR weight in blocks.N (dense / attention)
     "ffn_down.weight": "ffn.w_down", "ffn_gate_inp.weight": "moe.router",
     "ffn_gate_shexp.weight": "moe.shared.w_gate", "ffn_up_shexp.weight": "moe.shared.w_up",
     "ffn_down_shexp.weight": "moe.shared.w_down", "ffn_gate_inp_shexp.weight": "moe.shared_gate",
+    "post_attention_norm.weight": "attn.post_norm", "post_ffw_norm.weight": "ffn.post_norm",
 }
 _EXPERTS = {"ffn_gate_exps.weight": "w_gate", "ffn_up_exps.weight": "w_up", "ffn_down_exps.weight": "w_down"}
+_RESIDUAL = ("attn.wo", "ffn.w_down", "moe.shared.w_down")  # the branch outputs Granite's residual_scale multiplies
 
 
-def _plan(f: GGUFFile, c: ModelConfig, arch: str, consumed: set) -> dict:
+def _plan(f: GGUFFile, c: ModelConfig, arch: str, extra: dict) -> dict:
     shapes = weight_shapes(c)
     plan: dict = {}
-    used = set(consumed)
-    perm_q = _rope_unpermute(c.n_heads, c.head_dim) if arch in _PERMUTED else None
-    perm_k = _rope_unpermute(c.n_kv_heads, c.head_dim) if arch in _PERMUTED else None
+    used = set(extra["consumed"])
+    folds = extra["folds"]
+    hd = c.head_dim
+    if arch in _PERMUTED:
+        perm_q, perm_k = _rope_unpermute(c.n_heads, hd), _rope_unpermute(c.n_kv_heads, hd)
+        perm_qn = perm_kn = None
+    elif c.rope_dim != hd:  # partial rotary (Phi-4-mini): the rotated pairs first in each half, as ir/rope.py wants
+        head = partial_rotary_permutation(hd, c.rope_dim)
+        perm_q = (np.arange(c.n_heads)[:, None] * hd + head[None, :]).reshape(-1)
+        perm_k = (np.arange(c.n_kv_heads)[:, None] * hd + head[None, :]).reshape(-1)
+        perm_qn, perm_kn = (head, head) if c.qk_norm == "head" else (perm_q, perm_k)
+    else:
+        perm_q = perm_k = perm_qn = perm_kn = None
+    q_scale = 1.0 if c.qk_norm else folds["q"]  # with q normalised, the scale goes on the q norm
+    scales = {"tok_embeddings": folds["embed"],
+              "norm": folds["logit"] / (folds["embed"] if c.tie_embeddings else 1.0)}
+    perms = {"attn.wq": perm_q, "attn.bq": perm_q, "attn.wk": perm_k, "attn.bk": perm_k,
+             "attn.q_norm": perm_qn, "attn.k_norm": perm_kn}
 
-    def add(ir: str, t: _Tensor, expert=None, perm=None) -> None:
+    def add(ir: str, t: _Tensor, expert=None, perm=None, rows=None, scale=1.0) -> None:
+        if ir not in shapes:
+            return  # left unused: named below as not modelled for this architecture
         want = tuple(shapes[ir])
-        got = t.shape[1:] if expert is not None else t.shape
+        got = t.shape[1:] if expert is not None else ((rows[1],) + t.shape[1:] if rows is not None else t.shape)
         if tuple(got) != want and not (ir.endswith("shared_gate") and tuple(got) == want[1:]):
             raise GGUFError(f"{f.path}: tensor {t.name!r} at offset {t.info_at:#x}: shape {tuple(got)}, the metadata "
                             f"implies {want}")
-        plan[ir] = _Loader(f, t, expert, perm, want if ir.endswith("shared_gate") else None)
+        plan[ir] = _Loader(f, t, expert, perm, want if ir.endswith("shared_gate") else None, rows, scale)
         used.add(t.name)
+
+    def role_scale(role: str) -> float:
+        if role in ("attn.wq", "attn.bq"):
+            return q_scale
+        if role == "attn.q_norm":
+            return folds["q"]
+        return folds["residual"] if role in _RESIDUAL else 1.0
 
     globals_ = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm", "output.weight": "lm_head"}
     for gname, ir in globals_.items():
         if gname in f.tensors and (ir != "lm_head" or not c.tie_embeddings):
-            add(ir, f.tensors[gname])
+            add(ir, f.tensors[gname], scale=scales.get(ir, 1.0))
+    q_rows, kv_rows = c.n_heads * hd, c.n_kv_heads * hd
     for i in range(c.n_layers):
         moe_layer = c.has_moe(i + 1)
+        qkv = f.tensors.get(f"blk.{i}.attn_qkv.weight")
+        if qkv is not None:  # Phi-3: q, k, v rows stacked
+            if qkv.dims != (c.d_model, q_rows + 2 * kv_rows):
+                raise GGUFError(f"{f.path}: tensor {qkv.name!r} at offset {qkv.info_at:#x}: dims {qkv.dims}, the "
+                                f"metadata implies {(c.d_model, q_rows + 2 * kv_rows)}")
+            for role, r0, n in (("attn.wq", 0, q_rows), ("attn.wk", q_rows, kv_rows),
+                                ("attn.wv", q_rows + kv_rows, kv_rows)):
+                add(f"blocks.{i}.{role}", qkv, rows=(r0, n), perm=perms.get(role), scale=role_scale(role))
+        up = f.tensors.get(f"blk.{i}.ffn_up.weight")
+        fused_up = arch == "phi3" and up is not None and f"blk.{i}.ffn_gate.weight" not in f.tensors
         for suffix, role in _BLOCK.items():
             t = f.tensors.get(f"blk.{i}.{suffix}")
-            if t is None:
+            if t is None or (fused_up and suffix == "ffn_up.weight"):
                 continue
-            perm = None
-            if suffix.startswith("attn_q.") and perm_q is not None:
-                perm = perm_q
-            elif suffix.startswith("attn_k.") and perm_k is not None:
-                perm = perm_k
-            add(f"blocks.{i}.{role}", t, perm=perm)
+            add(f"blocks.{i}.{role}", t, perm=perms.get(role), scale=role_scale(role))
+        if fused_up:
+            I = c.ffn_dim
+            if up.dims != (c.d_model, 2 * I):
+                raise GGUFError(f"{f.path}: tensor {up.name!r} at offset {up.info_at:#x}: dims {up.dims}, the "
+                                f"metadata implies {(c.d_model, 2 * I)} (gate rows, then up rows)")
+            add(f"blocks.{i}.ffn.w_gate", up, rows=(0, I))
+            add(f"blocks.{i}.ffn.w_up", up, rows=(I, I))
         norm = f.tensors.get(f"blk.{i}.ffn_norm.weight")
         if norm is not None:
             add(f"blocks.{i}.{'moe_norm' if moe_layer else 'ffn_norm'}", norm)
@@ -535,7 +681,8 @@ def _plan(f: GGUFFile, c: ModelConfig, arch: str, consumed: set) -> dict:
                 raise GGUFError(f"{f.path}: tensor {t.name!r} at offset {t.info_at:#x}: dims {t.dims}, expected "
                                 f"3 dims with {c.n_experts} experts")
             for e in range(c.n_experts):
-                add(f"blocks.{i}.moe.experts.{e}.{role}", t, expert=e)
+                add(f"blocks.{i}.moe.experts.{e}.{role}", t, expert=e,
+                    scale=folds["residual"] if role == "w_down" else 1.0)
     left = [n for n in f.tensors if n not in used]
     if left:
         t = f.tensors[left[0]]
@@ -593,15 +740,21 @@ def _loss_note(f: GGUFFile, plan: dict) -> str | None:
 
 
 # --- tokenizer ---------------------------------------------------------------------------------------
+# Pre-tokeniser regexes, as llama.cpp's llm_tokenizer_bpe applies them: each regex in turn splits every piece the
+# previous one left (matches and the text between them both kept: tokenizers' Split "Isolated").
 _REGEX = {
-    "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-              r"|\s+(?!\S)|\s+",
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-             r"|\s+(?!\S)|\s+",
+    "gpt2": [r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"],
+    "llama3": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+"],
+    "qwen2": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+"],
+    # LLAMA_VOCAB_PRE_TYPE_DEFAULT (tokenizer.ggml.pre "default", or absent): punctuation runs first, then GPT-2's
+    # regex, then digit runs, then digits in threes from the left (so "12345" -> "123", "45", "!!," one piece)
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                r"\p{N}+", r"[0-9][0-9][0-9]"],
 }
-_PRE = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "llama-bpe": "llama3", "llama3": "llama3",
-        "smaug-bpe": "llama3", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2"}
+_PRE = {"default": "default", "gpt-2": "gpt2", "gpt2": "gpt2", "llama-bpe": "llama3", "llama3": "llama3",
+        "llama-v3": "llama3", "smaug-bpe": "llama3", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2"}
 
 
 def _added(i: int, text: str, special: bool) -> dict:
@@ -676,16 +829,17 @@ def tokenizer_from_gguf(f: GGUFFile) -> tuple[str | None, dict | None, list[int]
             if len(parts) != 2:
                 raise GGUFError(f"{f.path}: tokenizer.ggml.merges[{j}]={m!r} is not two tokens")
             merges.append(parts)
-        pre = f.get("tokenizer.ggml.pre", str, "default")
+        pre = f.get("tokenizer.ggml.pre", str, "default")  # absent: llama.cpp warns and uses "default"
         regex = _PRE.get(pre)
-        if regex is None:
-            warnings.warn(f"{f.path}: tokenizer.ggml.pre={pre!r} is not known here: pre-tokenising with GPT-2's "
-                          "regex (tokens may differ from llama.cpp's)", stacklevel=3)
-            regex = "gpt2"
+        if regex is None:  # llama.cpp refuses the file ("unknown pre-tokenizer type")
+            warnings.warn(f"{f.path}: tokenizer.ggml.pre={pre!r} is not known here (llama.cpp refuses it): "
+                          "pre-tokenising with llama.cpp's 'default' regexes (tokens may differ)", stacklevel=3)
+            regex = "default"
         tj = {
             "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": _REGEX[regex]}, "behavior": "Isolated", "invert": False},
+                *[{"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False}
+                  for rx in _REGEX[regex]],
                 {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
             "post_processor": None,
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
@@ -726,7 +880,7 @@ def from_gguf(path, name: str | None = None, max_seq_len: int | None = None) -> 
                                     f"(supported: {', '.join(ARCHS)})")
     name = name or f.get("general.name", str) or Path(f.path).stem
     config, extra = _config(f, arch, name, max_seq_len)
-    plan = _plan(f, config, arch, extra["consumed"])
+    plan = _plan(f, config, arch, extra)
     _check_types(f, plan)
     tok, chat, eos = tokenizer_from_gguf(f)
     note = _loss_note(f, plan)

@@ -3,6 +3,8 @@ graph: the test's own files (no downloads). Shared by the GGUF import tests and 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from cflow.layout.quant import QTensor, to_gguf_bytes
@@ -33,10 +35,11 @@ def _payload(w, qtype):
 
 
 def write_gguf(graph, path, arch: str, qtype=None, extra_tensors=None, tokenizer=None, chat_template=None,
-               metadata=None, drop=()):
+               metadata=None, drop=(), pre="default"):
     """Write `graph` (float or quantised weights) as an `arch` GGUF. qtype: a GGMLQuantizationType for every
     matrix (None: as stored). llama arch: q/k rows permuted as convert_hf_to_gguf does. extra_tensors: name ->
-    (array, raw type or None). tokenizer: (model, tokens, scores, types, merges) or None."""
+    (array, raw type or None). tokenizer: (model, tokens, scores, types, merges) or None; pre: the
+    tokenizer.ggml.pre written with merges (None: none)."""
     import gguf
 
     c = graph.config
@@ -72,7 +75,8 @@ def write_gguf(graph, path, arch: str, qtype=None, extra_tensors=None, tokenizer
             w.add_token_scores(scores)
         w.add_token_types(types)
         if merges is not None:
-            w.add_tokenizer_pre("default")
+            if pre is not None:
+                w.add_tokenizer_pre(pre)
             w.add_token_merges(merges)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
@@ -114,6 +118,122 @@ def write_gguf(graph, path, arch: str, qtype=None, extra_tensors=None, tokenizer
         else:
             data, raw = _payload(x, qtype if not name.endswith(("norm.weight", ".bias", "inp_shexp.weight",
                                                                  "ffn_gate_inp.weight")) else None)
+        w.add_tensor(name, np.ascontiguousarray(data), raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# --- Hugging Face model -> GGUF, as convert_hf_to_gguf.py writes each architecture ---------------------------
+_ARCH_ENUM = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA", "gemma2": "GEMMA2",
+              "gemma3": "GEMMA3", "phi3": "PHI3", "olmoe": "OLMOE", "granite": "GRANITE"}
+
+
+def _rope_of(cfg) -> dict:
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    if "full_attention" in rp:  # Gemma 3: the global layers' parameters go in the file
+        rp = rp["full_attention"]
+    return dict(rp)
+
+
+def write_hf_gguf(model, path, arch: str, metadata=None, qtype=None, drop=()):
+    """Write a transformers causal LM as llama.cpp's converter would for `arch` (names from gguf's TensorNameMap,
+    q/k rows permuted for llama/granite, Gemma norms stored as 1 + w, OLMoE's experts stacked, Phi-3's fused
+    tensors renamed and its longrope factors as rope_factors_long/short tensors, Granite's multipliers as *_scale
+    metadata). metadata: extra GGUFWriter calls (name -> value or args tuple). qtype: a type for every matrix."""
+    import gguf
+
+    cfg = model.config
+    L, d, H = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads
+    KV = getattr(cfg, "num_key_value_heads", None) or H
+    hd = getattr(cfg, "head_dim", None) or d // H
+    rp = _rope_of(cfg)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(d)
+    w.add_block_count(L)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    if arch.startswith("gemma"):
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    if arch not in ("gemma", "gemma2"):  # Gemma 1/2's converter writes no freq_base (llama.cpp: 10000)
+        w.add_rope_freq_base(float(rp.get("rope_theta", 10000.0)))
+    rot = hd
+    if arch == "phi3":  # the converter: int(partial_rotary_factor * hidden_size) // heads
+        rot = int(float(rp.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0) or 1.0)) * d) // H
+    w.add_rope_dimension_count(rot)
+    kind = rp.get("rope_type", "default")
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rp["original_max_position_embeddings"]))
+    extra = []
+    if arch == "phi3":
+        orig = int(getattr(cfg, "original_max_position_embeddings", None) or rp["original_max_position_embeddings"])
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_sliding_window(getattr(cfg, "sliding_window", None) or 0)
+        if kind == "longrope":
+            scale = cfg.max_position_embeddings / orig
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+            extra = [("rope_factors_long.weight", np.asarray(rp["long_factor"], np.float32)),
+                     ("rope_factors_short.weight", np.asarray(rp["short_factor"], np.float32))]
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(float(cfg.attn_logit_softcapping))
+        w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+        w.add_sliding_window(int(cfg.sliding_window))
+    if arch == "gemma3":
+        if getattr(cfg, "final_logit_softcapping", None):
+            w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+        w.add_sliding_window(int(cfg.sliding_window))
+    if arch == "granite":
+        w.add_attention_scale(float(cfg.attention_multiplier))
+        w.add_embedding_scale(float(cfg.embedding_multiplier))
+        w.add_residual_scale(float(cfg.residual_multiplier))
+        w.add_logit_scale(float(cfg.logits_scaling))
+    if arch == "olmoe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    for k, v in (metadata or {}).items():
+        getattr(w, k)(*v) if isinstance(v, tuple) else getattr(w, k)(v)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _ARCH_ENUM[arch]), L)
+    permute = arch in ("llama", "granite")
+    pq, pk = rope_row_permutation(H, hd), rope_row_permutation(KV, hd)
+    tensors = []
+    for name, t in model.state_dict().items():
+        x = t.detach().float().numpy()
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or arch in ("gemma", "gemma2")):
+            continue
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            x = x + 1  # convert_hf_to_gguf: Gemma's RMSNorm computes x * (1 + w)
+        if permute and name.endswith("q_proj.weight"):
+            x = x[pq]
+        if permute and name.endswith("k_proj.weight"):
+            x = x[pk]
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, d]: gate rows, then up rows
+            i = int(name.split(".")[2])
+            half = x.shape[1] // 2
+            tensors += [(f"blk.{i}.ffn_gate_exps.weight", x[:, :half]), (f"blk.{i}.ffn_up_exps.weight", x[:, half:])]
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            tensors.append((f"blk.{name.split('.')[2]}.ffn_down_exps.weight", x))
+            continue
+        g = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert g is not None, name
+        tensors.append((g, x))
+    for name, x in tensors + extra:
+        if name in drop:
+            continue
+        data, raw = (x, None) if x.ndim == 1 or name.endswith("ffn_gate_inp.weight") else _payload(x, qtype) \
+            if x.ndim == 2 else (np.stack([_payload(e, qtype)[0] for e in x]), _payload(x[0], qtype)[1])
         w.add_tensor(name, np.ascontiguousarray(data), raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()

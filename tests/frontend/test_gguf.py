@@ -24,7 +24,7 @@ from cflow.ir.rope import inv_freq
 from cflow.layout.quant import QTensor, to_gguf_bytes
 from cflow.runtime.format.gguf import export_gguf
 
-from ._gguf import write_gguf
+from ._gguf import write_gguf, write_hf_gguf
 from ._models import hf_logits, hf_model, incremental
 
 gguf = pytest.importorskip("gguf")
@@ -119,6 +119,79 @@ def test_gguf_package_files_match_transformers(tmp_path, case):
     assert np.abs(incremental(back, IDS, 7) - ref).max() <= 1e-4
 
 
+# Hugging Face models written the way convert_hf_to_gguf.py writes each architecture (tests/frontend/_gguf.py:
+# write_hf_gguf), read back against transformers. Overrides keep each model inside what llama.cpp reads from a file:
+# Gemma 2/3 scale q by 1/sqrt(head_dim) below the 27B layer counts (query_pre_attn_scalar is not in the file), Gemma
+# 3's sliding layers are five of every six (6 layers: one global), Phi-3's longrope has a consistent original context.
+_PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
+              "long_factor": [2.0, 3.0, 4.0, 6.0], "original_max_position_embeddings": 32}
+HF_CASES = {  # case -> (GGUF arch, HF family, overrides, context to compile for)
+    "gemma": ("gemma", "gemma", {}, None),
+    "gemma2": ("gemma2", "gemma2", {"query_pre_attn_scalar": 16}, None),
+    "gemma3": ("gemma3", "gemma3", {"query_pre_attn_scalar": 16, "num_hidden_layers": 6,
+                                    "sliding_window_pattern": 6}, None),
+    "phi3": ("phi3", "phi3", {"original_max_position_embeddings": 32, "rope_parameters": _PHI3_ROPE}, 32),
+    "olmoe": ("olmoe", "olmoe", {}, None),
+    "granite": ("granite", "granite", {}, None),
+    "llama_linear": ("llama", "llama_linear", {}, None),  # rope.scaling.type linear
+    "qwen2_yarn": ("qwen2", "qwen2_yarn", {}, None),  # rope.scaling.type yarn
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_models_written_as_llama_cpp_does_match_transformers(tmp_path, case):
+    arch, family, over, ctx = HF_CASES[case]
+    m = hf_model(family, **over)
+    write_hf_gguf(m, tmp_path / "m.gguf", arch)
+    back = from_gguf(tmp_path / "m.gguf", max_seq_len=ctx)
+    assert back.meta.source == f"gguf:{arch}"
+    want = from_torch(m).config.evolve(max_seq_len=ctx or 128)
+    # transformers' yarn `truncate` default is ir/rope.py's (llama.cpp's floor/ceil) too; attention factors are
+    # float32 metadata
+    got_sc, sc = dict(back.config.rope_scaling or ()), dict(want.rope_scaling or ())
+    sc.pop("truncate", None)
+    if "attention_factor" in sc:
+        assert abs(got_sc["attention_factor"] - sc["attention_factor"]) <= 1e-6
+        sc["attention_factor"] = got_sc["attention_factor"]
+    assert back.config == want.evolve(name=back.config.name, rope_scaling=sc or None)
+    ref = hf_logits(m, IDS)
+    assert np.abs(interpret(back, IDS) - ref).max() <= 1e-4
+    assert np.abs(incremental(back, IDS, 7) - ref).max() <= 1e-4
+
+
+def test_phi3_past_its_original_context_uses_the_long_factors(tmp_path):
+    """Compiled for 128 > 32 tokens: the long factors (llama.cpp's choice for that context), which transformers
+    uses on a sequence longer than 32; a warning says so."""
+    arch, family, over, _ = HF_CASES["phi3"]
+    m = hf_model(family, **over)
+    write_hf_gguf(m, tmp_path / "m.gguf", arch)
+    with pytest.warns(UserWarning, match="long factors"):
+        back = from_gguf(tmp_path / "m.gguf")
+    ids = np.random.default_rng(2).integers(0, 256, 40)
+    assert back.config.max_seq_len == 128
+    assert np.abs(interpret(back, ids) - hf_logits(m, ids)).max() <= 1e-4
+
+
+def test_fused_phi3_rows_are_copied_bit_exactly_from_q8_0(tmp_path):
+    """attn_qkv / ffn_up hold several IR weights: each is a block of whole rows, so Q8_0 rows are copied, not
+    requantised; Granite's folded multipliers make its scaled tensors requantised instead (dequantised here)."""
+    arch, family, over, ctx = HF_CASES["phi3"]
+    write_hf_gguf(hf_model(family, **over), tmp_path / "m.gguf", arch, qtype=Q.Q8_0)
+    back = from_gguf(tmp_path / "m.gguf", max_seq_len=ctx)
+    r = GGUFFile(tmp_path / "m.gguf")
+    qkv, up = r.tensors["blk.0.attn_qkv.weight"], r.tensors["blk.0.ffn_up.weight"]
+    rows = gguf.quants.dequantize(r.raw(qkv).reshape(qkv.shape[0], -1), Q.Q8_0)
+    wv = back.weights["blocks.0.attn.wv"]
+    assert isinstance(wv, QTensor) and np.array_equal(wv.dequantize(), rows[96:128])
+    gu = gguf.quants.dequantize(r.raw(up).reshape(up.shape[0], -1), Q.Q8_0)
+    assert np.array_equal(back.weights["blocks.0.ffn.w_up"].dequantize(), gu[96:])
+    assert np.array_equal(back.weights["blocks.0.ffn.w_gate"].dequantize(), gu[:96])
+    write_hf_gguf(hf_model("granite"), tmp_path / "g.gguf", "granite", qtype=Q.Q8_0)
+    g = from_gguf(tmp_path / "g.gguf")
+    assert isinstance(g.weights["blocks.0.attn.wk"], QTensor)  # unscaled: copied
+    assert not isinstance(g.weights["blocks.0.attn.wo"], QTensor)  # * residual_scale: f32, requantised later
+
+
 def test_other_types_are_dequantised_with_a_note_and_bf16_is_exact(tmp_path):
     g = _graph(DENSE)
     write_gguf(g, tmp_path / "m.gguf", "llama", qtype=Q.Q5_0)
@@ -141,14 +214,19 @@ def test_other_types_are_dequantised_with_a_note_and_bf16_is_exact(tmp_path):
     assert np.array_equal(back2.weights["tok_embeddings"], (bf.astype(np.uint32) << 16).view(np.float32))
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3", "gemma3", "phi3"])
+@pytest.mark.filterwarnings("ignore:.*longrope uses its long factors")
 def test_gguf_compiles_and_the_native_runtime_equals_the_interpreter(tmp_path, case):
     """The user's path for a GGUF: cflow.compile("m.gguf") (a .vflow written and loaded), f32 logits == the
     interpreter's on the imported graph."""
     import cflow
 
-    arch, family, over = CASES[case]
-    write_gguf(from_torch(hf_model(family, **over)), tmp_path / "m.gguf", arch)
+    if case in HF_CASES:  # Gemma 3 (windows, local RoPE base, q/k norms), Phi-3 (fused rows, partial longrope)
+        arch, family, over, _ = HF_CASES[case]
+        write_hf_gguf(hf_model(family, **over), tmp_path / "m.gguf", arch)
+    else:
+        arch, family, over = CASES[case]
+        write_gguf(from_torch(hf_model(family, **over)), tmp_path / "m.gguf", arch)
     back = from_gguf(tmp_path / "m.gguf")
     with cflow.compile(str(tmp_path / "m.gguf"), quant="f32", threads=2) as lm:
         got = np.stack([lm.session.step(int(t)).copy() for t in IDS])
@@ -260,6 +338,75 @@ def test_sentencepiece_vocabulary_tokenises_like_llama_cpp(tmp_path):
     assert back.meta.eos_token_ids == [2]
 
 
+def _llama_cpp_pieces(text: str, regexes: list[str]) -> list[str]:
+    """llama.cpp's unicode_regex_split: each regex in turn splits every piece so far into its matches and the
+    text between them."""
+    import regex
+
+    pieces = [text]
+    for rx in regexes:
+        out = []
+        for p in pieces:
+            at = 0
+            for m in regex.finditer(rx, p):
+                if m.start() > at:
+                    out.append(p[at : m.start()])
+                if m.end() > m.start():
+                    out.append(m.group())
+                at = m.end()
+            if at < len(p):
+                out.append(p[at:])
+        pieces = out
+    return pieces
+
+
+_DEFAULT_REGEXES = [r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                    r"\p{N}+", r"[0-9][0-9][0-9]"]  # llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_DEFAULT
+
+
+def test_pre_tokenizer_default_is_llama_cpp_default_not_gpt2(tmp_path):
+    """tokenizer.ggml.pre 'default' (or absent) is llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT: four regexes in
+    turn (punctuation runs, GPT-2's, digit runs, digits in threes), not GPT-2's one; an unknown name (which
+    llama.cpp refuses) warns and takes the same."""
+    pytest.importorskip("regex")
+    from tokenizers import Tokenizer
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    byte_chars = list(ByteLevel.alphabet())
+    tokens = sorted(byte_chars)
+    types = [int(gguf.TokenType.NORMAL)] * len(tokens)
+    g = _graph(DENSE.evolve(vocab_size=len(tokens)))
+    b2u = {b: c for b, c in enumerate(_bytes_to_unicode())}
+    texts = TEXTS + ["it's 12345 dogs!!, ok", "$5+3=8 ~x|y <a>", "1234567 émigré"]
+    for pre, warns in (("default", False), (None, False), ("no-such-pre", True)):
+        path = tmp_path / f"{pre}.gguf"
+        write_gguf(g, path, "llama", tokenizer=("gpt2", tokens, None, types, []), pre=pre)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            tok = Tokenizer.from_str(from_gguf(path).meta.tokenizer)
+        assert any("tokenizer.ggml.pre='no-such-pre'" in str(x.message) for x in w) == warns
+        for text in texts:
+            got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+            want = ["".join(b2u[b] for b in p.encode()) for p in _llama_cpp_pieces(text, _DEFAULT_REGEXES)]
+            assert got == want, (pre, text)
+    assert _llama_cpp_pieces("it's 12345 dogs!!, ok", _DEFAULT_REGEXES) == \
+        ["it", "'", "s", " ", "123", "45", " dogs", "!!,", " ok"]
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table, in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return [out[b] for b in range(256)]
+
+
 # --- the front door ---------------------------------------------------------------------------------
 def test_cflowc_compiles_a_gguf_and_the_runtime_runs_it(tmp_path):
     import cflow
@@ -344,16 +491,44 @@ def test_truncated_files_are_refused(tmp_path, good_file):
             from_gguf(tmp_path / "t.gguf")
 
 
-REFUSED = {"gemma": "Gemma GGUFs are not read yet", "gemma2": "Gemma 2 GGUFs are not read yet",
-           "gemma3": "Gemma 3 GGUFs are not read yet", "phi3": "Phi-3 GGUFs .* are not read yet",
-           "olmoe": "OLMoE GGUFs are not read yet", "granite": "Granite GGUFs .* are not read yet"}
+REFUSED = {"deepseek2": "multi-head latent attention is not modelled", "mamba": "state-space models",
+           "rwkv6": "RWKV is not modelled", "bert": "encoder models", "t5": "encoder-decoder models"}
 
 
 @pytest.mark.parametrize("arch", list(REFUSED))
-def test_architectures_not_read_yet_are_refused_by_name(tmp_path, arch):
+def test_architectures_the_ir_does_not_model_are_refused_by_name(tmp_path, arch):
     write_gguf(_graph(DENSE), tmp_path / "a.gguf", arch)
     with pytest.raises(UnsupportedModelError, match=f"architecture '{arch}': {REFUSED[arch]}"):
         from_gguf(tmp_path / "a.gguf")
+
+
+def test_llama_cpp_family_conventions_that_do_not_fit_are_named(tmp_path):
+    m = hf_model("granite")
+    write_hf_gguf(m, tmp_path / "g.gguf", "granite", metadata={"add_bool": ("granite.rope.scaling.finetuned", False)})
+    with pytest.raises(UnsupportedModelError, match="rope.scaling.finetuned'=false: attention without RoPE"):
+        from_gguf(tmp_path / "g.gguf")
+    arch, family, over, _ = HF_CASES["phi3"]
+    write_hf_gguf(hf_model(family, **over), tmp_path / "p.gguf", arch, drop=("rope_factors_short.weight",))
+    with pytest.raises(GGUFError, match="only one of rope_factors_long.weight / rope_factors_short.weight"):
+        from_gguf(tmp_path / "p.gguf")
+    # partial rotary in llama's adjacent-pair row order: named, not guessed
+    write_gguf(_graph(DENSE), tmp_path / "r.gguf", "llama", metadata={"add_uint32": ("llama.rope.dimension_count", 8)})
+    with pytest.raises(UnsupportedModelError, match="partial rotary embeddings in 'llama'"):
+        from_gguf(tmp_path / "r.gguf")
+
+
+def test_gemma2_without_window_metadata_takes_llama_cpp_defaults(tmp_path):
+    """llama.cpp's Gemma 2 defaults when the keys are absent: window 4096 (no window at a 128-token context),
+    soft-caps 50 / 30."""
+    m = hf_model("gemma2", query_pre_attn_scalar=16)
+    write_hf_gguf(m, tmp_path / "g.gguf", "gemma2")
+    f = GGUFFile(tmp_path / "g.gguf")
+    assert f.meta["gemma2.attention.sliding_window"] == 8
+    from cflow.frontend import gguf as G
+
+    f.meta = {k: v for k, v in f.meta.items() if "softcapping" not in k and "sliding_window" not in k}
+    c, _ = G._config(f, "gemma2", "g", None)
+    assert (c.sliding_window, c.attn_softcap, c.final_softcap) == (0, 50.0, 30.0)
 
 
 def test_unknown_architecture_and_bad_metadata_are_named(tmp_path):
