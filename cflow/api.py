@@ -74,7 +74,8 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
 
 def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
          experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async",
-         weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64, max_batch: int = 1) -> CompiledModel:
+         weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64, max_batch: int = 1,
+         kv: str = "f32") -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
@@ -90,6 +91,8 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
             `read_ahead` stages ahead (a model larger than RAM still decodes; experts go to disk too).
         prefill_block: prompt tokens per native call (each weight tile read once per block); 1 = token by token.
         max_batch: sequences (KV-cache slots) that batch_step advances together in one pass over the weights.
+        kv: the KV cache's element type: 'f32', or 'f16' (half the cache's memory and the bytes attention reads
+            per token at long contexts; K and V rounded to half once, when written: docs/performance.md).
     """
     from .runtime.session import Session
 
@@ -98,7 +101,7 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
         raise CflowError(f"{p}: no such file")
     return CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
                                  expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
-                                 read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch))
+                                 read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch, kv=kv))
 
 
 class CompiledModel:

@@ -30,6 +30,7 @@ def add_args(p):
     p.add_argument("--tokens", type=whole(1), default=32, help="tokens decoded per repetition (default 32)")
     p.add_argument("--reps", type=whole(1), default=3,
                    help="repetitions per thread count; the best is kept (default 3)")
+    p.add_argument("--kv", choices=("f32", "f16"), default="f32", help="KV cache element type (default f32)")
     p.add_argument("--json", metavar="FILE",
                    help="also write one record per thread count to this JSON file (default: no file)")
 
@@ -54,7 +55,7 @@ def run(args) -> int:
     records = []
     header_printed = False
     for threads in counts:
-        m = cflow.load(args.file, threads=threads)
+        m = cflow.load(args.file, threads=threads, kv=args.kv)
         try:
             room = m.session.max_seq - len(PROMPT)
             if args.tokens > room:

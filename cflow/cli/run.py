@@ -37,8 +37,12 @@ def add_args(p):
                    help="sampling seed (default: a fresh random seed each run)")
     p.add_argument("--threads", type=whole(1, MAX_THREADS), default=None,
                    help="worker threads (default: usable cores)")
-    p.add_argument("--max-seq", type=whole(1), default=None, metavar="TOKENS",
-                   help="context to allocate (KV cache), at most the model's (default: the model's max_seq_len)")
+    p.add_argument("--ctx", "--max-seq", dest="max_seq", type=whole(1), default=None, metavar="TOKENS",
+                   help="context to allocate (KV cache), at most the model's; more is an error naming both "
+                   "(default: the model's max_seq_len)")
+    p.add_argument("--kv", choices=("f32", "f16"), default="f32",
+                   help="KV cache element type: f16 halves its memory and what attention reads per token at long "
+                   "contexts (default f32)")
     p.add_argument("--verify", action="store_true",
                    help="verify every checksum before running (default: no full-read check)")
     p.add_argument("--no-stop", action="store_true",
@@ -85,7 +89,7 @@ def run(args) -> int:
     m = cflow.load(args.file, threads=args.threads, verify=args.verify, max_seq=args.max_seq,
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                    expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
-                   read_ahead=args.read_ahead)
+                   read_ahead=args.read_ahead, kv=args.kv)
     try:
         if args.chat:
             return _chat(m, args)

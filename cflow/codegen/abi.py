@@ -76,7 +76,7 @@ class Binding(enum.StrEnum):
 
     TENSOR = "tensor"  # a packed weight tensor of the file (name = tensor name)
     POOL = "pool"  # a buffer pool (name = passes.schedule.Pool)
-    KV = "kv"  # f32 KV cache: [slot][layer][K|V][max_seq][n_kv_heads * head_dim]
+    KV = "kv"  # KV cache (f32, or f16 bits): [slot][layer][K|V][max_seq][n_kv_heads * head_dim]
     COS = "cos"  # f32 RoPE cos table [max_seq][head_dim / 2]
     SIN = "sin"  # f32 RoPE sin table [max_seq][head_dim / 2]
     SCRATCH = "scratch"  # per-thread scratch (ScratchLayout), nthreads copies
@@ -213,9 +213,12 @@ def kv_floats_per_layer(config, max_seq: int) -> int:
     return max_seq * config.n_kv_heads * config.head_dim
 
 
-def kv_cache_bytes(config, max_seq: int, n_slots: int = 1) -> int:
-    """Bytes of the whole KV cache: [slot][layer][K|V][max_seq][n_kv_heads * head_dim] f32."""
-    return 4 * n_slots * 2 * config.n_layers * kv_floats_per_layer(config, max_seq)
+KV_BYTES = {"f32": 4, "f16": 2}  # bytes per KV-cache entry, by its type (ops.KV_DTYPES)
+
+
+def kv_cache_bytes(config, max_seq: int, n_slots: int = 1, kv: str = "f32") -> int:
+    """Bytes of the whole KV cache: [slot][layer][K|V][max_seq][n_kv_heads * head_dim] entries of type kv."""
+    return KV_BYTES[kv] * n_slots * 2 * config.n_layers * kv_floats_per_layer(config, max_seq)
 
 
 # Linux futex, used by the worker wake-up (ops.emit_workers) and the stage barrier (ops.barrier). Syscall

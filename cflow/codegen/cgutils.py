@@ -148,6 +148,34 @@ def half_to_float(b: ir.IRBuilder, h, isa: str):
     return b.bitcast(b.or_(fb, sign), fty)
 
 
+def float_to_half(b: ir.IRBuilder, x, isa: str):
+    """float (or <n x float>) -> IEEE half bits (i16 / <n x i16>), rounded to nearest even (numpy's astype).
+
+    F16C converts in one instruction; the generic path uses integer and float ops only (no libcall): the
+    exponent rebias with the round-to-nearest-even carry, the half subnormals by adding 0.5 (whose ulp is the
+    smallest half subnormal, so the FPU rounds), overflow to inf, NaN kept quiet.
+    """
+    n = x.type.count if isinstance(x.type, ir.VectorType) else None
+
+    def k(ty, v):
+        return const_vec(ty, n, v) if n else ir.Constant(ty, v)
+
+    hty = V(i16, n) if n else i16
+    if isa != ISA.GENERIC:
+        return b.bitcast(b.fptrunc(x, V(f16, n) if n else f16), hty)
+    ity, fty = (V(i32, n), V(f32, n)) if n else (i32, f32)
+    w = b.bitcast(x, ity)
+    sign = b.and_(b.lshr(w, k(i32, 16)), k(i32, 0x8000))
+    a = b.and_(w, k(i32, 0x7FFFFFFF))
+    odd = b.and_(b.lshr(a, k(i32, 13)), k(i32, 1))
+    normal = b.lshr(b.add(b.sub(a, k(i32, 0x38000000)), b.add(odd, k(i32, 0xFFF))), k(i32, 13))
+    sub = b.sub(b.bitcast(b.fadd(b.bitcast(a, fty), k(f32, 0.5)), ity), k(i32, 0x3F000000))
+    h = b.select(b.icmp_unsigned("<", a, k(i32, 0x38800000)), sub, normal)
+    h = b.select(b.icmp_unsigned(">=", a, k(i32, 0x477FF000)), k(i32, 0x7C00), h)
+    h = b.select(b.icmp_unsigned(">", a, k(i32, 0x7F800000)), k(i32, 0x7E00), h)
+    return b.trunc(b.or_(h, sign), hty)
+
+
 # -- math ------------------------------------------------------------------------------------------
 def softcap(b: ir.IRBuilder, x, cap: float):
     """cap * tanh(x / cap) for a scalar f32 (Gemma 2's soft-caps), tanh(y) = 1 - 2 / (exp(2y) + 1): no libm call,

@@ -25,9 +25,11 @@ from .cgutils import (
     const_vec,
     exp_vec,
     f32,
+    float_to_half,
     half_to_float,
     hsum,
     i8,
+    i16,
     i32,
     i64,
     internal_function,
@@ -281,10 +283,11 @@ def sigmoid_dot(m: ir.Module, d: int):
 
     return internal_function(m, ("sigmoid_dot", d), (P(f32), P(f32), P(f32)), build)
 
+KV_DTYPES = ("f32", "f16")  # the KV cache's element types (Session(kv=...))
 ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is padded by this much (abi.py)
 
 
-def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: str):
+def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: str, kv: str = "f32"):
     """Single-token GQA over the cache for kv heads [g0, g1): bias, q/k norms, RoPE, cache write, softmax(qK)V.
 
     q/k norms (n.qk_norm) are RMSNorms of (projection + bias) before RoPE, weights qn/kn: 'head' normalises each
@@ -298,6 +301,9 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     tree); exp over ATT_LANES scores at a time (cgutils.exp_vec), their sum lane-wise then by the tree; the
     weighted V sum in W-lane accumulators, one position after another. FMA where the ISA has it (one
     rounding per multiply-add), separate multiply and add on the generic path.
+
+    kv: the cache's element type, 'f32' or 'f16' (IEEE half, rounded to nearest even as numpy's astype does;
+    the interpreter's kv='f16' rounds the same way): K and V are rounded once when written, widened on read.
     """
     H, KV, hd = n.n_heads, n.n_kv_heads, n.head_dim
     rep, half = H // KV, hd // 2
@@ -310,11 +316,15 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     nc = hd // W
     vt, L = V(f32, W), ATT_LANES
     fma = isa != ISA.GENERIC
+    if kv not in KV_DTYPES:
+        raise ValueError(f"KV cache type must be one of {', '.join(KV_DTYPES)}, not {kv!r}")
+    half_kv = kv == "f16"
 
     def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):
         sqrt = intrinsic(m, "llvm.sqrt.f32", f32, [f32])
         vfma = intrinsic(m, f"llvm.fma.v{W}f32", vt, [vt, vt, vt])
         qr = b.bitcast(alloca_once(b, ir.ArrayType(f32, hd)), P(f32))
+        kr = b.bitcast(alloca_once(b, ir.ArrayType(f32, hd)), P(f32))
         row = b.mul(pos, c64(half))
 
         def madd(x, y, acc):  # acc + x * y
@@ -322,6 +332,17 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
 
         def vload(base, i):
             return b.load(b.bitcast(b.gep(base, [i]), P(vt)), align=4)
+
+        def cload(base, i):  # W cache entries from element i, as floats
+            if not half_kv:
+                return vload(base, i)
+            return half_to_float(b, b.load(b.bitcast(b.gep(base, [i]), P(V(i16, W))), align=2), isa)
+
+        def cstore(v, base, i):  # W floats into the cache from element i
+            if half_kv:
+                b.store(float_to_half(b, v, isa), b.bitcast(b.gep(base, [i]), P(V(i16, W))), align=2)
+            else:
+                b.store(v, b.bitcast(b.gep(base, [i]), P(vt)), align=4)
 
         def biased(src, bsrc, i):
             x = b.load(b.gep(src, [i]))
@@ -378,12 +399,13 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
             goff = b.mul(g, c64(hd))
             cache_off = b.add(b.mul(pos, c64(KV * hd)), goff)
             ksrc, kb = b.gep(qkv, [b.add(c64(ko), goff)]), b.gep(bk, [goff]) if bias else None
-            rope_into(ksrc, kb, b.gep(kc, [cache_off]), norm_of(goff, ksrc, kb, kn, k_inv))
-            with Loop(b, c64(0), c64(hd), "vv") as i:
-                v = b.load(b.gep(qkv, [b.add(c64(vo), b.add(goff, i))]))
+            rope_into(ksrc, kb, kr, norm_of(goff, ksrc, kb, kn, k_inv))
+            for c in range(nc):  # this position's K (roped) and V (+ bias) rows into the cache
+                cstore(vload(kr, c64(c * W)), kc, b.add(cache_off, c64(c * W)))
+                v = vload(qkv, b.add(c64(vo + c * W), goff))
                 if bias:
-                    v = b.fadd(v, b.load(b.gep(bv, [b.add(goff, i)])))
-                b.store(v, b.gep(vc, [b.add(cache_off, i)]))
+                    v = b.fadd(v, vload(bv, b.add(goff, c64(c * W))))
+                cstore(v, vc, b.add(cache_off, c64(c * W)))
             with Loop(b, c64(0), c64(rep), "h") as r:
                 h = b.add(b.mul(g, c64(rep)), r)
                 hoff = b.mul(h, c64(hd))
@@ -393,7 +415,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                 b.store(cf(-math.inf), mx)
                 with Loop(b, start, npos, "s") as s:  # scores[s] = q.k_s * scale
                     kp = b.gep(kc, [b.add(b.mul(s, c64(KV * hd)), goff)])
-                    sc = b.fmul(hsum(b, tree([b.fmul(q[c], vload(kp, c64(c * W))) for c in range(nc)])), cf(scale))
+                    sc = b.fmul(hsum(b, tree([b.fmul(q[c], cload(kp, c64(c * W))) for c in range(nc)])), cf(scale))
                     if n.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax
                         sc = softcap(b, sc, n.softcap)
                     b.store(sc, b.gep(scores, [s]))
@@ -417,17 +439,18 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                     p = splat(b, b.load(b.gep(scores, [s])), W)
                     vp = b.gep(vc, [b.add(b.mul(s, c64(KV * hd)), goff)])
                     for c, a in enumerate(accs):
-                        b.store(madd(p, vload(vp, c64(c * W)), b.load(a)), a)
+                        b.store(madd(p, cload(vp, c64(c * W)), b.load(a)), a)
                 out = b.gep(att, [hoff])
                 iv = splat(b, inv, W)
                 for c, a in enumerate(accs):
                     b.store(b.fmul(b.load(a), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
         b.ret_void()
 
-    key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul") + (
+    key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul", kv) + (
         (qk_norm, _flt(n.eps)) if qk_norm else ()) + (
         (f"cap{_flt(n.softcap)}",) if n.softcap else ()) + ((f"win{window}",) if window else ())
-    return internal_function(m, key, (P(f32),) * 12 + (i64, i64, i64), build)
+    kvp = P(i16) if half_kv else P(f32)
+    return internal_function(m, key, (P(f32),) * 6 + (kvp, kvp) + (P(f32),) * 4 + (i64, i64, i64), build)
 
 
 # --- persistent workers: woken per token by a futex, no Python in between ------------------------

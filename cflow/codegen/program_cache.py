@@ -30,11 +30,11 @@ def _source_digest() -> str:
 
 
 def fingerprint(header: dict, schedule: dict, isa: str, max_seq: int, profile: bool, segmented: bool = False,
-                tmax: int = 1) -> str:
+                tmax: int = 1, kv: str = "f32") -> str:
     """schedule: the one the step runs (the header's, or the disk tier's late one); segmented: stage-range calls;
-    tmax: tokens per multi-token call (1: decode only)."""
+    tmax: tokens per multi-token call (1: decode only); kv: the KV cache's element type."""
     plan = {k: header.get(k) for k in ("config", "packing", "tile", "quant")}
-    blob = json.dumps([plan, schedule, isa, max_seq, profile, segmented, tmax, _versions(), _source_digest()],
+    blob = json.dumps([plan, schedule, isa, max_seq, profile, segmented, tmax, kv, _versions(), _source_digest()],
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -43,7 +43,7 @@ from .abi import (
     ScratchLayout,
     scratch_layout,
 )
-from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i32, i64, internal_function, intrinsic, softcap, void
+from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i16, i32, i64, internal_function, intrinsic, softcap, void
 from .target import ISA
 
 STEP_ARGS = (P(P(i8)), P(i64), i64, i64, P(i32))  # see abi.py: ptrs, params, tid, nthreads, barrier
@@ -63,13 +63,15 @@ class StepProgram:
     kv_floats_per_layer: int  # K (or V) cache floats for one layer
     max_seq: int
     isa: ISA
+    kv: str = "f32"  # the KV cache's element type (ops.KV_DTYPES)
 
     def meta(self) -> dict:
         """Everything but the module, JSON-able (the program cache stores it beside the IR text)."""
         return {"bindings": [k.to_json() for k in self.bindings],
                 "pool_strides": {str(p): n for p, n in self.pool_strides.items()},
                 "pool_slots": {str(p): n for p, n in self.pool_slots.items()}, "scratch": self.scratch.to_json(),
-                "kv_floats_per_layer": self.kv_floats_per_layer, "max_seq": self.max_seq, "isa": str(self.isa)}
+                "kv_floats_per_layer": self.kv_floats_per_layer, "max_seq": self.max_seq, "isa": str(self.isa),
+                "kv": self.kv}
 
     @classmethod
     def from_meta(cls, ir_text: str, m: dict) -> StepProgram:
@@ -77,13 +79,14 @@ class StepProgram:
                    pool_strides={Pool(p): n for p, n in m["pool_strides"].items()},
                    pool_slots={Pool(p): n for p, n in m["pool_slots"].items()},
                    scratch=ScratchLayout.from_json(m["scratch"]), kv_floats_per_layer=m["kv_floats_per_layer"],
-                   max_seq=m["max_seq"], isa=ISA(m["isa"]))
+                   max_seq=m["max_seq"], isa=ISA(m["isa"]), kv=m["kv"])
 
 
 class _Emitter:
     def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False,
-                 tmax: int = 1):
+                 tmax: int = 1, kv: str = "f32"):
         self.profile = profile
+        self.kv = kv
         self.tmax = tmax  # tokens per prefill call (1: a decode-only program)
         self.multi = False  # emitting the multi-token body (prefill) rather than the decode step
         self.t = None  # the token index inside a multi-token loop (an IR value), else None: token 0
@@ -304,7 +307,7 @@ class _Emitter:
         return StepProgram(module=self.m, bindings=tuple(self.bindings), pool_strides=self.strides,
                            pool_slots={p: n for p, (n, _) in self.sched.pools.items()}, scratch=self.scratch,
                            kv_floats_per_layer=self.max_seq * self.cfg.n_kv_heads * self.cfg.head_dim,
-                           max_seq=self.max_seq, isa=self.isa)
+                           max_seq=self.max_seq, isa=self.isa, kv=self.kv)
 
     def emit_dispatch(self, decode: ir.Function, multi: ir.Function) -> ir.Function:
         fn = ir.Function(self.m, ir.FunctionType(void, list(STEP_ARGS)), f"{STEP_SYMBOL}_dispatch")
@@ -371,8 +374,8 @@ class _Emitter:
         t = self.tensors[qkv_tensor(n.prefix)]
         offs = t.concat.row_offsets
         layer = n.layer
-        kv = self.pointer(b, BindingKey(Binding.KV))
-        per = self.max_seq * n.n_kv_heads * n.head_dim
+        kv = self.pointer(b, BindingKey(Binding.KV), i16 if self.kv == "f16" else f32)
+        per = self.max_seq * n.n_kv_heads * n.head_dim  # entries of one layer's K (or V), whatever their type
         kc = b.gep(kv, [c64((layer - 1) * 2 * per)])
         vc = b.gep(kv, [c64(((layer - 1) * 2 + 1) * per)])
         null = ir.Constant(P(f32), None)
@@ -395,7 +398,7 @@ class _Emitter:
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
                 kc, vc = b.gep(kv, [b.add(slot_off, c64((layer - 1) * 2 * per))]), \
                     b.gep(kv, [b.add(slot_off, c64(((layer - 1) * 2 + 1) * per))])
-            b.call(O.attention(self.m, n, tuple(offs), self.isa),
+            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
                     cos, sin, self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])
@@ -704,18 +707,21 @@ def copy_rows(m: ir.Module):
 
 
 def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,
-               tmax: int = 1) -> StepProgram:
+               tmax: int = 1, kv: str = "f32") -> StepProgram:
     """Build the decode-step module for a lowered state (see module docstring).
 
     profile: also record a cycle-counter stamp after every stage (binding PROF: i64[n_stages + 1]).
     segmented: each call runs only stages [params[STAGE_LO], params[STAGE_HI]) (the disk expert tier).
     tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
+    kv: the KV cache's element type, 'f32' or 'f16' (ops.attention).
     """
+    if kv not in O.KV_DTYPES:
+        raise CodegenError(f"KV cache type must be one of {', '.join(O.KV_DTYPES)}, not {kv!r}")
     if max_seq < 1:
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
     if tmax < 1:
         raise CodegenError(f"tokens per call must be >= 1, got {tmax}")
-    em = _Emitter(state, isa, max_seq, profile, segmented, tmax)
+    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv)
     # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
     for n in state.graph.nodes():
         if isinstance(n, ExpertBank):

@@ -64,9 +64,12 @@ class Interpreter:
     """Runs the graph token block by token block; holds the KV cache of each attention node."""
 
     def __init__(self, graph: Graph, act_quant: str | None = None, max_seq_len: int | None = None,
-                 cache_weights: bool = True):
+                 cache_weights: bool = True, kv: str = "f32"):
         if act_quant not in (None, "q8"):
             raise ValueError(f"act_quant must be None or 'q8', not {act_quant!r}")
+        if kv not in ("f32", "f16"):
+            raise ValueError(f"kv must be 'f32' or 'f16', not {kv!r}")
+        self.kv_dtype = kv  # 'f16': K and V rounded to half once when cached, as the runtime's kv='f16' does
         if not graph.weights:
             raise CflowError(f"graph {graph.name} has no weights to interpret (built from shapes only)")
         self.g = graph
@@ -198,6 +201,8 @@ class Interpreter:
         q = apply_rope(q, cos[self.pos : self.pos + T], sin[self.pos : self.pos + T])
         k = apply_rope(k, cos[self.pos : self.pos + T], sin[self.pos : self.pos + T])
         vv = vv.reshape(T, KV, hd).astype(np.float32)
+        if self.kv_dtype == "f16":
+            k, vv = (a.astype(np.float32).astype(np.float16).astype(np.float32) for a in (k, vv))
         if n.name in self.kv:
             pk, pv = self.kv[n.name]
             k, vv = np.concatenate([pk, k]), np.concatenate([pv, vv])

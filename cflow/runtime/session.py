@@ -23,6 +23,7 @@ from ..codegen.abi import (
     BARRIER_WORDS,
     CTL_WORDS,
     KICK_SYMBOL,
+    KV_BYTES,
     PARAM_WORDS,
     STEP_SYMBOL,
     WORKER_SYMBOL,
@@ -143,13 +144,16 @@ class Session:
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
                  cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
                  expert_io: str = "async", weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64,
-                 max_batch: int = 1):
+                 max_batch: int = 1, kv: str = "f32"):
         if experts not in ("ram", "disk"):
             raise CflowError(f"experts must be 'ram' or 'disk', not {experts!r}")
         if weights not in ("ram", "disk"):
             raise CflowError(f"weights must be 'ram' or 'disk', not {weights!r}")
         if expert_io not in ("async", "sync"):
             raise CflowError(f"expert_io must be 'async' or 'sync', not {expert_io!r}")
+        if kv not in KV_BYTES:
+            raise CflowError(f"the KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
+        self.kv_dtype = kv
         if not isinstance(read_ahead, int) or read_ahead < 0:
             raise CflowError(f"read-ahead must be a whole number of stages >= 0, not {read_ahead!r}")
         if threads is not None and (not _whole(threads) or not 1 <= threads <= MAX_THREADS):
@@ -254,7 +258,7 @@ class Session:
             (f"the KV cache (config.max_seq_len={S} positions x {c.n_layers} layers"
              + (f" x max_batch={self.n_slots} sequences" if self.n_slots > 1 else "")
              + "; load with a smaller max_seq" + (" or max_batch)" if self.n_slots > 1 else ")")):
-                kv_cache_bytes(c, S, self.n_slots),
+                kv_cache_bytes(c, S, self.n_slots, self.kv_dtype),
             f"the RoPE tables (config.max_seq_len={S})": S * c.head_dim * 4 * (  # a second pair: Gemma 3's local
                 2 if c.local_rope_theta and any(c.is_sliding(l) for l in range(1, c.n_layers + 1)) else 1),
             f"the per-thread scratch ({self.threads} threads)":
@@ -287,7 +291,7 @@ class Session:
         target = host_target()
         segmented = self.segmented
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
-                                        self.profile, segmented, self.tmax)
+                                        self.profile, segmented, self.tmax, self.kv_dtype)
               if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
         self.program = None
@@ -298,7 +302,7 @@ class Session:
                 self.program = None
         if self.program is None:
             self.program = build_step(self.run_state, target.isa, self.max_seq, profile=self.profile,
-                                      segmented=segmented, tmax=self.tmax)
+                                      segmented=segmented, tmax=self.tmax, kv=self.kv_dtype)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())
@@ -316,7 +320,9 @@ class Session:
         self.tokens = np.zeros(T, np.int64)
         self.positions = np.zeros(T, np.int64)
         self.slots = np.zeros(T, np.int64)
-        self.kv = np.zeros(self.n_slots * 2 * cfg.n_layers * prog.kv_floats_per_layer, np.float32)
+        # f16 entries are IEEE half bits (the generated code converts); numpy only holds and zeroes them
+        self.kv = np.zeros(self.n_slots * 2 * cfg.n_layers * prog.kv_floats_per_layer,
+                           np.uint16 if prog.kv == "f16" else np.float32)
         half = cfg.head_dim // 2
         # ir/rope.py: RoPE scaling and partial rotary included. Gemma 3's sliding-window layers rotate at their own
         # base: the "local" pair (BindingKey name, codegen/step.py), the model's RoPE from a layer that is not local.

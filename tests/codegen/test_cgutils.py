@@ -75,3 +75,49 @@ def test_hsum_is_a_fixed_halving_tree(name):
         h = len(want) // 2
         want = (want[:h] + want[h:]).astype(np.float32)
     assert f(v.ctypes.data, y.ctypes.data, 1) == want[0]
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_float_to_half_rounds_as_numpy(name):
+    """The KV cache's f16 store (F16C on the host, integer ops on the generic path) against numpy's astype."""
+    from cflow.codegen.cgutils import float_to_half, half_to_float, i16
+
+    target = TARGETS[name]
+    m = ir.Module(name="fh")
+    m.triple = target.triple
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [P(f32), P(i16), P(f32), i64]), "f")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    x, h, back, count = fn.args
+    isa = target.isa
+    loop, done = fn.append_basic_block("loop"), fn.append_basic_block("done")
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(i64)
+    i.add_incoming(ir.Constant(i64, 0), fn.entry_basic_block)
+    off = b.mul(i, ir.Constant(i64, 8))
+    v = b.load(b.bitcast(b.gep(x, [off]), P(V(f32, 8))), align=4)
+    hv = float_to_half(b, v, isa)
+    b.store(hv, b.bitcast(b.gep(h, [off]), P(V(i16, 8))), align=2)
+    b.store(half_to_float(b, hv, isa), b.bitcast(b.gep(back, [off]), P(V(f32, 8))), align=4)
+    nxt = b.add(i, ir.Constant(i64, 1))
+    i.add_incoming(nxt, loop)
+    b.cbranch(b.icmp_signed("<", nxt, count), loop, done)
+    b.position_at_end(done)
+    b.ret_void()
+    lib = compile_ir(m, target=target, cache=False)
+    f = lib.get_cfunc("f", None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    rng = np.random.default_rng(1)
+    edges = np.array([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e6, -1e6, np.inf, -np.inf, 6.1e-5, 6.0e-8, 3.0e-8,
+                      2.9e-8, 1e-10, 5.96e-8 * 1.5, 1.0 + 2**-11, 1.0 + 3 * 2**-11, -2.5e-6], np.float32)
+    scaled = (rng.standard_normal(8000) * 10.0 ** rng.integers(-9, 6, 8000)).astype(np.float32)
+    anybits = rng.integers(0, 2**32, 8000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([edges, scaled, anybits])
+    x = np.concatenate([x, np.zeros(-len(x) % 8, np.float32)])
+    h, back = np.empty(len(x), np.uint16), np.empty_like(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16)
+    f(x.ctypes.data, h.ctypes.data, back.ctypes.data, len(x) // 8)
+    nan = np.isnan(x)
+    assert np.array_equal(h[~nan], want.view(np.uint16)[~nan])
+    assert np.isnan(h[nan].view(np.float16)).all()
+    assert np.array_equal(back[~nan], want[~nan].astype(np.float32))

@@ -1,0 +1,85 @@
+"""The KV cache's element type (load(kv=...)): f16 halves the cache, equals the interpreter's kv='f16' twin, keeps
+prefill, decode and thread counts bit-identical, and stays close to f32; long prompts cross many 16-lane
+chunks of the vectorised attention core (codegen/ops.py:attention)."""
+
+import numpy as np
+import pytest
+
+import cflow
+from cflow.compiler import compile_file
+from cflow.frontend.load import load_graph
+from cflow.ir import Interpreter
+from cflow.runtime.session import Session
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("kv") / "a.vflow"
+    compile_file(load_graph("preset:arch2_4_combined@tiny"), p, "q4")
+    return p
+
+
+def _greedy(s, ids, steps=6):
+    logits = [s.prefill(ids).copy()]
+    for _ in range(steps):
+        logits.append(s.step(int(np.argmax(logits[-1]))).copy())
+    return logits
+
+
+def test_f16_cache_is_half_the_bytes_and_reported(path):
+    with Session(str(path), threads=1, kv="f32") as a, Session(str(path), threads=1, kv="f16") as b:
+        assert b.kv.nbytes * 2 == a.kv.nbytes
+        big = [k for k in a.memory_parts() if k.startswith("the KV cache")][0]
+        assert b.memory_parts()[big] * 2 == a.memory_parts()[big]
+
+
+def test_f16_cache_equals_its_interpreter_twin(path):
+    ids = list(np.random.default_rng(1).integers(0, 256, 120))  # 8 chunks of 16 scores
+    with cflow.load(path, threads=2, kv="f16") as m:
+        got = m.logits(ids)
+        ref16 = Interpreter(m.ir, act_quant="q8", kv="f16").prefill(ids)[-1]
+        ref32 = Interpreter(m.ir, act_quant="q8").prefill(ids)[-1]
+    assert np.abs(got - ref16).max() < 2e-2  # int8 activations, as the f32 tests
+    assert int(np.argmax(got)) == int(np.argmax(ref16))
+    assert np.abs(ref16 - ref32).max() < 5e-2  # half-precision K/V moves the logits little
+
+
+def test_f16_cache_prefill_decode_and_threads_bit_identical(path):
+    ids = list(np.random.default_rng(2).integers(0, 256, 77))
+    with Session(str(path), threads=1, prefill_block=1, kv="f16") as s:
+        want = _greedy(s, ids)
+    for block, threads in ((16, 1), (32, 2)):
+        with Session(str(path), threads=threads, prefill_block=block, kv="f16") as s:
+            got = _greedy(s, ids)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), (block, threads)
+
+
+def test_f32_attention_at_a_long_prompt_equals_the_interpreter(path):
+    ids = list(np.random.default_rng(3).integers(0, 256, 117))
+    with cflow.load(path, threads=1) as m:
+        got = _greedy(m.session, ids, steps=3)
+        it = Interpreter(m.ir, act_quant="q8")
+        ref = [it.prefill(ids)[-1]]
+        for _ in range(3):
+            ref.append(it.step(int(np.argmax(ref[-1]))))
+    for a, b in zip(got, ref):
+        assert np.abs(a - b).max() < 2e-2
+
+
+def test_bad_kv_type_is_one_clear_error(path):
+    with pytest.raises(cflow.CflowError, match="KV cache type must be one of f32, f16, not 'bf16'"):
+        cflow.load(path, kv="bf16")
+
+
+def test_cli_run_ctx_and_kv(path, capsys):
+    from cflow.cli import cflow_main
+
+    assert cflow_main(["run", str(path), "--prompt", "1 2 3", "-n", "4", "--threads", "1", "--kv", "f16",
+                       "--ctx", "16"]) == 0
+    assert capsys.readouterr().out.split()[:3] == ["1", "2", "3"]
+    # more than the model holds: one line naming both numbers
+    assert cflow_main(["run", str(path), "--prompt", "1 2 3", "--ctx", "1024"]) == 1
+    err = capsys.readouterr().err
+    assert "1024 exceeds the model's context of 128" in err and "Traceback" not in err
+    assert cflow_main(["run", str(path), "--prompt", "1 2 3", "--ctx", "16", "-n", "20"]) == 1
+    assert "-n 20" in capsys.readouterr().err
