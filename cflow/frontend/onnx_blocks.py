@@ -58,6 +58,11 @@ def extract_attention(om: OnnxModel, b: Branch, where: str) -> None:
     scores, pv = scores[0], pv[0]
     o = [l for l in lins if l.act in descendants(om, b, pv.output[0])]
     ins = [l for l in lins if l not in o]
+    if len(lins) == 2 and len(o) == 1:  # one projection feeding q, k and v (Phi-3's qkv_proj), then sliced
+        fused = [l for l in lins if l not in o][0]
+        raise unsupported(fused.node, f"attention of {where}: one fused q/k/v projection (as Phi-3's qkv_proj) is not "
+                                      "read from ONNX (expected separate q, k, v projections); compile the PyTorch "
+                                      "module or Hugging Face directory")
     if len(lins) != 4 or len(o) != 1:
         raise unsupported(lins[0].node if lins else sm,
                           f"attention of {where} has {len(lins)} projections; expected q, k, v and o")

@@ -226,6 +226,13 @@ def segment(om: OnnxModel) -> Decoder:
             continue
         if STREAM in kinds:
             v = hin[kinds.index(STREAM)]
+            other = [x for x in n.input if x != v]
+            c = om.const(other[0]) if n.op_type in ("Mul", "Div") and len(other) == 1 else None
+            if c is not None and np.asarray(c).size == 1:  # Gemma's sqrt(d), Granite's embedding_multiplier
+                what = "the embedding" if v == emb.output[0] else "the residual stream"
+                raise unsupported(n, f"scales {what} ({v!r}) by the constant {float(np.asarray(c).reshape(-1)[0]):g}: "
+                                     "an embedding scale (Gemma's sqrt(d), Granite's embedding_multiplier) is not read "
+                                     "from ONNX; compile the PyTorch module or Hugging Face directory")
             raise unsupported(n, f"reads the residual stream {v!r} directly; expected an RMSNorm "
                                  "(Pow, ReduceMean, Add eps, Sqrt, Reciprocal, Mul weight) or a residual Add there")
         for o in n.output:
