@@ -130,3 +130,45 @@ def test_every_field_at_every_edge(sample, tmp_path):
 def test_struct_formats_cover_every_scalar_type():
     for code, (fmt, n) in _SCALARS.items():
         assert struct.calcsize("<" + fmt) == n, code
+
+
+# The architectures read with llama.cpp's per-family conventions: fused rows (phi3), factor tensors and partial
+# rotary (phi3), window patterns and soft-caps (gemma2/3), folded scales (granite), stacked experts (olmoe).
+FAMILY_FILES = {"phi3": ("phi3", {"original_max_position_embeddings": 32, "rope_parameters": {
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
+    "long_factor": [2.0, 3.0, 4.0, 6.0], "original_max_position_embeddings": 32}}),
+    "gemma2": ("gemma2", {}), "gemma3": ("gemma3", {}), "granite": ("granite", {}), "olmoe": ("olmoe", {})}
+
+
+@pytest.fixture(scope="module")
+def family_samples(tmp_path_factory):
+    from ._gguf import write_hf_gguf
+    from ._models import hf_model
+
+    out = {}
+    for arch, (family, over) in FAMILY_FILES.items():
+        p = tmp_path_factory.mktemp("fuzz_fam") / f"{arch}.gguf"
+        write_hf_gguf(hf_model(family, num_hidden_layers=1, **over), p, arch)
+        out[arch] = (p.read_bytes(), _Recorder(p).fields)
+    return out
+
+
+@pytest.mark.parametrize("arch", list(FAMILY_FILES))
+def test_family_files_under_structured_lies(family_samples, tmp_path, arch):
+    blob, fields = family_samples[arch]
+    assert _check(blob, tmp_path / "f.gguf") == "ok"
+    for seed in range(60):
+        rng = random.Random(seed)
+        bad, what = _mutate(rng, blob, fields)
+        try:
+            _check(bad, tmp_path / "f.gguf")
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"{arch} seed {seed} ({what}): {type(e).__name__}: {e}") from e
+    for at, n, what in fields:  # every integer field of the header at 0 and at its largest value
+        for v in (0, (1 << (8 * n)) - 1):
+            b = bytearray(blob)
+            b[at : at + n] = v.to_bytes(n, "little")
+            try:
+                _check(bytes(b), tmp_path / "e.gguf")
+            except Exception as e:  # noqa: BLE001
+                raise AssertionError(f"{arch}: {what} at {at:#x} := {v}: {type(e).__name__}: {e}") from e
