@@ -81,6 +81,8 @@ class Binding(enum.StrEnum):
     SIN = "sin"  # f32 RoPE sin table [max_seq][head_dim / 2]
     SCRATCH = "scratch"  # per-thread scratch (ScratchLayout), nthreads copies
     PROF = "prof"  # i64 cycle stamps [n_stages + 1] (profiling builds only)
+    EXPERT_ROWS = "expert_rows"  # i64 [n_layers + 1][n_experts][2]: tile-rows read per expert, gate_up / down
+    #   (profiling builds only: tests count that a prompt block reads each chosen expert once)
     TOKENS = "tokens"  # i64 token ids [tmax] of a multi-token call
     POSITIONS = "positions"  # i64 [tmax]: each token's position in its sequence
     SLOTS = "slots"  # i64 [tmax]: each token's sequence (KV-cache slot); a prompt block is one slot

@@ -446,6 +446,7 @@ class _Emitter:
             e = b.sext(b.load(b.gep(idx, [c64(j)])), i64)
             w = self.expert_pointer(b, n, "w_gate_up", e)
             self.call_mv(b, L, w, x, b.gep(h, [c64(j * ip)]), lo, hi, gate_up=True)
+            self.count_expert_rows(b, n, e, 0, lo, hi)
         if n.shared_hidden:
             st = self.tensors[shared_tensor(n.prefix, "w_gate_up")]
             lo_s, hi_s = self.rows(b, st.layout.n_tile_rows)
@@ -469,6 +470,15 @@ class _Emitter:
             x = self.prologue(b, step, self.d, False)
             self.call_router(b, router, x, b.gep(self.scratch_ptr(b, "route", i8),
                                                  [c64(router.layer * self.scratch.route_stride)]))
+
+    def count_expert_rows(self, b, n: ExpertBank, e, which: int, lo, hi) -> None:
+        """Profiling builds: expert_rows[layer][e][which] += this thread's tile-rows of one pass over the matrix
+        (which: 0 gate_up, 1 down; atomic, every thread adds its share), so a test can count passes."""
+        if not self.profile:
+            return
+        rows = self.pointer(b, BindingKey(Binding.EXPERT_ROWS), i64)
+        idx = b.add(c64(2 * n.layer * self.cfg.n_experts), b.add(b.mul(e, c64(2)), c64(which)))
+        b.atomic_rmw("add", b.gep(rows, [idx]), b.sub(hi, lo), "monotonic")
 
     def expert_pointer(self, b, n: ExpertBank, which: str, e):
         """Pointer to expert e's tensor: one table entry per expert, so only the chosen ones are touched."""
@@ -510,6 +520,7 @@ class _Emitter:
             x = b.gep(h, [c64(j * ip)])
             self.quantise_input(b, x, n.hidden, t0.dtype)
             self.call_mv(b, L, self.expert_pointer(b, n, "w_down", e), x, tmp, lo, hi)
+            self.count_expert_rows(b, n, e, 1, lo, hi)
             b.call(O.axpy(self.m), [out, tmp, b.load(b.gep(wts, [c64(j)])), c64(1 if j == 0 else 0), rlo, rhi])
         if n.shared_hidden:
             st = self.tensors[shared_tensor(n.prefix, "w_down")]
@@ -595,6 +606,7 @@ class _Emitter:
                 with Loop(b, c64(0), cnt, "g") as k:
                     self.gather_row(b, b.load(b.gep(gtok, [k])), k)
                 self.group_matmat(b, L, self.expert_pointer(b, n, "w_gate_up", e), cnt, gy, ip, gate_up=True)
+                self.count_expert_rows(b, n, e, 0, lo, hi)
                 with Loop(b, c64(0), cnt, "g") as k:  # this thread's rows into h[t][j]
                     t, j = b.load(b.gep(gtok, [k])), b.load(b.gep(gj, [k]))
                     dst = b.gep(h, [b.add(b.mul(t, c64(hs)), b.mul(j, c64(ip)))])
@@ -635,6 +647,7 @@ class _Emitter:
                     b.store(b.add(first, k), b.gep(gpos, [b.add(b.mul(t, c64(K)), j)]))
                 self.group_matmat(b, L, self.expert_pointer(b, n, "w_down", e), cnt,
                                   b.gep(gy, [b.mul(first, c64(dp))]), dp)
+                self.count_expert_rows(b, n, e, 1, lo, hi)
                 b.store(b.add(first, cnt), used)
         shared = b.gep(gy, [c64(self.tmax * K * dp)])  # token t's shared-expert output at row tmax*K + t
         if n.shared_hidden:

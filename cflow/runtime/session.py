@@ -341,8 +341,11 @@ class Session:
         self.params = np.zeros(PARAM_WORDS, np.int64)
         self.barrier = _zeros(4 * BARRIER_WORDS, 64).view(np.int32)
         self.prof = np.zeros(self.compiled.schedule.n_stages + 1, np.int64)  # cycle stamps (profile builds)
+        # profile builds: tile-rows read per [layer][expert][gate_up, down] (codegen/step.py:count_expert_rows)
+        self.expert_rows = np.zeros((cfg.n_layers + 1, max(cfg.n_experts, 1), 2), np.int64)
         fixed = {Binding.KV: self.kv, Binding.COS: self.cos, Binding.SIN: self.sin, Binding.SCRATCH: self.scratch,
-                 Binding.PROF: self.prof, Binding.TOKENS: self.tokens, Binding.POSITIONS: self.positions,
+                 Binding.PROF: self.prof, Binding.EXPERT_ROWS: self.expert_rows, Binding.TOKENS: self.tokens,
+                 Binding.POSITIONS: self.positions,
                  Binding.SLOTS: self.slots}
         addr: list[int] = []
         self._keep = []
