@@ -102,13 +102,16 @@ def check_tokens(m, c, prompt, n=8, tol=1e-2) -> str:
     return f"first {n} greedy tokens equal the interpreter's"
 
 
-def time_decode(m, prompt, tokens: int, reps: int = 3) -> float:
-    """Best-of-reps decode tok/s over `tokens` greedy steps after the prompt."""
+def time_decode(m, prompt, tokens: int, reps: int = 3, prompt_logits: list | None = None) -> float:
+    """Best-of-reps decode tok/s over `tokens` greedy steps after the prompt (prompt_logits: a list that gets a
+    copy of the first repetition's prompt logits, for callers that compare them)."""
     s = m.session
     best = 0.0
-    for _ in range(reps):
+    for rep in range(reps):
         s.reset()
         logits = s.prefill(prompt)
+        if prompt_logits is not None and rep == 0:
+            prompt_logits.append(logits.copy())
         t0 = time.perf_counter()
         for _ in range(tokens):
             logits = s.step(int(np.argmax(logits)))

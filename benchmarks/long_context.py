@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import attrs
 import numpy as np
@@ -31,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bandwidth import measure_read_bandwidth  # noqa: E402
-from decode import MODELS, compiled_model  # noqa: E402
+from decode import MODELS, compiled_model, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.codegen.abi import KV_BYTES  # noqa: E402
@@ -44,21 +43,6 @@ def kv_bytes_read(cfg, first_pos: int, steps: int, kv: str) -> float:
     """K and V bytes one decode step reads, averaged over positions first_pos .. first_pos + steps - 1."""
     row = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * KV_BYTES[kv]
     return row * (first_pos + (steps + 1) / 2)  # a step at position p reads p + 1 rows
-
-
-def decode_at(m, prompt, steps: int, reps: int) -> tuple[float, np.ndarray]:
-    """Best-of-reps decode tok/s of `steps` greedy tokens after `prompt`; the prompt's logits."""
-    s = m.session
-    best, first = 0.0, None
-    for _ in range(reps):
-        s.reset()
-        logits = s.prefill(prompt).copy()
-        first = logits if first is None else first
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            logits = s.step(int(np.argmax(logits)))
-        best = max(best, steps / (time.perf_counter() - t0))
-    return best, first
 
 
 def main(argv=None) -> None:
@@ -93,8 +77,9 @@ def main(argv=None) -> None:
             with cflow.load(path, threads=threads, kv=kv) as m:
                 weights = m.bytes_per_token
                 for p in contexts:
-                    tps, logits = decode_at(m, prompts[p], args.tokens, args.reps)
-                    first_logits.setdefault((kv, p), logits)
+                    logits = []
+                    tps = time_decode(m, prompts[p], args.tokens, args.reps, prompt_logits=logits)
+                    first_logits.setdefault((kv, p), logits[0])
                     rows.append((kv, p, tps, weights + kv_bytes_read(cfg, p, args.tokens, kv)))
         read = max(bw, measure_read_bandwidth(threads, int(args.gib * (1 << 30))))
         print(f"## {threads} thread(s): read bandwidth {read:.2f} GB/s; weights {weights / 1e6:.0f} MB per token",

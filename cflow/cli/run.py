@@ -40,6 +40,7 @@ def add_args(p):
     p.add_argument("--ctx", "--max-seq", dest="max_seq", type=whole(1), default=None, metavar="TOKENS",
                    help="context to allocate (KV cache), at most the model's; more is an error naming both "
                    "(default: the model's max_seq_len)")
+    # the keys of codegen.abi.KV_BYTES, spelled out: importing it pulls in numpy, and --help stays light
     p.add_argument("--kv", choices=("f32", "f16"), default="f32",
                    help="KV cache element type: f16 halves its memory and what attention reads per token at long "
                    "contexts (default f32)")

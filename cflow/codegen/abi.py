@@ -215,7 +215,7 @@ def kv_floats_per_layer(config, max_seq: int) -> int:
     return max_seq * config.n_kv_heads * config.head_dim
 
 
-KV_BYTES = {"f32": 4, "f16": 2}  # bytes per KV-cache entry, by its type (ops.KV_DTYPES)
+KV_BYTES = {"f32": 4, "f16": 2}  # the KV cache's element types (load(kv=...)) and bytes per entry
 
 
 def kv_cache_bytes(config, max_seq: int, n_slots: int = 1, kv: str = "f32") -> int:

@@ -124,16 +124,26 @@ def shuffle(b: ir.IRBuilder, v, idx):
     return b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), ir.Constant(V(i32, len(idx)), list(idx)))
 
 
+def _lanes(v) -> int | None:
+    """Lanes of a vector value, None for a scalar (the conversions below take either)."""
+    return v.type.count if isinstance(v.type, ir.VectorType) else None
+
+
+def _lit(ty, n: int | None, v):
+    """A constant of ty, splat over n lanes (None: a scalar)."""
+    return const_vec(ty, n, v) if n else ir.Constant(ty, v)
+
+
 def half_to_float(b: ir.IRBuilder, h, isa: str):
     """IEEE half bits (i16, or <n x i16>) -> float (or <n x float>).
 
     F16C (every non-generic ISA) converts in one instruction; the generic path uses integer ops only
     (no libcall): exponent rebias by a multiply, normals, zeros, subnormals, inf/nan.
     """
-    n = h.type.count if isinstance(h.type, ir.VectorType) else None
+    n = _lanes(h)
 
     def k(ty, v):
-        return const_vec(ty, n, v) if n else ir.Constant(ty, v)
+        return _lit(ty, n, v)
 
     fty = V(f32, n) if n else f32
     if isa != ISA.GENERIC:
@@ -155,10 +165,10 @@ def float_to_half(b: ir.IRBuilder, x, isa: str):
     exponent rebias with the round-to-nearest-even carry, the half subnormals by adding 0.5 (whose ulp is the
     smallest half subnormal, so the FPU rounds), overflow to inf, NaN kept quiet.
     """
-    n = x.type.count if isinstance(x.type, ir.VectorType) else None
+    n = _lanes(x)
 
     def k(ty, v):
-        return const_vec(ty, n, v) if n else ir.Constant(ty, v)
+        return _lit(ty, n, v)
 
     hty = V(i16, n) if n else i16
     if isa != ISA.GENERIC:

@@ -13,7 +13,7 @@ from llvmlite import ir
 
 from ..ir import Attention
 from ..layout.quant import DType
-from .abi import FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE, BarrierWord, CtlWord, sys_futex
+from .abi import FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE, KV_BYTES, BarrierWord, CtlWord, sys_futex
 from .cgutils import (
     Loop,
     P,
@@ -283,7 +283,6 @@ def sigmoid_dot(m: ir.Module, d: int):
 
     return internal_function(m, ("sigmoid_dot", d), (P(f32), P(f32), P(f32)), build)
 
-KV_DTYPES = ("f32", "f16")  # the KV cache's element types (Session(kv=...))
 ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is padded by this much (abi.py)
 
 
@@ -316,8 +315,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     nc = hd // W
     vt, L = V(f32, W), ATT_LANES
     fma = isa != ISA.GENERIC
-    if kv not in KV_DTYPES:
-        raise ValueError(f"KV cache type must be one of {', '.join(KV_DTYPES)}, not {kv!r}")
+    if kv not in KV_BYTES:
+        raise ValueError(f"KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
     half_kv = kv == "f16"
 
     def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):

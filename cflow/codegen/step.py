@@ -34,6 +34,7 @@ from . import kernels as K
 from . import ops as O
 from .abi import (
     KICK_SYMBOL,
+    KV_BYTES,
     STEP_SYMBOL,
     WORKER_SYMBOL,
     Binding,
@@ -63,7 +64,7 @@ class StepProgram:
     kv_floats_per_layer: int  # K (or V) cache floats for one layer
     max_seq: int
     isa: ISA
-    kv: str = "f32"  # the KV cache's element type (ops.KV_DTYPES)
+    kv: str = "f32"  # the KV cache's element type (abi.KV_BYTES)
 
     def meta(self) -> dict:
         """Everything but the module, JSON-able (the program cache stores it beside the IR text)."""
@@ -728,8 +729,8 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
     tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
     kv: the KV cache's element type, 'f32' or 'f16' (ops.attention).
     """
-    if kv not in O.KV_DTYPES:
-        raise CodegenError(f"KV cache type must be one of {', '.join(O.KV_DTYPES)}, not {kv!r}")
+    if kv not in KV_BYTES:
+        raise CodegenError(f"KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
     if max_seq < 1:
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
     if tmax < 1:
