@@ -75,7 +75,7 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
 def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
          experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async",
          weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64, max_batch: int = 1,
-         kv: str = "f32") -> CompiledModel:
+         kv: str = "auto") -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
@@ -91,8 +91,10 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
             `read_ahead` stages ahead (a model larger than RAM still decodes; experts go to disk too).
         prefill_block: prompt tokens per native call (each weight tile read once per block); 1 = token by token.
         max_batch: sequences (KV-cache slots) that batch_step advances together in one pass over the weights.
-        kv: the KV cache's element type: 'f32', or 'f16' (half the cache's memory and the bytes attention reads
-            per token at long contexts; K and V rounded to half once, when written: docs/performance.md).
+        kv: the KV cache's element type: 'f32', 'f16' (half the cache's memory and the bytes attention reads
+            per token at long contexts; K and V rounded to half once, when written: docs/performance.md), or
+            'auto' (default): f16 for Q4 / Q8 weights, where it measured equal in perplexity, f32 for f16 / f32
+            weights (runtime.session.resolve_kv). `CompiledModel.kv` is the type in use.
     """
     from .runtime.session import Session
 
@@ -140,6 +142,11 @@ class CompiledModel:
     @property
     def threads(self) -> int:
         return self.session.threads
+
+    @property
+    def kv(self) -> str:
+        """The KV cache's element type in use, 'f32' or 'f16' (load's kv='auto' resolved by the weights' type)."""
+        return self.session.kv_dtype
 
     @property
     def ir(self):
@@ -485,7 +492,8 @@ class CompiledModel:
     def __repr__(self) -> str:
         c = self.config
         return (f"<CompiledModel {self.session.header.get('name')} {c.n_layers}x{c.d_model} "
-                f"{self.session.header['quant']} delays={tuple(self.session.header['delays'])} threads={self.threads}>")
+                f"{self.session.header['quant']} kv={self.kv} delays={tuple(self.session.header['delays'])} "
+                f"threads={self.threads}>")
 
 
 def _whole(v) -> bool:

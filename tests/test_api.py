@@ -28,7 +28,7 @@ def test_generate_ids_matches_torch_greedy(model):
 
 def test_logits_match_interpreter_on_stored_weights(model):
     ids = [4, 8, 15, 16, 23, 42]
-    ref = Interpreter(model.ir).prefill(ids)[-1]  # .ir reads the weights back from the file
+    ref = Interpreter(model.ir, kv=model.kv).prefill(ids)[-1]  # .ir reads the weights back from the file
     assert np.abs(model.logits(ids) - ref).max() <= 1e-4
 
 

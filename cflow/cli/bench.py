@@ -30,7 +30,8 @@ def add_args(p):
     p.add_argument("--tokens", type=whole(1), default=32, help="tokens decoded per repetition (default 32)")
     p.add_argument("--reps", type=whole(1), default=3,
                    help="repetitions per thread count; the best is kept (default 3)")
-    p.add_argument("--kv", choices=("f32", "f16"), default="f32", help="KV cache element type (default f32)")
+    p.add_argument("--kv", choices=("auto", "f32", "f16"), default="auto",
+                   help="KV cache element type; auto: f16 for q4/q8 weights, f32 for f16/f32 (default auto)")
     p.add_argument("--json", metavar="FILE",
                    help="also write one record per thread count to this JSON file (default: no file)")
 
@@ -38,6 +39,7 @@ def add_args(p):
 def run(args) -> int:
     import json
     import os
+    import sys
     import time
 
     import numpy as np
@@ -62,6 +64,7 @@ def run(args) -> int:
                 raise CflowError(f"--tokens {args.tokens}: the model's context of {m.session.max_seq} tokens holds "
                                  f"at most {room} after the {len(PROMPT)}-token prompt")
             if not header_printed:
+                print(f"{m.kv} KV cache", file=sys.stderr)
                 print(HEADER, flush=True)
                 header_printed = True
             s = m.session
@@ -74,12 +77,12 @@ def run(args) -> int:
                     logits = s.step(int(np.argmax(logits)))
                 best = max(best, args.tokens / (time.perf_counter() - t0))
             read = measure_read_bandwidth(threads)
-            bpt = m.bytes_per_token
+            bpt, kv = m.bytes_per_token, m.kv
         finally:
             m.close()
         eff = bpt * best / 1e9
         records.append({"threads": threads, "read_gbps": round(read, 3), "bytes_per_token": bpt,
-                        "tok_s": round(best, 3)})
+                        "tok_s": round(best, 3), "kv": kv})
         print(f"{threads:>7}  {best:9.2f}  {bpt / 1e6:8.2f}  {eff:6.2f}  {read:9.2f}  {100 * eff / read:9.1f}",
               flush=True)
     if args.json:

@@ -36,8 +36,11 @@ def check_model(reader) -> str:
         from ..runtime.tokenizer import Tokenizer
 
         tok = f"tokenizer of {Tokenizer(h['tokenizer'], h.get('eos_token_ids') or ()).vocab_size} tokens"
+    from ..runtime.session import resolve_kv
+
     return (f"model: ok ({h.get('name')}: {cfg.n_layers} layers x d_model {cfg.d_model}, {h['quant']}, "
-            f"tile {h['tile'][0]}x{h['tile'][1]}, context {cfg.max_seq_len}; {tok})")
+            f"{resolve_kv('auto', h['quant'])} KV cache by default, tile {h['tile'][0]}x{h['tile'][1]}, "
+            f"context {cfg.max_seq_len}; {tok})")
 
 
 def run(args) -> int:

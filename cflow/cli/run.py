@@ -41,9 +41,10 @@ def add_args(p):
                    help="context to allocate (KV cache), at most the model's; more is an error naming both "
                    "(default: the model's max_seq_len)")
     # the keys of codegen.abi.KV_BYTES, spelled out: importing it pulls in numpy, and --help stays light
-    p.add_argument("--kv", choices=("f32", "f16"), default="f32",
+    p.add_argument("--kv", choices=("auto", "f32", "f16"), default="auto",
                    help="KV cache element type: f16 halves its memory and what attention reads per token at long "
-                   "contexts (default f32)")
+                   "contexts; auto is f16 for q4/q8 weights (measured equal in perplexity), f32 for f16/f32 "
+                   "weights (default auto; the type in use is printed with the speeds)")
     p.add_argument("--verify", action="store_true",
                    help="verify every checksum before running (default: no full-read check)")
     p.add_argument("--no-stop", action="store_true",
@@ -123,7 +124,7 @@ def run(args) -> int:
         decode_s = t1 - (t_first or t1)
         print(f"prompt: {len(ids)} tokens, {len(ids) / prompt_s:.1f} tok/s | decode: {n_new} tokens, "
               f"{(n_new - 1) / decode_s if n_new > 1 and decode_s > 0 else 0:.1f} tok/s | {m.threads} threads, "
-              f"{m.bytes_per_token / 1e6:.1f} MB/token", file=sys.stderr)
+              f"{m.bytes_per_token / 1e6:.1f} MB/token, {m.kv} KV cache", file=sys.stderr)
         st = m.expert_stats
         if st is not None:
             steps = max(1, len(ids) + n_new - 1)

@@ -45,6 +45,21 @@ from .format.spec import pad
 
 MAX_THREADS = 1024  # worker threads of one model
 MAX_BATCH = 4096  # sequences decoded together (each its own KV cache)
+# kv="auto": the KV cache's element type for each weight type. Measured equal in quality where f16 (the bundled
+# model's perplexity, benchmarks/long_context.py --text: Q8 weights 8.3391 with an f32 cache vs 8.3397 with f16,
+# Q4 8.5117 vs 8.5100; docs/performance.md, "Long contexts"); f16 / f32 weights keep the exact f32 cache (not
+# measured, and there the cache's rounding would be the largest error left).
+KV_AUTO = {"q4": "f16", "q8": "f16", "f16": "f32", "f32": "f32"}
+
+
+def resolve_kv(kv: str, quant: str) -> str:
+    """The KV cache type that load(kv=...) / Session(kv=...) / --kv mean for weights of type `quant`: 'auto' is
+    KV_AUTO[quant], 'f32' / 'f16' (abi.KV_BYTES) are taken as given; anything else is a CflowError."""
+    if kv == "auto":
+        return KV_AUTO.get(quant, "f32")
+    if kv not in KV_BYTES:
+        raise CflowError(f"the KV cache type must be auto or one of {', '.join(KV_BYTES)}, not {kv!r}")
+    return kv
 
 
 def _whole(v) -> bool:
@@ -144,16 +159,14 @@ class Session:
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
                  cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
                  expert_io: str = "async", weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64,
-                 max_batch: int = 1, kv: str = "f32"):
+                 max_batch: int = 1, kv: str = "auto"):
         if experts not in ("ram", "disk"):
             raise CflowError(f"experts must be 'ram' or 'disk', not {experts!r}")
         if weights not in ("ram", "disk"):
             raise CflowError(f"weights must be 'ram' or 'disk', not {weights!r}")
         if expert_io not in ("async", "sync"):
             raise CflowError(f"expert_io must be 'async' or 'sync', not {expert_io!r}")
-        if kv not in KV_BYTES:
-            raise CflowError(f"the KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
-        self.kv_dtype = kv
+        resolve_kv(kv, "f32")  # a bad type fails before the file is read
         if not isinstance(read_ahead, int) or read_ahead < 0:
             raise CflowError(f"read-ahead must be a whole number of stages >= 0, not {read_ahead!r}")
         if threads is not None and (not _whole(threads) or not 1 <= threads <= MAX_THREADS):
@@ -179,6 +192,7 @@ class Session:
             self._check_plan()
         except FormatError as e:  # from another cflow: say so (recompile), not "does not match"
             raise stale_file_error(h, self.path, e) or e from None
+        self.kv_dtype = resolve_kv(kv, h["quant"])  # 'auto' by the weights' type (KV_AUTO)
         self.threads = _thread_count(threads)
         if max_seq is not None and max_seq > self.config.max_seq_len:
             raise CflowError(f"max_seq {max_seq} exceeds the model's context of {self.config.max_seq_len} tokens "

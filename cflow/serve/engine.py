@@ -364,7 +364,8 @@ class BatchedSlots:
 def load_backend(path: str, threads: int | None = None, slots: int = 1, **load_kwargs) -> Backend:
     """The backend for `slots` sequences at once: one sequence -> StreamSlots over one model (m.generate's path);
     several -> BatchedSlots over one model loaded with max_batch=slots, or, with experts or weights on disk
-    (no batched decode there), StreamSlots over `slots` loaded models."""
+    (no batched decode there), StreamSlots over `slots` loaded models. load_kwargs go to `cflow.load`; without
+    kv= the KV cache type is load's 'auto' (f16 for Q4 / Q8 weights, f32 otherwise), as `cflow run` decodes."""
     import cflow
 
     if slots < 1:

@@ -418,7 +418,7 @@ def test_cflowc_compiles_a_gguf_and_the_runtime_runs_it(tmp_path):
     m = cflow.load(tmp_path / "m.vflow", threads=1)
     from cflow.ir import Interpreter
 
-    it = Interpreter(src, act_quant="q8")
+    it = Interpreter(src, act_quant="q8", kv=m.kv)  # the model's KV cache type (kv='auto': f16 for q8)
     ids = [int(i) for i in IDS[:12]]
     assert np.abs(m.logits(ids) - it.run(ids)[-1]).max() <= 1e-3
     m.close()

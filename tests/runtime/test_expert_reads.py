@@ -14,7 +14,7 @@ from cflow.compiler import compile_file
 from cflow.frontend.load import load_graph
 from cflow.ir import Interpreter
 from cflow.passes.pack import expert_tensor
-from cflow.runtime.session import Session
+from cflow.runtime.session import Session, resolve_kv
 
 T = 24
 
@@ -24,7 +24,7 @@ def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("reads") / f"{request.param}.vflow"
     c = compile_file(load_graph(f"preset:{request.param}@tiny"), path, "q4")
     ids = [int(t) for t in np.random.default_rng(4).integers(0, c.graph.config.vocab_size, T)]
-    it = Interpreter(c.graph, act_quant="q8")
+    it = Interpreter(c.graph, act_quant="q8", kv=resolve_kv("auto", "q4"))  # the routes the sessions below take
     it.prefill(ids)
     choices = {}  # layer -> experts chosen by each token [T][k]
     for n in c.graph.nodes():

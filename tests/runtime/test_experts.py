@@ -20,14 +20,14 @@ SCRIPT = textwrap.dedent('''
 
     name, path = sys.argv[1], sys.argv[2]
     c = compile_file(load_graph(f"preset:{name}@tiny"), path, "q4")
-    it = Interpreter(c.graph, act_quant="q8")
+    s = Session(path, threads=2)
+    it = Interpreter(c.graph, act_quant="q8", kv=s.kv_dtype)  # the model's KV cache type (auto: f16 for q4)
     ref = it.prefill([17])[-1]
     chosen = {}  # weight block -> experts routed there for this token
     for n in c.graph.nodes():
         if n.kind == "router":
             block = int(n.weight.split(".")[1])
             chosen.setdefault(block, set()).update(int(e) for e in it.values[n.name][1][0])
-    s = Session(path, threads=2)
     nulled = 0
     for i, key in enumerate(s.program.bindings):
         if key.kind == "tensor" and ".experts." in key.name:

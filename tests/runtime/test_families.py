@@ -28,9 +28,9 @@ def test_family_runtime_matches_interpreter(tmp_path, family, quant):
     path = tmp_path / "m.vflow"
     c = compile_file(from_torch(net), path, quant)
     ids = np.random.default_rng(3).integers(0, c.graph.config.vocab_size, 16 + 64)
-    it = Interpreter(c.graph, act_quant="q8" if quant == "q4" else None)
-    ref = np.concatenate([it.prefill(ids[:16])[-1:]] + [it.step(int(t))[None] for t in ids[16:]])
     s = Session(str(path), threads=2)
+    it = Interpreter(c.graph, act_quant="q8" if quant == "q4" else None, kv=s.kv_dtype)  # the model's KV type
+    ref = np.concatenate([it.prefill(ids[:16])[-1:]] + [it.step(int(t))[None] for t in ids[16:]])
     got = np.stack([s.prefill(ids[:16])] + [s.step(int(t)).copy() for t in ids[16:]])
     s.close()
     assert np.abs(got - ref).max() <= TOL[quant]
@@ -52,9 +52,9 @@ def test_new_family_runtime_matches_interpreter_and_transformers(tmp_path, famil
     path = tmp_path / "m.vflow"
     c = compile_file(from_torch(net), path, quant)
     ids = np.random.default_rng(4).integers(0, c.graph.config.vocab_size, 12 + 20)
-    it = Interpreter(c.graph, act_quant=None if quant == "f32" else "q8")
-    ref = np.concatenate([it.prefill(ids[:12])[-1:]] + [it.step(int(t))[None] for t in ids[12:]])
     s = Session(str(path), threads=2)
+    it = Interpreter(c.graph, act_quant=None if quant == "f32" else "q8", kv=s.kv_dtype)
+    ref = np.concatenate([it.prefill(ids[:12])[-1:]] + [it.step(int(t))[None] for t in ids[12:]])
     got = np.stack([s.prefill(ids[:12])] + [s.step(int(t)).copy() for t in ids[12:]])
     s.close()
     scale = max(1.0, float(np.abs(ref).max()))
@@ -93,11 +93,12 @@ def test_learnt_family_runtime(tmp_path, family):
     ids = np.random.default_rng(5).integers(0, g.config.vocab_size, 12 + 12)
     for quant in ("f32",) + LEARNT[family]:
         c = compile_file(g, tmp_path / f"{quant}.vflow", quant)
-        it = Interpreter(c.graph, act_quant=None if quant == "f32" else "q8")
-        ref = np.concatenate([it.prefill(ids[:12])[-1:]] + [it.step(int(t))[None] for t in ids[12:]])
-        runs = []
+        runs, ref = [], None
         for threads in (1, 2):
             with Session(str(tmp_path / f"{quant}.vflow"), threads=threads, prefill_block=5) as s:
+                if ref is None:  # the twin with the model's KV cache type
+                    it = Interpreter(c.graph, act_quant=None if quant == "f32" else "q8", kv=s.kv_dtype)
+                    ref = np.concatenate([it.prefill(ids[:12])[-1:]] + [it.step(int(t))[None] for t in ids[12:]])
                 got = np.stack([s.prefill(ids[:12])] + [s.step(int(t)).copy() for t in ids[12:]])
                 s.reset()
                 one = np.stack([s.step(int(t)).copy() for t in ids])  # the decode body only
@@ -157,9 +158,9 @@ def test_every_family_at_every_quantisation(tmp_path, family, quant):
     path = tmp_path / "m.vflow"
     c = compile_file(from_torch(net), path, quant)
     ids = np.random.default_rng(7).integers(0, c.graph.config.vocab_size, 8)
-    it = Interpreter(c.graph, act_quant="q8" if quant in ("q8", "q4") else None)
-    ref = np.concatenate([it.prefill(ids[:4])[-1:]] + [it.step(int(t))[None] for t in ids[4:]])
     with Session(str(path), threads=2, prefill_block=1) as s:
+        it = Interpreter(c.graph, act_quant="q8" if quant in ("q8", "q4") else None, kv=s.kv_dtype)
+        ref = np.concatenate([it.prefill(ids[:4])[-1:]] + [it.step(int(t))[None] for t in ids[4:]])
         got = np.stack([s.prefill(ids[:4])] + [s.step(int(t)).copy() for t in ids[4:]])
     scale = max(1.0, float(np.abs(ref).max()))
     if quant in ("f32", "f16"):  # float weights and activations: only the summation order differs

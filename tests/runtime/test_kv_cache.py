@@ -1,6 +1,7 @@
 """The KV cache's element type (load(kv=...)): f16 halves the cache, equals the interpreter's kv='f16' twin, keeps
 prefill, decode and thread counts bit-identical, and stays close to f32; long prompts cross many 16-lane
-chunks of the vectorised attention core (codegen/ops.py:attention)."""
+chunks of the vectorised attention core (codegen/ops.py:attention). The default, kv='auto', is f16 for Q4 / Q8
+weights and f32 for f16 / f32 weights (runtime.session.resolve_kv), in the API, the CLI and the server alike."""
 
 import numpy as np
 import pytest
@@ -56,7 +57,7 @@ def test_f16_cache_prefill_decode_and_threads_bit_identical(path):
 
 def test_f32_attention_at_a_long_prompt_equals_the_interpreter(path):
     ids = list(np.random.default_rng(3).integers(0, 256, 117))
-    with cflow.load(path, threads=1) as m:
+    with cflow.load(path, threads=1, kv="f32") as m:
         got = _greedy(m.session, ids, steps=3)
         it = Interpreter(m.ir, act_quant="q8")
         ref = [it.prefill(ids)[-1]]
@@ -67,7 +68,7 @@ def test_f32_attention_at_a_long_prompt_equals_the_interpreter(path):
 
 
 def test_bad_kv_type_is_one_clear_error(path):
-    with pytest.raises(cflow.CflowError, match="KV cache type must be one of f32, f16, not 'bf16'"):
+    with pytest.raises(cflow.CflowError, match="KV cache type must be auto or one of f32, f16, not 'bf16'"):
         cflow.load(path, kv="bf16")
 
 
@@ -83,3 +84,36 @@ def test_cli_run_ctx_and_kv(path, capsys):
     assert "1024 exceeds the model's context of 128" in err and "Traceback" not in err
     assert cflow_main(["run", str(path), "--prompt", "1 2 3", "--ctx", "16", "-n", "20"]) == 1
     assert "-n 20" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quant, want", [("q4", "f16"), ("q8", "f16"), ("f16", "f32"), ("f32", "f32")])
+def test_auto_is_f16_for_quantised_weights_f32_for_float_ones(tmp_path, quant, want):
+    from cflow.runtime.session import resolve_kv
+
+    assert resolve_kv("auto", quant) == want
+    p = tmp_path / f"m_{quant}.vflow"
+    compile_file(load_graph("preset:arch1@tiny"), p, quant)
+    with cflow.load(p, threads=1) as m:
+        assert m.kv == m.session.kv_dtype == m.session.program.kv == want and f"kv={want}" in repr(m)
+    other = "f32" if want == "f16" else "f16"
+    with cflow.load(p, threads=1, kv=other) as m:  # an explicit type wins
+        assert m.kv == m.session.program.kv == other
+
+
+def test_the_program_cache_tells_the_kv_types_apart(path):
+    from cflow.codegen import program_cache
+
+    with Session(str(path), threads=1) as s:
+        args = (s.header, s.run_state.schedule.to_json(), "x86", s.max_seq, False)
+        assert program_cache.fingerprint(*args, kv="f16") != program_cache.fingerprint(*args, kv="f32")
+
+
+def test_cli_shows_the_kv_type_in_use(path, capsys):
+    from cflow.cli import cflow_main
+
+    assert cflow_main(["run", str(path), "--prompt", "1 2 3", "-n", "2", "--threads", "1"]) == 0
+    assert "f16 KV cache" in capsys.readouterr().err  # q4 weights: auto -> f16
+    assert cflow_main(["run", str(path), "--prompt", "1 2 3", "-n", "2", "--threads", "1", "--kv", "f32"]) == 0
+    assert "f32 KV cache" in capsys.readouterr().err
+    assert cflow_main(["inspect", str(path), "--no-verify"]) == 0
+    assert "q4, f16 KV cache by default" in capsys.readouterr().out

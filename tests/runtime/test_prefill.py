@@ -49,7 +49,7 @@ def test_prefill_matches_the_interpreter(files):
     ids = list(np.random.default_rng(6).integers(0, 256, 30))
     with cflow.load(path, threads=2) as m:
         got = m.logits(ids)
-        ref = Interpreter(m.ir, act_quant="q8").prefill(ids)[-1]
+        ref = Interpreter(m.ir, act_quant="q8", kv=m.kv).prefill(ids)[-1]
     assert np.abs(got - ref).max() < 1e-2
     assert int(np.argmax(got)) == int(np.argmax(ref))
 

@@ -28,11 +28,12 @@ def compiled(tmp_path, name, quant, layout="vflow"):
 def test_runtime_matches_interpreter(tmp_path, name, quant):
     c, path = compiled(tmp_path, name, quant)
     ids = np.random.default_rng(7).integers(0, c.graph.config.vocab_size, 16 + 64)
-    it = Interpreter(c.graph, act_quant="q8" if quant in ("q4", "q8") else None)
-    ref = np.concatenate([it.prefill(ids[:16])[-1:]] + [it.step(int(t))[None] for t in ids[16:]])
-    outs = {}
+    outs, ref = {}, None
     for threads in (1, 2):
         s = Session(str(path), threads=threads)
+        if ref is None:  # the twin with the model's KV cache type (kv='auto': f16 for q4, f32 for f32)
+            it = Interpreter(c.graph, act_quant="q8" if quant in ("q4", "q8") else None, kv=s.kv_dtype)
+            ref = np.concatenate([it.prefill(ids[:16])[-1:]] + [it.step(int(t))[None] for t in ids[16:]])
         got = [s.prefill(ids[:16])] + [s.step(int(t)).copy() for t in ids[16:]]
         s.close()
         outs[threads] = np.stack(got)
@@ -44,9 +45,8 @@ def test_runtime_matches_interpreter(tmp_path, name, quant):
 def test_other_dtypes(tmp_path, quant):
     c, path = compiled(tmp_path, "arch2_4_combined", quant)
     ids = np.arange(20) % 256
-    it = Interpreter(c.graph, act_quant="q8" if quant == "q8" else None)
-    ref = it.prefill(ids)[-1]
     s = Session(str(path), threads=2)
+    ref = Interpreter(c.graph, act_quant="q8" if quant == "q8" else None, kv=s.kv_dtype).prefill(ids)[-1]
     assert np.abs(s.prefill(ids) - ref).max() <= TOL[quant]
 
 
