@@ -473,6 +473,11 @@ class Session:
         chosen: dict[int, np.ndarray] = {}
         blk = self.config.block_of
         clock = time.perf_counter
+        # One thread count for every segment of the token: each thread keeps its own copy of a layer's route
+        # (and shared-expert gate) in its scratch, written by the ROUTE segment and read by the expert
+        # segments. Were _Backoff to switch from one thread to all between them, a worker would read its stale
+        # route and the pointer of an expert nobody loaded (NULL until first chosen: a SIGSEGV, issue 14).
+        solo = self._solo()
         for k, seg in enumerate(self.segments):
             for l in seg.awaits:
                 if self.expert_io == "sync":
@@ -484,7 +489,7 @@ class Session:
                     self.ptrs[self._ptr_index[name]] = addr
             self.params[Param.STAGE_LO], self.params[Param.STAGE_HI] = seg.lo, seg.hi
             t0 = clock()
-            self._run_native()
+            self._run_native(solo)
             self.segment_seconds[k] += clock() - t0  # compute only: what the overlap model needs
             if self.streamer is not None:
                 self.streamer.done(seg.lo)
@@ -494,13 +499,21 @@ class Session:
                     self._layer_misses[l] += self.tier.issue(blk(l), chosen[l], l)
             for l in seg.releases:
                 self.tier.release(blk(l), chosen[l])
+        if solo and self._backoff is not None:
+            self._backoff.solo_calls += len(self.segments) - 1  # solo_calls counts native calls, solo() one
 
     def misses_by_layer(self) -> dict[int, int]:
         """Expert reads started per layer since load (the disk tier)."""
         return dict(self._layer_misses)
 
-    def _run_native(self) -> None:
-        if self._pool is None or (self._backoff is not None and self._backoff.solo()):
+    def _solo(self) -> bool:
+        """Run the next call (the disk tiers: the next token's calls) on the caller's thread alone?"""
+        return self._pool is None or (self._backoff is not None and self._backoff.solo())
+
+    def _run_native(self, solo: bool | None = None) -> None:
+        if solo is None:
+            solo = self._solo()
+        if solo:
             self._fn(self._args[0], self._args[1], 0, 1, self._args[2])  # one thread: the workers stay asleep
         else:
             self._pool.run()
