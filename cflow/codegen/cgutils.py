@@ -264,3 +264,37 @@ class Loop:
         b.branch(self.head)
         b.position_at_end(self.end)
         return False
+
+
+def hsum_many(b: ir.IRBuilder, vecs: list):
+    """<len(vecs) x float> whose lane i is hsum(vecs[i]), bit for bit (the same halving tree per vector), with
+    the vectors' halves interleaved so each tree level is one add over several vectors (all <w x float>, w a
+    power of two). Items are (vector, heads k, width h): vector lane j*h + i is lane i of vector j's level."""
+    w = vecs[0].type.count
+    items = [(v, 1, w) for v in vecs]
+    while items[0][2] > 1:
+        nxt, i = [], 0
+        while i < len(items):
+            v, k, h = items[i]
+            hh = h // 2
+            if i + 1 < len(items) and items[i + 1][1] == k and items[i + 1][2] == h:  # two items -> one of 2k
+                u = items[i + 1][0]
+                lo = [j * h + t for j in range(2 * k) for t in range(hh)]  # u's lanes follow v's
+                hi = [x + hh for x in lo]
+                s = b.fadd(b.shuffle_vector(v, u, ir.Constant(V(i32, 2 * k * hh), lo)),
+                           b.shuffle_vector(v, u, ir.Constant(V(i32, 2 * k * hh), hi)))
+                nxt.append((s, 2 * k, hh))
+                i += 2
+            else:  # halve alone
+                lo = [j * h + t for j in range(k) for t in range(hh)]
+                s = b.fadd(shuffle(b, v, lo), shuffle(b, v, [x + hh for x in lo]))
+                nxt.append((s, k, hh))
+                i += 1
+        items = nxt
+    if len(items) == 1:
+        return items[0][0]
+    lanes = [b.extract_element(v, c32(j)) for v, k, _ in items for j in range(k)]
+    out = ir.Constant(V(f32, len(lanes)), ir.Undefined)
+    for j, x in enumerate(lanes):
+        out = b.insert_element(out, x, c32(j))
+    return out

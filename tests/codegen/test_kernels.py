@@ -178,3 +178,33 @@ def test_bad_arguments_raise():
         mv(np.zeros(10, np.uint8), act)
     with pytest.raises(CodegenError):
         mv(T.pack(np.ones((16, 32)), "q4", (16, 32)), act, r0=0, r1=2)
+
+
+@pytest.mark.parametrize("k,w", [(1, 16), (3, 16), (5, 4), (8, 16), (12, 8)])
+@pytest.mark.parametrize("gen", [False, True])
+def test_hsum_many_is_each_vectors_halving_tree(k, w, gen):
+    """Attention reduces a kv group's query heads side by side (cgutils.hsum_many): lane i must be bit for bit
+    hsum(vecs[i]), the halving tree the one-head-at-a-time order and the interpreter use."""
+    from cflow.codegen.cgutils import P, V, f32, hsum_many
+    from cflow.codegen.library import compile_ir
+
+    target = generic_target() if gen else HOST
+    m = ir.Module(name="hm")
+    m.triple = target.triple
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [P(f32), P(f32)]), "f")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    x, y = fn.args
+    vecs = [b.load(b.bitcast(b.gep(x, [ir.Constant(ir.IntType(64), i * w)]), P(V(f32, w))), align=4) for i in range(k)]
+    b.store(hsum_many(b, vecs), b.bitcast(y, P(V(f32, k))), align=4)
+    b.ret_void()
+    lib = compile_ir(m, target=target, cache=False)
+    f = lib.get_cfunc("f", None, ctypes.c_void_p, ctypes.c_void_p)
+    rng = np.random.default_rng(k * w)
+    v = (rng.standard_normal(k * w) * 10.0 ** rng.integers(-4, 8, k * w)).astype(np.float32)
+    out = np.empty(k, np.float32)
+    f(v.ctypes.data, out.ctypes.data)
+    want = v.reshape(k, w)
+    while want.shape[1] > 1:
+        h = want.shape[1] // 2
+        want = (want[:, :h] + want[:, h:]).astype(np.float32)
+    assert out.tobytes() == want[:, 0].tobytes()
