@@ -215,7 +215,7 @@ def extract_moe(om: OnnxModel, b: Branch, where: str) -> None:
 
 def _expert_weights(om: OnnxModel, b: Branch, E: int, where: str) -> dict:
     """3-D expert tensors -> per-expert [out, in] gate/up/down, from how the MatMuls use them."""
-    ids = {id(n) for n in b.nodes}
+    members = set(b.nodes)
     uses = []  # (const name, matmul node, weight operand position)
     for n in b.nodes:
         for v in n.input:
@@ -226,7 +226,7 @@ def _expert_weights(om: OnnxModel, b: Branch, E: int, where: str) -> dict:
                         raise unsupported(mm, f"MoE of {where}: expert weights {v!r} reach a {mm.op_type}; "
                                               "expected Gather/GatherND then MatMul")
                     cur = mm
-                    nxt = [u for u in om.users(mm.output[0]) if id(u) in ids]
+                    nxt = [u for u in om.users(mm.output[0]) if u in members]
                     mm = nxt[0] if len(nxt) == 1 else None
                 if mm is None:
                     raise unsupported(n, f"MoE of {where}: expert weights {v!r} do not reach a MatMul")

@@ -23,6 +23,27 @@ SHAPE_OPS = ("Shape", "Size")
 FOLDABLE = ("Identity", "Cast", "Transpose", "Reshape", "Unsqueeze", "Squeeze")
 
 
+class Node:
+    """One node of the graph, as the importer indexes it: its position `k` in graph.node and its fields, read once.
+
+    The importer keys dicts and sets by node. protobuf messages are unhashable, and `id()` of one is unsound as a
+    key: protobuf may hand out a fresh Python wrapper for a repeated-field element on each access, and CPython
+    reuses the id of a freed wrapper, so an id-keyed index is only right while every wrapper it was built from
+    stays alive. A Node is owned by its OnnxModel (hashed by identity, which a dict keyed by it keeps alive) and
+    carries `k`, so order and membership never depend on what the process allocated before."""
+
+    __slots__ = ("k", "proto", "name", "op_type", "domain", "input", "output", "attribute")
+
+    def __init__(self, k: int, proto):
+        self.k, self.proto = k, proto
+        self.name, self.op_type, self.domain = proto.name, proto.op_type, proto.domain
+        self.input, self.output = tuple(proto.input), tuple(proto.output)
+        self.attribute = tuple(proto.attribute)
+
+    def __repr__(self) -> str:
+        return f"Node({self.k}, {self.name!r}, {self.op_type})"
+
+
 def label(node) -> str:
     """How errors name an ONNX node: its name and op_type."""
     return f"node {node.name or '<unnamed>'!r} ({node.op_type})"
@@ -59,7 +80,7 @@ class OnnxModel:
         self.graph = g
         self._check_text()
         self.opset = self._default_opset()
-        self.nodes = list(g.node)
+        self.nodes = [Node(k, n) for k, n in enumerate(g.node)]
         self.inits = {}
         for t in g.initializer:
             if t.name in self.inits:
@@ -67,14 +88,13 @@ class OnnxModel:
             self.inits[t.name] = t
         self.inputs = [i for i in g.input if i.name not in self.inits]
         self.outputs = [o.name for o in g.output]
-        self.producer: dict[str, object] = {}
-        self.consumers: dict[str, list] = defaultdict(list)
-        self.index = {}
+        self.producer: dict[str, Node] = {}
+        self.consumers: dict[str, list[Node]] = defaultdict(list)
         defined = set(self.inits) | {i.name for i in self.inputs} | {""}
         # Values that are constants: initializers, Constant nodes and foldable ops of constants. One forward pass
         # (the nodes are checked to be in topological order below), so is_const never recurses.
         self._consts = set(self.inits)
-        for k, n in enumerate(self.nodes):
+        for n in self.nodes:
             self._check_node(n)
             for v in n.input:
                 if not v:
@@ -93,7 +113,6 @@ class OnnxModel:
             if n.domain in ("", "ai.onnx") and (n.op_type == "Constant" or (
                     n.op_type in FOLDABLE and all(v in self._consts for v in n.input if v))):
                 self._consts.update(v for v in n.output if v)
-            self.index[id(n)] = k
         for o in self.outputs:
             if o not in defined:
                 raise CflowError(f"{where}: graph output {o!r} is never computed (file truncated?)")
@@ -385,12 +404,14 @@ class OnnxModel:
     def users(self, value: str) -> list:
         return self.consumers.get(value, [])
 
-    def order(self, node) -> int:
-        return self.index[id(node)]
+    @staticmethod
+    def order(node: Node) -> int:
+        """The node's position in graph.node."""
+        return node.k
 
     def backward_slice(self, outputs, stop: set[str]) -> list:
         """Nodes needed to compute `outputs` from `stop` values, graph inputs and constants, in graph order."""
-        seen, todo, out, ids = set(), list(outputs), [], set()
+        seen, todo, out, taken = set(), list(outputs), [], set()
         while todo:
             v = todo.pop()
             if v in stop or v in seen or v in self.inits or not v:
@@ -399,8 +420,8 @@ class OnnxModel:
             n = self.producer.get(v)
             if n is None:
                 continue
-            if id(n) not in ids:
-                ids.add(id(n))
+            if n not in taken:
+                taken.add(n)
                 out.append(n)
                 todo.extend(n.input)
         return sorted(out, key=self.order)
@@ -420,7 +441,7 @@ class OnnxModel:
         ins = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype), None)
                for k, v in all_feeds.items() if k in needed]
         outs = [helper.make_tensor_value_info(o, 0, None) for o in outputs]
-        g = helper.make_graph(nodes, "slice", ins, outs)
+        g = helper.make_graph([n.proto for n in nodes], "slice", ins, outs)
         m = helper.make_model(g, opset_imports=list(self.proto.opset_import), ir_version=self.proto.ir_version)
         ev = ReferenceEvaluator(m)
         return ev.run(None, {k: np.asarray(v) for k, v in all_feeds.items() if k in needed})

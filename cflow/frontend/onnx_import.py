@@ -328,8 +328,8 @@ def _check_positions(om: OnnxModel, attns: list, T: int, hd: int, theta: float) 
                                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         for name, v in zip(aux, vals):
             v = np.asarray(v)
-            ids = {id(n) for n in b.nodes}
-            user = next(u for u in om.users(name) if id(u) in ids)
+            members = set(b.nodes)
+            user = next(u for u in om.users(name) if u in members)
             if v.ndim >= 2 and v.shape[-2:] == (T, T) and T > 1:
                 m = v.reshape(-1, T, T)
                 ok = all((x == causal).all() or (x == ~causal).all() for x in m) if m.dtype == bool else \

@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 
 from ..errors import UnsupportedModelError
-from .onnx_graph import OnnxModel, label
+from .onnx_graph import Node, OnnxModel, label
 
 LAYOUT = {"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Cast", "Identity", "Expand", "Flatten"}
 ATTN_OPS = LAYOUT | {"MatMul", "Gemm", "Add", "Mul", "Div", "Sub", "Neg", "Slice", "Concat", "Split", "Softmax",
@@ -192,26 +192,26 @@ def segment(om: OnnxModel) -> Decoder:
                                     "(export without KV-cache outputs)")
     emb, emb_w = find_embedding(om)
     vocab, d = om.const_shape(emb_w)
-    norms_by_node: dict[int, list[Norm]] = defaultdict(list)
-    finals: dict[int, Norm] = {}
+    norms_by_node: dict[Node, list[Norm]] = defaultdict(list)
+    finals: dict[Node, Norm] = {}
     for n in om.nodes:
         nm = match_norm(om, n, d)
         if nm is not None:
-            finals[id(n)] = nm
+            finals[n] = nm
             for m in nm.nodes:
-                norms_by_node[id(m)].append(nm)
+                norms_by_node[m].append(nm)
     kind: dict[str, str] = {emb.output[0]: STREAM}
     norms: dict[str, Norm] = {}
     adds, bnodes = [], []
     for n in om.nodes:
         if n is emb or not any(o in om.hidden for o in n.output):
             continue
-        nm = finals.get(id(n))
+        nm = finals.get(n)
         if nm is not None and kind.get(nm.input) == STREAM:
             norms[nm.output] = nm
             kind[nm.output] = BRANCH
             continue
-        if any(kind.get(x.input) == STREAM for x in norms_by_node.get(id(n), [])):
+        if any(kind.get(x.input) == STREAM for x in norms_by_node.get(n, [])):
             continue  # inside an RMSNorm of the stream
         hin = [v for v in n.input if v in om.hidden]
         kinds = [kind.get(v) for v in hin]
@@ -269,7 +269,7 @@ def segment(om: OnnxModel) -> Decoder:
 
 def _components(om: OnnxModel, bnodes: list, norms: dict) -> list[Branch]:
     """Connected components of branch nodes (linked through branch values that are not norm outputs)."""
-    parent = {id(n): id(n) for n in bnodes}
+    parent = {n: n for n in bnodes}  # union-find over the nodes (a Node hashes by identity; its OnnxModel owns it)
 
     def find(x):
         while parent[x] != x:
@@ -280,22 +280,22 @@ def _components(om: OnnxModel, bnodes: list, norms: dict) -> list[Branch]:
     for n in bnodes:
         for v in n.input:
             p = om.producer.get(v)
-            if p is not None and id(p) in parent and v not in norms:
-                parent[find(id(p))] = find(id(n))
-    groups: dict[int, list] = defaultdict(list)
+            if p is not None and p in parent and v not in norms:
+                parent[find(p)] = find(n)
+    groups: dict[Node, list] = defaultdict(list)
     for n in bnodes:
-        groups[find(id(n))].append(n)
+        groups[find(n)].append(n)
     out = []
     for nodes in groups.values():
         nodes.sort(key=om.order)
-        ids = {id(n) for n in nodes}
+        members = set(nodes)
         ins = sorted({v for n in nodes for v in n.input if v in norms})
         if len(ins) != 1:
             raise unsupported(nodes[0], f"block reads {len(ins)} normalised streams {ins}; "
                                         "expected exactly one RMSNorm output")
         # Outputs: values read outside the block (by a residual add; Shape reads do not count) or by the graph.
         outs = sorted({o for n in nodes for o in n.output
-                       if o in om.outputs or any(id(u) not in ids and not _shape_only(u) for u in om.users(o))})
+                       if o in om.outputs or any(u not in members and not _shape_only(u) for u in om.users(o))})
         if len(outs) != 1:
             raise unsupported(nodes[-1], f"block has {len(outs)} outputs {outs}; "
                                          "expected one, added to the residual stream")
@@ -345,12 +345,12 @@ def linears(om: OnnxModel, b: Branch) -> list[Linear]:
 
 def descendants(om: OnnxModel, b: Branch, start: str) -> set[str]:
     """Values of branch `b` computed from `start` (inclusive)."""
-    ids = {id(n) for n in b.nodes}
+    members = set(b.nodes)
     seen, todo = {start}, [start]
     while todo:
         v = todo.pop()
         for u in om.users(v):
-            if id(u) in ids:
+            if u in members:
                 for o in u.output:
                     if o not in seen:
                         seen.add(o)

@@ -1,0 +1,87 @@
+"""A hostile ONNX file's outcome is determined by the file, not by what the process imported before (issue 14).
+
+docs/reliability.md ("Hostile files at scale", the caveat) records that with an older importer a fuzz case's outcome
+depended on the process's history. One suspect was the importer's node indexes keyed by `id()` of protobuf
+wrappers: protobuf hands out a fresh Python wrapper for a repeated-field element on each access and CPython reuses
+the id of a freed one, so such an index is only sound while every wrapper it was built from stays alive. The
+importer now keys nodes by its own `Node` objects (position `k` in graph.node; hashed by identity and kept alive by
+the OnnxModel that owns them). Here: the fuzz harness's ONNX cases (benchmarks/fuzz.py, case i of seed s is
+determined by (s, i)) imported in order, then again in a shuffled order in the same process, give
+identical outcomes: the same one-line error, or the same imported graph printout."""
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+from onnx import helper
+
+from cflow.errors import CflowError
+from cflow.frontend import from_onnx
+from cflow.frontend.onnx_graph import Node, OnnxModel
+from cflow.ir.printer import format_graph
+
+FUZZ = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz.py"
+SEED, N = 14, 240  # ONNX-only numbering, as `fuzz.py --targets onnx --seed 14`
+
+
+def _fuzz():
+    spec = importlib.util.spec_from_file_location("cflow_fuzz_harness", FUZZ)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def case_files(tmp_path_factory) -> list[Path]:
+    """Cases 0..N-1 of SEED with the ONNX base alone (so every case is an ONNX case), one file each."""
+    fuzz = _fuzz()
+    out = tmp_path_factory.mktemp("onnx_det")
+    base = fuzz.build_bases((), str(out), ("onnx",))["arch2_4_combined-tiny-onnx"][1]
+    blobs, muts = {"arch2_4_combined-tiny-onnx": ("onnx", base)}, fuzz.Mutators(None)
+    files = []
+    for i in range(N):
+        case, blob = fuzz.case_for(SEED, i, blobs, muts)
+        assert case["target"] == "onnx"
+        p = out / f"case_{i}.onnx"
+        p.write_bytes(blob)
+        files.append(p)
+    return files
+
+
+def outcome(path: Path) -> str:
+    try:
+        g = from_onnx(path)
+    except CflowError as e:
+        return f"refused: {type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 -- any other exception is a bug; recorded so the comparison names it
+        return f"BUG: {type(e).__name__}: {e}"
+    return "imported:\n" + format_graph(g)
+
+
+def test_outcomes_do_not_depend_on_import_order(case_files):
+    first = {p.name: outcome(p) for p in case_files}
+    bugs = {k: v for k, v in first.items() if v.startswith("BUG")}
+    assert not bugs, bugs
+    kinds = {v.split(":")[0] for v in first.values()}
+    assert kinds == {"refused", "imported"}, kinds  # the cases exercise both ends of the importer
+    shuffled = list(case_files)
+    random.Random(1).shuffle(shuffled)
+    again = {p.name: outcome(p) for p in shuffled}
+    differ = [k for k in first if again[k] != first[k]]
+    assert not differ, f"{len(differ)} cases changed outcome with the import order, e.g. {differ[0]}: " \
+                       f"{first[differ[0]][:300]!r} then {again[differ[0]][:300]!r}"
+
+
+def test_nodes_are_keyed_by_position_not_wrapper_identity():
+    """Transient protobuf wrappers share ids (the hazard); the importer's Node index does not use them."""
+    nodes = [helper.make_node("Identity", [f"v{i}"], [f"v{i + 1}"], name=f"n{i}") for i in range(6)]
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("v0", 1, [1])],
+                          [helper.make_tensor_value_info("v6", 1, [1])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    om = OnnxModel(m, None, "<test>")
+    assert all(isinstance(n, Node) for n in om.nodes)
+    assert [om.order(n) for n in om.nodes] == list(range(6))
+    assert [om.order(om.producer[f"v{i + 1}"]) for i in range(6)] == list(range(6))
+    assert [n.name for n in om.backward_slice(["v6"], {"v0"})] == [f"n{i}" for i in range(6)]
+    assert len({n for n in om.nodes}) == 6 and len({om.producer[f"v{i + 1}"] for i in range(6)}) == 6
