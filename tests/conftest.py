@@ -24,6 +24,9 @@ def pytest_configure(config):
     import tempfile
 
     os.environ.setdefault("CFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="cflow-test-cache-"))
+    # No per-host kernel search in the suite (seconds per kernel shape, and the choice would depend on the
+    # load): tests/codegen/test_tune.py turns it on where it tests it.
+    os.environ.setdefault("CFLOW_TUNE", "off")
 
 
 # --- pytest-xdist (pyproject.toml: -n auto --dist loadfile --no-loadscope-reorder) -----------------------------------

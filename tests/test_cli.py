@@ -96,7 +96,7 @@ def test_every_command_is_listed():
 
     names = [name for name, _ in _parsers()[2:]]
     assert names == sorted(COMMANDS)
-    assert set(COMMANDS) == {"bench", "demo", "export-onnx", "inspect", "run", "serve", "train"}
+    assert set(COMMANDS) == {"bench", "demo", "export-onnx", "inspect", "run", "serve", "train", "tune"}
 
 
 @pytest.mark.parametrize("argv", [["--help"]] + [[c, "--help"] for c in

@@ -18,7 +18,7 @@ from .cache import _versions, default_cache_dir
 
 # Sources the emitted text depends on (relative to the cflow package): part of the fingerprint.
 GENERATORS = ("codegen/step.py", "codegen/ops.py", "codegen/kernels.py", "codegen/cgutils.py", "codegen/abi.py",
-              "layout/tile.py", "layout/packed.py")
+              "codegen/tune.py", "layout/tile.py", "layout/packed.py")
 
 
 def _source_digest() -> str:
@@ -30,11 +30,13 @@ def _source_digest() -> str:
 
 
 def fingerprint(header: dict, schedule: dict, isa: str, max_seq: int, profile: bool, segmented: bool = False,
-                tmax: int = 1, kv: str = "f32") -> str:
+                tmax: int = 1, kv: str = "f32", tuning: dict | None = None) -> str:
     """schedule: the one the step runs (the header's, or the disk tier's late one); segmented: stage-range calls;
-    tmax: tokens per multi-token call (1: decode only); kv: the KV cache's element type."""
+    tmax: tokens per multi-token call (1: decode only); kv: the KV cache's element type; tuning: this host's
+    mat-vec knobs (codegen.tune), which change the emitted text."""
     plan = {k: header.get(k) for k in ("config", "packing", "tile", "quant")}
-    blob = json.dumps([plan, schedule, isa, max_seq, profile, segmented, tmax, kv, _versions(), _source_digest()],
+    blob = json.dumps([plan, schedule, isa, max_seq, profile, segmented, tmax, kv, tuning or {}, _versions(),
+                       _source_digest()],
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

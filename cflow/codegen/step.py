@@ -46,6 +46,7 @@ from .abi import (
 )
 from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i16, i32, i64, internal_function, intrinsic, softcap, void
 from .target import ISA
+from .tune import kernel_key
 
 STEP_ARGS = (P(P(i8)), P(i64), i64, i64, P(i32))  # see abi.py: ptrs, params, tid, nthreads, barrier
 
@@ -85,8 +86,9 @@ class StepProgram:
 
 class _Emitter:
     def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False,
-                 tmax: int = 1, kv: str = "f32"):
+                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None):
         self.profile = profile
+        self.tuning = tuning or {}  # {codegen.tune.kernel_key: mat-vec knobs}: this host's measured choices
         self.kv = kv
         self.tmax = tmax  # tokens per prefill call (1: a decode-only program)
         self.multi = False  # emitting the multi-token body (prefill) rather than the decode step
@@ -185,8 +187,9 @@ class _Emitter:
         key = ("mv", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up)) + suffix  # rows: no matter
         fn = self.fns.get(key)
         if fn is None:
+            knobs = self.tuning.get(kernel_key(layout, gate_up), {})
             fn = K.emit_matvec(self.m, "_".join(map(str, key)), layout, self.isa, linkage="internal", gate_up=gate_up,
-                               act=act)
+                               act=act, **knobs)
             self.fns[key] = fn
         return fn
 
@@ -721,13 +724,14 @@ def copy_rows(m: ir.Module):
 
 
 def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,
-               tmax: int = 1, kv: str = "f32") -> StepProgram:
+               tmax: int = 1, kv: str = "f32", tuning: dict | None = None) -> StepProgram:
     """Build the decode-step module for a lowered state (see module docstring).
 
     profile: also record a cycle-counter stamp after every stage (binding PROF: i64[n_stages + 1]).
     segmented: each call runs only stages [params[STAGE_LO], params[STAGE_HI]) (the disk expert tier).
     tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
     kv: the KV cache's element type, 'f32' or 'f16' (ops.attention).
+    tuning: {kernel key: knobs} from codegen.tune (schedule knobs of the mat-vec kernels; numerics unchanged).
     """
     if kv not in KV_BYTES:
         raise CodegenError(f"KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
@@ -735,7 +739,7 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
     if tmax < 1:
         raise CodegenError(f"tokens per call must be >= 1, got {tmax}")
-    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv)
+    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning)
     # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
     for n in state.graph.nodes():
         if isinstance(n, ExpertBank):

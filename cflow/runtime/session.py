@@ -297,15 +297,18 @@ class Session:
 
     # --- native code ----------------------------------------------------------------------------
     def _build(self, cache) -> None:
-        from ..codegen import program_cache
+        from ..codegen import program_cache, tune
         from ..codegen.library import Library
         from ..codegen.step import StepProgram, build_step
         from ..codegen.target import host_target
 
         target = host_target()
         segmented = self.segmented
+        # This host's measured mat-vec knobs (a short search the first time a kernel shape is met on this CPU,
+        # then read from the cache; CFLOW_TUNE=off: the defaults). Schedule-only: the numbers do not change.
+        self.tuning = tune.choices(self.run_state.tensors.values(), target)
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
-                                        self.profile, segmented, self.tmax, self.kv_dtype)
+                                        self.profile, segmented, self.tmax, self.kv_dtype, self.tuning)
               if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
         self.program = None
@@ -316,7 +319,7 @@ class Session:
                 self.program = None
         if self.program is None:
             self.program = build_step(self.run_state, target.isa, self.max_seq, profile=self.profile,
-                                      segmented=segmented, tmax=self.tmax, kv=self.kv_dtype)
+                                      segmented=segmented, tmax=self.tmax, kv=self.kv_dtype, tuning=self.tuning)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())

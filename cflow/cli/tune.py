@@ -1,0 +1,56 @@
+"""cflow tune FILE: measure this host's mat-vec kernel variants for a compiled model's kernel shapes, cache the
+choices (the same search `cflow.load` runs the first time it meets a shape on this CPU) and print the table."""
+
+HELP = "measure and cache this CPU's fastest mat-vec kernel variant for each kernel shape of a compiled model"
+
+
+def add_args(p):
+    from . import whole
+
+    p.add_argument("file", help="compiled model (.vflow or .cflow)")
+    p.add_argument("--force", action="store_true",
+                   help="measure again even where this CPU's cache has a choice (default: reuse cached choices)")
+    p.add_argument("--rounds", type=whole(1, 100), default=5,
+                   help="timed rounds per variant, interleaved; the median counts (default: 5)")
+    p.add_argument("--mb", type=whole(1, 4096), default=64,
+                   help="MiB of packed weights each timed call streams, past the caches (default: 64)")
+    p.add_argument("--json", metavar="PATH", help="also write the records as JSON (default: none)")
+
+
+def run(args) -> int:
+    import json
+
+    from ..codegen import tune
+    from ..codegen.target import cpu_model, host_target
+    from ..passes.pipeline import plan_from_header
+    from ..runtime.format import FileReader
+    from ..util import atomic_write_text, check_output_path
+
+    if args.json:
+        check_output_path(args.json, "--json")
+    with FileReader(args.file) as r:
+        tensors = plan_from_header(r.header, r.path).tensors.values()
+    target = host_target()
+    print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call, median of "
+          f"{args.rounds} rounds; a variant must beat the default by {tune.MARGIN:.0%}")
+    if not tune.enabled():
+        print("note: CFLOW_TUNE=off: cflow.load uses the defaults and ignores this table until it is unset")
+    records = {}
+
+    def show(key, rec):
+        records[key] = rec
+        print(f"\n{key}")
+        print(f"  {'variant':<24} {'GB/s':>7}")
+        for v in rec.get("results", ()):
+            mark = "  <- chosen" if v["knobs"] == rec["choice"] else ""
+            print(f"  {v['variant']:<24} {v['gbps']:>7.2f}{mark}")
+
+    if tune.enabled() or args.force:  # cached choices are shown as stored; missing ones are measured and cached
+        tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20, on_result=show)
+    else:  # measured and shown, not cached
+        for key, (layout, gate_up) in tune.kernel_shapes(tensors).items():
+            show(key, tune.tune_kernel(layout, gate_up, target, rounds=args.rounds, nbytes=args.mb * 2**20))
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"cpu": cpu_model(), "isa": target.isa, "kernels": records},
+                                                indent=1))
+    return 0

@@ -1,0 +1,128 @@
+"""Per-host tuning (codegen/tune.py): schedule-only knobs (bit-identical outputs), a deterministic choice,
+a per-CPU cache that later loads only read, CFLOW_TUNE=off, the choices in the program, `cflow tune`."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cflow
+from cflow.codegen import tune
+from cflow.codegen.target import host_target
+from cflow.compiler import compile_file
+from cflow.frontend.load import load_graph
+from cflow.layout.quant import DType
+from cflow.layout.tile import TileLayout
+
+MB = 2**20
+
+
+@pytest.fixture
+def tuning_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("CFLOW_TUNE", "on")
+    monkeypatch.setenv("CFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tune") / "m.vflow"
+    compile_file(load_graph("preset:arch2_4_combined@tiny"), p, "q4")
+    return p
+
+
+@pytest.mark.parametrize("dtype,gate_up", [("q4", False), ("q4", True), ("q8", False), ("f16", False)])
+def test_candidates_are_bit_identical(dtype, gate_up):
+    L = TileLayout(DType.parse(dtype), 256, 512, (128, 256))
+    res = tune.measure(L, gate_up, rounds=1, nbytes=MB)  # raises if any candidate's output differs
+    assert [r["knobs"] for r in res] == tune.candidates(L) and res[0]["knobs"] == tune.DEFAULT
+    assert all(r["gbps"] > 0 for r in res)
+
+
+def test_choice_needs_a_margin_and_ties_keep_the_earlier():
+    k = [dict(tune.DEFAULT, unroll=u) for u in (2, 1, 4, 3)]
+    pick = tune.choose
+    assert pick([{"knobs": k[0], "gbps": 10.0}, {"knobs": k[1], "gbps": 10.2}]) == k[0]  # +2%: noise
+    assert pick([{"knobs": k[0], "gbps": 10.0}, {"knobs": k[1], "gbps": 11.0}, {"knobs": k[2], "gbps": 11.0}]) == k[1]
+    assert pick([{"knobs": k[0], "gbps": 10.0}, {"knobs": k[1], "gbps": 11.0}, {"knobs": k[3], "gbps": 12.0}]) == k[3]
+
+
+def test_off_means_defaults(monkeypatch, model_file):
+    monkeypatch.setenv("CFLOW_TUNE", "off")
+    m = cflow.load(model_file)
+    assert m.session.tuning == {}
+
+
+def test_search_once_then_cached(tuning_on, monkeypatch, model_file):
+    from cflow.passes.pipeline import plan_from_header
+    from cflow.runtime.format import FileReader
+
+    with FileReader(model_file) as r:
+        tensors = list(plan_from_header(r.header, r.path).tensors.values())
+    target = host_target()
+    seen = []
+    got = tune.choices(tensors, target, rounds=1, nbytes=MB, on_result=lambda k, rec: seen.append(k))
+    shapes = tune.kernel_shapes(tensors)
+    assert seen == list(shapes) and len(shapes) >= 2  # every kernel shape measured, gate_up ones included
+    assert any(k.endswith(":gate_up") for k in shapes)
+    table = tune.read_table(target)
+    assert set(table) == set(shapes)
+    assert all(table[k]["choice"] == got.get(k, tune.DEFAULT) for k in shapes)
+
+    def no_search(*a, **k):
+        raise AssertionError("a cached shape was measured again")
+
+    monkeypatch.setattr(tune, "tune_kernel", no_search)
+    assert tune.choices(tensors, target) == got  # deterministic given the cache
+
+
+def test_bad_table_is_ignored(tuning_on, monkeypatch):
+    target = host_target()
+    p = tune._path(target)
+    p.parent.mkdir(parents=True)
+    p.write_text("{not json")
+    assert tune.read_table(target) == {}
+    p.write_text(json.dumps({"schema": tune.SCHEMA, "host": "another CPU", "kernels": {"x": {}}}))
+    assert tune.read_table(target) == {}
+    assert tune._valid_choice({**tune.DEFAULT, "unroll": 10**9}) is None
+    assert tune._valid_choice({**tune.DEFAULT, "prefetch": True}) is None
+
+
+def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_file):
+    """A non-default choice in the cache reaches the emitted kernels (other program) and changes no number."""
+    ids = [5, 17, 3, 99, 1, 2]
+    monkeypatch.setenv("CFLOW_TUNE", "off")
+    ref = cflow.load(model_file)
+    ref_logits = ref.session.prefill(ids)
+    ref_toks = ref.generate(ids, max_new_tokens=6, stop=False)
+    monkeypatch.setenv("CFLOW_TUNE", "on")
+    from cflow.passes.pipeline import plan_from_header
+    from cflow.runtime.format import FileReader
+
+    with FileReader(model_file) as r:
+        shapes = tune.kernel_shapes(plan_from_header(r.header, r.path).tensors.values())
+    target = host_target()
+    odd = {"unroll": 1, "prefetch": 0, "prefetch_locality": 2, "max_groups": 4}
+    tune._write_table(target, {k: {"choice": odd} for k in shapes})
+    m = cflow.load(model_file)
+    assert m.session.tuning == {k: odd for k in shapes}
+    ir_text = m.session.program.module if isinstance(m.session.program.module, str) else str(m.session.program.module)
+    ref_ir = ref.session.program.module if isinstance(ref.session.program.module, str) else str(
+        ref.session.program.module)
+    assert ir_text != ref_ir and "llvm.prefetch" in ref_ir
+    np.testing.assert_array_equal(m.session.prefill(ids), ref_logits)
+    assert m.generate(ids, max_new_tokens=6, stop=False) == ref_toks
+
+
+def test_cli_tune(tuning_on, model_file):
+    cmd = [sys.executable, "-c", "import sys; from cflow.cli import cflow_main; sys.exit(cflow_main(sys.argv[1:]))",
+           "tune", str(model_file), "--mb", "1", "--rounds", "1", "--json", str(tuning_on / "t.json")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "<- chosen" in r.stdout and "gate_up" in r.stdout and "GB/s" in r.stdout
+    rec = json.loads((tuning_on / "t.json").read_text())
+    assert rec["kernels"] and all("choice" in v for v in rec["kernels"].values())
+    r = subprocess.run(cmd[:5] + ["--rounds", "0"], capture_output=True, text=True)
+    assert r.returncode == 1 and "--rounds" in r.stderr
