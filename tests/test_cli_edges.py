@@ -226,13 +226,13 @@ def test_interpreter_runs_on_a_loaded_quantised_file(tmp_path, spec, tile):
     by the weights view) agrees with the compiled step."""
     from cflow.compiler import compile_file
     from cflow.frontend.load import load_graph
-    from cflow.ir.interp import interpret
+    from cflow.ir.interp import Interpreter
 
     path = tmp_path / "m.vflow"
     compile_file(load_graph(spec), path, "q4", tile)
     with cflow.load(path, threads=1) as m:
         ids = [3, 1, 4, 1, 5, 9]
-        ref = interpret(m.ir, ids, act_quant="q8")[-1]
+        ref = Interpreter(m.ir, act_quant="q8", kv=m.kv).run(ids)[-1]  # the model's KV cache type
         assert np.abs(ref - m.logits(ids)).max() <= 1e-2
 
 
