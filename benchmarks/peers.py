@@ -194,6 +194,73 @@ def torch_time_decode(model, prompt: list[int], tokens: int, threads: int, reps:
     return best
 
 
+
+# --- ONNX Runtime GenAI int4 (not yet run end to end; see docs/peers.md) ------------------------
+
+def save_hf_llama(config, weights: dict, out_dir: str) -> str:
+    """The same float weights as a Hugging Face LlamaForCausalLM directory (config.json + model.safetensors).
+    HF Llama rotates halves like cflow, so wq/wk rows are copied unpermuted."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.ffn_dim,
+                     num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+                     num_key_value_heads=config.n_kv_heads, max_position_embeddings=config.max_seq_len,
+                     rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, tie_word_embeddings=False)
+    names = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
+    sub = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn.wq": "self_attn.q_proj",
+           "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
+           "ffn.w_gate": "mlp.gate_proj", "ffn.w_up": "mlp.up_proj", "ffn.w_down": "mlp.down_proj"}
+    sd = {}
+    for k, v in weights.items():
+        if k in names:
+            hk = names[k]
+        else:
+            _, i, rest = k.split(".", 2)
+            hk = f"model.layers.{i}.{sub[rest]}"
+        sd[f"{hk}.weight"] = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf)
+    model.load_state_dict(sd, strict=False, assign=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def ort_genai_build(hf_dir: str, out_dir: str, block_size: int = 32, accuracy_level: int = 4) -> list[str]:
+    """The model builder's command (0.18 option names: block_size, accuracy_level): int4 MatMulNBits weights,
+    block 32, int8 activations (accuracy level 4)."""
+    return [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_dir, "-o", out_dir, "-p", "int4",
+            "-e", "cpu", "--extra_options", f"block_size={block_size}", f"accuracy_level={accuracy_level}"]
+
+
+def ort_genai_time_decode(model_dir: str, prompt: list[int], tokens: int, threads: int, reps: int = 3) -> float:
+    """Best-of-reps greedy tok/s with the Generator API (threads via the config's session options)."""
+    import onnxruntime_genai as og
+
+    cfg = og.Config(model_dir)
+    cfg.clear_providers()
+    model = og.Model(cfg)
+    best = 0.0
+    for _ in range(reps):
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(prompt) + tokens + 1)
+        gen = og.Generator(model, params)
+        gen.append_tokens(prompt)
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            gen.generate_next_token()
+        best = max(best, tokens / (time.perf_counter() - t0))
+    return best
+
+
+def record(engine: str, geometry: str, quant: str, threads: int, tok_s: float, bpt: int, read: float,
+           other_load) -> dict:
+    """One --json record with the keys of issue 10, item 4."""
+    return {"engine": engine, "geometry": geometry, "quant": quant, "threads": threads, "tok_s": round(tok_s, 3),
+            "bytes_per_token": int(bpt), "read_gbps": round(read, 3),
+            "other_load": None if other_load is None else round(other_load, 3)}
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 def gguf_file(key: str, c, rebuild: bool = False, quant: str = "q4") -> str:
