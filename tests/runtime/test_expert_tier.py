@@ -321,7 +321,7 @@ def test_reads_issued_at_the_router_awaited_at_the_use(files, io):
         issue, wait, native = s.tier.issue, s.tier.wait, s._run_native
         s.tier.issue = lambda b, e, layer=None: events.append(("issue", layer)) or issue(b, e, layer)
         s.tier.wait = lambda b, e: events.append(("wait", b)) or wait(b, e)
-        s._run_native = lambda: events.append(("native", None)) or native()
+        s._run_native = lambda *a: events.append(("native", None)) or native(*a)
         s.step(5)
         blk = s.config.block_of
         for layer, window in s.window_stages.items():
