@@ -223,6 +223,15 @@ def save_hf_llama(config, weights: dict, out_dir: str) -> str:
         model = LlamaForCausalLM(hf)
     model.load_state_dict(sd, strict=False, assign=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    # the builder saves a tokenizer too: a synthetic word-level vocabulary of vocab_size tokens (ids only)
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, config.vocab_size)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
+                                  unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.save_pretrained(out_dir)
     return out_dir
 
 
