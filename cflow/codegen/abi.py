@@ -125,7 +125,8 @@ class ScratchLayout:
     xd: int = 0  # f32[tmax][kmax/32]: block scales
     xs: int = 0  # i32[tmax][kmax/32]: block code sums
     tmp: int = 0  # f32[dp]: one expert's down output before its weighted add
-    scores: int = 0  # f32[max_seq + 2 * 16]: attention scores of one head (exp runs 16 lanes past the last)
+    att_rep: int = 1  # query heads per kv head: attention keeps the scores of a kv group's heads together
+    scores: int = 0  # f32[max_seq + 2 * 16][att_rep]: a kv group's attention scores (exp runs 16 lanes past the last)
     probs: int = 0  # f32[n_experts]: router probabilities
     route: int = 0  # [tmax][layer 0..n_layers]: i32 idx[k], f32 w[k], f32 shared gate
     # A multi-token call of an MoE model groups the block's tokens by the expert they chose, so each chosen
@@ -159,7 +160,8 @@ class ScratchLayout:
         self.xd = take(self.tmax * self.token_bytes("xd"))
         self.xs = take(self.tmax * self.token_bytes("xs"))
         self.tmp = take(4 * self.dp)
-        self.scores = take(4 * (self.max_seq + 32))  # ops.ATT_LANES of slack past the end (and a window's start)
+        # ops.ATT_LANES of slack past the end (and a window's start)
+        self.scores = take(4 * self.att_rep * (self.max_seq + 32))
         self.probs = take(4 * max(self.n_experts, 1))
         self.route = take(self.tmax * self.token_bytes("route"))
         if self.grouped:
@@ -185,7 +187,7 @@ class ScratchLayout:
     @classmethod
     def from_json(cls, d: dict) -> ScratchLayout:
         s = cls(**{k: d[k] for k in ("kmax", "dp", "max_seq", "n_experts", "top_k", "n_layers", "tmax",
-                                        "expert_rows")})
+                                        "expert_rows", "att_rep") if k in d})
         if s.to_json() != d:
             raise ValueError("stored scratch layout does not match this version")
         return s
@@ -207,6 +209,7 @@ def scratch_layout(config, tensors: dict, max_seq: int, tmax: int = 1) -> Scratc
             kmax = max(kmax, t.layout.cols_p, padded(t.layout.cols, unit))
     return ScratchLayout(kmax=kmax, dp=dp, max_seq=max_seq, n_experts=config.n_experts, top_k=config.top_k,
                          n_layers=config.n_layers, tmax=tmax,
+                         att_rep=max(1, config.n_heads // max(config.n_kv_heads, 1)),
                          expert_rows=padded(config.expert_dim, unit) if config.n_experts else 0)
 
 

@@ -27,7 +27,7 @@ from .cgutils import (
     f32,
     float_to_half,
     half_to_float,
-    hsum,
+    hsum_many,
     i8,
     i16,
     i32,
@@ -322,7 +322,6 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):
         sqrt = intrinsic(m, "llvm.sqrt.f32", f32, [f32])
         vfma = intrinsic(m, f"llvm.fma.v{W}f32", vt, [vt, vt, vt])
-        qr = b.bitcast(alloca_once(b, ir.ArrayType(f32, hd)), P(f32))
         kr = b.bitcast(alloca_once(b, ir.ArrayType(f32, hd)), P(f32))
         row = b.mul(pos, c64(half))
 
@@ -391,9 +390,13 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         if window:  # max(0, pos + 1 - window): the oldest position still inside the window
             lo = b.sub(npos, c64(window))
             start = b.select(b.icmp_signed(">", lo, c64(0)), lo, c64(0))
-        lane = ir.Constant(V(i64, L), list(range(L)))
-        mx, tot = alloca_once(b, f32), alloca_once(b, V(f32, L))
-        accs = [alloca_once(b, vt) for _ in range(nc)]
+        # The rep query heads of a kv group go together: each K and V row is loaded (and widened) once per
+        # group. Per head the arithmetic is the one-head-at-a-time order: the scores of the group's heads are
+        # reduced side by side (cgutils.hsum_many: each lane the same halving tree), scores live [s][rep].
+        RB = 32  # positions per block of the weighted sum (their V rows stay in L1 across the chunks)
+        mx, acc_e = alloca_once(b, V(f32, rep)), [alloca_once(b, V(f32, rep)) for _ in range(L)]
+        accs = [[alloca_once(b, vt) for _ in range(nc)] for _ in range(rep)]
+        qr = b.bitcast(alloca_once(b, ir.ArrayType(f32, rep * hd)), P(f32))
         with Loop(b, g0, g1, "g") as g:
             goff = b.mul(g, c64(hd))
             cache_off = b.add(b.mul(pos, c64(KV * hd)), goff)
@@ -405,44 +408,64 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                 if bias:
                     v = b.fadd(v, vload(bv, b.add(goff, c64(c * W))))
                 cstore(v, vc, b.add(cache_off, c64(c * W)))
-            with Loop(b, c64(0), c64(rep), "h") as r:
-                h = b.add(b.mul(g, c64(rep)), r)
-                hoff = b.mul(h, c64(hd))
+            with Loop(b, c64(0), c64(rep), "h") as r:  # the group's query heads, roped, side by side in qr
+                hoff = b.mul(b.add(b.mul(g, c64(rep)), r), c64(hd))
                 qsrc, qb = b.gep(qkv, [b.add(c64(qo), hoff)]), b.gep(bq, [hoff]) if bias else None
-                rope_into(qsrc, qb, qr, norm_of(hoff, qsrc, qb, qn, q_inv))
-                q = [vload(qr, c64(c * W)) for c in range(nc)]
-                b.store(cf(-math.inf), mx)
-                with Loop(b, start, npos, "s") as s:  # scores[s] = q.k_s * scale
-                    kp = b.gep(kc, [b.add(b.mul(s, c64(KV * hd)), goff)])
-                    sc = b.fmul(hsum(b, tree([b.fmul(q[c], cload(kp, c64(c * W))) for c in range(nc)])), cf(scale))
-                    if n.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax
-                        sc = softcap(b, sc, n.softcap)
-                    b.store(sc, b.gep(scores, [s]))
-                    b.store(b.select(b.fcmp_ordered(">", sc, b.load(mx)), sc, b.load(mx)), mx)
-                # exp(scores - max), ATT_LANES at a time; lanes past pos are masked to -inf (exp gives 0)
-                b.store(const_vec(f32, L, 0.0), tot)
-                nchunk = b.udiv(b.add(b.sub(npos, start), c64(L - 1)), c64(L))
-                m_v = splat(b, b.load(mx), L)
-                with Loop(b, c64(0), nchunk, "ex") as j:
-                    s0 = b.add(start, b.mul(j, c64(L)))
-                    sp = b.bitcast(b.gep(scores, [s0]), P(V(f32, L)))
-                    live = b.icmp_signed("<", b.add(splat(b, s0, L), lane), splat(b, npos, L))
-                    x = b.select(live, b.fsub(b.load(sp, align=4), m_v), const_vec(f32, L, -math.inf))
+                rope_into(qsrc, qb, b.gep(qr, [b.mul(r, c64(hd))]), norm_of(hoff, qsrc, qb, qn, q_inv))
+            b.store(const_vec(f32, rep, -math.inf), mx)
+            with Loop(b, start, npos, "s") as s:  # scores[s][r] = q_r.k_s * scale
+                kp = b.gep(kc, [b.add(b.mul(s, c64(KV * hd)), goff)])
+                k = [cload(kp, c64(c * W)) for c in range(nc)]
+                sc = hsum_many(b, [tree([b.fmul(vload(qr, c64(r * hd + c * W)), k[c]) for c in range(nc)])
+                                   for r in range(rep)])
+                sc = b.fmul(sc, const_vec(f32, rep, scale))
+                if n.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax (scalar, as before)
+                    for r in range(rep):
+                        sc = b.insert_element(sc, softcap(b, b.extract_element(sc, c32(r)), n.softcap), c32(r))
+                b.store(sc, b.bitcast(b.gep(scores, [b.mul(s, c64(rep))]), P(V(f32, rep))), align=4)
+                m0 = b.load(mx)
+                b.store(b.select(b.fcmp_ordered(">", sc, m0), sc, m0), mx)
+            # exp(scores - max): position start + j*L + l adds into lane-accumulator l (the one-head order's
+            # lane l), positions past pos masked to -inf (exp gives 0, stored into the scratch's slack)
+            for a in acc_e:
+                b.store(const_vec(f32, rep, 0.0), a)
+            nchunk = b.udiv(b.add(b.sub(npos, start), c64(L - 1)), c64(L))
+            m_v = b.load(mx)
+            with Loop(b, c64(0), nchunk, "ex") as j:
+                s0 = b.add(start, b.mul(j, c64(L)))
+                for lane, a in enumerate(acc_e):
+                    sl = b.add(s0, c64(lane))
+                    sp = b.bitcast(b.gep(scores, [b.mul(sl, c64(rep))]), P(V(f32, rep)))
+                    live = b.icmp_signed("<", sl, npos)
+                    x = b.select(live, b.fsub(b.load(sp, align=4), m_v), const_vec(f32, rep, -math.inf))
                     p = exp_vec(b, x)
                     b.store(p, sp, align=4)
-                    b.store(b.fadd(b.load(tot), p), tot)
-                inv = b.fdiv(cf(1.0), hsum(b, b.load(tot)))
-                for a in accs:
+                    b.store(b.fadd(b.load(a), p), a)
+            tot = [b.load(a) for a in acc_e]
+            while len(tot) > 1:  # hsum's halving tree over the L lanes, all heads at once
+                h = len(tot) // 2
+                tot = [b.fadd(tot[i], tot[i + h]) for i in range(h)]
+            inv = b.fdiv(const_vec(f32, rep, 1.0), tot[0])
+            for ar in accs:
+                for a in ar:
                     b.store(const_vec(f32, W, 0.0), a)
-                with Loop(b, start, npos, "pv") as s:  # out += p_s * v_s
-                    p = splat(b, b.load(b.gep(scores, [s])), W)
-                    vp = b.gep(vc, [b.add(b.mul(s, c64(KV * hd)), goff)])
-                    for c, a in enumerate(accs):
-                        b.store(madd(p, cload(vp, c64(c * W)), b.load(a)), a)
-                out = b.gep(att, [hoff])
-                iv = splat(b, inv, W)
-                for c, a in enumerate(accs):
-                    b.store(b.fmul(b.load(a), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
+            nblk = b.udiv(b.add(b.sub(npos, start), c64(RB - 1)), c64(RB))
+            with Loop(b, c64(0), nblk, "pb") as j:  # out_r += p_rs * v_s, RB positions at a time, chunk by chunk
+                s_lo = b.add(start, b.mul(j, c64(RB)))
+                s_end = b.add(s_lo, c64(RB))
+                s_hi = b.select(b.icmp_signed("<", s_end, npos), s_end, npos)
+                for c in range(nc):
+                    with Loop(b, s_lo, s_hi, f"pv{c}") as s:
+                        vv = cload(b.gep(vc, [b.add(b.mul(s, c64(KV * hd)), goff)]), c64(c * W))
+                        ps = b.gep(scores, [b.mul(s, c64(rep))])
+                        for r in range(rep):
+                            p = splat(b, b.load(b.gep(ps, [c64(r)])), W)
+                            b.store(madd(p, vv, b.load(accs[r][c])), accs[r][c])
+            for r in range(rep):
+                out = b.gep(att, [b.mul(b.add(b.mul(g, c64(rep)), c64(r)), c64(hd))])
+                iv = splat(b, b.extract_element(inv, c32(r)), W)
+                for c in range(nc):
+                    b.store(b.fmul(b.load(accs[r][c]), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
         b.ret_void()
 
     key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul", kv) + (
