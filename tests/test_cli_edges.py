@@ -57,7 +57,7 @@ def test_readme_using_it_runs(tmp_path, capsys, monkeypatch):
         code, out, err = run(main, argv[1:], capsys)
         assert code == 0, f"{line}: {err}"
         ran += 1
-    assert ran == 5
+    assert ran == 6
 
 
 def test_preset_prompt_text_explains(tiny, capsys):
