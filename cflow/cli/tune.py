@@ -34,7 +34,7 @@ def run(args) -> int:
     print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call, median of "
           f"{args.rounds} rounds; a variant must beat the default by {tune.MARGIN:.0%}")
     if not tune.enabled():
-        print("note: CFLOW_TUNE=off: cflow.load uses the defaults and ignores this table until it is unset")
+        print("note: CFLOW_TUNE=off: cflow.load uses the defaults and ignores this table while it is set")
     records = {}
 
     def show(key, rec):
@@ -45,11 +45,9 @@ def run(args) -> int:
             mark = "  <- chosen" if v["knobs"] == rec["choice"] else ""
             print(f"  {v['variant']:<24} {v['gbps']:>7.2f}{mark}")
 
-    if tune.enabled() or args.force:  # cached choices are shown as stored; missing ones are measured and cached
-        tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20, on_result=show)
-    else:  # measured and shown, not cached
-        for key, (layout, gate_up) in tune.kernel_shapes(tensors).items():
-            show(key, tune.tune_kernel(layout, gate_up, target, rounds=args.rounds, nbytes=args.mb * 2**20))
+    # cached choices are shown as stored, missing ones measured and cached (also under CFLOW_TUNE=off)
+    tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20, on_result=show,
+                 ignore_env=True)
     if args.json:
         atomic_write_text(args.json, json.dumps({"cpu": cpu_model(), "isa": target.isa, "kernels": records},
                                                 indent=1))

@@ -225,10 +225,11 @@ def kernel_shapes(tensors) -> dict[str, tuple]:
 
 
 def choices(tensors, target, search: bool = True, force: bool = False, rounds: int = 5,
-            nbytes: int | None = None, on_result=None) -> dict[str, dict]:
+            nbytes: int | None = None, on_result=None, ignore_env: bool = False) -> dict[str, dict]:
     """{kernel key: knobs} for a model's kernels on this host: cached choices, a search for the missing
-    ones (search=True), {} when CFLOW_TUNE=off (the defaults). on_result(key, record) sees each record."""
-    if not enabled() and not force:
+    ones (search=True), {} when CFLOW_TUNE=off (the defaults) unless ignore_env (`cflow tune`).
+    on_result(key, record) sees each record."""
+    if not (enabled() or force or ignore_env):
         return {}
     table = read_table(target)
     out, changed = {}, False
