@@ -238,7 +238,8 @@ class Session:
         if weights == "disk":
             self._open_streamer()
         self._alloc()
-        self._pool = _Workers(self.library, self._args, self.threads) if self.threads > 1 else None
+        self._pool = (_Workers(self.library, self._args, self.threads, keep=(self.ptrs, self.params, self.barrier))
+                      if self.threads > 1 else None)
         self._backoff = _Backoff() if self._pool is not None and threads is None else None
 
     # --- validation -----------------------------------------------------------------------------
@@ -702,13 +703,36 @@ class Session:
             pass
 
 
+# Workers that were still alive when their session closed (join timed out: a thread descheduled for long), with
+# everything they may still touch: the control block they wait on, the step's argument buffers and the JIT-compiled
+# code they run. Kept alive here, never freed under a running thread; entries go once all their threads have ended.
+_PARKED: list[tuple[list[threading.Thread], tuple]] = []
+_PARK_LOCK = threading.Lock()
+JOIN_TIMEOUT = 5.0  # seconds close() waits for each worker before parking it
+
+
+def _reap_parked() -> None:
+    with _PARK_LOCK:
+        _PARKED[:] = [(ts, keep) for ts, keep in _PARKED if any(t.is_alive() for t in ts)]
+
+
+def parked_workers() -> int:
+    """Worker threads of closed sessions still running (normally 0)."""
+    _reap_parked()
+    with _PARK_LOCK:
+        return sum(t.is_alive() for ts, _ in _PARKED for t in ts)
+
+
 class _Workers:
     """Worker threads 1..n-1 live in native code (cflow_worker): each token, worker 0 (the caller)
     kicks them through a futex and runs its share; the step's final barrier means all are done.
     Python only starts them (one thread each, ctypes releases the GIL) and stops them."""
 
-    def __init__(self, library, args, n: int):
+    def __init__(self, library, args, n: int, keep: tuple = ()):
         self.n = n
+        # the code the workers run and the buffers args points into: they must outlive the threads (close parks
+        # them if a worker lingers)
+        self.library, self.keep = library, keep
         self.ctl = _zeros(4 * CTL_WORDS, 64).view(np.int32)
         vp = ctypes.c_void_p
         self.worker = library.get_cfunc(WORKER_SYMBOL, None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp, vp)
@@ -726,8 +750,17 @@ class _Workers:
         self.kick(self._ctl)
         self.step(self.args[0], self.args[1], 0, self.n, self.args[2])
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the workers. Between tokens a worker only waits on the control block (and the barrier), so one
+        that has not ended after the join timeout is parked with the control block, the argument buffers and
+        the code, rather than having them freed under it; it ends as soon as it runs again and sees STOP."""
         self.ctl[CtlWord.STOP] = 1  # then wake everyone
         self.kick(self._ctl)
         for t in self.threads:
-            t.join(timeout=5)
+            t.join(timeout=JOIN_TIMEOUT if timeout is None else timeout)
+        alive = [t for t in self.threads if t.is_alive()]
+        if alive:
+            with _PARK_LOCK:
+                keep = (self.library, self.keep, self.ctl, self._ctl, self.args, self.worker, self.kick)
+                _PARKED.append((alive, keep))
+        _reap_parked()
