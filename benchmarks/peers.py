@@ -1,21 +1,28 @@
-"""cflow against peers on identical weights: llama.cpp (same Q4_0 bytes via GGUF) and PyTorch eager (f32).
+"""cflow against peers on identical weights: llama.cpp, ONNX Runtime GenAI int4 and PyTorch eager.
 
-    python benchmarks/peers.py [--model tinyllama] [--threads 1,2] [--tokens 32] [--reps 3]
-                               [--no-torch] [--no-llama] [--json out.json]
+    python benchmarks/peers.py [--model tinyllama] [--threads 1,2] [--tokens 32] [--reps 3] [--quick]
+                               [--no-llama] [--no-ortgenai] [--no-torch] [--no-bf16] [--no-q8] [--json out.json]
 
-Weights: benchmarks/decode.py's fixed random model (TinyLlama-1.1B geometry, seed 0), lowered to Q4 once.
-The Q4 graph is exported to GGUF (cflow.runtime.format.gguf; Q4_0 blocks copied bit-identically, Q/K
-rows permuted for llama.cpp's RoPE layout) into out/bench/ once. Then, for each thread count:
-  - the machine's read bandwidth (llvmlite STREAM-like loop, same thread count), before and after;
-  - cflow: greedy decode tok/s (decode.py's time_decode: best of reps over `tokens` steps);
-  - llama.cpp (llama-cpp-python): the same greedy loop with single-token evals after the prompt;
-  - PyTorch eager: the same weights at f32 in cflow's reference model (KV cache), greedy steps.
-Effective GB/s = bytes per token x tok/s. cflow and llama.cpp stream the same Q4 bytes, so both use
-cflow's `m.bytes_per_token`; torch streams the f32 matrices (its own bytes per token is printed).
-Correctness: llama.cpp's logits at the first prompt positions against cflow's on the same ids (max abs
-difference, argmax agreement). They differ a little: llama.cpp quantises activations to Q8_0 blocks with
-fp16 scales and keeps an f16 KV cache; cflow keeps f32 activation scales and an f32 cache. --f32-check adds
-the strict check: the same weights exported at F32, llama.cpp against cflow's NumPy interpreter.
+Weights: benchmarks/decode.py's fixed random model (TinyLlama-1.1B geometry, seed 0), generated once at f32
+and shared by every engine:
+  - cflow Q4 and Q8: compiled once to out/bench/<name>_{q4,q8}.vflow;
+  - llama.cpp (llama-cpp-python) Q4_0 and Q8_0: the lowered Q4/Q8 graphs exported to GGUF
+    (cflow.runtime.format.gguf; blocks copied bit-identically, Q/K rows permuted for llama.cpp's RoPE layout);
+  - ONNX Runtime GenAI int4: the float weights saved as a Hugging Face Llama directory, built by
+    onnxruntime_genai.models.builder (int4 MatMulNBits, block 32, accuracy level 4 = int8 activations);
+    its own quantisation of the same float weights (f32 scales, symmetric);
+  - PyTorch eager: the float weights in cflow's reference model (KV cache), at f32 and bf16.
+Then, for each thread count: the machine's read bandwidth (llvmlite STREAM-like loop, same thread count) before
+and after; each engine's greedy decode tok/s (best of reps over `tokens` steps after an 8-token prompt). Every
+measurement carries the CPU share other processes used meanwhile (bandwidth.busy_fraction) and is repeated, up
+to --retries more times, while that share exceeds --max-load (10%); the least-loaded attempt is kept.
+Effective GB/s = bytes per token x tok/s: cflow's m.bytes_per_token (llama.cpp streams the same blocks), the
+built ONNX model's MatMulNBits weights + scales (+ zero points), torch's f32/bf16 matrices.
+Correctness: llama.cpp's logits at the first prompt positions against cflow's on the same ids, at Q4 and Q8;
+greedy-token agreement over --agree-steps (128) steps, cflow Q4 vs llama.cpp Q4_0 (and vs ORT GenAI int4).
+--f32-check adds the strict check: the same weights exported at F32, llama.cpp against cflow's NumPy interpreter.
+--json PATH writes a list of records (engine, geometry, quant, threads, tok_s, bytes_per_token, read_gbps,
+other_load); the checks go to PATH's stem + "_meta.json".
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bandwidth import measure_read_bandwidth  # noqa: E402
-from decode import MODELS, OUT, compiled_model, random_weights, time_decode  # noqa: E402
+from decode import MODELS, OUT, random_weights, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.runtime.format.gguf import export_gguf  # noqa: E402
@@ -195,7 +202,7 @@ def torch_time_decode(model, prompt: list[int], tokens: int, threads: int, reps:
 
 
 
-# --- ONNX Runtime GenAI int4 (not yet run end to end; see docs/peers.md) ------------------------
+# --- ONNX Runtime GenAI int4 ---------------------------------------------------------------------
 
 def save_hf_llama(config, weights: dict, out_dir: str) -> str:
     """The same float weights as a Hugging Face LlamaForCausalLM directory (config.json + model.safetensors).
@@ -206,7 +213,8 @@ def save_hf_llama(config, weights: dict, out_dir: str) -> str:
     hf = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.ffn_dim,
                      num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
                      num_key_value_heads=config.n_kv_heads, max_position_embeddings=config.max_seq_len,
-                     rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, tie_word_embeddings=False)
+                     rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, tie_word_embeddings=False,
+                     bos_token_id=1, eos_token_id=2)
     names = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
     sub = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn.wq": "self_attn.q_proj",
            "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
@@ -242,24 +250,90 @@ def ort_genai_build(hf_dir: str, out_dir: str, block_size: int = 32, accuracy_le
             "-e", "cpu", "--extra_options", f"block_size={block_size}", f"accuracy_level={accuracy_level}"]
 
 
-def ort_genai_time_decode(model_dir: str, prompt: list[int], tokens: int, threads: int, reps: int = 3) -> float:
-    """Best-of-reps greedy tok/s with the Generator API (threads via the config's session options)."""
+def ort_genai_model_dir(config, weights: dict, rebuild: bool = False, root: str = OUT) -> str:
+    """Save the float weights as a HF directory and run the builder on it, once per geometry (in `root`)."""
+    import shutil
+    import subprocess
+
+    hf_dir = os.path.join(root, f"{config.name}_hf")
+    out_dir = os.path.join(root, f"{config.name}_ortgenai_int4")
+    if rebuild or not os.path.exists(os.path.join(out_dir, "genai_config.json")):
+        t0 = time.perf_counter()
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        save_hf_llama(config, weights, hf_dir)
+        t1 = time.perf_counter()
+        shutil.rmtree(out_dir, ignore_errors=True)
+        r = subprocess.run(ort_genai_build(hf_dir, out_dir), capture_output=True, text=True)
+        if r.returncode != 0 or not os.path.exists(os.path.join(out_dir, "genai_config.json")):
+            raise RuntimeError(f"ONNX Runtime GenAI builder failed (rc {r.returncode}): {r.stderr[-2000:]}")
+        shutil.rmtree(hf_dir, ignore_errors=True)  # the builder's output holds everything the run needs
+        print(f"# built {out_dir} (int4, block 32, accuracy level 4): HF dir {t1 - t0:.1f} s, builder "
+              f"{time.perf_counter() - t1:.1f} s", flush=True)
+    return out_dir
+
+
+_ONNX_BYTES = {1: 4, 2: 1, 3: 1, 10: 2, 11: 8, 16: 2, 6: 4, 7: 8}  # float, uint8, int8, float16, double, bf16, ...
+
+
+def ort_genai_bytes_per_token(model_dir: str) -> dict:
+    """Bytes of the built model's weights one decode step reads: every MatMulNBits node's packed int4 weight
+    (B), its scales and zero points (if any), and every float MatMul/Gemm weight initializer, each once. Not
+    counted (like cflow's figure): the embedding Gather (one row per token), norms and RoPE caches (small)."""
+    import onnx
+
+    m = onnx.load(os.path.join(model_dir, "model.onnx"), load_external_data=False)
+    inits = {t.name: t for t in m.graph.initializer}
+
+    def nbytes(name: str) -> int:
+        t = inits.get(name)
+        if t is None:
+            return 0
+        return int(np.prod(t.dims, dtype=np.int64)) * _ONNX_BYTES.get(t.data_type, 4)
+
+    out = {"int4_weights": 0, "scales": 0, "zero_points": 0, "float_matmul_weights": 0, "matmulnbits_nodes": 0}
+    for n in m.graph.node:
+        if n.op_type == "MatMulNBits":
+            out["matmulnbits_nodes"] += 1
+            out["int4_weights"] += nbytes(n.input[1])
+            out["scales"] += nbytes(n.input[2])
+            if len(n.input) > 3 and n.input[3]:
+                out["zero_points"] += nbytes(n.input[3])
+        elif n.op_type in ("MatMul", "Gemm"):
+            out["float_matmul_weights"] += sum(nbytes(x) for x in n.input)
+    out["total"] = out["int4_weights"] + out["scales"] + out["zero_points"] + out["float_matmul_weights"]
+    return out
+
+
+def ort_genai_open(model_dir: str, threads: int):
+    """og.Model with the CPU provider and `threads` intra-op threads (Config.overlay onto the decoder's
+    session options; intra_op_num_threads is an integer session option of genai_config.json in 0.18)."""
     import onnxruntime_genai as og
 
     cfg = og.Config(model_dir)
     cfg.clear_providers()
-    model = og.Model(cfg)
-    best = 0.0
-    for _ in range(reps):
-        params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(prompt) + tokens + 1)
-        gen = og.Generator(model, params)
-        gen.append_tokens(prompt)
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            gen.generate_next_token()
-        best = max(best, tokens / (time.perf_counter() - t0))
-    return best
+    cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": int(threads)}}}}))
+    return og.Model(cfg)
+
+
+def ort_genai_greedy(model, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    """(tok/s, generated ids) of one greedy run: the prompt appended, then `tokens` generate_next_token calls."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + tokens + 1)
+    gen = og.Generator(model, params)
+    gen.append_tokens(prompt)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        gen.generate_next_token()
+    dt = time.perf_counter() - t0
+    seq = [int(t) for t in gen.get_sequence(0)]
+    return tokens / dt, seq[len(prompt):]
+
+
+def ort_genai_time_decode(model, prompt: list[int], tokens: int, reps: int = 3) -> float:
+    """Best-of-reps greedy tok/s with the Generator API (model from ort_genai_open)."""
+    return max(ort_genai_greedy(model, prompt, tokens)[0] for _ in range(reps))
 
 
 def record(engine: str, geometry: str, quant: str, threads: int, tok_s: float, bpt: int, read: float,
@@ -282,28 +356,129 @@ def gguf_file(key: str, c, rebuild: bool = False, quant: str = "q4") -> str:
     return path
 
 
+def cflow_file(key: str, quant: str, weights: dict):
+    """(path to the compiled .vflow, lowered plan) of MODELS[key] at `quant` on the given float weights (decode.py's
+    compiled_model, but sharing one set of weights between Q4 and Q8); the file is built once."""
+    from cflow.compiler import compile_file, lower
+    from cflow.ir import build_graph
+    from cflow.runtime.format import FileReader
+
+    config = MODELS[key]
+    path = os.path.join(OUT, f"{config.name}_{quant}.vflow")
+    g = build_graph(config, weights, name=config.name)
+    c = lower(g, quant)
+    if os.path.exists(path):  # built from another version of this config: rebuild
+        with FileReader(path) as r:
+            if r.header.get("config") != g.config.to_dict():
+                os.remove(path)
+    if not os.path.exists(path):
+        os.makedirs(OUT, exist_ok=True)
+        info = compile_file(g, path, quant).file
+        print(f"# compiled {path}: {info['file_bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", flush=True)
+    return path, c
+
+
+def measure_quiet(fn, threshold: float = 0.10, retries: int = 2):
+    """(value, other load, attempts): fn() measured with the CPU share other processes used meanwhile; repeated
+    (up to `retries` more times) while that share exceeds `threshold`. The attempt with the least other load is
+    kept (the faster one on a tie)."""
+    tries = []
+    for _ in range(1 + retries):
+        v, busy = measured(fn)
+        tries.append((v, busy))
+        if busy is None or busy <= threshold:
+            break
+    v, busy = min(tries, key=lambda t: (t[1] or 0.0, -t[0]))
+    return v, busy, len(tries)
+
+
+def greedy_agreement(m, llm, prompt: list[int], steps: int = 128) -> dict:
+    """cflow's greedy tokens against llama.cpp's over `steps` steps after the same prompt: free-running (each
+    runtime feeds its own tokens back: agreeing prefix, then positionwise agreement) and teacher-forced
+    (llama.cpp fed cflow's tokens: its argmax against cflow's at every step). cflow's top-2 logit margin at
+    each disagreement says whether it was a near-tie."""
+    s = m.session
+    s.reset()
+    logits = s.prefill(prompt)
+    ours, margins = [], []
+    for _ in range(steps):
+        top2 = np.sort(logits)[-2:]
+        ours.append(int(np.argmax(logits)))
+        margins.append(float(top2[1] - top2[0]))
+        logits = s.step(ours[-1])
+    llm.reset()
+    llm.eval(prompt)
+    theirs = []
+    for _ in range(steps):
+        theirs.append(_llama_next(llm))
+        llm.eval([theirs[-1]])
+    llm.reset()
+    llm.eval(prompt)
+    forced = []
+    for t in ours:
+        forced.append(_llama_next(llm))
+        llm.eval([t])
+    prefix = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), steps)
+    forced_off = [i for i in range(steps) if ours[i] != forced[i]]
+    return {"steps": steps, "prefix_agree": prefix, "total_agree": sum(a == b for a, b in zip(ours, theirs)),
+            "margin_at_divergence": None if prefix == steps else round(margins[prefix], 4),
+            "forced_agree": steps - len(forced_off),
+            "forced_disagree_margins": [round(margins[i], 4) for i in forced_off],
+            "median_margin": round(float(np.median(margins)), 4), "cflow_tokens": ours, "llama_tokens": theirs}
+
+
+def describe_agreement(label: str, a: dict) -> str:
+    div = ("no divergence" if a["margin_at_divergence"] is None
+           else f"cflow's top-2 margin at the first divergence {a['margin_at_divergence']}")
+    return (f"# {label}, {a['steps']} greedy steps: {a['prefix_agree']} equal before the first divergence, "
+            f"{a['total_agree']}/{a['steps']} equal positionwise ({div}); teacher-forced on cflow's tokens: "
+            f"{a['forced_agree']}/{a['steps']} argmax equal"
+            + (f", cflow's margins where not: {a['forced_disagree_margins']}" if a["forced_disagree_margins"] else "")
+            + f" (median margin {a['median_margin']})")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tinyllama", choices=list(MODELS))
+    ap.add_argument("--model", default="tinyllama", choices=[k for k in MODELS if k != "moe"])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--torch-tokens", type=int, default=8, help="greedy steps timed for PyTorch eager (f32 is slow)")
     ap.add_argument("--gib", type=float, default=1.0, help="read-bandwidth buffer")
     ap.add_argument("--check-positions", type=int, default=8, help="prompt positions compared with llama.cpp")
+    ap.add_argument("--agree-steps", type=int, default=128, help="greedy steps compared with llama.cpp (0: skip)")
+    ap.add_argument("--max-load", type=float, default=0.10,
+                    help="repeat a measurement (up to --retries more times) while other processes used more CPU")
+    ap.add_argument("--retries", type=int, default=2)
+    ap.add_argument("--quick", action="store_true",
+                    help="short runs (16 tokens, best of 2, torch 4 tokens, 0.5 GiB bandwidth buffer): under 10 "
+                         "minutes on 2 cores once the model files exist")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-bf16", action="store_true", help="skip PyTorch eager bf16 (f32 only)")
+    ap.add_argument("--no-ortgenai", action="store_true")
+    ap.add_argument("--no-q8", action="store_true", help="skip cflow Q8 and llama.cpp Q8_0")
     ap.add_argument("--rebuild-gguf", action="store_true", help="export the GGUF file(s) again")
+    ap.add_argument("--rebuild-ort", action="store_true", help="run the ONNX Runtime GenAI builder again")
     ap.add_argument("--f32-check", action="store_true",
                     help="also export the weights at F32 and compare llama.cpp with cflow's interpreter without any "
                          "quantisation (strict check of the export; the file is 4 B/weight, 4.4 GB for tinyllama)")
-    ap.add_argument("--json", help="write the records and the cross-check")
+    ap.add_argument("--json", help="write the records (a list); the checks go to <PATH without .json>_meta.json")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.reps, args.torch_tokens, args.gib = min(args.tokens, 16), min(args.reps, 2), \
+            min(args.torch_tokens, 4), min(args.gib, 0.5)
+    t_start = time.perf_counter()
 
-    path, c = compiled_model(args.model)
-    config = c.graph.config
+    config = MODELS[args.model]
+    t0 = time.perf_counter()
+    weights = random_weights(config)
+    print(f"# random weights ({config.name}, seed 0): {time.perf_counter() - t0:.1f} s", flush=True)
+    quants = ["q4"] + ([] if args.no_q8 else ["q8"])
+    plans = {q: cflow_file(args.model, q, weights) for q in quants}
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, 8)]
     check_ids = (prompt * (args.check_positions // len(prompt) + 1))[: args.check_positions]
+
     have_llama = not args.no_llama
     if have_llama:
         try:
@@ -311,74 +486,134 @@ def main(argv=None) -> None:
         except ImportError:
             print("# llama-cpp-python is not installed: pip install 'cflow[peers]' (skipping llama.cpp)", flush=True)
             have_llama = False
-    gguf_path = gguf_file(args.model, c, args.rebuild_gguf) if have_llama else None
+    gguf = {q: gguf_file(args.model, plans[q][1], args.rebuild_gguf, q) for q in quants} if have_llama else {}
     if have_llama:
         print(f"# llama-cpp-python {llama_cpp.__version__}; {llama_cpp.llama_print_system_info().decode().strip()}",
               flush=True)
 
-    tweights = tmodel = None
+    ort_dir = ort_bpt = None
+    if not args.no_ortgenai:
+        try:
+            import onnxruntime_genai as og
+
+            ort_dir = ort_genai_model_dir(config, weights, args.rebuild_ort)
+            ort_bpt = ort_genai_bytes_per_token(ort_dir)
+            print(f"# onnxruntime-genai {og.__version__}: {ort_bpt['matmulnbits_nodes']} MatMulNBits, "
+                  f"bytes per token {ort_bpt['total'] / 1e6:.1f} MB = int4 {ort_bpt['int4_weights'] / 1e6:.1f} + "
+                  f"scales {ort_bpt['scales'] / 1e6:.1f} + zero points {ort_bpt['zero_points'] / 1e6:.1f} + float "
+                  f"matmul weights {ort_bpt['float_matmul_weights'] / 1e6:.1f}", flush=True)
+        except ImportError:
+            print("# onnxruntime-genai is not installed: pip install 'cflow[peers]' (skipping ORT GenAI)", flush=True)
+
+    tmodels = {}
     if not args.no_torch:
         try:
             import torch
 
-            # the f32 source of the same Q4 weights (the lowered graph quantises it lazily; no second copy)
-            tweights = getattr(c.graph.weights, "source", None) or random_weights(config)
-            tmodel = torch_model(config, tweights)
-            print(f"# torch {torch.__version__} eager, f32, cflow's reference model with KV cache", flush=True)
+            tmodels["f32"] = torch_model(config, weights)  # on the NumPy arrays, no copy
+            if not args.no_bf16:
+                tmodels["bf16"] = torch_model(config, weights).to(torch.bfloat16)  # a converted copy
+            print(f"# torch {torch.__version__} eager, {'/'.join(tmodels)}, cflow's reference model with KV cache",
+                  flush=True)
         except ImportError:
             print("# torch is not installed: skipping PyTorch eager", flush=True)
+    tbytes = torch_bytes_per_token(weights)
 
-    check32 = None
+    meta = {"model": config.name, "prompt": prompt, "tokens": args.tokens, "reps": args.reps,
+            "torch_tokens": args.torch_tokens, "max_load": args.max_load,
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.f32_check and have_llama:
-        source = getattr(c.graph.weights, "source", None) or random_weights(config)
-        check32 = f32_check(args.model, source, check_ids, max(int(t) for t in args.threads.split(",")),
-                            args.rebuild_gguf)
-        print(describe_check("cross-check F32, llama.cpp vs cflow interpreter logits", check32), flush=True)
+        meta["cross_check_f32"] = f32_check(args.model, weights, check_ids,
+                                            max(int(t) for t in args.threads.split(",")), args.rebuild_gguf)
+        print(describe_check("cross-check F32, llama.cpp vs cflow interpreter logits", meta["cross_check_f32"]),
+              flush=True)
+    print(f"# setup {time.perf_counter() - t_start:.1f} s", flush=True)
 
-    records, check = [], None
+    records = []
     read_bytes = int(args.gib * (1 << 30))
+    quiet = dict(threshold=args.max_load, retries=args.retries)
     for threads in (int(t) for t in args.threads.split(",")):
-        bw, busy_bw = measured(lambda threads=threads: measure_read_bandwidth(threads, read_bytes))
-        m = cflow.load(path, threads=threads)
-        bpt = m.bytes_per_token
-        rows = []
-        tps, busy = measured(lambda m=m: time_decode(m, prompt, args.tokens, args.reps))
-        rows.append(("cflow", tps, bpt, busy))
-        llm = None
-        if have_llama:
-            llm = llama_open(gguf_path, threads)
-            if check is None:
-                check = cross_check(m, llm, check_ids)
-                print(describe_check("cross-check Q4, llama.cpp vs cflow runtime logits", check), flush=True)
-            tps_l, busy = measured(lambda llm=llm: llama_time_decode(llm, prompt, args.tokens, args.reps))
-            rows.append(("llama.cpp", tps_l, bpt, busy))
-            del llm
+        t_thr = time.perf_counter()
+        bw, busy_bw, _ = measure_quiet(lambda threads=threads: measure_read_bandwidth(threads, read_bytes), **quiet)
+        rows = []  # (engine, quant, tok/s, bytes per token, other load, attempts)
+        for q in quants:
+            m = cflow.load(plans[q][0], threads=threads)
+            tps, busy, n = measure_quiet(lambda m=m: time_decode(m, prompt, args.tokens, args.reps), **quiet)
+            rows.append(("cflow", q.upper(), tps, m.bytes_per_token, busy, n))
+            if have_llama:
+                llm = llama_open(gguf[q], threads)
+                if f"cross_check_{q}" not in meta:
+                    meta[f"cross_check_{q}"] = cross_check(m, llm, check_ids)
+                    print(describe_check(f"cross-check {q.upper()}, llama.cpp vs cflow runtime logits",
+                                         meta[f"cross_check_{q}"]), flush=True)
+                if q == "q4" and args.agree_steps and "agreement_q4" not in meta:
+                    meta["agreement_q4"] = greedy_agreement(m, llm, prompt, args.agree_steps)
+                    print(describe_agreement("agreement cflow Q4 vs llama.cpp Q4_0", meta["agreement_q4"]), flush=True)
+                tps, busy, n = measure_quiet(lambda llm=llm: llama_time_decode(llm, prompt, args.tokens, args.reps),
+                                             **quiet)
+                rows.append(("llama.cpp", f"{q.upper()}_0", tps, m.bytes_per_token, busy, n))
+                del llm
+                gc.collect()
+            m.close()
+        if ort_dir is not None:
+            om = ort_genai_open(ort_dir, threads)
+            if args.agree_steps and "agreement_ortgenai_int4" not in meta and "agreement_q4" in meta:
+                theirs = ort_genai_greedy(om, prompt, args.agree_steps)[1]
+                ours = meta["agreement_q4"]["cflow_tokens"]
+                prefix = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+                meta["agreement_ortgenai_int4"] = {"steps": len(ours), "prefix_agree": prefix,
+                                                   "total_agree": sum(a == b for a, b in zip(ours, theirs)),
+                                                   "ort_tokens": theirs}
+                print(f"# agreement cflow Q4 vs ORT GenAI int4 (its own block-32 quantisation of the float weights), "
+                      f"{len(ours)} greedy steps: {prefix} equal before the first divergence, "
+                      f"{meta['agreement_ortgenai_int4']['total_agree']}/{len(ours)} positionwise", flush=True)
+            tps, busy, n = measure_quiet(lambda om=om: ort_genai_time_decode(om, prompt, args.tokens, args.reps),
+                                         **quiet)
+            rows.append(("ort-genai", "int4", tps, ort_bpt["total"], busy, n))
+            del om
             gc.collect()
-        m.close()
-        if tmodel is not None:
-            tps_t, busy = measured(
-                lambda threads=threads: torch_time_decode(tmodel, prompt, args.torch_tokens, threads))
-            rows.append(("torch eager f32", tps_t, torch_bytes_per_token(tweights), busy))
-        bw_after, busy_bw2 = measured(lambda threads=threads: measure_read_bandwidth(threads, read_bytes))
+        for dt, tm in tmodels.items():
+            tps, busy, n = measure_quiet(
+                lambda tm=tm, threads=threads: torch_time_decode(tm, prompt, args.torch_tokens, threads), **quiet)
+            rows.append(("torch-eager", dt, tps, tbytes // (2 if dt == "bf16" else 1), busy, n))
+        bw_after, busy_bw2, _ = measure_quiet(lambda threads=threads: measure_read_bandwidth(threads, read_bytes),
+                                              **quiet)
         read = max(bw, bw_after)  # the machine's best in this run: the honest denominator
-        print(f"threads={threads}  read bandwidth {read:6.2f} GB/s (before {bw:.2f}, after {bw_after:.2f})", flush=True)
-        print(f"  {'runtime':16s} {'tok/s':>8s} {'MB/token':>9s} {'GB/s':>7s} {'% read':>7s}  other-load", flush=True)
-        for name, t, b, busy in rows:
+        print(f"threads={threads}  read bandwidth {read:6.2f} GB/s (before {bw:.2f}, after {bw_after:.2f}; other load "
+              f"{_pct(busy_bw)}, {_pct(busy_bw2)})   [{time.perf_counter() - t_thr:.0f} s]", flush=True)
+        print(f"  {'engine':12s} {'quant':6s} {'tok/s':>8s} {'MB/token':>9s} {'GB/s':>7s} {'% read':>7s}  other-load",
+              flush=True)
+        for eng, q, t, b, busy, n in rows:
             eff = b * t / 1e9
-            load = "" if busy is None else f"{100 * busy:4.0f}%"
-            print(f"  {name:16s} {t:8.2f} {b / 1e6:9.1f} {eff:7.2f} {100 * eff / read:6.1f}%  {load}", flush=True)
-            records.append({"threads": threads, "runtime": name, "tok_s": round(t, 3), "bytes_per_token": b,
-                            "effective_gbps": round(eff, 3), "fraction": round(eff / read, 4),
-                            "read_gbps": round(read, 3), "other_load": None if busy is None else round(busy, 3),
-                            "model": config.name})
-        by = {name: t for name, t, _, _ in rows}
-        if "llama.cpp" in by:
-            print(f"  cflow / llama.cpp = {by['cflow'] / by['llama.cpp']:.2f}x", flush=True)
-        if "torch eager f32" in by:
-            print(f"  cflow / torch eager f32 = {by['cflow'] / by['torch eager f32']:.2f}x", flush=True)
+            print(f"  {eng:12s} {q:6s} {t:8.2f} {b / 1e6:9.1f} {eff:7.2f} {100 * eff / read:6.1f}%  {_pct(busy)}"
+                  + (f" ({n} attempts)" if n > 1 else ""), flush=True)
+            records.append(record(eng, config.name, q, threads, t, b, read, busy))
+        by = {(eng, q): t for eng, q, t, *_ in rows}
+        for a, b in ((("cflow", "Q4"), ("llama.cpp", "Q4_0")), (("cflow", "Q8"), ("llama.cpp", "Q8_0")),
+                     (("cflow", "Q4"), ("ort-genai", "int4")), (("cflow", "Q4"), ("torch-eager", "f32")),
+                     (("cflow", "Q4"), ("torch-eager", "bf16"))):
+            if a in by and b in by:
+                print(f"  {' '.join(a)} / {' '.join(b)} = {by[a] / by[b]:.2f}x", flush=True)
+    print(f"# total {time.perf_counter() - t_start:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"records": records, "cross_check_q4": check, "cross_check_f32": check32}, f, indent=2)
+            json.dump(records, f, indent=1)
+        meta_path = (args.json[:-5] if args.json.endswith(".json") else args.json) + "_meta.json"
+        with open(meta_path, "w") as f:
+            json.dump(meta, f, indent=1)
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
 
 
 if __name__ == "__main__":
