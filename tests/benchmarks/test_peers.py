@@ -1,0 +1,108 @@
+"""benchmarks/peers.py helpers that need neither llama.cpp nor ONNX Runtime GenAI (no timing asserted)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+peers = pytest.importorskip("peers")
+
+
+def test_record_has_the_issue_keys():
+    r = peers.record("cflow", "g", "Q4", 2, 12.34567, 1000, 30.0, 0.05)
+    assert set(r) == {"engine", "geometry", "quant", "threads", "tok_s", "bytes_per_token", "read_gbps",
+                      "other_load"}
+    assert peers.record("cflow", "g", "Q4", 1, 1.0, 1, 1.0, None)["other_load"] is None
+
+
+@pytest.mark.parametrize("loads, attempts, kept", [([0.0], 1, 0.0), ([0.5, 0.3, 0.05], 3, 0.05),
+                                                    ([0.5, 0.2, 0.3], 3, 0.2), ([0.4, 0.08, 0.0], 2, 0.08)])
+def test_measure_quiet_repeats_while_loaded(monkeypatch, loads, attempts, kept):
+    seq = iter(loads)
+    calls = []
+
+    def fake(fn):
+        calls.append(1)
+        return fn(), next(seq)
+
+    monkeypatch.setattr(peers, "measured", fake)
+    v, busy, n = peers.measure_quiet(lambda: len(calls), threshold=0.10, retries=2)
+    assert (busy, n, len(calls)) == (kept, attempts, attempts)
+    assert v == loads.index(kept) + 1
+
+
+class _FakeSession:
+    """Logits peaked at token (13 * position + 5) % V (position = tokens seen), runner-up 1 below."""
+
+    V = 50
+
+    def reset(self):
+        self.pos = 0
+
+    def _logits(self):
+        lg = np.zeros(self.V, np.float32)
+        lg[(13 * self.pos + 5) % self.V] = 2.0
+        lg[(13 * self.pos + 6) % self.V] = 1.0
+        return lg
+
+    def prefill(self, ids):
+        self.pos = len(ids)
+        return self._logits()
+
+    def step(self, t):
+        self.pos += 1
+        return self._logits()
+
+
+class _FakeLlama:
+    """The same rule, except at position `flip`, where it picks the runner-up."""
+
+    def __init__(self, flip):
+        self.flip, self.pos = flip, 0
+
+    def reset(self):
+        self.pos = 0
+
+    def eval(self, ids):
+        self.pos += len(ids)
+
+    def next(self):
+        return (13 * self.pos + (6 if self.pos == self.flip else 5)) % _FakeSession.V
+
+
+def test_greedy_agreement_counts(monkeypatch):
+    monkeypatch.setattr(peers, "_llama_next", lambda llm: llm.next())
+    m = type("M", (), {"session": _FakeSession()})()
+    prompt = [3, 4]
+    a = peers.greedy_agreement(m, _FakeLlama(flip=len(prompt) + 4), prompt, steps=20)
+    assert a["cflow_tokens"] == [(13 * (len(prompt) + i) + 5) % 50 for i in range(20)]
+    assert (a["prefix_agree"], a["total_agree"], a["forced_agree"]) == (4, 19, 19)
+    assert a["margin_at_divergence"] == 1.0 and a["forced_disagree_margins"] == [1.0]
+    b = peers.greedy_agreement(m, _FakeLlama(flip=-1), prompt, steps=20)
+    assert (b["prefix_agree"], b["total_agree"], b["margin_at_divergence"]) == (20, 20, None)
+
+
+def test_ort_bytes_per_token_counts_matmulnbits(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    n, k, block = 64, 128, 32
+    inits = [numpy_helper.from_array(np.zeros((n, k // block, block // 2), np.uint8), "B"),
+             numpy_helper.from_array(np.zeros((n, k // block), np.float32), "S"),
+             numpy_helper.from_array(np.zeros((n, k // block // 2), np.uint8), "Z"),
+             numpy_helper.from_array(np.zeros((n, 16), np.float32), "W"),
+             numpy_helper.from_array(np.zeros((1000, k), np.float32), "E")]
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["x"]),
+             helper.make_node("MatMulNBits", ["x", "B", "S", "Z"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                              block_size=block),
+             helper.make_node("MatMul", ["y", "W"], ["z"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 16])], initializer=inits)
+    onnx.save(helper.make_model(g), str(tmp_path / "model.onnx"))
+    got = peers.ort_genai_bytes_per_token(str(tmp_path))
+    assert got["matmulnbits_nodes"] == 1
+    assert (got["int4_weights"], got["scales"], got["zero_points"]) == (n * k // 2, n * k // block * 4, n * 2)
+    assert got["float_matmul_weights"] == n * 16 * 4
+    assert got["total"] == n * k // 2 + n * k // block * 4 + n * 2 + n * 16 * 4  # the embedding is not counted
