@@ -22,6 +22,7 @@ from ..util import atomic_path
 
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above 1 GiB go to a .data file beside the .onnx (protobuf caps at 2 GiB)
 META_PREFIX = "cflow."  # metadata_props we write: name and context only (hints, never structure)
+STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"  # torch.onnx: where in Python each node came from (dropped)
 
 
 def _dense_moe_forward(self, h):
@@ -139,6 +140,7 @@ def export_onnx(model, path, *, name: str | None = None, seq_len: int = 8, exter
             f"{META_PREFIX}max_seq_len": str(ctx)}
     for k, v in meta.items():
         prog.model.metadata_props[k] = str(v)
+    _strip_stack_traces(prog.model)
     path.parent.mkdir(parents=True, exist_ok=True)
     # atomic_path keeps the file name, so the external data ("NAME.data", which the model refers to by
     # name) is written beside it and published with it, before the model itself.
@@ -146,6 +148,16 @@ def export_onnx(model, path, *, name: str | None = None, seq_len: int = 8, exter
         warnings.simplefilter("ignore")
         prog.save(str(tmp), external_data=external_data)
     return path
+
+
+def _strip_stack_traces(model) -> None:
+    """Drop the exporter's per-node Python stack traces: they name the source files' absolute paths (1,087 times
+    in a tiny preset's export), so the same model exported from two checkouts would give different bytes. The
+    export is then a function of the model alone (and smaller); nothing reads them."""
+    graphs = [model.graph, *model.functions.values()]
+    for g in graphs:
+        for node in g.all_nodes():
+            node.metadata_props.pop(STACK_TRACE_KEY, None)
 
 
 def load_torch_model(spec, seed: int = 0):

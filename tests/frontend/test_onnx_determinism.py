@@ -129,3 +129,34 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+EXPORT = r"""
+import hashlib, sys
+sys.path.insert(0, sys.argv[1])
+import cflow
+assert cflow.__file__.startswith(sys.argv[1]), cflow.__file__
+from cflow.frontend.export import export_onnx, load_torch_model
+export_onnx(load_torch_model("preset:arch2_4_combined@tiny"), sys.argv[2])
+print(hashlib.sha256(open(sys.argv[2], "rb").read()).hexdigest())
+"""
+
+
+def test_the_fuzz_base_export_does_not_depend_on_the_checkout_path(tmp_path):
+    """torch.onnx writes each node's Python stack trace (absolute source paths) into the export; export_onnx drops
+    them, so the fuzz harness's ONNX base, and with it case i of seed s, is the same bytes from any checkout."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = Path(__file__).resolve().parents[2] / "cflow"
+    digests = []
+    for where in ("a", "some/much/longer/checkout/path"):
+        root = tmp_path / where
+        shutil.copytree(src, root / "cflow", ignore=shutil.ignore_patterns("__pycache__"))
+        out = subprocess.run([sys.executable, "-c", EXPORT, str(root), str(tmp_path / f"{len(digests)}.onnx")],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        digests.append(out.stdout.split()[-1])
+    assert digests[0] == digests[1]
+    assert str(tmp_path).encode() not in (tmp_path / "0.onnx").read_bytes()
