@@ -45,6 +45,34 @@ def test_f16_cache_equals_its_interpreter_twin(path):
     assert np.abs(ref16 - ref32).max() < 5e-2  # half-precision K/V moves the logits little
 
 
+def test_f16_cache_holds_its_twins_halves_to_one_ulp(path):
+    """Why the runtime and its f16 twin can differ by ~1e-2 on a rare step while the f32 cache agrees to ~1e-5: a
+    K/V value the runtime computes in another summation order than NumPy differs in its last f32 bits, and when it
+    lies next to a half-precision rounding boundary the two round to neighbouring halves (one f16 ulp, 2^-11
+    relative). Int8 activation rounding downstream can carry that on. So the invariant is on the cache itself:
+    every element equal to the twin's or one ulp away, and only a few of them away."""
+    ids = list(np.random.default_rng(1).integers(0, 256, 120))
+    with cflow.load(path, threads=1, kv="f16") as m:
+        s = m.session
+        s.prefill(ids)
+        it = Interpreter(m.ir, act_quant="q8", kv="f16")
+        it.prefill(ids)
+        cfg = s.compiled.graph.config
+        cache = s.kv.view(np.float16)[: 2 * cfg.n_layers * s.max_seq * cfg.n_kv_heads * cfg.head_dim]
+        cache = cache.reshape(cfg.n_layers, 2, s.max_seq, cfg.n_kv_heads, cfg.head_dim)  # slot 0
+        layers = {n.name: n.layer for n in s.compiled.graph.nodes() if n.name in it.kv}
+        assert len(layers) == cfg.n_layers
+        away = total = 0
+        for name, layer in layers.items():
+            for which, ref in enumerate(it.kv[name]):
+                want = ref.astype(np.float16).reshape(len(ids), cfg.n_kv_heads, cfg.head_dim).view(np.int16)
+                got = cache[layer - 1, which, : len(ids)].view(np.int16)
+                ulps = np.abs(want.astype(np.int32) - got.astype(np.int32))
+                assert ulps.max() <= 1, (name, "KV"[which], int(ulps.max()))
+                away, total = away + int((ulps > 0).sum()), total + ulps.size
+        assert away <= total // 200, (away, total)  # near a boundary: rare (0.1% in the llama family's case)
+
+
 def test_f16_cache_prefill_decode_and_threads_bit_identical(path):
     ids = list(np.random.default_rng(2).integers(0, 256, 77))
     with Session(str(path), threads=1, prefill_block=1, kv="f16") as s:
