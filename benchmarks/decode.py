@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bandwidth import measure_read_bandwidth  # noqa: E402
+from bandwidth import busy_fraction, measure_read_bandwidth  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.compiler import compile_file, lower  # noqa: E402
@@ -151,6 +151,73 @@ def profile(path: str, threads: int, prompt, tokens: int) -> str:
     return "\n".join(lines)
 
 
+# --variants: load options compared side by side (A/B) in interleaved rounds of one run
+VARIANTS = {
+    "default": ({}, {}),  # what cflow.load gives: tuned kernels (this host's cached choice), kv="auto"
+    "tune-off": ({"CFLOW_TUNE": "off"}, {}),  # the kernels' built-in defaults
+    "kv-f32": ({}, {"kv": "f32"}),
+    "kv-f16": ({}, {"kv": "f16"}),
+}
+
+
+def load_variant(path: str, name: str, threads: int):
+    env, kw = VARIANTS[name]
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return cflow.load(path, threads=threads, **kw)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def compare_variants(path: str, c, prompt, names: list[str], threads_list: list[int], rounds: int, tokens: int,
+                     gib: float) -> list[dict]:
+    """Each variant loaded once per thread count, then `rounds` rounds: the read bandwidth, then every variant's
+    decode (best of 1 over `tokens` steps, the order rotated per round), each with the CPU share other processes
+    used meanwhile. Medians per variant, and each variant's per-round ratio to the first."""
+    from cflow.codegen.target import cpu_model
+
+    records = []
+    for threads in threads_list:
+        models = {n: load_variant(path, n, threads) for n in names}
+        for m in models.values():
+            time_decode(m, prompt, 4, 1)  # warm: page cache, first-touch of buffers
+        per = {n: [] for n in names}
+        loads = {n: [] for n in names}
+        reads = []
+        for r in range(rounds):
+            reads.append(measure_read_bandwidth(threads, int(gib * (1 << 30))))
+            order = names[r % len(names):] + names[: r % len(names)]
+            for n in order:
+                tps, other = busy_fraction(lambda m=models[n]: time_decode(m, prompt, tokens, 1))
+                per[n].append(tps)
+                loads[n].append(other)
+        read = float(np.median(reads))
+        print(f"threads={threads}  read {read:6.2f} GB/s (median of {rounds}: "
+              f"{', '.join(f'{x:.1f}' for x in reads)})  CPU {cpu_model()}", flush=True)
+        base = per[names[0]]
+        for n in names:
+            m = models[n]
+            tps = float(np.median(per[n]))
+            eff = m.bytes_per_token * tps / 1e9
+            ratios = [a / b for a, b in zip(per[n], base)]
+            print(f"  {n:<9} {tps:7.2f} tok/s  {100 * eff / read:5.1f}% of read  / {names[0]}: median "
+                  f"{np.median(ratios):.3f} (rounds {', '.join(f'{x:.2f}' for x in ratios)})  other load "
+                  f"{100 * max(loads[n]):.0f}% max", flush=True)
+            records.append({"variant": n, "threads": threads, "tok_s": round(tps, 3), "tok_s_rounds": per[n],
+                            "read_gbps": round(read, 3), "read_rounds": reads, "bytes_per_token": m.bytes_per_token,
+                            "fraction": round(eff / read, 4), "ratio_to_first": round(float(np.median(ratios)), 4),
+                            "other_load": round(max(loads[n]), 3), "kv": m.kv, "model": c.graph.config.name,
+                            "cpu": cpu_model(), "isa": m.session.program.isa})
+        for m in models.values():
+            m.close()
+    return records
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tinyllama", choices=list(MODELS))
@@ -161,10 +228,24 @@ def main(argv=None) -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the interpreter token check")
     ap.add_argument("--json", help="write one record per thread count")
     ap.add_argument("--profile", action="store_true", help="also print where the time goes (per-stage cycle stamps)")
+    ap.add_argument("--variants", help=f"compare load options side by side in interleaved rounds, e.g. "
+                    f"default,tune-off (any of {', '.join(VARIANTS)})")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of --variants (default: 5)")
     args = ap.parse_args(argv)
+    names = args.variants.split(",") if args.variants else []
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
 
     path, c = compiled_model(args.model)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, c.graph.config.vocab_size, 8)]
+    if names:
+        records = compare_variants(path, c, prompt, names, [int(t) for t in args.threads.split(",")], args.rounds,
+                                   args.tokens, args.gib)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=2)
+        return
     records = []
     for threads in (int(t) for t in args.threads.split(",")):
         m = cflow.load(path, threads=threads)
