@@ -157,19 +157,22 @@ def _sum4(b, v64_i32):
     return b.add(shuffle(b, s, range(0, 32, 2)), shuffle(b, s, range(1, 32, 2)))
 
 
-def _q4_block_int(b, isa, codes, aptr):
+def _q4_block_int(b, isa, codes, aptr, unpack: int = 0):
     """Q4: 4 chunks of 64 B; low nibbles = inputs 4c.., high nibbles = inputs 16+4c..
-    Returns sum_k q[i,k] * a[k] with unsigned codes 0..15 (the caller subtracts 8 * sum(a))."""
+    Returns sum_k q[i,k] * a[k] with unsigned codes 0..15 (the caller subtracts 8 * sum(a)).
+    unpack (VNNI): 0 masks the high nibbles in place (16 * q) and shifts the block's sum once; 1 shifts every
+    chunk's high nibbles down first (one more op per chunk, one fewer per block). Both sums are exact integers,
+    so the result is the same; which issues faster is the host's (codegen.tune)."""
     lo_m, hi_m = const_vec(i8, 64, 0x0F), const_vec(i8, 64, 0xF0)
     chunks = [load(b, codes, 64 * c, V(i8, 64)) for c in range(4)]
     if isa == ISA.AVX512VNNI:
         zero = const_vec(i32, 16, 0)
         acc_lo, acc_hi = zero, zero
         for c, v in enumerate(chunks):
-            # High nibbles stay in place (16 * q): no shift per chunk, one exact >> 4 per block.
+            hi = b.lshr(v, const_vec(i8, 64, 4)) if unpack else b.and_(v, hi_m)
             acc_lo = _vpdpbusd(b, acc_lo, b.and_(v, lo_m), _act4(b, aptr, 4 * c, 16))
-            acc_hi = _vpdpbusd(b, acc_hi, b.and_(v, hi_m), _act4(b, aptr, 16 + 4 * c, 16))
-        return b.add(acc_lo, b.ashr(acc_hi, const_vec(i32, 16, 4)))
+            acc_hi = _vpdpbusd(b, acc_hi, hi, _act4(b, aptr, 16 + 4 * c, 16))
+        return b.add(acc_lo, acc_hi if unpack else b.ashr(acc_hi, const_vec(i32, 16, 4)))
     if isa == ISA.AVX2:
         # i16 partial sums stay exact: 8 pair sums of at most 2*15*128 = 3840 each, 30720 < 32767.
         s16 = [None, None]
@@ -240,7 +243,7 @@ def _goff(b, g, mult: int, add: int = 0):
     return b.add(b.mul(g, ir.Constant(i64, mult)), ir.Constant(i64, add))
 
 
-def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs):
+def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack: int = 0):
     """One block unit (32 inputs) for the given groups: acc[g] += (codes . a) * d_w * d_a."""
     aptr = ptr(b, xq, b.mul(kb, ir.Constant(i64, BLOCK)))
     ad = splat(b, b.load(ptr(b, xd, kb), align=4), 16)
@@ -249,8 +252,8 @@ def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs):
     corr = splat(b, b.mul(asum, ir.Constant(i32, bias)), 16) if bias else None
     for g in groups:
         codes = ptr(b, unit, _goff(b, g, L.code_nbytes))
-        block_int = _q4_block_int if L.dtype == DType.Q4 else _q8_block_int
-        isum = block_int(b, isa, codes, aptr)
+        isum = (_q4_block_int(b, isa, codes, aptr, unpack) if L.dtype == DType.Q4
+                else _q8_block_int(b, isa, codes, aptr))
         if corr is not None:  # unsigned-code trick: sum((q - bias) * a) = sum(q * a) - bias * sum(a)
             isum = b.sub(isum, corr)
         ws = half_to_float(b, load(b, unit, _goff(b, g, 32, L.scales_offset), V(i16, 16)), isa)
@@ -270,7 +273,7 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
-def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2):
+def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2, unpack=0):
     """outs[a][0:TR] = (one tile-row of W) x_a for every activation a, where w_row points at the tile-row's
     first unit and acts[a] = (x, xq, xd, xs).
 
@@ -301,7 +304,7 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                 for a, (x, xq, xd, xs) in enumerate(acts):
                     accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
                     if L.dtype in (DType.Q4, DType.Q8):
-                        _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs)
+                        _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack)
                     else:
                         _f_unit(b, L, isa, unit, kb, groups, accs, x)
                     for k, g in enumerate(groups):
@@ -328,7 +331,7 @@ def _pick_unroll(nunits: int, unroll: int) -> int:
 def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
                 max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int = DEFAULT_PREFETCH,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
-                act: str = "silu") -> ir.Function:
+                act: str = "silu", vector_bits: int = 0, unpack: int = 0) -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
@@ -339,9 +342,17 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
         prefetch_locality: llvm.prefetch locality (3 = prefetcht0 into L1, 2 = prefetcht1 into L2).
         gate_up: the stream is pack_gate_up's; write act(gate x) * (up x) instead of W x.
         act: the gate activation (GATE_ACTS: 'silu' or 'gelu_tanh').
+        vector_bits: 256 on an AVX-512 VNNI host: the AVX2 kernel's 256-bit integer dot (vpmaddubsw/vpmaddwd)
+            instead of 512-bit vpdpbusd (hosts that execute 512-bit ops as two halves, such as Zen 4, may issue
+            it as fast); 0: the ISA's own. The integer block sums are exact either way: same numbers.
+        unpack: the Q4 nibble-unpack sequence of the VNNI kernel (_q4_block_int).
     """
-    _check_isa(isa)
+    isa = _check_isa(isa)
     _check_act(act)
+    if vector_bits not in (0, 256, 512):
+        raise CodegenError(f"matvec: vector_bits must be 0, 256 or 512, not {vector_bits}")
+    if vector_bits == 256 and isa == ISA.AVX512VNNI:
+        isa = ISA.AVX2
     L = layout
     fn = new_function(module, name, MATVEC_ARGS, linkage, ("w", "x", "xq", "xd", "xs", "y", "r0", "r1"))
     w, x, xq, xd, xs, y, r0, r1 = fn.args
@@ -354,10 +365,11 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
     with Loop(b, r0, r1, "t") as t:
         w_row = ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
-        _emit_tile_row(b, L, isa, w_row, [(x, xq, xd, xs)], slots, [tmp], unroll, prefetch, prefetch_locality)
+        _emit_tile_row(b, L, isa, w_row, [(x, xq, xd, xs)], slots, [tmp], unroll, prefetch, prefetch_locality,
+                       unpack)
         if gate_up:  # the up tile-row follows the gate tile-row
             _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), [(x, xq, xd, xs)], slots, [up], unroll,
-                           prefetch, prefetch_locality)
+                           prefetch, prefetch_locality, unpack)
         y_row = ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
         for g in range(L.groups_per_tile):
             v = load(b, tmp, 16 * g, V(f32, 16), align=4)

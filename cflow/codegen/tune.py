@@ -11,8 +11,10 @@ the CPU model and LLVM feature string are part of the file's key; later loads on
 is deterministic given the cache. The program cache's fingerprint includes the choices.
 
 Numerics never change: every knob is a schedule knob (prefetch hints, loop unrolling, how many row groups
-share a pass over the tile-row); each row's per-block arithmetic and its summation order over blocks stay
-the same (tests/codegen/test_tune.py checks the candidates are bit-identical).
+share a pass over the tile-row) or changes only how an exact integer block sum is formed (256- vs 512-bit
+integer dot products on an AVX-512 host, the Q4 nibble-unpack sequence); each row's per-block arithmetic and
+its summation order over blocks stay the same (tests/codegen/test_tune.py checks the candidates are
+bit-identical, and measure() checks it again on every search).
 
 CFLOW_TUNE=off (or 0/no/false): no search and no cached choice, the kernels' defaults; `cflow tune FILE`
 runs the search explicitly (``force=True`` re-measures) and prints the table.
@@ -37,10 +39,11 @@ from .cache import default_cache_dir
 
 MARGIN = 0.03  # a candidate must beat the default's median by 3% to be chosen
 MIN_BYTES = 64 * 2**20  # weights streamed per timed call: past L3, like decode
-KNOBS = ("unroll", "prefetch", "prefetch_locality", "max_groups")
+KNOBS = ("unroll", "prefetch", "prefetch_locality", "max_groups", "vector_bits", "unpack")
 DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
-           "prefetch_locality": K.DEFAULT_PREFETCH_LOCALITY, "max_groups": K.MAX_GROUPS}
-SCHEMA = 1
+           "prefetch_locality": K.DEFAULT_PREFETCH_LOCALITY, "max_groups": K.MAX_GROUPS, "vector_bits": 0,
+           "unpack": 0}
+SCHEMA = 2  # 2: vector_bits and unpack (a table of schema 1 is searched again)
 
 
 def enabled() -> bool:
@@ -52,9 +55,13 @@ def kernel_key(layout, gate_up: bool) -> str:
     return f"{layout.dtype.label}:{layout.cols}:{layout.tr}x{layout.tc}:{'gate_up' if gate_up else 'plain'}"
 
 
-def candidates(layout) -> list[dict]:
+def candidates(layout, isa: str | None = None) -> list[dict]:
     """The default first, then one knob changed at a time (prefetch distances in units of the kernel's
-    block unit, so they scale with the dtype and tile), then the two promising pairs."""
+    block unit, so they scale with the dtype and tile), then the two promising pairs. On an AVX-512 VNNI host
+    (isa) also the 256-bit kernel and, for Q4, the other nibble-unpack sequence."""
+    from ..layout.tile import DType
+    from .target import ISA
+
     unit = layout.unit_nbytes
     d = dict(DEFAULT)
     out = [d]
@@ -65,6 +72,10 @@ def candidates(layout) -> list[dict]:
     for u in (1, 4):
         out.append({**d, "unroll": u})
     out.append({**d, "max_groups": 4})
+    if isa is not None and ISA.parse(isa) == ISA.AVX512VNNI and layout.dtype in (DType.Q4, DType.Q8):
+        out.append({**d, "vector_bits": 256})
+        if layout.dtype == DType.Q4:
+            out.append({**d, "unpack": 1})
     seen, uniq = set(), []
     for c in out:  # e.g. unit == DEFAULT_PREFETCH makes a duplicate of the default
         k = tuple(c[n] for n in KNOBS)
@@ -75,7 +86,8 @@ def candidates(layout) -> list[dict]:
 
 
 def label(knobs: dict) -> str:
-    return f"u{knobs['unroll']} pf{knobs['prefetch']} L{knobs['prefetch_locality']} g{knobs['max_groups']}"
+    extra = (" v256" if knobs.get("vector_bits") == 256 else "") + (" shift" if knobs.get("unpack") else "")
+    return f"u{knobs['unroll']} pf{knobs['prefetch']} L{knobs['prefetch_locality']} g{knobs['max_groups']}{extra}"
 
 
 # --- the cache ------------------------------------------------------------------------------------
@@ -118,7 +130,7 @@ def _valid_choice(c) -> dict | None:
     if not all(isinstance(c[k], int) and not isinstance(c[k], bool) for k in KNOBS):
         return None
     if not (1 <= c["unroll"] <= 8 and 0 <= c["prefetch"] <= 1 << 16 and c["prefetch_locality"] in (0, 1, 2, 3)
-            and 1 <= c["max_groups"] <= 32):
+            and 1 <= c["max_groups"] <= 32 and c["vector_bits"] in (0, 256) and c["unpack"] in (0, 1)):
         return None
     return c
 
@@ -151,7 +163,7 @@ def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, targ
 
     target = target if target is not None else host_target()
     isa = K._check_isa(target.isa)
-    cands = cands if cands is not None else candidates(layout)
+    cands = cands if cands is not None else candidates(layout, isa)
     w, big = _weights(layout, gate_up, nbytes or MIN_BYTES)
     mod = ir.Module(name="cflow_tune")
     K.emit_quantize_act(mod, "quantize_act", big.cols, big.cols_p)

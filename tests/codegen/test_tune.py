@@ -37,7 +37,11 @@ def model_file(tmp_path_factory):
 def test_candidates_are_bit_identical(dtype, gate_up):
     L = TileLayout(DType.parse(dtype), 256, 512, (128, 256))
     res = tune.measure(L, gate_up, rounds=1, nbytes=MB)  # raises if any candidate's output differs
-    assert [r["knobs"] for r in res] == tune.candidates(L) and res[0]["knobs"] == tune.DEFAULT
+    isa = host_target().isa
+    assert [r["knobs"] for r in res] == tune.candidates(L, isa) and res[0]["knobs"] == tune.DEFAULT
+    if isa == "avx512vnni" and dtype in ("q4", "q8"):  # the 256-bit kernel (and Q4's other unpack) among them
+        assert any(r["knobs"]["vector_bits"] == 256 for r in res)
+        assert any(r["knobs"]["unpack"] == 1 for r in res) == (dtype == "q4")
     assert all(r["gbps"] > 0 for r in res)
 
 
@@ -104,7 +108,7 @@ def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_fi
     with FileReader(model_file) as r:
         shapes = tune.kernel_shapes(plan_from_header(r.header, r.path).tensors.values())
     target = host_target()
-    odd = {"unroll": 1, "prefetch": 0, "prefetch_locality": 2, "max_groups": 4}
+    odd = {"unroll": 1, "prefetch": 0, "prefetch_locality": 2, "max_groups": 4, "vector_bits": 256, "unpack": 1}
     tune._write_table(target, {k: {"choice": odd} for k in shapes})
     m = cflow.load(model_file)
     assert m.session.tuning == {k: odd for k in shapes}
