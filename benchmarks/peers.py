@@ -331,6 +331,22 @@ def ort_genai_greedy(model, prompt: list[int], tokens: int) -> tuple[float, list
     return tokens / dt, seq[len(prompt):]
 
 
+def ort_genai_forced(model, prompt: list[int], ids: list[int]) -> list[int]:
+    """ORT GenAI's argmax at each step when fed `ids` (teacher-forced: the prompt, then one id per step)."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + len(ids) + 1)
+    gen = og.Generator(model, params)
+    gen.append_tokens(prompt)
+    out = []
+    for t in ids:
+        lg = np.asarray(gen.get_logits())
+        out.append(int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1])))
+        gen.append_tokens([int(t)])
+    return out
+
+
 def ort_genai_time_decode(model, prompt: list[int], tokens: int, reps: int = 3) -> float:
     """Best-of-reps greedy tok/s with the Generator API (model from ort_genai_open)."""
     return max(ort_genai_greedy(model, prompt, tokens)[0] for _ in range(reps))
@@ -424,14 +440,15 @@ def greedy_agreement(m, llm, prompt: list[int], steps: int = 128) -> dict:
             "margin_at_divergence": None if prefix == steps else round(margins[prefix], 4),
             "forced_agree": steps - len(forced_off),
             "forced_disagree_margins": [round(margins[i], 4) for i in forced_off],
-            "median_margin": round(float(np.median(margins)), 4), "cflow_tokens": ours, "llama_tokens": theirs}
+            "median_margin": round(float(np.median(margins)), 4), "cflow_tokens": ours, "llama_tokens": theirs,
+            "cflow_margins": [round(x, 4) for x in margins]}
 
 
 def describe_agreement(label: str, a: dict) -> str:
     div = ("no divergence" if a["margin_at_divergence"] is None
            else f"cflow's top-2 margin at the first divergence {a['margin_at_divergence']}")
     return (f"# {label}, {a['steps']} greedy steps: {a['prefix_agree']} equal before the first divergence, "
-            f"{a['total_agree']}/{a['steps']} equal positionwise ({div}); teacher-forced on cflow's tokens: "
+            f"{a['total_agree']}/{a['steps']} equal positionwise ({div}); the peer teacher-forced on cflow's tokens: "
             f"{a['forced_agree']}/{a['steps']} argmax equal"
             + (f", cflow's margins where not: {a['forced_disagree_margins']}" if a["forced_disagree_margins"] else "")
             + f" (median margin {a['median_margin']})")
@@ -522,13 +539,13 @@ def main(argv=None) -> None:
     meta = {"model": config.name, "prompt": prompt, "tokens": args.tokens, "reps": args.reps,
             "torch_tokens": args.torch_tokens, "max_load": args.max_load,
             "argv": sys.argv[1:] if argv is None else list(argv),
-            "cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cflow": _git_state()}
     if args.f32_check and have_llama:
         meta["cross_check_f32"] = f32_check(args.model, weights, check_ids,
                                             max(int(t) for t in args.threads.split(",")), args.rebuild_gguf)
         print(describe_check("cross-check F32, llama.cpp vs cflow interpreter logits", meta["cross_check_f32"]),
               flush=True)
-    print(f"# setup {time.perf_counter() - t_start:.1f} s", flush=True)
+    print(f"# setup {time.perf_counter() - t_start:.1f} s; cflow {meta['cflow']}; CPU {meta['cpu']}", flush=True)
 
     records = []
     read_bytes = int(args.gib * (1 << 30))
@@ -559,15 +576,20 @@ def main(argv=None) -> None:
         if ort_dir is not None:
             om = ort_genai_open(ort_dir, threads)
             if args.agree_steps and "agreement_ortgenai_int4" not in meta and "agreement_q4" in meta:
-                theirs = ort_genai_greedy(om, prompt, args.agree_steps)[1]
-                ours = meta["agreement_q4"]["cflow_tokens"]
-                prefix = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
-                meta["agreement_ortgenai_int4"] = {"steps": len(ours), "prefix_agree": prefix,
-                                                   "total_agree": sum(a == b for a, b in zip(ours, theirs)),
-                                                   "ort_tokens": theirs}
-                print(f"# agreement cflow Q4 vs ORT GenAI int4 (its own block-32 quantisation of the float weights), "
-                      f"{len(ours)} greedy steps: {prefix} equal before the first divergence, "
-                      f"{meta['agreement_ortgenai_int4']['total_agree']}/{len(ours)} positionwise", flush=True)
+                a = meta["agreement_q4"]
+                ours, margins = a["cflow_tokens"], a["cflow_margins"]
+                theirs = ort_genai_greedy(om, prompt, len(ours))[1]
+                forced = ort_genai_forced(om, prompt, ours)
+                prefix = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
+                off = [i for i in range(len(ours)) if ours[i] != forced[i]]
+                meta["agreement_ortgenai_int4"] = ag = {
+                    "steps": len(ours), "prefix_agree": prefix,
+                    "total_agree": sum(x == y for x, y in zip(ours, theirs)),
+                    "margin_at_divergence": None if prefix == len(ours) else margins[prefix],
+                    "forced_agree": len(ours) - len(off), "forced_disagree_margins": [margins[i] for i in off],
+                    "median_margin": a["median_margin"], "ort_tokens": theirs}
+                print(describe_agreement("agreement cflow Q4 vs ORT GenAI int4 (its own block-32 quantisation of the "
+                                         "float weights)", ag), flush=True)
             tps, busy, n = measure_quiet(lambda om=om: ort_genai_time_decode(om, prompt, args.tokens, args.reps),
                                          **quiet)
             rows.append(("ort-genai", "int4", tps, ort_bpt["total"], busy, n))
@@ -606,6 +628,21 @@ def main(argv=None) -> None:
 
 def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def _git_state() -> str:
+    """The commit of the cflow tree this script runs from, and whether cflow/ has uncommitted changes."""
+    import subprocess
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "cflow"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "not a git checkout") + (" + uncommitted changes in cflow/" if dirty else "")
 
 
 def _cpu_model() -> str:
