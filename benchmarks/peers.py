@@ -21,6 +21,7 @@ built ONNX model's MatMulNBits weights + scales (+ zero points), torch's f32/bf1
 Correctness: llama.cpp's logits at the first prompt positions against cflow's on the same ids, at Q4 and Q8;
 greedy-token agreement over --agree-steps (128) steps, cflow Q4 vs llama.cpp Q4_0 (and vs ORT GenAI int4).
 --f32-check adds the strict check: the same weights exported at F32, llama.cpp against cflow's NumPy interpreter.
+--model moe (decode.py's Mixtral-like geometry): cflow and llama.cpp only, bytes per token of the routed experts.
 --json PATH writes a list of records (engine, geometry, quant, threads, tok_s, bytes_per_token, read_gbps,
 other_load); the checks go to PATH's stem + "_meta.json".
 """
@@ -394,6 +395,23 @@ def cflow_file(key: str, quant: str, weights: dict):
     return path, c
 
 
+def active_bytes_per_token(graph, quant: str) -> int:
+    """Bytes of the matrices one decode step reads when only the routed experts are read: every matrix but the
+    embedding at `quant`'s block size (Q4_0 18 B / Q8_0 34 B per 32 weights), each expert bank scaled by
+    top_k / n_experts (the expected share over tokens). Norms and routers are not counted (small)."""
+    from cflow.ir.build import weight_shapes
+
+    c = graph.config
+    per = {"q4": 18 / 32, "q8": 34 / 32}[quant]
+    total = 0.0
+    for k, shape in weight_shapes(c).items():
+        if len(shape) != 2 or k == "tok_embeddings" or k.endswith(".router"):
+            continue
+        n = float(np.prod(shape)) * per
+        total += n * c.top_k / c.n_experts if ".experts." in k else n
+    return int(total)
+
+
 def measure_quiet(fn, threshold: float = 0.10, retries: int = 2):
     """(value, other load, attempts): fn() measured with the CPU share other processes used meanwhile; repeated
     (up to `retries` more times) while that share exceeds `threshold`. The attempt with the least other load is
@@ -456,7 +474,8 @@ def describe_agreement(label: str, a: dict) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tinyllama", choices=[k for k in MODELS if k != "moe"])
+    ap.add_argument("--model", default="tinyllama", choices=list(MODELS),
+                    help="moe: cflow and llama.cpp only (ORT GenAI's builder has no Mixtral; torch not timed)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
@@ -508,6 +527,12 @@ def main(argv=None) -> None:
         print(f"# llama-cpp-python {llama_cpp.__version__}; {llama_cpp.llama_print_system_info().decode().strip()}",
               flush=True)
 
+    moe = bool(config.n_experts)
+    if moe:
+        print(f"# {config.name}: {config.n_experts} experts, top {config.top_k}; ONNX Runtime GenAI skipped (the 0.18 "
+              "model builder has no MixtralForCausalLM), PyTorch eager skipped (dense reference timing only)",
+              flush=True)
+        args.no_ortgenai = args.no_torch = True
     ort_dir = ort_bpt = None
     if not args.no_ortgenai:
         try:
@@ -557,7 +582,11 @@ def main(argv=None) -> None:
         for q in quants:
             m = cflow.load(plans[q][0], threads=threads)
             tps, busy, n = measure_quiet(lambda m=m: time_decode(m, prompt, args.tokens, args.reps), **quiet)
-            rows.append(("cflow", q.upper(), tps, m.bytes_per_token, busy, n))
+            bpt = active_bytes_per_token(plans[q][1].graph, q) if moe else m.bytes_per_token
+            if moe and threads == int(args.threads.split(",")[0]) and q == quants[0]:
+                print(f"# MoE bytes per token: {bpt / 1e6:.1f} MB with top-{config.top_k} of {config.n_experts} "
+                      f"experts (cflow's m.bytes_per_token: {m.bytes_per_token / 1e6:.1f} MB)", flush=True)
+            rows.append(("cflow", q.upper(), tps, bpt, busy, n))
             if have_llama:
                 llm = llama_open(gguf[q], threads)
                 if f"cross_check_{q}" not in meta:
@@ -569,7 +598,7 @@ def main(argv=None) -> None:
                     print(describe_agreement("agreement cflow Q4 vs llama.cpp Q4_0", meta["agreement_q4"]), flush=True)
                 tps, busy, n = measure_quiet(lambda llm=llm: llama_time_decode(llm, prompt, args.tokens, args.reps),
                                              **quiet)
-                rows.append(("llama.cpp", f"{q.upper()}_0", tps, m.bytes_per_token, busy, n))
+                rows.append(("llama.cpp", f"{q.upper()}_0", tps, bpt, busy, n))
                 del llm
                 gc.collect()
             m.close()
