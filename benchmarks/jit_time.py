@@ -2,13 +2,19 @@
 
     python benchmarks/jit_time.py                    # the table in docs/reliability.md ("Limits")
     python benchmarks/jit_time.py --json out.json
+    python benchmarks/jit_time.py --stages           # stage functions vs stages and emit time, no JIT
 
 Each row compiles a tiny model (the presets' `tiny` geometry: d_model 64, 4 heads, 4 experts of 64, vocab 256,
 random weights, q4) with cflowc's lowering, then loads it in a fresh subprocess with an empty program and object
 cache (CFLOW_CACHE_DIR in a new temporary directory), so the whole JIT runs: emitting the step (codegen/step.py),
 LLVM's optimisation and its code generation (codegen/library.py stats). Reported: the IR size of the emitted
-step (lines of LLVM IR), the seconds of each part and the whole cflow.load. One process at a time (run under the
-CPU lock on a shared machine).
+step (lines of LLVM IR), the distinct stage functions against the stages the schedule runs (decode body; the
+multi-token body's are the same count), the seconds of each part and the whole cflow.load. One process at a
+time (run under the CPU lock on a shared machine).
+
+--stages: no JIT and no weights; for presets and geometries at several depths, the lowered plan's stages, the
+distinct stage functions codegen/step.py keeps for both bodies, the IR lines and the seconds build_step takes
+(Python emission, which still emits every stage to compare its text), per executed layer.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ ROWS = [
     ("depth", "arch2_4_combined", 8, None, (32, 64)),
     ("depth", "arch2_4_combined", 16, None, (32, 64)),
     ("depth", "arch2_4_combined", 32, None, (32, 64)),
+    ("depth", "arch2_4_combined", 64, None, (32, 64)),
+    ("depth", "arch2_4_combined", 128, None, (32, 64)),
     ("sharing", "arch5_shared", 8, 4, (32, 64)),
+    ("sharing", "arch5_shared", 64, 32, (32, 64)),
     ("tile rows", "arch2_4_combined", 4, None, (16, 64)),
     ("tile rows", "arch2_4_combined", 4, None, (128, 64)),
     ("tile rows", "arch2_4_combined", 4, None, (512, 64)),
@@ -73,11 +82,62 @@ def measure_one(path: str, prefill_block: int) -> dict:
     total = time.perf_counter() - t0
     prog = m.session.program.module
     ir_lines = (prog if isinstance(prog, str) else str(prog)).count("\n")
+    stages, distinct = getattr(m.session.program, "stage_functions", {}).get("stage", (None, None))  # (older cflow)
     st = m.session.library.stats
     m.generate([1, 2], max_new_tokens=1)  # the step runs
     m.close()
-    return {"ir_lines": ir_lines, "emit_s": round(sum(emit), 2), "optimise_s": round(st["optimise_s"], 2),
+    return {"ir_lines": ir_lines, "stages": stages, "stage_functions": distinct, "emit_s": round(sum(emit), 2),
+            "optimise_s": round(st["optimise_s"], 2),
             "codegen_s": round(st["codegen_s"], 2), "load_s": round(total, 2), "cache_hit": st["cache_hit"]}
+
+
+# (preset or geometry, size, depths): --stages
+STAGE_ROWS = [(p, size, (4, 8, 32, 128)) for p in ("arch1", "arch2_4_combined", "arch5_shared")
+              for size in ("tiny", "114m")] + [("tinyllama", None, (22, 88)), ("arch2_4_combined", "tiny", (1024,))]
+
+
+def stage_config(preset: str, size: str | None, n_layers: int):
+    from cflow.models.presets import get_preset
+
+    if size is None:  # a benchmarks/decode.py geometry
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from decode import MODELS
+
+        return MODELS[preset].evolve(n_layers=n_layers)
+    c = get_preset(preset, size)
+    return c.evolve(n_layers=n_layers, n_blocks=n_layers // 2 if c.n_blocks < c.n_layers else n_layers)
+
+
+def stages_table(prefill_block: int, json_path: str | None) -> int:
+    from cflow.codegen.step import build_step
+    from cflow.codegen.target import host_target
+    from cflow.compiler import lower
+    from cflow.ir import build_graph
+
+    isa = host_target().isa
+    print(f"# {cpu_model()}; prefill block {prefill_block}; q4, max_seq 512; emit = build_step (both bodies)")
+    print(f"{'model':<17} {'size':<9} {'layers':>6} {'stages':>6} {'decode fns':>10} {'multi fns':>9} "
+          f"{'IR lines':>9} {'emit s':>7} {'ms/layer':>8}")
+    rows = []
+    for preset, size, depths in STAGE_ROWS:
+        for n_layers in depths:
+            c = stage_config(preset, size, n_layers)
+            state = lower(build_graph(c, None, name=c.name), "q4")
+            t0 = time.perf_counter()
+            prog = build_step(state, isa, 512, tmax=prefill_block)
+            emit = time.perf_counter() - t0
+            lines = str(prog.module).count("\n")
+            (stages, dec), (_, multi) = prog.stage_functions["stage"], prog.stage_functions.get("multi_stage", (0, 0))
+            r = {"model": preset, "size": size or "geometry", "n_layers": n_layers, "stages": stages,
+                 "decode_functions": dec, "multi_functions": multi, "ir_lines": lines, "emit_s": round(emit, 2),
+                 "emit_ms_per_layer": round(1000 * emit / n_layers, 1)}
+            rows.append(r)
+            print(f"{preset:<17} {r['size']:<9} {n_layers:>6} {stages:>6} {dec:>10} {multi:>9} {lines:>9} "
+                  f"{r['emit_s']:>7} {r['emit_ms_per_layer']:>8}", flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"cpu": cpu_model(), "prefill_block": prefill_block, "rows": rows}, f, indent=2)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -86,27 +146,35 @@ def main(argv=None) -> int:
                     help="tokens per prefill call: 1 = the decode body only; > 1 adds the multi-token body "
                     "(default 64, what cflow.load uses)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows to this file (default: stdout only)")
+    ap.add_argument("--stages", action="store_true", help="stage functions and emit time only (no JIT)")
     ap.add_argument("--one", nargs=2, metavar=("FILE", "PREFILL_BLOCK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]))))
         return 0
-    print(f"# {cpu_model()}; prefill block {args.prefill_block}; tiny geometry, q4, 1 thread, empty caches")
-    print(f"{'what':<10} {'preset':<17} {'layers':>6} {'blocks':>6} {'tile':>7} {'IR lines':>9} {'emit s':>7} "
-          f"{'opt s':>6} {'codegen s':>9} {'load s':>7}")
+    if args.stages:
+        return stages_table(args.prefill_block, args.json)
+    print(f"# {cpu_model()}; prefill block {args.prefill_block}; tiny geometry, q4, 1 thread, empty caches, "
+          f"CFLOW_TUNE={os.environ.get('CFLOW_TUNE', 'off')}")
+    print(f"{'what':<10} {'preset':<17} {'layers':>6} {'blocks':>6} {'tile':>7} {'fns/stages':>10} {'IR lines':>9} "
+          f"{'emit s':>7} {'opt s':>6} {'codegen s':>9} {'load s':>7}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="cflow-jit-") as tmp:
         for label, preset, n_layers, n_blocks, tile in ROWS:
             path = os.path.join(tmp, f"{preset}-{n_layers}-{n_blocks}-{tile[0]}x{tile[1]}.vflow")
             write_model(path, preset, n_layers, n_blocks, tile)
-            env = dict(os.environ, CFLOW_CACHE_DIR=tempfile.mkdtemp(dir=tmp))
+            # CFLOW_TUNE=off: the per-host kernel search (codegen/tune.py) is a one-time cost per CPU and kernel
+            # shape, cached apart from the program; with an empty cache it would run in every row
+            env = dict(os.environ, CFLOW_CACHE_DIR=tempfile.mkdtemp(dir=tmp), CFLOW_TUNE=os.environ.get("CFLOW_TUNE",
+                                                                                                      "off"))
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", path, str(args.prefill_block)],
                                  capture_output=True, text=True, env=env, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             assert not r["cache_hit"], "the cache directory was not empty"
             r.update(what=label, preset=preset, n_layers=n_layers, n_blocks=n_blocks or n_layers, tile=list(tile))
             rows.append(r)
-            print(f"{label:<10} {preset:<17} {n_layers:>6} {r['n_blocks']:>6} {tile[0]:>3}x{tile[1]:<3} "
+            fs = f"{r['stage_functions']}/{r['stages']}"
+            print(f"{label:<10} {preset:<17} {n_layers:>6} {r['n_blocks']:>6} {tile[0]:>3}x{tile[1]:<3} {fs:>10} "
                   f"{r['ir_lines']:>9} {r['emit_s']:>7} {r['optimise_s']:>6} {r['codegen_s']:>9} {r['load_s']:>7}",
                   flush=True)
     if args.json:

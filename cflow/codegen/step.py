@@ -49,6 +49,7 @@ from .target import ISA
 from .tune import kernel_key
 
 STEP_ARGS = (P(P(i8)), P(i64), i64, i64, P(i32))  # see abi.py: ptrs, params, tid, nthreads, barrier
+STAGE_ARGS = STEP_ARGS + (P(i64),)  # a stage function's: the step's, then its descriptor (emit_body)
 
 
 def tensor_key(name: str) -> BindingKey:
@@ -66,6 +67,8 @@ class StepProgram:
     max_seq: int
     isa: ISA
     kv: str = "f32"  # the KV cache's element type (abi.KV_BYTES)
+    # per body ("stage": decode, "multi_stage": multi-token): [stages run, distinct stage functions emitted]
+    stage_functions: dict = attrs.field(factory=dict)
 
     def meta(self) -> dict:
         """Everything but the module, JSON-able (the program cache stores it beside the IR text)."""
@@ -73,7 +76,7 @@ class StepProgram:
                 "pool_strides": {str(p): n for p, n in self.pool_strides.items()},
                 "pool_slots": {str(p): n for p, n in self.pool_slots.items()}, "scratch": self.scratch.to_json(),
                 "kv_floats_per_layer": self.kv_floats_per_layer, "max_seq": self.max_seq, "isa": str(self.isa),
-                "kv": self.kv}
+                "kv": self.kv, "stage_functions": {k: list(v) for k, v in self.stage_functions.items()}}
 
     @classmethod
     def from_meta(cls, ir_text: str, m: dict) -> StepProgram:
@@ -81,7 +84,8 @@ class StepProgram:
                    pool_strides={Pool(p): n for p, n in m["pool_strides"].items()},
                    pool_slots={Pool(p): n for p, n in m["pool_slots"].items()},
                    scratch=ScratchLayout.from_json(m["scratch"]), kv_floats_per_layer=m["kv_floats_per_layer"],
-                   max_seq=m["max_seq"], isa=ISA(m["isa"]), kv=m["kv"])
+                   max_seq=m["max_seq"], isa=ISA(m["isa"]), kv=m["kv"],
+                   stage_functions={k: tuple(v) for k, v in m["stage_functions"].items()})
 
 
 class _Emitter:
@@ -113,6 +117,9 @@ class _Emitter:
         self.strides = self._pool_strides()
         self.routed_apart = {st.op for st in self.sched.steps() if st.phase == Phase.ROUTE}
         self.segmented = segmented
+        self.desc: list[int] | None = None  # the descriptor of the stage function being emitted (self.k)
+        self.desc_b = self.desc_arg = None
+        self.stage_counts: dict[str, tuple[int, int]] = {}  # body -> (stages, distinct stage functions)
 
     # --- binding table ---------------------------------------------------------------------
     def slot(self, key: BindingKey) -> int:
@@ -121,8 +128,24 @@ class _Emitter:
             self.bindings.append(key)
         return self.index[key]
 
+    def k(self, v: int, name: str = "d"):
+        """A layer-specific integer constant: in a stage function, the next entry of its descriptor (loaded in
+        the function's entry block; v is appended to the descriptor), so stages that differ only in such
+        constants print the same IR text and share one function (emit_body). Outside a stage: the constant."""
+        if self.desc is None:
+            return c64(v)
+        self.desc.append(int(v))
+        b = self.desc_b
+        b.position_at_end(b.function.entry_basic_block)  # (allocas inserted at its start move the end)
+        return b.load(b.gep(self.desc_arg, [c64(len(self.desc) - 1)]), name=name)
+
+    # Bindings whose table index is the same for every layer (one pool, one KV cache ...): a plain constant.
+    SHARED_BINDINGS = frozenset({Binding.POOL, Binding.KV, Binding.SCRATCH, Binding.PROF, Binding.EXPERT_ROWS,
+                                 Binding.TOKENS, Binding.POSITIONS, Binding.SLOTS})
+
     def pointer(self, b, key: BindingKey, ty=f32):
-        p = b.load(b.gep(self.ptrs, [c64(self.slot(key))]), align=8)
+        i = self.slot(key)
+        p = b.load(b.gep(self.ptrs, [c64(i) if key.kind in self.SHARED_BINDINGS else self.k(i, "slot")]), align=8)
         return b.bitcast(p, P(ty))
 
     def _pool_strides(self) -> dict:
@@ -140,7 +163,7 @@ class _Emitter:
         buf = self.sched.buffers[value]
         base = self.pointer(b, BindingKey(Binding.POOL, buf.pool))
         stride = self.strides[buf.pool]
-        p = b.gep(base, [c64(buf.slot * self.tmax * stride)])
+        p = b.gep(base, [self.k(buf.slot * self.tmax * stride, "pool_off")])
         return p if self.t is None else b.gep(p, [b.mul(self.t, c64(stride))])
 
     def scratch_ptr(self, b, field: str, ty=f32):
@@ -253,42 +276,108 @@ class _Emitter:
             b.call(self.quant_fn(cols, padded(cols, self.tc)),
                    [x, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
 
-    def emit_body(self, name: str, multi: bool) -> ir.Function:
-        """One internal function running the whole schedule: the decode step, or (multi) the multi-token call."""
-        fn = ir.Function(self.m, ir.FunctionType(void, list(STEP_ARGS)), name)
+    # --- the body: a loop over a table of stage functions --------------------------------------
+    # Each stage (its steps, without the barrier) is emitted as its own function stage_k(ptrs, params, tid,
+    # nthreads, barrier, desc); every integer that can differ between layers (pointer-table slots, pool
+    # offsets, KV-cache and route offsets: self.k) is read from the stage's descriptor desc[] instead of being
+    # a constant. A stage whose IR text equals an already kept one's (names aside) is dropped and the kept
+    # function runs it with its own descriptor, so the module holds one function per distinct stage *kind*
+    # (dense or MoE, sliding or global, the delays' ramp-up and ramp-down), not one per executed layer. The
+    # comparison is on the whole text: a layer-specific constant that is not abstracted only makes two stages
+    # differ (no sharing), never a wrong program. The body then walks constant tables (function, descriptor
+    # offset) with the barrier and the per-stage hooks (profiling stamps, the segmented stage range) indexed
+    # by the loop counter.
+    def emit_stage(self, name: str, stage) -> tuple[ir.Function, list[int]]:
+        """One stage as an internal function; returns it and its descriptor (the values of its self.k loads)."""
+        fn = ir.Function(self.m, ir.FunctionType(void, list(STAGE_ARGS)), name)
         fn.linkage = "internal"
         fn.attributes.add("nounwind")
-        self.multi = multi
-        self.ptrs, self.params, self.tid, self.nth, self.bar = fn.args
-        b = ir.IRBuilder(fn.append_basic_block("entry"))
-        self.my_scratch = b.gep(b.load(b.gep(self.ptrs, [c64(self.slot(BindingKey(Binding.SCRATCH)))])),
-                                [b.mul(self.tid, c64(self.scratch.nbytes))])
-        self.token = b.load(b.gep(self.params, [c64(Param.TOKEN)]))
-        self.pos = b.load(b.gep(self.params, [c64(Param.POS)]))
-        if multi:
-            self.ntok = b.load(b.gep(self.params, [c64(Param.NTOK)]))
-            self.logits_from = b.load(b.gep(self.params, [c64(Param.LOGITS_FROM)]))
-            self.tokens = self.pointer(b, BindingKey(Binding.TOKENS), i64)
-            self.positions = self.pointer(b, BindingKey(Binding.POSITIONS), i64)
-            self.slots = self.pointer(b, BindingKey(Binding.SLOTS), i64)
+        fn.attributes.add("noinline")  # a stage stays one function however many stages run it
+        for a, n in zip(fn.args, ("ptrs", "params", "tid", "nthreads", "barrier", "desc")):
+            a.name = n
+        self.desc_arg = fn.args[5]
+        self.desc_arg.add_attribute("noalias")  # loaded once, in the entry block (self.k)
+        entry, body = fn.append_basic_block("entry"), fn.append_basic_block("stage")
+        self.desc_b, self.desc = ir.IRBuilder(entry), []
+        b = ir.IRBuilder(body)
+        self.open_function(b, fn.args)
         emit_phase = {Phase.EMBED: self.step_embed, Phase.ADD: self.step_add, Phase.QKV: self.step_qkv,
                       Phase.CORE: self.step_core, Phase.O: self.step_o, Phase.ROUTE: self.step_route,
                       Phase.UP: self.step_up, Phase.DOWN: self.step_down, Phase.HEAD: self.step_head}
+        for step in stage:
+            emit_phase[step.phase](b, step)
+        b.ret_void()
+        self.desc_b.position_at_end(entry)
+        self.desc_b.branch(body)
+        desc, self.desc, self.desc_b, self.desc_arg = self.desc, None, None, None
+        return fn, desc
+
+    def open_function(self, b, args) -> None:
+        """The values every step reads: this thread's scratch, the token and position (multi: the call's)."""
+        self.ptrs, self.params, self.tid, self.nth, self.bar = args[:5]
+        self.my_scratch = b.gep(b.load(b.gep(self.ptrs, [c64(self.slot(BindingKey(Binding.SCRATCH)))])),
+                                [b.mul(self.tid, c64(self.scratch.nbytes))], name="scratch")
+        self.token = b.load(b.gep(self.params, [c64(Param.TOKEN)]), name="token")
+        self.pos = b.load(b.gep(self.params, [c64(Param.POS)]), name="pos")
+        if self.multi:
+            self.ntok = b.load(b.gep(self.params, [c64(Param.NTOK)]), name="ntok")
+            self.logits_from = b.load(b.gep(self.params, [c64(Param.LOGITS_FROM)]), name="logits_from")
+            self.tokens = self.pointer(b, BindingKey(Binding.TOKENS), i64)
+            self.positions = self.pointer(b, BindingKey(Binding.POSITIONS), i64)
+            self.slots = self.pointer(b, BindingKey(Binding.SLOTS), i64)
+
+    def emit_body(self, name: str, multi: bool) -> ir.Function:
+        """The decode step, or (multi) the multi-token call: its stage functions, tables and loop."""
+        self.multi = multi
+        prefix = "multi_stage" if multi else "stage"
+        kept: dict[str, ir.Function] = {}  # normalised IR text -> the stage function kept for it
+        fns, offsets, descs = [], [], []
+        for stage in self.sched.stages:
+            name_k = f"{prefix}_{len(kept)}"
+            fn, desc = self.emit_stage(name_k, stage)
+            text = str(fn).replace(f'@"{name_k}"', "@STAGE", 1)
+            if text in kept:
+                _drop_function(self.m, fn)
+                fn = kept[text]
+            else:
+                kept[text] = fn
+            fns.append(fn)
+            offsets.append(len(descs))
+            descs.extend(desc)
+        self.stage_counts[prefix] = (len(fns), len(kept))
+        n = len(fns)
+        stage_ty = P(ir.FunctionType(void, list(STAGE_ARGS)))
+        table = _const_array(self.m, f"{prefix}_table", stage_ty, fns)
+        offs = _const_array(self.m, f"{prefix}_desc_off", i64, [c64(o) for o in offsets])
+        desc_all = _const_array(self.m, f"{prefix}_desc", i64, [c64(v) for v in descs] or [c64(0)])
+
+        fn = ir.Function(self.m, ir.FunctionType(void, list(STEP_ARGS)), name)
+        fn.linkage = "internal"
+        fn.attributes.add("nounwind")
+        for a, an in zip(fn.args, ("ptrs", "params", "tid", "nthreads", "barrier")):
+            a.name = an
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        self.ptrs, self.params, self.tid, self.nth, self.bar = fn.args
         if self.segmented:  # run only stages [lo, hi): the host reads routes and loads experts in between
-            lo = b.load(b.gep(self.params, [c64(Param.STAGE_LO)]))
-            hi = b.load(b.gep(self.params, [c64(Param.STAGE_HI)]))
-        self.stamp(b, 0)
-        for si, stage in enumerate(self.sched.stages):
+            lo = b.load(b.gep(self.params, [c64(Param.STAGE_LO)]), name="stage_lo")
+            hi = b.load(b.gep(self.params, [c64(Param.STAGE_HI)]), name="stage_hi")
+        self.stamp(b, c64(0))
+        with Loop(b, c64(0), c64(n), "si") as si:
+            guard = None
             if self.segmented:
-                inside = b.and_(b.icmp_signed("<=", lo, c64(si)), b.icmp_signed(">", hi, c64(si)))
-                guard = b.if_then(inside)
+                guard = b.if_then(b.and_(b.icmp_signed("<=", lo, si), b.icmp_signed(">", hi, si)))
                 guard.__enter__()
-            for step in stage:
-                emit_phase[step.phase](b, step)
+            # NOTE: the index passes through an empty asm, so LLVM cannot fold the table loads (after
+            # unrolling the loop) into direct calls with constant descriptors, which it could then
+            # specialise or inline back into one function per stage.
+            i = b.call(ir.InlineAsm(ir.FunctionType(i64, [i64]), "", "=r,0"), [si], name="si.opaque")
+            call = b.load(b.gep(table, [c64(0), i]), name="stage_fn")
+            desc = b.gep(desc_all, [c64(0), b.load(b.gep(offs, [c64(0), i]), name="desc_off")], name="desc")
+            b.call(call, [self.ptrs, self.params, self.tid, self.nth, self.bar, desc])
             # The last stage ends with a barrier too: when worker 0 returns, every worker is done.
             b.call(O.barrier(self.m, self.isa), [self.bar, self.nth])
-            self.stamp(b, si + 1)
-            if self.segmented:
+            self.stamp(b, b.add(si, c64(1)))
+            if guard is not None:
                 guard.__exit__(None, None, None)
         b.ret_void()
         self.multi = False
@@ -311,7 +400,7 @@ class _Emitter:
         return StepProgram(module=self.m, bindings=tuple(self.bindings), pool_strides=self.strides,
                            pool_slots={p: n for p, (n, _) in self.sched.pools.items()}, scratch=self.scratch,
                            kv_floats_per_layer=self.max_seq * self.cfg.n_kv_heads * self.cfg.head_dim,
-                           max_seq=self.max_seq, isa=self.isa, kv=self.kv)
+                           max_seq=self.max_seq, isa=self.isa, kv=self.kv, stage_functions=dict(self.stage_counts))
 
     def emit_dispatch(self, decode: ir.Function, multi: ir.Function) -> ir.Function:
         fn = ir.Function(self.m, ir.FunctionType(void, list(STEP_ARGS)), f"{STEP_SYMBOL}_dispatch")
@@ -327,14 +416,14 @@ class _Emitter:
         b.ret_void()
         return fn
 
-    def stamp(self, b, i: int) -> None:
-        """Profiling builds: worker 0 records the cycle counter after stage i-1's barrier in prof[i]."""
+    def stamp(self, b, i) -> None:
+        """Profiling builds: worker 0 records the cycle counter after stage i-1's barrier in prof[i] (i: IR i64)."""
         if not self.profile:
             return
         prof = self.pointer(b, BindingKey(Binding.PROF), i64)
         now = b.call(intrinsic(self.m, "llvm.readcyclecounter", i64, []), [])
         with b.if_then(b.icmp_signed("==", self.tid, c64(0))):  # only worker 0 writes: no race
-            b.store(now, b.gep(prof, [c64(i)]))
+            b.store(now, b.gep(prof, [i]))
 
     # one method per step phase ------------------------------------------------------------------
     # Each runs for one token (decode) or for every token of a multi-token call: per-token work (norm
@@ -380,8 +469,8 @@ class _Emitter:
         layer = n.layer
         kv = self.pointer(b, BindingKey(Binding.KV), i16 if self.kv == "f16" else f32)
         per = self.max_seq * n.n_kv_heads * n.head_dim  # entries of one layer's K (or V), whatever their type
-        kc = b.gep(kv, [c64((layer - 1) * 2 * per)])
-        vc = b.gep(kv, [c64(((layer - 1) * 2 + 1) * per)])
+        k_off, v_off = self.k((layer - 1) * 2 * per, "k_off"), self.k(((layer - 1) * 2 + 1) * per, "v_off")
+        kc, vc = b.gep(kv, [k_off]), b.gep(kv, [v_off])
         null = ir.Constant(P(f32), None)
         bq, bk, bv = ((self.pointer(b, tensor_key(f"{n.prefix}.{x}")) for x in ("bq", "bk", "bv")) if n.bias
                       else (null, null, null))
@@ -400,8 +489,7 @@ class _Emitter:
             if self.t is not None:
                 pos = b.load(b.gep(self.positions, [self.t]))
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
-                kc, vc = b.gep(kv, [b.add(slot_off, c64((layer - 1) * 2 * per))]), \
-                    b.gep(kv, [b.add(slot_off, c64(((layer - 1) * 2 + 1) * per))])
+                kc, vc = b.gep(kv, [b.add(slot_off, k_off)]), b.gep(kv, [b.add(slot_off, v_off)])
             b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
                     cos, sin, self.value_ptr(b, step.writes[0]),
@@ -438,7 +526,7 @@ class _Emitter:
         gu0 = self.tensors[expert_tensor(n.prefix, 0, "w_gate_up")]
         L = gu0.layout
         x = self.prologue(b, step, L.cols, False)
-        route = b.gep(self.scratch_ptr(b, "route", i8), [c64(n.layer * self.scratch.route_stride)])
+        route = b.gep(self.scratch_ptr(b, "route", i8), [self.k(n.layer * self.scratch.route_stride, "route_off")])
         if router.name not in self.routed_apart:  # else a ROUTE step chose the experts stages ago
             self.call_router(b, router, x, route)
         self.quantise_input(b, x, L.cols, gu0.dtype)
@@ -473,7 +561,7 @@ class _Emitter:
         with self.each_token(b):
             x = self.prologue(b, step, self.d, False)
             self.call_router(b, router, x, b.gep(self.scratch_ptr(b, "route", i8),
-                                                 [c64(router.layer * self.scratch.route_stride)]))
+                                                 [self.k(router.layer * self.scratch.route_stride, "route_off")]))
 
     def count_expert_rows(self, b, n: ExpertBank, e, which: int, lo, hi) -> None:
         """Profiling builds: expert_rows[layer][e][which] += this thread's tile-rows of one pass over the matrix
@@ -481,7 +569,7 @@ class _Emitter:
         if not self.profile:
             return
         rows = self.pointer(b, BindingKey(Binding.EXPERT_ROWS), i64)
-        idx = b.add(c64(2 * n.layer * self.cfg.n_experts), b.add(b.mul(e, c64(2)), c64(which)))
+        idx = b.add(self.k(2 * n.layer * self.cfg.n_experts, "rows_off"), b.add(b.mul(e, c64(2)), c64(which)))
         b.atomic_rmw("add", b.gep(rows, [idx]), b.sub(hi, lo), "monotonic")
 
     def expert_pointer(self, b, n: ExpertBank, which: str, e):
@@ -490,7 +578,7 @@ class _Emitter:
         for k in range(1, n.n_experts):
             if self.slot(tensor_key(expert_tensor(n.prefix, k, which))) != base + k:
                 raise CodegenError("expert pointer table is not contiguous")
-        p = b.load(b.gep(self.ptrs, [b.add(c64(base), e)]), align=8)
+        p = b.load(b.gep(self.ptrs, [b.add(self.k(base, "experts"), e)]), align=8)
         return p
 
     def step_down(self, b, step):
@@ -513,7 +601,7 @@ class _Emitter:
         h = self.value_ptr(b, step.full_reads[0])
         t0 = self.tensors[expert_tensor(n.prefix, 0, "w_down")]
         L = t0.layout
-        route = b.gep(self.scratch_ptr(b, "route", i8), [c64(n.layer * self.scratch.route_stride)])
+        route = b.gep(self.scratch_ptr(b, "route", i8), [self.k(n.layer * self.scratch.route_stride, "route_off")])
         idx, wts = b.bitcast(route, P(i32)), b.gep(b.bitcast(route, P(f32)), [c64(n.top_k)])
         tmp = self.scratch_ptr(b, "tmp")
         lo, hi = self.rows(b, L.n_tile_rows)
@@ -550,7 +638,7 @@ class _Emitter:
 
     def route_ptr(self, b, layer: int):
         """Token self.t's route record of a layer: i32 idx[k], f32 w[k], f32 shared gate."""
-        return b.gep(self.scratch_ptr(b, "route", i8), [c64(layer * self.scratch.route_stride)])
+        return b.gep(self.scratch_ptr(b, "route", i8), [self.k(layer * self.scratch.route_stride, "route_off")])
 
     def group_tokens(self, b, n: ExpertBank, e):
         """Fill gtok/gj with the block's tokens that chose expert e (token order) and return their count."""
@@ -686,6 +774,22 @@ class _Emitter:
             hi = b.select(b.icmp_signed("<", hi, vocab), hi, vocab)
             with self.each_token(b, first):
                 b.call(softcap_rows(self.m, float(cap)), [self.value_ptr(b, step.writes[0]), lo, hi])
+
+
+def _drop_function(m: ir.Module, fn: ir.Function) -> None:
+    """Remove a function nothing calls yet from the module (a stage that duplicated a kept one)."""
+    del m.globals[fn.name]
+    m.scope._useset.discard(fn.name)  # llvmlite has no public removal; the name is then free again
+
+
+def _const_array(m: ir.Module, name: str, ty, values) -> ir.GlobalVariable:
+    """An internal constant global array `name` of ty."""
+    aty = ir.ArrayType(ty, len(values))
+    g = ir.GlobalVariable(m, aty, name)
+    g.linkage = "internal"
+    g.global_constant = True
+    g.initializer = ir.Constant(aty, values)
+    return g
 
 
 def softcap_rows(m: ir.Module, cap: float):
