@@ -126,7 +126,7 @@ class ScratchLayout:
     xs: int = 0  # i32[tmax][kmax/32]: block code sums
     tmp: int = 0  # f32[dp]: one expert's down output before its weighted add
     att_rep: int = 1  # query heads per kv head: attention keeps the scores of a kv group's heads together
-    scores: int = 0  # f32[max_seq + 2 * 16][att_rep]: a kv group's attention scores (exp runs 16 lanes past the last)
+    scores: int = 0  # f32[att_rep][max_seq + 2 * 16]: a kv group's attention scores (exp runs 16 lanes past the last)
     probs: int = 0  # f32[n_experts]: router probabilities
     route: int = 0  # [tmax][layer 0..n_layers]: i32 idx[k], f32 w[k], f32 shared gate
     # A multi-token call of an MoE model groups the block's tokens by the expert they chose, so each chosen

@@ -27,7 +27,7 @@ from .cgutils import (
     f32,
     float_to_half,
     half_to_float,
-    hsum_many,
+    hsum,
     i8,
     i16,
     i32,
@@ -286,7 +286,30 @@ def sigmoid_dot(m: ir.Module, d: int):
 ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is padded by this much (abi.py)
 
 
-def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: str, kv: str = "f32"):
+def kv_block(max_seq: int) -> int:
+    """Positions per K block of the cache (the largest of 16, 8, 4, 2, 1 that divides max_seq)."""
+    return next(B for B in (16, 8, 4, 2, 1) if max_seq % B == 0)
+
+
+def kv_layout(max_seq: int, n_kv_heads: int, head_dim: int):
+    """Where position s, kv head g, dimension d of one layer's K and V live (element offsets in each region of
+    max_seq * n_kv_heads * head_dim entries): K in blocks of B = kv_block(max_seq) positions, dimension-major
+    inside a block, so one load gives B positions' entries of a dimension; V position after position, each kv head's
+    positions together. Both are read front to back by a kv head's scan. Works on ints and numpy arrays."""
+    B = kv_block(max_seq)
+    nb = max_seq // B
+
+    def k_at(s, g, d):
+        return ((g * nb + s // B) * head_dim + d) * B + s % B
+
+    def v_at(s, g, d):
+        return (g * max_seq + s) * head_dim + d
+
+    return k_at, v_at
+
+
+def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: str, kv: str = "f32",
+              max_seq: int = 0):
     """Single-token GQA over the cache for kv heads [g0, g1): bias, q/k norms, RoPE, cache write, softmax(qK)V.
 
     q/k norms (n.qk_norm) are RMSNorms of (projection + bias) before RoPE, weights qn/kn: 'head' normalises each
@@ -295,17 +318,28 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     n.softcap caps the scores (Gemma 2); n.window > 0 attends to the last `window` positions only (the cache
     keeps every position: only the loops start later), the same function for decode, prefill and batches.
 
-    The core is vectorised in a fixed order, so a token's output depends only on its inputs and position:
-    q.k in W = gcd(head_dim, 16)-lane chunks (products summed chunk-pairwise, then the lanes by a halving
-    tree); exp over ATT_LANES scores at a time (cgutils.exp_vec), their sum lane-wise then by the tree; the
-    weighted V sum in W-lane accumulators, one position after another. FMA where the ISA has it (one
-    rounding per multiply-add), separate multiply and add on the generic path.
+    The cache layout is kv_layout(max_seq, ...): K in blocks of B positions (dimension-major inside a block), V
+    position after position per kv head, so a kv head's scan reads both front to back. The core is vectorised
+    in a fixed order, so a token's output depends only on its inputs and position: the scores of B positions
+    at once, q.k as NP interleaved multiply-add chains over the dimensions (dimension d into chain d mod NP,
+    the chains then summed by a halving tree), no horizontal sum; exp over ATT_LANES scores of a head at a time
+    (cgutils.exp_vec), their sum lane-wise then by the halving tree; the weighted V sum in W = gcd(head_dim,
+    16)-lane accumulators, one position after another. The rep query heads of a kv group go together: each K
+    and V entry is loaded (and widened) once per group. FMA where the ISA has it (one rounding per
+    multiply-add), separate multiply and add on the generic path.
 
     kv: the cache's element type, 'f32' or 'f16' (IEEE half, rounded to nearest even as numpy's astype does;
     the interpreter's kv='f16' rounds the same way): K and V are rounded once when written, widened on read.
     """
     H, KV, hd = n.n_heads, n.n_kv_heads, n.head_dim
     rep, half = H // KV, hd // 2
+    if max_seq < 1:
+        raise ValueError(f"attention: max_seq must be >= 1, got {max_seq}")
+    S, B = max_seq, kv_block(max_seq)
+    nb = S // B
+    SS = S + 2 * ATT_LANES  # floats per head in the scores scratch (abi.ScratchLayout.scores)
+    NP = 1 if rep >= 4 else (2 if rep >= 2 else 4)  # q.k chains per head: >= 4 independent multiply-adds
+    DU = math.gcd(hd, 8)  # dimensions per iteration of the q.k loop (unrolled)
     qo, ko, vo = offsets
     scale = 1.0 / math.sqrt(hd)
     bias = n.bias
@@ -326,15 +360,19 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         row = b.mul(pos, c64(half))
 
         def madd(x, y, acc):  # acc + x * y
-            return b.call(vfma, [x, y, acc]) if fma else b.fadd(b.fmul(x, y), acc)
+            if not fma:
+                return b.fadd(b.fmul(x, y), acc)
+            n_ = x.type.count
+            f = vfma if n_ == W else intrinsic(m, f"llvm.fma.v{n_}f32", V(f32, n_), [V(f32, n_)] * 3)
+            return b.call(f, [x, y, acc])
 
         def vload(base, i):
             return b.load(b.bitcast(b.gep(base, [i]), P(vt)), align=4)
 
-        def cload(base, i):  # W cache entries from element i, as floats
+        def cload(base, i, lanes=W):  # `lanes` cache entries from element i, as floats
             if not half_kv:
-                return vload(base, i)
-            return half_to_float(b, b.load(b.bitcast(b.gep(base, [i]), P(V(i16, W))), align=2), isa)
+                return b.load(b.bitcast(b.gep(base, [i]), P(V(f32, lanes))), align=4)
+            return half_to_float(b, b.load(b.bitcast(b.gep(base, [i]), P(V(i16, lanes))), align=2), isa)
 
         def cstore(v, base, i):  # W floats into the cache from element i
             if half_kv:
@@ -390,62 +428,95 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         if window:  # max(0, pos + 1 - window): the oldest position still inside the window
             lo = b.sub(npos, c64(window))
             start = b.select(b.icmp_signed(">", lo, c64(0)), lo, c64(0))
-        # The rep query heads of a kv group go together: each K and V row is loaded (and widened) once per
-        # group. Per head the arithmetic is the one-head-at-a-time order: the scores of the group's heads are
-        # reduced side by side (cgutils.hsum_many: each lane the same halving tree), scores live [s][rep].
         RB = 32  # positions per block of the weighted sum (their V rows stay in L1 across the chunks)
-        mx, acc_e = alloca_once(b, V(f32, rep)), [alloca_once(b, V(f32, rep)) for _ in range(L)]
+        bt = V(f32, B)
+        mx = [alloca_once(b, bt) for _ in range(rep)]
+        qk = [[alloca_once(b, bt) for _ in range(NP)] for _ in range(rep)]
         accs = [[alloca_once(b, vt) for _ in range(nc)] for _ in range(rep)]
+        esum = [alloca_once(b, V(f32, L)) for _ in range(rep)]
         qr = b.bitcast(alloca_once(b, ir.ArrayType(f32, rep * hd)), P(f32))
+        lane_ids = ir.Constant(V(i64, B), list(range(B)))
+        ninf_b = const_vec(f32, B, -math.inf)
+        pos_blk, pos_lane = b.udiv(pos, c64(B)), b.urem(pos, c64(B))
         with Loop(b, g0, g1, "g") as g:
             goff = b.mul(g, c64(hd))
-            cache_off = b.add(b.mul(pos, c64(KV * hd)), goff)
+            kbase = b.mul(g, c64(nb * hd * B))  # this kv head's K blocks
+            vbase = b.mul(g, c64(S * hd))  # and its V rows
             ksrc, kb = b.gep(qkv, [b.add(c64(ko), goff)]), b.gep(bk, [goff]) if bias else None
             rope_into(ksrc, kb, kr, norm_of(goff, ksrc, kb, kn, k_inv))
-            for c in range(nc):  # this position's K (roped) and V (+ bias) rows into the cache
-                cstore(vload(kr, c64(c * W)), kc, b.add(cache_off, c64(c * W)))
+            # this position's K (roped) into its block, dimension d at d * B (a strided store: hd entries per
+            # token, against hd * (pos + 1) read below) ...
+            kpos = b.add(b.add(kbase, b.mul(pos_blk, c64(hd * B))), pos_lane)
+            for c in range(nc):
+                kv_ = vload(kr, c64(c * W))
+                hv = float_to_half(b, kv_, isa) if half_kv else kv_
+                for t in range(W):
+                    b.store(b.extract_element(hv, c32(t)), b.gep(kc, [b.add(kpos, c64((c * W + t) * B))]))
+            # ... and its V (+ bias) row after the previous positions'
+            vrow = b.add(vbase, b.mul(pos, c64(hd)))
+            for c in range(nc):
                 v = vload(qkv, b.add(c64(vo + c * W), goff))
                 if bias:
                     v = b.fadd(v, vload(bv, b.add(goff, c64(c * W))))
-                cstore(v, vc, b.add(cache_off, c64(c * W)))
+                cstore(v, vc, b.add(vrow, c64(c * W)))
             with Loop(b, c64(0), c64(rep), "h") as r:  # the group's query heads, roped, side by side in qr
                 hoff = b.mul(b.add(b.mul(g, c64(rep)), r), c64(hd))
                 qsrc, qb = b.gep(qkv, [b.add(c64(qo), hoff)]), b.gep(bq, [hoff]) if bias else None
                 rope_into(qsrc, qb, b.gep(qr, [b.mul(r, c64(hd))]), norm_of(hoff, qsrc, qb, qn, q_inv))
-            b.store(const_vec(f32, rep, -math.inf), mx)
-            with Loop(b, start, npos, "s") as s:  # scores[s][r] = q_r.k_s * scale
-                kp = b.gep(kc, [b.add(b.mul(s, c64(KV * hd)), goff)])
-                k = [cload(kp, c64(c * W)) for c in range(nc)]
-                sc = hsum_many(b, [tree([b.fmul(vload(qr, c64(r * hd + c * W)), k[c]) for c in range(nc)])
-                                   for r in range(rep)])
-                sc = b.fmul(sc, const_vec(f32, rep, scale))
-                if n.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax (scalar, as before)
+            for r in range(rep):
+                b.store(ninf_b, mx[r])
+            # scores[r][s] = q_r.k_s * scale for the blocks holding [start, pos]; lanes outside it -inf
+            with Loop(b, b.udiv(start, c64(B)), b.add(pos_blk, c64(1)), "kb") as j:
+                blk = b.add(kbase, b.mul(j, c64(hd * B)))
+                for r in range(rep):
+                    for a_ in qk[r]:
+                        b.store(const_vec(f32, B, 0.0), a_)
+                with Loop(b, c64(0), c64(hd // DU), "kd") as dd:
+                    d0 = b.mul(dd, c64(DU))
+                    chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
+                    for u in range(DU):
+                        d = b.add(d0, c64(u))
+                        kd = cload(kc, b.add(blk, b.mul(d, c64(B))), B)
+                        for r in range(rep):
+                            q = splat(b, b.load(b.gep(qr, [b.add(c64(r * hd), d)])), B)
+                            chains[r][u % NP] = madd(q, kd, chains[r][u % NP])
                     for r in range(rep):
-                        sc = b.insert_element(sc, softcap(b, b.extract_element(sc, c32(r)), n.softcap), c32(r))
-                b.store(sc, b.bitcast(b.gep(scores, [b.mul(s, c64(rep))]), P(V(f32, rep))), align=4)
-                m0 = b.load(mx)
-                b.store(b.select(b.fcmp_ordered(">", sc, m0), sc, m0), mx)
-            # exp(scores - max): position start + j*L + l adds into lane-accumulator l (the one-head order's
-            # lane l), positions past pos masked to -inf (exp gives 0, stored into the scratch's slack)
-            for a in acc_e:
-                b.store(const_vec(f32, rep, 0.0), a)
+                        for a_, x in zip(qk[r], chains[r]):
+                            b.store(x, a_)
+                s_ids = b.add(splat(b, b.mul(j, c64(B)), B), lane_ids)
+                live = b.and_(b.icmp_signed(">=", s_ids, splat(b, start, B)),
+                              b.icmp_signed("<", s_ids, splat(b, npos, B)))
+                for r in range(rep):
+                    sc = b.fmul(tree([b.load(a_) for a_ in qk[r]]), const_vec(f32, B, scale))
+                    if n.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax (per lane)
+                        for t in range(B):
+                            sc = b.insert_element(sc, softcap(b, b.extract_element(sc, c32(t)), n.softcap), c32(t))
+                    sc = b.select(live, sc, ninf_b)
+                    b.store(sc, b.bitcast(b.gep(scores, [b.add(c64(r * SS), b.mul(j, c64(B)))]), P(bt)), align=4)
+                    m0 = b.load(mx[r])
+                    b.store(b.select(b.fcmp_ordered(">", sc, m0), sc, m0), mx[r])
+            # exp(scores - max) of each head, ATT_LANES positions at a time from start (positions past pos masked
+            # to -inf: exp gives 0, stored into the scratch's slack), summed lane-wise, then by the halving tree
             nchunk = b.udiv(b.add(b.sub(npos, start), c64(L - 1)), c64(L))
-            m_v = b.load(mx)
-            with Loop(b, c64(0), nchunk, "ex") as j:
-                s0 = b.add(start, b.mul(j, c64(L)))
-                for lane, a in enumerate(acc_e):
-                    sl = b.add(s0, c64(lane))
-                    sp = b.bitcast(b.gep(scores, [b.mul(sl, c64(rep))]), P(V(f32, rep)))
-                    live = b.icmp_signed("<", sl, npos)
-                    x = b.select(live, b.fsub(b.load(sp, align=4), m_v), const_vec(f32, rep, -math.inf))
+            inv = []
+            for r in range(rep):
+                mv = b.load(mx[r])
+                mr = b.extract_element(mv, c32(0))
+                for t in range(1, B):  # the max of the lanes (order does not matter for a max)
+                    x = b.extract_element(mv, c32(t))
+                    mr = b.select(b.fcmp_ordered(">", x, mr), x, mr)
+                m_v = splat(b, mr, L)
+                b.store(const_vec(f32, L, 0.0), esum[r])
+                with Loop(b, c64(0), nchunk, "ex") as j:
+                    s0 = b.add(start, b.mul(j, c64(L)))
+                    sp = b.bitcast(b.gep(scores, [b.add(c64(r * SS), s0)]), P(V(f32, L)))
+                    live = b.icmp_signed("<", b.add(splat(b, s0, L), ir.Constant(V(i64, L), list(range(L)))),
+                                         splat(b, npos, L))
+                    x = b.select(live, b.fsub(b.load(sp, align=4), m_v), const_vec(f32, L, -math.inf))
                     p = exp_vec(b, x)
                     b.store(p, sp, align=4)
-                    b.store(b.fadd(b.load(a), p), a)
-            tot = [b.load(a) for a in acc_e]
-            while len(tot) > 1:  # hsum's halving tree over the L lanes, all heads at once
-                h = len(tot) // 2
-                tot = [b.fadd(tot[i], tot[i + h]) for i in range(h)]
-            inv = b.fdiv(const_vec(f32, rep, 1.0), tot[0])
+                    b.store(b.fadd(b.load(esum[r]), p), esum[r])
+                inv.append(b.fdiv(cf(1.0), hsum(b, b.load(esum[r]))))
             for ar in accs:
                 for a in ar:
                     b.store(const_vec(f32, W, 0.0), a)
@@ -456,19 +527,18 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                 s_hi = b.select(b.icmp_signed("<", s_end, npos), s_end, npos)
                 for c in range(nc):
                     with Loop(b, s_lo, s_hi, f"pv{c}") as s:
-                        vv = cload(b.gep(vc, [b.add(b.mul(s, c64(KV * hd)), goff)]), c64(c * W))
-                        ps = b.gep(scores, [b.mul(s, c64(rep))])
+                        vv = cload(vc, b.add(b.add(vbase, b.mul(s, c64(hd))), c64(c * W)))
                         for r in range(rep):
-                            p = splat(b, b.load(b.gep(ps, [c64(r)])), W)
+                            p = splat(b, b.load(b.gep(scores, [b.add(c64(r * SS), s)])), W)
                             b.store(madd(p, vv, b.load(accs[r][c])), accs[r][c])
             for r in range(rep):
                 out = b.gep(att, [b.mul(b.add(b.mul(g, c64(rep)), c64(r)), c64(hd))])
-                iv = splat(b, b.extract_element(inv, c32(r)), W)
+                iv = splat(b, inv[r], W)
                 for c in range(nc):
                     b.store(b.fmul(b.load(accs[r][c]), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
         b.ret_void()
 
-    key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul", kv) + (
+    key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul", kv, f"S{S}") + (
         (qk_norm, _flt(n.eps)) if qk_norm else ()) + (
         (f"cap{_flt(n.softcap)}",) if n.softcap else ()) + ((f"win{window}",) if window else ())
     kvp = P(i16) if half_kv else P(f32)

@@ -490,7 +490,7 @@ class _Emitter:
                 pos = b.load(b.gep(self.positions, [self.t]))
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
                 kc, vc = b.gep(kv, [b.add(slot_off, k_off)]), b.gep(kv, [b.add(slot_off, v_off)])
-            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv),
+            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
                     cos, sin, self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import cflow
+from cflow.codegen.ops import kv_layout
 from cflow.compiler import compile_file
 from cflow.frontend.load import load_graph
 from cflow.ir import Interpreter
@@ -58,15 +59,19 @@ def test_f16_cache_holds_its_twins_halves_to_one_ulp(path):
         it = Interpreter(m.ir, act_quant="q8", kv="f16")
         it.prefill(ids)
         cfg = s.compiled.graph.config
-        cache = s.kv.view(np.float16)[: 2 * cfg.n_layers * s.max_seq * cfg.n_kv_heads * cfg.head_dim]
-        cache = cache.reshape(cfg.n_layers, 2, s.max_seq, cfg.n_kv_heads, cfg.head_dim)  # slot 0
+        per = s.max_seq * cfg.n_kv_heads * cfg.head_dim
+        cache = s.kv.view(np.float16)[: 2 * cfg.n_layers * per].reshape(cfg.n_layers, 2, per)  # slot 0
+        k_at, v_at = kv_layout(s.max_seq, cfg.n_kv_heads, cfg.head_dim)  # the runtime's layout
+        sg, gg, dg = np.meshgrid(np.arange(len(ids)), np.arange(cfg.n_kv_heads), np.arange(cfg.head_dim),
+                                 indexing="ij")
+        at = (k_at(sg, gg, dg), v_at(sg, gg, dg))  # [position, kv head, dim] -> offset
         layers = {n.name: n.layer for n in s.compiled.graph.nodes() if n.name in it.kv}
         assert len(layers) == cfg.n_layers
         away = total = 0
         for name, layer in layers.items():
             for which, ref in enumerate(it.kv[name]):
                 want = ref.astype(np.float16).reshape(len(ids), cfg.n_kv_heads, cfg.head_dim).view(np.int16)
-                got = cache[layer - 1, which, : len(ids)].view(np.int16)
+                got = cache[layer - 1, which][at[which]].view(np.int16)
                 ulps = np.abs(want.astype(np.int32) - got.astype(np.int32))
                 assert ulps.max() <= 1, (name, "KV"[which], int(ulps.max()))
                 away, total = away + int((ulps > 0).sum()), total + ulps.size
@@ -145,3 +150,21 @@ def test_cli_shows_the_kv_type_in_use(path, capsys):
     assert "f32 KV cache" in capsys.readouterr().err
     assert cflow_main(["inspect", str(path), "--no-verify"]) == 0
     assert "q4, f16 KV cache by default" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("max_seq", [7, 24, 30, 128])  # K blocks of 1, 8, 2 and 16 positions (ops.kv_block)
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_every_k_block_width_equals_the_interpreter(path, max_seq, kv):
+    from cflow.codegen.ops import kv_block
+
+    ids = list(np.random.default_rng(max_seq).integers(0, 256, max_seq - 3))
+    with cflow.load(path, threads=2, kv=kv, max_seq=max_seq) as m:
+        assert m.session.max_seq == max_seq
+        got = _greedy(m.session, ids, steps=3)
+        it = Interpreter(m.ir, act_quant="q8", kv=kv)
+        ref = [it.prefill(ids)[-1]]
+        for _ in range(3):
+            ref.append(it.step(int(np.argmax(ref[-1]))))
+    assert kv_block(max_seq) == {7: 1, 24: 8, 30: 2, 128: 16}[max_seq]
+    for a, b in zip(got, ref):
+        assert np.abs(a - b).max() < 5e-2
