@@ -1,6 +1,7 @@
 """Remember emitted step programs: plan fingerprint -> (LLVM IR text, binding table), beside the object cache.
 
-Emitting the step with llvmlite.ir and printing it costs ~0.1 s per layer; a second load of the same
+Emitting the step with llvmlite.ir and printing it costs ~25-45 ms per executed layer (every stage is emitted
+to compare its text with the shared stage functions, codegen/step.py); a second load of the same
 model reads the IR text back instead, so the object cache (keyed by that text, as always) is reached
 in milliseconds. The fingerprint covers everything the emitted text depends on: the model's packing,
 schedule and config, ISA, context length, profiling, and the source of the code generators.
