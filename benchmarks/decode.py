@@ -160,8 +160,16 @@ VARIANTS = {
 }
 
 
+def variant(name: str):
+    """(env, load kwargs) of a --variants name: VARIANTS, or cache=DIR (CFLOW_CACHE_DIR=DIR: another tuning table,
+    e.g. an older search's choices, against this host's own)."""
+    if name.startswith("cache="):
+        return {"CFLOW_CACHE_DIR": name[len("cache="):]}, {}
+    return VARIANTS[name]
+
+
 def load_variant(path: str, name: str, threads: int):
-    env, kw = VARIANTS[name]
+    env, kw = variant(name)
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -229,11 +237,11 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="write one record per thread count")
     ap.add_argument("--profile", action="store_true", help="also print where the time goes (per-stage cycle stamps)")
     ap.add_argument("--variants", help=f"compare load options side by side in interleaved rounds, e.g. "
-                    f"default,tune-off (any of {', '.join(VARIANTS)})")
+                    f"default,tune-off (any of {', '.join(VARIANTS)}, or cache=DIR: CFLOW_CACHE_DIR=DIR)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --variants (default: 5)")
     args = ap.parse_args(argv)
     names = args.variants.split(",") if args.variants else []
-    bad = [n for n in names if n not in VARIANTS]
+    bad = [n for n in names if n not in VARIANTS and not (n.startswith("cache=") and len(n) > 6)]
     if bad:
         ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
 

@@ -10,8 +10,10 @@ def add_args(p):
     p.add_argument("file", help="compiled model (.vflow or .cflow)")
     p.add_argument("--force", action="store_true",
                    help="measure again even where this CPU's cache has a choice (default: reuse cached choices)")
-    p.add_argument("--rounds", type=whole(1, 100), default=5,
-                   help="timed rounds per variant, interleaved; the median counts (default: 5)")
+    from ..codegen.tune import ROUNDS
+
+    p.add_argument("--rounds", type=whole(1, 100), default=ROUNDS,
+                   help=f"timed rounds per variant, interleaved; the median counts (default: {ROUNDS})")
     p.add_argument("--mb", type=whole(1, 4096), default=64,
                    help="MiB of packed weights each timed call streams, past the caches (default: 64)")
     p.add_argument("--json", metavar="PATH", help="also write the records as JSON (default: none)")
@@ -32,7 +34,9 @@ def run(args) -> int:
         tensors = plan_from_header(r.header, r.path).tensors.values()
     target = host_target()
     print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call, median of "
-          f"{args.rounds} rounds; a variant must beat the default by {tune.MARGIN:.0%}")
+          f"{args.rounds} rounds; coordinate descent from the default (pass N: the choice so far and each "
+          f"one-knob change; a variant must beat it by {tune.MARGIN:.0%}), then the choice against the default "
+          f"('final')")
     if not tune.enabled():
         print("note: CFLOW_TUNE=off: cflow.load uses the defaults and ignores this table while it is set")
     records = {}
@@ -40,10 +44,13 @@ def run(args) -> int:
     def show(key, rec):
         records[key] = rec
         print(f"\n{key}")
-        print(f"  {'variant':<24} {'GB/s':>7}")
-        for v in rec.get("results", ()):
-            mark = "  <- chosen" if v["knobs"] == rec["choice"] else ""
-            print(f"  {v['variant']:<24} {v['gbps']:>7.2f}{mark}")
+        print(f"  {'pass':>4}  {'variant':<28} {'GB/s':>7}")
+        results = rec.get("results", ())
+        final = max((i for i, v in enumerate(results) if v["knobs"] == rec["choice"]), default=-1)
+        for i, v in enumerate(results):
+            step = "final" if v.get("pass") == 0 else str(v.get("pass", 1))
+            mark = "  <- chosen" if i == final else ""
+            print(f"  {step:>5} {v['variant']:<28} {v['gbps']:>7.2f}{mark}")
 
     # cached choices are shown as stored, missing ones measured and cached (also under CFLOW_TUNE=off)
     tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20, on_result=show,

@@ -273,7 +273,8 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
-def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2, unpack=0):
+def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2, unpack=0,
+                   pf_stride=64):
     """outs[a][0:TR] = (one tile-row of W) x_a for every activation a, where w_row points at the tile-row's
     first unit and acts[a] = (x, xq, xd, xs).
 
@@ -297,9 +298,9 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
             for u in range(unroll):
                 kb = b.add(b.mul(it, ir.Constant(i64, unroll)), ir.Constant(i64, u))
                 unit = ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
-                if prefetch:  # one per cache line of the unit, `prefetch` bytes ahead (never faults)
+                if prefetch:  # one per `pf_stride` bytes of the unit, `prefetch` bytes ahead (never faults)
                     pf = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
-                    for off in range(0, UB, 64):
+                    for off in range(0, UB, pf_stride):
                         b.call(pf, [ptr(b, unit, prefetch + off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
                 for a, (x, xq, xd, xs) in enumerate(acts):
                     accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
@@ -331,7 +332,7 @@ def _pick_unroll(nunits: int, unroll: int) -> int:
 def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
                 max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int = DEFAULT_PREFETCH,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
-                act: str = "silu", vector_bits: int = 0, unpack: int = 0) -> ir.Function:
+                act: str = "silu", vector_bits: int = 0, unpack: int = 0, prefetch_stride: int = 64) -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
@@ -346,6 +347,8 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
             instead of 512-bit vpdpbusd (hosts that execute 512-bit ops as two halves, such as Zen 4, may issue
             it as fast); 0: the ISA's own. The integer block sums are exact either way: same numbers.
         unpack: the Q4 nibble-unpack sequence of the VNNI kernel (_q4_block_int).
+        prefetch_stride: bytes between the prefetched lines of a unit (64: every line; a unit's size or more:
+            one line per unit, a hint to the hardware prefetchers rather than a fetch of every line).
     """
     isa = _check_isa(isa)
     _check_act(act)
@@ -366,10 +369,10 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     with Loop(b, r0, r1, "t") as t:
         w_row = ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
         _emit_tile_row(b, L, isa, w_row, [(x, xq, xd, xs)], slots, [tmp], unroll, prefetch, prefetch_locality,
-                       unpack)
+                       unpack, prefetch_stride)
         if gate_up:  # the up tile-row follows the gate tile-row
             _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), [(x, xq, xd, xs)], slots, [up], unroll,
-                           prefetch, prefetch_locality, unpack)
+                           prefetch, prefetch_locality, unpack, prefetch_stride)
         y_row = ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
         for g in range(L.groups_per_tile):
             v = load(b, tmp, 16 * g, V(f32, 16), align=4)

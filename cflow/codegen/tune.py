@@ -1,14 +1,20 @@
 """Per-host kernel tuning: a short measured search over the mat-vec kernel's schedule knobs, cached per CPU.
 
 Stage: codegen (used by the runtime before it emits a step). The decode kernels were tuned by hand on one
-Intel host; what streams fastest differs between CPUs (prefetch distance and hint, units per loop iteration,
-16-row groups per pass). The first time a kernel shape (dtype, columns, tile, gate_up) is met on a CPU, each
-candidate is JIT-compiled in one library and timed on >= 64 MiB of real packed weights (past the L2/L3, so
-it streams from DRAM), candidates interleaved round by round, the median kept. A candidate replaces the
-default only when it is faster by more than MARGIN (so noise does not flip the choice); ties keep the
-earlier candidate. The result is cached in $CFLOW_CACHE_DIR/tune/<cpu>.json, keyed by kernel shape, and
-the CPU model and LLVM feature string are part of the file's key; later loads only read it, so the choice
-is deterministic given the cache. The program cache's fingerprint includes the choices.
+Intel host; what streams fastest differs between CPUs (prefetch distance, hint and density, units per loop
+iteration, 16-row groups per pass, 256- vs 512-bit integer dots, the Q4 unpack sequence), and the knobs
+interact (on Zen 4 the 256-bit kernel only pays once the software prefetch is off), so the search is a
+coordinate descent: the first time a kernel shape (dtype, columns, tile, gate_up) is met on a CPU, the current
+choice and every one-knob change of it (SPACE) are JIT-compiled in one library and timed on >= 64 MiB of real
+packed weights (past the L2/L3, so it streams from DRAM), candidates interleaved round by round, the median
+kept; the best becomes the current choice if it beats it by more than MARGIN (so noise does not flip the
+choice; ties keep the earlier candidate), and the next pass starts from it, up to PASSES passes. A choice
+other than the default is then confirmed against the default head to head (CONFIRM_ROUNDS), so a chain of
+noisy steps cannot drift to a slower kernel. Candidates are compared by the median of their per-round
+ratios to the current choice, which cancels slow swings of the host's memory bandwidth (shared machines).
+The result is cached in $CFLOW_CACHE_DIR/tune/<cpu>.json, keyed by kernel shape, and the CPU model and
+LLVM feature string are part of the file's key; later loads only read it, so the choice is deterministic
+given the cache. The program cache's fingerprint includes the choices.
 
 Numerics never change: every knob is a schedule knob (prefetch hints, loop unrolling, how many row groups
 share a pass over the tile-row) or changes only how an exact integer block sum is formed (256- vs 512-bit
@@ -37,13 +43,16 @@ from ..util import atomic_write_text
 from . import kernels as K
 from .cache import default_cache_dir
 
-MARGIN = 0.03  # a candidate must beat the default's median by 3% to be chosen
+MARGIN = 0.03  # a candidate must beat the current choice's median by 3% to replace it
 MIN_BYTES = 64 * 2**20  # weights streamed per timed call: past L3, like decode
-KNOBS = ("unroll", "prefetch", "prefetch_locality", "max_groups", "vector_bits", "unpack")
+PASSES = 3  # coordinate-descent passes at most (each: the current choice and its one-knob neighbours)
+ROUNDS = 9  # timed rounds per candidate (each call streams MIN_BYTES: milliseconds; the JIT costs more)
+CONFIRM_ROUNDS = 15  # rounds of the final head-to-head of a non-default choice against the default
+KNOBS = ("unroll", "prefetch", "prefetch_locality", "prefetch_stride", "max_groups", "vector_bits", "unpack")
 DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
-           "prefetch_locality": K.DEFAULT_PREFETCH_LOCALITY, "max_groups": K.MAX_GROUPS, "vector_bits": 0,
-           "unpack": 0}
-SCHEMA = 2  # 2: vector_bits and unpack (a table of schema 1 is searched again)
+           "prefetch_locality": K.DEFAULT_PREFETCH_LOCALITY, "prefetch_stride": 64, "max_groups": K.MAX_GROUPS,
+           "vector_bits": 0, "unpack": 0}
+SCHEMA = 3  # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent (older tables: searched again)
 
 
 def enabled() -> bool:
@@ -55,39 +64,53 @@ def kernel_key(layout, gate_up: bool) -> str:
     return f"{layout.dtype.label}:{layout.cols}:{layout.tr}x{layout.tc}:{'gate_up' if gate_up else 'plain'}"
 
 
-def candidates(layout, isa: str | None = None) -> list[dict]:
-    """The default first, then one knob changed at a time (prefetch distances in units of the kernel's
-    block unit, so they scale with the dtype and tile), then the two promising pairs. On an AVX-512 VNNI host
-    (isa) also the 256-bit kernel and, for Q4, the other nibble-unpack sequence."""
+def space(layout, isa: str | None = None) -> dict[str, tuple]:
+    """The values each knob may take for this kernel shape: prefetch distances in units of the kernel's block
+    unit (so they scale with the dtype and tile), the prefetch density (every line, or one line per unit: a hint
+    that keeps the hardware prefetchers ahead without an instruction per line); on an AVX-512 VNNI host (isa)
+    also the 256-bit kernel and, for Q4, the other nibble-unpack sequence."""
     from ..layout.tile import DType
     from .target import ISA
 
     unit = layout.unit_nbytes
-    d = dict(DEFAULT)
-    out = [d]
-    for pf in (0, unit, 2 * unit, 4 * unit):
-        out.append({**d, "prefetch": pf})
-    out.append({**d, "prefetch_locality": 2})
-    out.append({**d, "prefetch": 2 * unit, "prefetch_locality": 2})
-    for u in (1, 4):
-        out.append({**d, "unroll": u})
-    out.append({**d, "max_groups": 4})
+    sp = {"prefetch": tuple(dict.fromkeys(min(n * unit, 1 << 17) for n in (0, 1, 2, 4, 8, 16))),
+          "prefetch_stride": (64, unit) if unit > 64 else (64,),
+          "prefetch_locality": (3, 2, 0), "unroll": (1, 2, 4), "max_groups": (8, 4),
+          "vector_bits": (0,), "unpack": (0,)}
     if isa is not None and ISA.parse(isa) == ISA.AVX512VNNI and layout.dtype in (DType.Q4, DType.Q8):
-        out.append({**d, "vector_bits": 256})
+        sp["vector_bits"] = (0, 256)
         if layout.dtype == DType.Q4:
-            out.append({**d, "unpack": 1})
-    seen, uniq = set(), []
-    for c in out:  # e.g. unit == DEFAULT_PREFETCH makes a duplicate of the default
-        k = tuple(c[n] for n in KNOBS)
-        if k not in seen:
-            seen.add(k)
-            uniq.append(c)
-    return uniq
+            sp["unpack"] = (0, 1)
+    return sp
+
+
+def _normal(c: dict) -> dict:
+    """Without a software prefetch its hint and density mean nothing: one spelling of that kernel."""
+    return {**c, "prefetch_locality": DEFAULT["prefetch_locality"], "prefetch_stride": 64} if not c["prefetch"] else c
+
+
+def neighbours(cur: dict, layout, isa: str | None = None) -> list[dict]:
+    """cur first, then every kernel one knob away from it (SPACE order), each once."""
+    out, seen = [], set()
+    for c in [cur] + [{**cur, k: v} for k, vals in space(layout, isa).items() for v in vals]:
+        c = _normal(c)
+        key = tuple(c[n] for n in KNOBS)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def candidates(layout, isa: str | None = None) -> list[dict]:
+    """The first pass of the search: the default, then each one-knob change of it."""
+    return neighbours(dict(DEFAULT), layout, isa)
 
 
 def label(knobs: dict) -> str:
     extra = (" v256" if knobs.get("vector_bits") == 256 else "") + (" shift" if knobs.get("unpack") else "")
-    return f"u{knobs['unroll']} pf{knobs['prefetch']} L{knobs['prefetch_locality']} g{knobs['max_groups']}{extra}"
+    st = knobs.get("prefetch_stride", 64)
+    pf = f"pf{knobs['prefetch']}" + (f"/{st}" if knobs["prefetch"] and st != 64 else "")
+    return f"u{knobs['unroll']} {pf} L{knobs['prefetch_locality']} g{knobs['max_groups']}{extra}"
 
 
 # --- the cache ------------------------------------------------------------------------------------
@@ -129,7 +152,8 @@ def _valid_choice(c) -> dict | None:
         return None
     if not all(isinstance(c[k], int) and not isinstance(c[k], bool) for k in KNOBS):
         return None
-    if not (1 <= c["unroll"] <= 8 and 0 <= c["prefetch"] <= 1 << 16 and c["prefetch_locality"] in (0, 1, 2, 3)
+    if not (1 <= c["unroll"] <= 8 and 0 <= c["prefetch"] <= 1 << 17 and c["prefetch_locality"] in (0, 1, 2, 3)
+            and 64 <= c["prefetch_stride"] <= 1 << 16 and c["prefetch_stride"] % 64 == 0
             and 1 <= c["max_groups"] <= 32 and c["vector_bits"] in (0, 256) and c["unpack"] in (0, 1)):
         return None
     return c
@@ -151,7 +175,7 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0):
     return buf, TileLayout(layout.dtype, layout.tr * n, layout.cols, one.tile)
 
 
-def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, target=None, rounds: int = 5,
+def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, target=None, rounds: int = ROUNDS,
             nbytes: int | None = None, check: bool = True) -> list[dict]:
     """Time each candidate on the same weights, interleaved round by round (one thread).
 
@@ -204,24 +228,56 @@ def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, targ
             for c, s in zip(cands, samples)]
 
 
+def _ratio(r: dict, ref: dict) -> float:
+    """r's speed relative to ref: the median of per-round ratios (each round times both within milliseconds, so a
+    burst of other memory traffic that lasts several rounds cancels out); the ratio of medians without samples."""
+    a, b = r.get("samples") or [], ref.get("samples") or []
+    if a and len(a) == len(b) and all(x > 0 for x in b):
+        return float(np.median([x / y for x, y in zip(a, b)]))
+    return r["gbps"] / ref["gbps"]
+
+
 def choose(results: list[dict]) -> dict:
-    """The default (results[0]) unless a candidate's median beats it by more than MARGIN; the fastest wins,
-    ties go to the earlier candidate."""
-    best = results[0]
+    """results[0] (the current choice) unless a candidate beats it by more than MARGIN (per-round ratio, _ratio);
+    the fastest wins, ties go to the earlier candidate."""
+    ref = results[0]
+    best, best_ratio = ref, 1.0 + MARGIN
     for r in results[1:]:
-        if r["gbps"] > best["gbps"] * (1 + MARGIN if best is results[0] else 1):
-            best = r
+        q = _ratio(r, ref)
+        if q > best_ratio:
+            best, best_ratio = r, q
     return best["knobs"]
 
 
-def tune_kernel(layout, gate_up: bool, target, rounds: int = 5, nbytes: int | None = None) -> dict:
-    """Measure and return the record stored in the table for one kernel shape."""
+def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | None = None,
+           passes: int = PASSES) -> tuple[dict, list[dict]]:
+    """The coordinate descent (module docstring): (choice, [{"pass", "knobs", "gbps"}] of every timing).
+    Pass numbers count from 1; the default-vs-choice confirmation is pass 0."""
+    cur, log = dict(DEFAULT), []
+    for p in range(1, passes + 1):
+        res = measure(layout, gate_up, cands=neighbours(cur, layout, target.isa), target=target, rounds=rounds,
+                      nbytes=nbytes)
+        log += [{"pass": p, **r} for r in res]
+        best = choose(res)
+        if best == cur:
+            break
+        cur = best
+    if cur != DEFAULT:  # head to head with the default, so noisy steps cannot add up to a slower kernel
+        res = measure(layout, gate_up, cands=[dict(DEFAULT), cur], target=target,
+                      rounds=max(rounds, CONFIRM_ROUNDS), nbytes=nbytes)
+        log += [{"pass": 0, **r} for r in res]
+        cur = choose(res)
+    return cur, log
+
+
+def tune_kernel(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | None = None) -> dict:
+    """Search and return the record stored in the table for one kernel shape."""
     from .target import cpu_model
 
-    res = measure(layout, gate_up, target=target, rounds=rounds, nbytes=nbytes)
-    return {"choice": choose(res), "cpu": cpu_model(), "isa": target.isa, "rounds": rounds,
-            "results": [{"variant": label(r["knobs"]), "knobs": r["knobs"], "gbps": round(r["gbps"], 3)}
-                        for r in res]}
+    choice, log = search(layout, gate_up, target, rounds=rounds, nbytes=nbytes)
+    return {"choice": choice, "cpu": cpu_model(), "isa": target.isa, "rounds": rounds,
+            "results": [{"pass": r["pass"], "variant": label(r["knobs"]), "knobs": r["knobs"],
+                         "gbps": round(r["gbps"], 3)} for r in log]}
 
 
 def kernel_shapes(tensors) -> dict[str, tuple]:
@@ -236,7 +292,7 @@ def kernel_shapes(tensors) -> dict[str, tuple]:
     return dict(sorted(out.items()))
 
 
-def choices(tensors, target, search: bool = True, force: bool = False, rounds: int = 5,
+def choices(tensors, target, search: bool = True, force: bool = False, rounds: int = ROUNDS,
             nbytes: int | None = None, on_result=None, ignore_env: bool = False) -> dict[str, dict]:
     """{kernel key: knobs} for a model's kernels on this host: cached choices, a search for the missing
     ones (search=True), {} when CFLOW_TUNE=off (the defaults) unless ignore_env (`cflow tune`).
