@@ -10,10 +10,10 @@ def add_args(p):
     p.add_argument("file", help="compiled model (.vflow or .cflow)")
     p.add_argument("--force", action="store_true",
                    help="measure again even where this CPU's cache has a choice (default: reuse cached choices)")
-    from ..codegen.tune import ROUNDS
-
-    p.add_argument("--rounds", type=whole(1, 100), default=ROUNDS,
-                   help=f"timed rounds per variant, interleaved; the median counts (default: {ROUNDS})")
+    # the default is codegen.tune.ROUNDS, resolved in run(): --help must not import numpy/llvmlite
+    p.add_argument("--rounds", type=whole(1, 100), default=None,
+                   help="timed rounds per variant, interleaved; the median counts "
+                        "(default: the same as the search cflow.load runs)")
     p.add_argument("--mb", type=whole(1, 4096), default=64,
                    help="MiB of packed weights each timed call streams, past the caches (default: 64)")
     p.add_argument("--json", metavar="PATH", help="also write the records as JSON (default: none)")
@@ -27,6 +27,9 @@ def run(args) -> int:
     from ..passes.pipeline import plan_from_header
     from ..runtime.format import FileReader
     from ..util import atomic_write_text, check_output_path
+
+    if args.rounds is None:
+        args.rounds = tune.ROUNDS
 
     if args.json:
         check_output_path(args.json, "--json")
