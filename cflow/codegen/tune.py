@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -301,7 +302,15 @@ def choices(tensors, target, search: bool = True, force: bool = False, rounds: i
         return {}
     table = read_table(target)
     out, changed = {}, False
-    for key, (layout, gate_up) in kernel_shapes(tensors).items():
+    shapes = kernel_shapes(tensors)
+    missing = [k for k in shapes if force or not isinstance(table.get(k), dict)
+               or _valid_choice(table[k].get("choice")) is None]
+    if missing and (search or force) and on_result is None:
+        # a first load on a new CPU would otherwise sit silent for ~10 s per shape (`cflow tune` prints its own table)
+        warnings.warn(f"measuring this CPU's mat-vec kernel variants for {len(missing)} kernel shape"
+                      f"{'s' * (len(missing) != 1)} (once per CPU model; cached in {_path(target)}; "
+                      "CFLOW_TUNE=off uses the defaults)", stacklevel=2)
+    for key, (layout, gate_up) in shapes.items():
         rec = table.get(key)
         c = _valid_choice(rec.get("choice")) if isinstance(rec, dict) else None
         if (c is None or force) and (search or force):

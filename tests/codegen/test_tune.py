@@ -136,6 +136,24 @@ def test_search_once_then_cached(tuning_on, monkeypatch, model_file):
     assert tune.choices(tensors, target) == got  # deterministic given the cache
 
 
+def test_a_first_search_says_so_once(tuning_on, monkeypatch, model_file):
+    # a first load on a new CPU measures for seconds per shape: it must not sit silent; a cached load says nothing
+    import warnings
+
+    from cflow.passes.pipeline import plan_from_header
+    from cflow.runtime.format import FileReader
+
+    with FileReader(model_file) as r:
+        tensors = list(plan_from_header(r.header, r.path).tensors.values())
+    monkeypatch.setattr(tune, "tune_kernel", lambda *a, **k: {"choice": dict(tune.DEFAULT), "results": []})
+    n = len(tune.kernel_shapes(tensors))
+    with pytest.warns(UserWarning, match=f"measuring this CPU's mat-vec kernel variants for {n} kernel shapes"):
+        tune.choices(tensors, host_target())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tune.choices(tensors, host_target())
+
+
 def test_bad_table_is_ignored(tuning_on, monkeypatch):
     target = host_target()
     p = tune._path(target)
