@@ -297,30 +297,29 @@ def choices(tensors, target, search: bool = True, force: bool = False, rounds: i
             nbytes: int | None = None, on_result=None, ignore_env: bool = False) -> dict[str, dict]:
     """{kernel key: knobs} for a model's kernels on this host: cached choices, a search for the missing
     ones (search=True), {} when CFLOW_TUNE=off (the defaults) unless ignore_env (`cflow tune`).
-    on_result(key, record) sees each record."""
+    on_result(key, record) sees each record; a caller without one (a load) is told by a warning that a
+    search is about to run, since it takes seconds per shape."""
     if not (enabled() or force or ignore_env):
         return {}
     table = read_table(target)
-    out, changed = {}, False
     shapes = kernel_shapes(tensors)
-    missing = [k for k in shapes if force or not isinstance(table.get(k), dict)
-               or _valid_choice(table[k].get("choice")) is None]
-    if missing and (search or force) and on_result is None:
-        # a first load on a new CPU would otherwise sit silent for ~10 s per shape (`cflow tune` prints its own table)
-        warnings.warn(f"measuring this CPU's mat-vec kernel variants for {len(missing)} kernel shape"
-                      f"{'s' * (len(missing) != 1)} (once per CPU model; cached in {_path(target)}; "
+    cached = {k: _valid_choice(table[k].get("choice")) if isinstance(table.get(k), dict) else None for k in shapes}
+    todo = [k for k in shapes if force or (search and cached[k] is None)]
+    if todo and on_result is None:
+        warnings.warn(f"measuring this CPU's mat-vec kernel variants for {len(todo)} kernel shape"
+                      f"{'s' * (len(todo) != 1)} (once per CPU model; cached in {_path(target)}; "
                       "CFLOW_TUNE=off uses the defaults)", stacklevel=2)
+    out = {}
     for key, (layout, gate_up) in shapes.items():
-        rec = table.get(key)
-        c = _valid_choice(rec.get("choice")) if isinstance(rec, dict) else None
-        if (c is None or force) and (search or force):
+        rec, c = table.get(key), cached[key]
+        if key in todo:
             rec = tune_kernel(layout, gate_up, target, rounds=rounds, nbytes=nbytes)
-            table[key], changed, c = rec, True, rec["choice"]
+            table[key], c = rec, rec["choice"]
         if c is not None:
             if on_result is not None:
                 on_result(key, rec)
             if c != DEFAULT:
                 out[key] = c
-    if changed:
+    if todo:
         _write_table(target, table)
     return out
