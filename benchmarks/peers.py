@@ -22,6 +22,10 @@ Correctness: llama.cpp's logits at the first prompt positions against cflow's on
 greedy-token agreement over --agree-steps (128) steps, cflow Q4 vs llama.cpp Q4_0 (and vs ORT GenAI int4).
 --f32-check adds the strict check: the same weights exported at F32, llama.cpp against cflow's NumPy interpreter.
 --model moe (decode.py's Mixtral-like geometry): cflow and llama.cpp only, bytes per token of the routed experts.
+--model moe2g (the same shape of model at 2.26 GB at Q4, 3.84 G parameters): its weights are decode.LazyWeights,
+generated per tensor on access, so the compiles and GGUF exports hold one tensor at a time (15.4 GB if at f32);
+--build-only writes the files and exits; the peak RSS of the setup (the builds) and of the run are printed and
+recorded in the meta JSON.
 --json PATH writes a list of records (engine, geometry, quant, threads, tok_s, bytes_per_token, read_gbps,
 other_load); the checks go to PATH's stem + "_meta.json".
 """
@@ -32,6 +36,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import sys
 import time
 
@@ -41,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bandwidth import measure_read_bandwidth  # noqa: E402
-from decode import MODELS, OUT, random_weights, time_decode  # noqa: E402
+from decode import LAZY_MODELS, MODELS, OUT, model_weights, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.runtime.format.gguf import export_gguf  # noqa: E402
@@ -148,6 +153,10 @@ def f32_check(key: str, source: dict, ids: list[int], threads: int, rebuild: boo
     from cflow.ir import Interpreter, build_graph
 
     config = MODELS[key]
+    if key in LAZY_MODELS:
+        raise SystemExit(f"--f32-check: not for {key} (its F32 GGUF would be "
+                         f"{4 * sum(int(np.prod(s)) for s in source.shapes.values()) / 1e9:.1f} GB and the NumPy "
+                         "interpreter regenerates every weight per step)")
     g = lower(build_graph(config, source, name=config.name), "f32").graph
     path = os.path.join(OUT, f"{config.name}_f32.gguf")
     if rebuild or not os.path.exists(path):
@@ -176,6 +185,11 @@ def torch_model(config, weights: dict):
     sd = {f"{k}.weight": torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in weights.items()}
     model.load_state_dict(sd, strict=True, assign=True)
     return model.eval()
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far (getrusage ru_maxrss, KiB on Linux), in MB (10^6 B)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
 
 
 def torch_bytes_per_token(weights: dict) -> int:
@@ -475,7 +489,7 @@ def describe_agreement(label: str, a: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tinyllama", choices=list(MODELS),
-                    help="moe: cflow and llama.cpp only (ORT GenAI's builder has no Mixtral; torch not timed)")
+                    help="moe, moe2g: cflow and llama.cpp only (ORT GenAI's builder has no Mixtral; torch not timed)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
@@ -500,6 +514,8 @@ def main(argv=None) -> None:
                     help="also export the weights at F32 and compare llama.cpp with cflow's interpreter without any "
                          "quantisation (strict check of the export; the file is 4 B/weight, 4.4 GB for tinyllama)")
     ap.add_argument("--json", help="write the records (a list); the checks go to <PATH without .json>_meta.json")
+    ap.add_argument("--build-only", action="store_true",
+                    help="write the model files (cflow .vflow, GGUF) that do not exist yet, print the peak RSS, exit")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.reps, args.torch_tokens, args.gib = min(args.tokens, 16), min(args.reps, 2), \
@@ -508,8 +524,12 @@ def main(argv=None) -> None:
 
     config = MODELS[args.model]
     t0 = time.perf_counter()
-    weights = random_weights(config)
-    print(f"# random weights ({config.name}, seed 0): {time.perf_counter() - t0:.1f} s", flush=True)
+    weights = model_weights(args.model)
+    if args.model in LAZY_MODELS:
+        print(f"# random weights ({config.name}, seed 0): generated per tensor on access ({len(weights)} tensors, "
+              f"{weights.nbytes() / 1e9:.1f} GB if at f32)", flush=True)
+    else:
+        print(f"# random weights ({config.name}, seed 0): {time.perf_counter() - t0:.1f} s", flush=True)
     quants = ["q4"] + ([] if args.no_q8 else ["q8"])
     plans = {q: cflow_file(args.model, q, weights) for q in quants}
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, 8)]
@@ -523,6 +543,11 @@ def main(argv=None) -> None:
             print("# llama-cpp-python is not installed: pip install 'cflow[peers]' (skipping llama.cpp)", flush=True)
             have_llama = False
     gguf = {q: gguf_file(args.model, plans[q][1], args.rebuild_gguf, q) for q in quants} if have_llama else {}
+    rss_build = peak_rss_mb()
+    print(f"# peak RSS after the setup (weights, lowering, any compile / GGUF export): {rss_build:.0f} MB",
+          flush=True)
+    if args.build_only:
+        return
     if have_llama:
         print(f"# llama-cpp-python {llama_cpp.__version__}; {llama_cpp.llama_print_system_info().decode().strip()}",
               flush=True)
@@ -559,12 +584,13 @@ def main(argv=None) -> None:
                   flush=True)
         except ImportError:
             print("# torch is not installed: skipping PyTorch eager", flush=True)
-    tbytes = torch_bytes_per_token(weights)
+    tbytes = torch_bytes_per_token(weights) if tmodels else 0  # (on LazyWeights it would generate every tensor)
 
     meta = {"model": config.name, "prompt": prompt, "tokens": args.tokens, "reps": args.reps,
             "torch_tokens": args.torch_tokens, "max_load": args.max_load,
             "argv": sys.argv[1:] if argv is None else list(argv),
-            "cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cflow": _git_state()}
+            "cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cflow": _git_state(),
+            "peak_rss_setup_mb": round(rss_build)}
     if args.f32_check and have_llama:
         meta["cross_check_f32"] = f32_check(args.model, weights, check_ids,
                                             max(int(t) for t in args.threads.split(",")), args.rebuild_gguf)
@@ -646,7 +672,9 @@ def main(argv=None) -> None:
                      (("cflow", "Q4"), ("torch-eager", "bf16"))):
             if a in by and b in by:
                 print(f"  {' '.join(a)} / {' '.join(b)} = {by[a] / by[b]:.2f}x", flush=True)
-    print(f"# total {time.perf_counter() - t_start:.0f} s", flush=True)
+    meta["peak_rss_mb"] = round(peak_rss_mb())
+    print(f"# total {time.perf_counter() - t_start:.0f} s; peak RSS {meta['peak_rss_mb']} MB (mapped model files "
+          "count while resident)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
