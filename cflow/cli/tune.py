@@ -14,6 +14,9 @@ def add_args(p):
     p.add_argument("--rounds", type=whole(1, 100), default=None,
                    help="timed rounds per variant, interleaved; the median counts "
                         "(default: the same as the search cflow.load runs)")
+    p.add_argument("--passes", type=whole(1, 10), default=None,
+                   help="coordinate-descent passes at most (default: the same as the search cflow.load runs; "
+                        "1: only one-knob changes of the default, a quicker and rougher search)")
     p.add_argument("--mb", type=whole(1, 4096), default=64,
                    help="MiB of packed weights each timed call streams, past the caches (default: 64)")
     p.add_argument("--json", metavar="PATH", help="also write the records as JSON (default: none)")
@@ -30,6 +33,8 @@ def run(args) -> int:
 
     if args.rounds is None:
         args.rounds = tune.ROUNDS
+    if args.passes is None:
+        args.passes = tune.PASSES
 
     if args.json:
         check_output_path(args.json, "--json")
@@ -37,9 +42,9 @@ def run(args) -> int:
         tensors = plan_from_header(r.header, r.path).tensors.values()
     target = host_target()
     print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call, median of "
-          f"{args.rounds} rounds; coordinate descent from the default (pass N: the choice so far and each "
-          f"one-knob change; a variant must beat it by {tune.MARGIN:.0%}), then the choice against the default "
-          f"('final')")
+          f"{args.rounds} rounds; coordinate descent from the default, <= {args.passes} passes (pass N: the choice so "
+          f"far and each one-knob change; a variant must beat it by {tune.MARGIN:.0%}), then the choice against the "
+          f"default ('final')")
     if not tune.enabled():
         print("note: CFLOW_TUNE=off: cflow.load uses the defaults and ignores this table while it is set")
     records = {}
@@ -56,7 +61,8 @@ def run(args) -> int:
             print(f"  {step:>5} {v['variant']:<28} {v['gbps']:>7.2f}{mark}")
 
     # cached choices are shown as stored, missing ones measured and cached (also under CFLOW_TUNE=off)
-    tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20, on_result=show,
+    tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20,
+                 passes=args.passes, on_result=show,
                  ignore_env=True)
     if args.json:
         atomic_write_text(args.json, json.dumps({"cpu": cpu_model(), "isa": target.isa, "kernels": records},

@@ -271,11 +271,12 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
     return cur, log
 
 
-def tune_kernel(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | None = None) -> dict:
+def tune_kernel(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | None = None,
+                passes: int = PASSES) -> dict:
     """Search and return the record stored in the table for one kernel shape."""
     from .target import cpu_model
 
-    choice, log = search(layout, gate_up, target, rounds=rounds, nbytes=nbytes)
+    choice, log = search(layout, gate_up, target, rounds=rounds, nbytes=nbytes, passes=passes)
     return {"choice": choice, "cpu": cpu_model(), "isa": target.isa, "rounds": rounds,
             "results": [{"pass": r["pass"], "variant": label(r["knobs"]), "knobs": r["knobs"],
                          "gbps": round(r["gbps"], 3)} for r in log]}
@@ -294,7 +295,8 @@ def kernel_shapes(tensors) -> dict[str, tuple]:
 
 
 def choices(tensors, target, search: bool = True, force: bool = False, rounds: int = ROUNDS,
-            nbytes: int | None = None, on_result=None, ignore_env: bool = False) -> dict[str, dict]:
+            nbytes: int | None = None, passes: int = PASSES, on_result=None,
+            ignore_env: bool = False) -> dict[str, dict]:
     """{kernel key: knobs} for a model's kernels on this host: cached choices, a search for the missing
     ones (search=True), {} when CFLOW_TUNE=off (the defaults) unless ignore_env (`cflow tune`).
     on_result(key, record) sees each record; a caller without one (a load) is told by a warning that a
@@ -313,7 +315,7 @@ def choices(tensors, target, search: bool = True, force: bool = False, rounds: i
     for key, (layout, gate_up) in shapes.items():
         rec, c = table.get(key), cached[key]
         if key in todo:
-            rec = tune_kernel(layout, gate_up, target, rounds=rounds, nbytes=nbytes)
+            rec = tune_kernel(layout, gate_up, target, rounds=rounds, nbytes=nbytes, passes=passes)
             table[key], c = rec, rec["choice"]
         if c is not None:
             if on_result is not None:

@@ -87,6 +87,9 @@ def test_search_drift_is_caught_by_the_final_check(monkeypatch):
     monkeypatch.setattr(tune, "measure", measure)
     choice, log = tune.search(TileLayout(DType.Q8, 256, 512, (128, 256)), False, host_target())
     assert choice == tune.DEFAULT and len(calls) == tune.PASSES + 1
+    calls.clear()  # passes=1 (`cflow tune --passes 1`): one pass, and still the head-to-head
+    tune.search(TileLayout(DType.Q8, 256, 512, (128, 256)), False, host_target(), passes=1)
+    assert calls[1:] == [2] and len(calls) == 2
 
 
 def test_neighbours_are_one_knob_away_and_unique():
@@ -121,7 +124,7 @@ def test_search_once_then_cached(tuning_on, monkeypatch, model_file):
         tensors = list(plan_from_header(r.header, r.path).tensors.values())
     target = host_target()
     seen = []
-    got = tune.choices(tensors, target, rounds=1, nbytes=MB, on_result=lambda k, rec: seen.append(k))
+    got = tune.choices(tensors, target, rounds=1, nbytes=MB, passes=1, on_result=lambda k, rec: seen.append(k))
     shapes = tune.kernel_shapes(tensors)
     assert seen == list(shapes) and len(shapes) >= 2  # every kernel shape measured, gate_up ones included
     assert any(k.endswith(":gate_up") for k in shapes)
@@ -195,7 +198,7 @@ def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_fi
 
 def test_cli_tune(tuning_on, model_file):
     cmd = [sys.executable, "-c", "import sys; from cflow.cli import cflow_main; sys.exit(cflow_main(sys.argv[1:]))",
-           "tune", str(model_file), "--mb", "1", "--rounds", "1", "--json", str(tuning_on / "t.json")]
+           "tune", str(model_file), "--mb", "1", "--rounds", "1", "--passes", "1", "--json", str(tuning_on / "t.json")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "<- chosen" in r.stdout and "gate_up" in r.stdout and "GB/s" in r.stdout
@@ -203,3 +206,5 @@ def test_cli_tune(tuning_on, model_file):
     assert rec["kernels"] and all("choice" in v for v in rec["kernels"].values())
     r = subprocess.run(cmd[:5] + ["--rounds", "0"], capture_output=True, text=True)
     assert r.returncode == 1 and "--rounds" in r.stderr
+    r = subprocess.run(cmd[:5] + ["--passes", "0"], capture_output=True, text=True)
+    assert r.returncode == 1 and "--passes" in r.stderr
