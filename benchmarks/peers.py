@@ -172,6 +172,16 @@ def f32_check(key: str, source: dict, ids: list[int], threads: int, rebuild: boo
     return compare_logits(ref, got)
 
 
+def interp_check(m, c, ids: list[int]) -> dict:
+    """cflow's runtime logits (one token per step) against the NumPy interpreter's on the same lowered Q4 graph
+    (int8 activation emulation, cache_weights=False: each weight re-derived from the source when used, so a
+    lazily generated model is held one tensor at a time), the interpreter running `ids` as one prefill."""
+    from cflow.ir import Interpreter
+
+    ref = Interpreter(c.graph, act_quant="q8", cache_weights=False).prefill(ids)
+    return compare_logits(cflow_position_logits(m, ids), np.asarray(ref, dtype=np.float32))
+
+
 # --- PyTorch eager -------------------------------------------------------------------------------
 
 def torch_model(config, weights: dict):
@@ -514,6 +524,9 @@ def main(argv=None) -> None:
                     help="also export the weights at F32 and compare llama.cpp with cflow's interpreter without any "
                          "quantisation (strict check of the export; the file is 4 B/weight, 4.4 GB for tinyllama)")
     ap.add_argument("--json", help="write the records (a list); the checks go to <PATH without .json>_meta.json")
+    ap.add_argument("--interp-check", action="store_true",
+                    help="also compare cflow Q4's logits over --check-positions with the NumPy interpreter's on the "
+                         "same Q4 weights (one prefill; minutes on the >= 2 GB geometry)")
     ap.add_argument("--build-only", action="store_true",
                     help="write the model files (cflow .vflow, GGUF) that do not exist yet, print the peak RSS, exit")
     args = ap.parse_args(argv)
@@ -596,6 +609,13 @@ def main(argv=None) -> None:
                                             max(int(t) for t in args.threads.split(",")), args.rebuild_gguf)
         print(describe_check("cross-check F32, llama.cpp vs cflow interpreter logits", meta["cross_check_f32"]),
               flush=True)
+    if args.interp_check:
+        t0 = time.perf_counter()
+        m = cflow.load(plans["q4"][0], threads=max(int(t) for t in args.threads.split(",")))
+        meta["interp_check_q4"] = interp_check(m, plans["q4"][1], check_ids)
+        m.close()
+        print(describe_check(f"interpreter check Q4, cflow runtime vs NumPy interpreter (int8 activations) logits "
+                             f"[{time.perf_counter() - t0:.0f} s]", meta["interp_check_q4"]), flush=True)
     print(f"# setup {time.perf_counter() - t_start:.1f} s; cflow {meta['cflow']}; CPU {meta['cpu']}", flush=True)
 
     records = []

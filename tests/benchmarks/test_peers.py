@@ -106,3 +106,32 @@ def test_ort_bytes_per_token_counts_matmulnbits(tmp_path):
     assert (got["int4_weights"], got["scales"], got["zero_points"]) == (n * k // 2, n * k // block * 4, n * 2)
     assert got["float_matmul_weights"] == n * 16 * 4
     assert got["total"] == n * k // 2 + n * k // block * 4 + n * 2 + n * 16 * 4  # the embedding is not counted
+
+
+def test_interp_check_compares_steps_with_one_prefill():
+    """interp_check: the runtime's per-step logits against the interpreter's prefill of the same ids, on the
+    lowered Q4 graph; here the "runtime" is a second interpreter stepping token by token (same arithmetic)."""
+    decode = pytest.importorskip("decode")
+    from cflow.compiler import lower
+    from cflow.ir import Interpreter, build_graph
+    from cflow.ir.config import ModelConfig
+
+    cfg = ModelConfig(name="tiny_interp", vocab_size=64, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1,
+                      n_experts=4, top_k=2, expert_dim=64, max_seq_len=16)
+    c = lower(build_graph(cfg, decode.LazyWeights(cfg), name=cfg.name), "q4")
+
+    class Stepper:
+        def reset(self):
+            self.it = Interpreter(c.graph, act_quant="q8", cache_weights=False)
+
+        def prefill(self, ids):
+            return self.it.prefill(ids)[-1]
+
+        def step(self, t):
+            return self.it.step(t)
+
+    class M:
+        session = Stepper()
+
+    ck = peers.interp_check(M(), c, [3, 9, 27, 17, 51])
+    assert ck["positions"] == 5 and ck["argmax_agree"] == 5 and ck["max_abs_diff"] < 1e-3 * max(ck["logit_std"], 1)
