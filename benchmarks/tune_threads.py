@@ -1,0 +1,128 @@
+"""Does the 1-thread tuning choice stay the best with every core streaming? (issue 10, the 2-thread shortfall)
+
+codegen/tune.py times kernel variants on one thread. This script times the same kind of candidates (the default,
+this host's cached choice or the descent's recorded choice, and the one-knob prefetch/vector variants of it) on
+1 thread over the whole matrix and on N threads at once, each thread on its own contiguous tile-row range as the
+decode step splits them (Python threads calling the JIT-compiled kernel through ctypes, which releases the GIL;
+a barrier starts them together, the slowest thread's time counts), interleaved round by round, medians printed
+with the plain read loop's bandwidth of the same round. Numbers only: nothing is cached or chosen here.
+
+    python benchmarks/tune_threads.py --shape q4:2048:plain --threads 2 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from llvmlite import ir  # noqa: E402
+
+from cflow.codegen import kernels as K  # noqa: E402
+from cflow.codegen import tune  # noqa: E402
+from cflow.codegen.bandwidth import measure_read_bandwidth  # noqa: E402
+from cflow.codegen.library import Library  # noqa: E402
+from cflow.codegen.target import cpu_model, host_target  # noqa: E402
+from cflow.layout.quant import DType  # noqa: E402
+from cflow.layout.tile import TileLayout  # noqa: E402
+
+# the descent's choice on the Zen 4 host (docs/results/tune_descent.json), used when this host has no cached one
+RECORDED = {"q4:2048:plain": {"prefetch": 0, "vector_bits": 256},
+            "q4:5632:plain": {"prefetch": 0, "vector_bits": 256},
+            "q4:2048:gate_up": {"prefetch": 2304, "prefetch_locality": 2, "prefetch_stride": 2304}}
+
+
+def run_threads(fn, w, args, y, n_tile_rows: int, nth: int) -> float:
+    """Seconds of one call split over nth threads (the slowest thread's time, all started together)."""
+    bar = threading.Barrier(nth)
+    times = [0.0] * nth
+
+    def work(t):
+        lo, hi = n_tile_rows * t // nth, n_tile_rows * (t + 1) // nth
+        bar.wait()
+        t0 = time.perf_counter()
+        fn(K._p(w), *args, K._p(y), lo, hi)
+        times[t] = time.perf_counter() - t0
+
+    ths = [threading.Thread(target=work, args=(t,)) for t in range(nth)]
+    t0 = time.perf_counter()
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    return max(max(times), 0.0) or (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="q4:2048:plain", help="dtype:cols:plain|gate_up (128x256 tiles)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--mb", type=int, default=256, help="MiB of packed weights per call (default 256)")
+    args = ap.parse_args(argv)
+    dt, cols, kind = args.shape.split(":")
+    gate_up = kind == "gate_up"
+    layout = TileLayout(DType.parse(dt), 128, int(cols), (128, 256))
+    target = host_target()
+    isa = K._check_isa(target.isa)
+    key = tune.kernel_key(layout, gate_up)
+    rec = tune.read_table(target).get(key)
+    chosen = (rec or {}).get("choice") or {**tune.DEFAULT, **RECORDED.get(args.shape, {})}
+    cands = [dict(tune.DEFAULT)] + [c for c in tune.neighbours(chosen, layout, isa)
+                                   if c != tune.DEFAULT and all(c[k] == chosen[k] for k in ("unroll", "max_groups"))
+                                   and c["unpack"] == chosen["unpack"]]
+    w, big = tune._weights(layout, gate_up, args.mb * 2**20)
+    mod = ir.Module(name="tune_threads")
+    K.emit_quantize_act(mod, "quantize_act", big.cols, big.cols_p)
+    for i, c in enumerate(cands):
+        K.emit_matvec(mod, f"mv{i}", big, isa, gate_up=gate_up, **c)
+    lib = Library(name="tune_threads", target=target, cache=None)
+    lib.add_ir(mod)
+    lib.finalize()
+    vp = ctypes.c_void_p
+    quant = lib.get_cfunc("quantize_act", None, vp, vp, vp, vp)
+    fns = [lib.get_cfunc(f"mv{i}", None, vp, vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64)
+           for i in range(len(cands))]
+    act = K.Activation(big.cols, big.cols_p)
+    act.x[: big.cols] = np.random.default_rng(1).standard_normal(big.cols).astype(np.float32)
+    quant(K._p(act.x), K._p(act.xq), K._p(act.xd), K._p(act.xs))
+    a = [K._p(v) for v in (act.x, act.xq, act.xd, act.xs)]
+    y = np.zeros(big.rows_p, np.float32)
+    streamed = big.nbytes * (2 if gate_up else 1)
+    counts = (1, args.threads)
+    gbps = {(i, n): [] for i in range(len(cands)) for n in counts}
+    read = {n: [] for n in counts}
+    for i in range(len(cands)):  # warm-up (page faults, code); the split call must give the whole call's numbers
+        fns[i](K._p(w), *a, K._p(y), 0, big.n_tile_rows)
+        whole = y.copy()
+        y[:] = 0
+        run_threads(fns[i], w, a, y, big.n_tile_rows, args.threads)
+        if not np.array_equal(whole, y):
+            raise SystemExit(f"FAIL: {tune.label(cands[i])} on {args.threads} threads differs from one thread")
+    for r in range(args.rounds):
+        for n in counts:
+            read[n].append(measure_read_bandwidth(threads=n, nbytes=1 << 28, reps=2))
+            order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))
+            for i in order:
+                gbps[(i, n)].append(streamed / run_threads(fns[i], w, a, y, big.n_tile_rows, n) / 1e9)
+    print(f"{cpu_model()} ({isa}); {key}; {args.mb} MiB per call; medians of {args.rounds} interleaved rounds; "
+          f"choice from {'this host cache' if rec else 'the recorded descent (docs/results/tune_descent.json)'}")
+    print(f"read loop: 1 thread {np.median(read[1]):.2f} GB/s, {args.threads} threads "
+          f"{np.median(read[args.threads]):.2f} GB/s")
+    print(f"  {'variant':<30} {'1 thread':>9} {str(args.threads) + ' threads':>10} {'scaling':>8}")
+    for i, c in enumerate(cands):
+        g1, gn = np.median(gbps[(i, 1)]), np.median(gbps[(i, args.threads)])
+        mark = " <- 1-thread choice" if c == chosen else (" (default)" if c == tune.DEFAULT else "")
+        print(f"  {tune.label(c):<30} {g1:9.2f} {gn:10.2f} {gn / g1:7.2f}x{mark}")
+    return cands
+
+
+if __name__ == "__main__":
+    main()

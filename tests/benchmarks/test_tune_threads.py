@@ -1,0 +1,19 @@
+"""benchmarks/tune_threads.py runs end to end on a tiny buffer (numbers not asserted: a benchmark)."""
+
+import os
+import sys
+
+import pytest
+
+from cflow.codegen import tune
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+tune_threads = pytest.importorskip("tune_threads")
+
+
+def test_runs_and_splits_exactly(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("CFLOW_CACHE_DIR", str(tmp_path))  # no cached choice: the recorded one
+    cands = tune_threads.main(["--shape", "q8:512:plain", "--threads", "2", "--rounds", "1", "--mb", "1"])
+    out = capsys.readouterr().out
+    assert cands[0] == tune.DEFAULT and len(cands) >= 2  # the default and the choice's neighbours
+    assert "2 threads" in out and "scaling" in out and "<- 1-thread choice" in out
