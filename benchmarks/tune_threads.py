@@ -39,16 +39,25 @@ RECORDED = {"q4:2048:plain": {"prefetch": 0, "vector_bits": 256},
             "q4:2048:gate_up": {"prefetch": 2304, "prefetch_locality": 2, "prefetch_stride": 2304}}
 
 
-def run_threads(fn, w, args, y, n_tile_rows: int, nth: int) -> float:
+def ranges(n_tile_rows: int, nth: int, t: int, chunk: int = 0) -> list[tuple[int, int]]:
+    """Thread t's tile-row ranges: one contiguous share (chunk 0, as the decode step splits), or chunks of `chunk`
+    tile-rows dealt round robin (both threads then read neighbouring parts of the matrix at the same time)."""
+    if not chunk:
+        return [(n_tile_rows * t // nth, n_tile_rows * (t + 1) // nth)]
+    return [(lo, min(lo + chunk, n_tile_rows)) for lo in range(t * chunk, n_tile_rows, nth * chunk)]
+
+
+def run_threads(fn, w, args, y, n_tile_rows: int, nth: int, chunk: int = 0) -> float:
     """Seconds of one call split over nth threads (the slowest thread's time, all started together)."""
     bar = threading.Barrier(nth)
     times = [0.0] * nth
 
     def work(t):
-        lo, hi = n_tile_rows * t // nth, n_tile_rows * (t + 1) // nth
+        rs = ranges(n_tile_rows, nth, t, chunk)
         bar.wait()
         t0 = time.perf_counter()
-        fn(K._p(w), *args, K._p(y), lo, hi)
+        for lo, hi in rs:
+            fn(K._p(w), *args, K._p(y), lo, hi)
         times[t] = time.perf_counter() - t0
 
     ths = [threading.Thread(target=work, args=(t,)) for t in range(nth)]
@@ -65,6 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="q4:2048:plain", help="dtype:cols:plain|gate_up (128x256 tiles)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="N threads: deal chunks of this many tile-rows round robin (default 0: contiguous shares)")
     ap.add_argument("--mb", type=int, default=256, help="MiB of packed weights per call (default 256)")
     args = ap.parse_args(argv)
     dt, cols, kind = args.shape.split(":")
@@ -103,7 +114,7 @@ def main(argv=None) -> int:
         fns[i](K._p(w), *a, K._p(y), 0, big.n_tile_rows)
         whole = y.copy()
         y[:] = 0
-        run_threads(fns[i], w, a, y, big.n_tile_rows, args.threads)
+        run_threads(fns[i], w, a, y, big.n_tile_rows, args.threads, args.chunk)
         if not np.array_equal(whole, y):
             raise SystemExit(f"FAIL: {tune.label(cands[i])} on {args.threads} threads differs from one thread")
     for r in range(args.rounds):
@@ -111,16 +122,21 @@ def main(argv=None) -> int:
             read[n].append(measure_read_bandwidth(threads=n, nbytes=1 << 28, reps=2))
             order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))
             for i in order:
-                gbps[(i, n)].append(streamed / run_threads(fns[i], w, a, y, big.n_tile_rows, n) / 1e9)
+                gbps[(i, n)].append(streamed / run_threads(fns[i], w, a, y, big.n_tile_rows, n,
+                                                                     args.chunk) / 1e9)
     print(f"{cpu_model()} ({isa}); {key}; {args.mb} MiB per call; medians of {args.rounds} interleaved rounds; "
-          f"choice from {'this host cache' if rec else 'the recorded descent (docs/results/tune_descent.json)'}")
+          f"choice from {'this host cache' if rec else 'the recorded descent (docs/results/tune_descent.json)'}; "
+          f"{'contiguous shares' if not args.chunk else f'chunks of {args.chunk} tile-rows round robin'}")
     print(f"read loop: 1 thread {np.median(read[1]):.2f} GB/s, {args.threads} threads "
           f"{np.median(read[args.threads]):.2f} GB/s")
-    print(f"  {'variant':<30} {'1 thread':>9} {str(args.threads) + ' threads':>10} {'scaling':>8}")
+    print(f"  {'variant':<30} {'1 thread':>9} {str(args.threads) + ' threads':>10} {'scaling':>8} "
+          f"{'of read, 1 / ' + str(args.threads):>14}")
     for i, c in enumerate(cands):
         g1, gn = np.median(gbps[(i, 1)]), np.median(gbps[(i, args.threads)])
+        # share of the read loop: the median of per-round ratios (each round measures both within a second)
+        s1, sn = (np.median(np.array(gbps[(i, n)]) / np.array(read[n])) for n in counts)
         mark = " <- 1-thread choice" if c == chosen else (" (default)" if c == tune.DEFAULT else "")
-        print(f"  {tune.label(c):<30} {g1:9.2f} {gn:10.2f} {gn / g1:7.2f}x{mark}")
+        print(f"  {tune.label(c):<30} {g1:9.2f} {gn:10.2f} {gn / g1:7.2f}x {100 * s1:6.1f}% / {100 * sn:4.1f}%{mark}")
     return cands
 
 

@@ -17,3 +17,9 @@ def test_runs_and_splits_exactly(capsys, monkeypatch, tmp_path):
     out = capsys.readouterr().out
     assert cands[0] == tune.DEFAULT and len(cands) >= 2  # the default and the choice's neighbours
     assert "2 threads" in out and "scaling" in out and "<- 1-thread choice" in out
+
+
+def test_round_robin_chunks_cover_every_tile_row_once():
+    for n, nth, chunk in ((37, 2, 4), (8, 2, 0), (5, 3, 1), (100, 2, 16)):
+        got = sorted(r for t in range(nth) for lo, hi in tune_threads.ranges(n, nth, t, chunk) for r in range(lo, hi))
+        assert got == list(range(n))
