@@ -272,12 +272,18 @@ def compare_variants(path: str, c, prompt, names: list[str], threads_list: list[
             tps = float(np.median(per[n]))
             eff = m.bytes_per_token * tps / 1e9
             ratios = [a / b for a, b in zip(per[n], base)]
-            print(f"  {n:<9} {tps:7.2f} tok/s  {100 * eff / read:5.1f}% of read  / {names[0]}: median "
+            # the round's decode over the round's own read bandwidth: a 2-thread read bandwidth that swings 1.5x
+            # within minutes (shared hosts) then moves numerator and denominator together
+            per_round = float(np.median([m.bytes_per_token * t / 1e9 / rd for t, rd in zip(per[n], reads)]))
+            print(f"  {n:<9} {tps:7.2f} tok/s  {100 * eff / read:5.1f}% of read (per round: {100 * per_round:.1f}%)"
+                  f"  / {names[0]}: median "
                   f"{np.median(ratios):.3f} (rounds {', '.join(f'{x:.2f}' for x in ratios)})  other load "
                   f"{100 * max(loads[n]):.0f}% max", flush=True)
             records.append({"variant": n, "threads": threads, "tok_s": round(tps, 3), "tok_s_rounds": per[n],
                             "read_gbps": round(read, 3), "read_rounds": reads, "bytes_per_token": m.bytes_per_token,
-                            "fraction": round(eff / read, 4), "ratio_to_first": round(float(np.median(ratios)), 4),
+                            "fraction": round(eff / read, 4),
+                            "fraction_per_round": round(per_round, 4),
+                            "ratio_to_first": round(float(np.median(ratios)), 4),
                             "other_load": round(max(loads[n]), 3), "kv": m.kv, "model": c.graph.config.name,
                             "cpu": cpu_model(), "isa": m.session.program.isa})
         for m in models.values():
