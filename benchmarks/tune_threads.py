@@ -76,6 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--chunk", type=int, default=0,
                     help="N threads: deal chunks of this many tile-rows round robin (default 0: contiguous shares)")
+    ap.add_argument("--backing", choices=("anon", "file"), default="anon",
+                    help="anon: the weights in anonymous memory (transparent huge pages where the kernel gives them); "
+                         "file: written to a file and np.memmap-ed, as a loaded model's weights are (page-cache pages)")
     ap.add_argument("--mb", type=int, default=256, help="MiB of packed weights per call (default 256)")
     args = ap.parse_args(argv)
     dt, cols, kind = args.shape.split(":")
@@ -90,6 +93,13 @@ def main(argv=None) -> int:
                                    if c != tune.DEFAULT and all(c[k] == chosen[k] for k in ("unroll", "max_groups"))
                                    and c["unpack"] == chosen["unpack"]]
     w, big = tune._weights(layout, gate_up, args.mb * 2**20)
+    if args.backing == "file":
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR", "/tmp"), delete=False) as f:
+            f.write(np.ascontiguousarray(w).tobytes())
+        w = np.memmap(f.name, dtype=np.uint8, mode="r")
+        os.unlink(f.name)  # the mapping keeps the pages; nothing left behind
     mod = ir.Module(name="tune_threads")
     K.emit_quantize_act(mod, "quantize_act", big.cols, big.cols_p)
     for i, c in enumerate(cands):
@@ -126,7 +136,8 @@ def main(argv=None) -> int:
                                                                      args.chunk) / 1e9)
     print(f"{cpu_model()} ({isa}); {key}; {args.mb} MiB per call; medians of {args.rounds} interleaved rounds; "
           f"choice from {'this host cache' if rec else 'the recorded descent (docs/results/tune_descent.json)'}; "
-          f"{'contiguous shares' if not args.chunk else f'chunks of {args.chunk} tile-rows round robin'}")
+          f"{'contiguous shares' if not args.chunk else f'chunks of {args.chunk} tile-rows round robin'}; "
+          f"weights in {'anonymous memory' if args.backing == 'anon' else 'a memory-mapped file'}")
     print(f"read loop: 1 thread {np.median(read[1]):.2f} GB/s, {args.threads} threads "
           f"{np.median(read[args.threads]):.2f} GB/s")
     print(f"  {'variant':<30} {'1 thread':>9} {str(args.threads) + ' threads':>10} {'scaling':>8} "

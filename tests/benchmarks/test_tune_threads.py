@@ -23,3 +23,12 @@ def test_round_robin_chunks_cover_every_tile_row_once():
     for n, nth, chunk in ((37, 2, 4), (8, 2, 0), (5, 3, 1), (100, 2, 16)):
         got = sorted(r for t in range(nth) for lo, hi in tune_threads.ranges(n, nth, t, chunk) for r in range(lo, hi))
         assert got == list(range(n))
+
+
+def test_file_backed_weights(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("CFLOW_CACHE_DIR", str(tmp_path))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    tune_threads.main(["--shape", "q8:512:plain", "--threads", "2", "--rounds", "1", "--mb", "1", "--backing", "file"])
+    assert "a memory-mapped file" in capsys.readouterr().out
+    assert not list((tmp_path / "tmp").iterdir())  # the temporary weights file is gone
