@@ -4,7 +4,7 @@ codegen/tune.py times kernel variants on one thread. This script times the same 
 this host's cached choice or the descent's recorded choice, and the one-knob prefetch/vector variants of it) on
 1 thread over the whole matrix and on N threads at once, each thread on its own contiguous tile-row range as the
 decode step splits them (Python threads calling the JIT-compiled kernel through ctypes, which releases the GIL;
-a barrier starts them together, the slowest thread's time counts), interleaved round by round, medians printed
+started together, until the last one finishes), interleaved round by round, medians printed
 with the plain read loop's bandwidth of the same round. Numbers only: nothing is cached or chosen here.
 
     python benchmarks/tune_threads.py --shape q4:2048:plain --threads 2 --rounds 9
@@ -13,22 +13,17 @@ with the plain read loop's bandwidth of the same round. Numbers only: nothing is
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
-import threading
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from llvmlite import ir  # noqa: E402
 
 from cflow.codegen import kernels as K  # noqa: E402
 from cflow.codegen import tune  # noqa: E402
-from cflow.codegen.bandwidth import measure_read_bandwidth  # noqa: E402
-from cflow.codegen.library import Library  # noqa: E402
+from cflow.codegen.bandwidth import measure_read_bandwidth, run_threads  # noqa: E402
 from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 from cflow.layout.quant import DType  # noqa: E402
 from cflow.layout.tile import TileLayout  # noqa: E402
@@ -47,26 +42,14 @@ def ranges(n_tile_rows: int, nth: int, t: int, chunk: int = 0) -> list[tuple[int
     return [(lo, min(lo + chunk, n_tile_rows)) for lo in range(t * chunk, n_tile_rows, nth * chunk)]
 
 
-def run_threads(fn, w, args, y, n_tile_rows: int, nth: int, chunk: int = 0) -> float:
-    """Seconds of one call split over nth threads (the slowest thread's time, all started together)."""
-    bar = threading.Barrier(nth)
-    times = [0.0] * nth
+def split_call(bench, i: int, y, n_tile_rows: int, nth: int, chunk: int = 0) -> float:
+    """Seconds of one call of variant i of bench (tune.Candidates) split over nth threads, started together
+    (the read loop's own thread runner: the last thread's finish counts)."""
+    def share(t):
+        for lo, hi in ranges(n_tile_rows, nth, t, chunk):
+            bench.call(i, y, lo, hi)
 
-    def work(t):
-        rs = ranges(n_tile_rows, nth, t, chunk)
-        bar.wait()
-        t0 = time.perf_counter()
-        for lo, hi in rs:
-            fn(K._p(w), *args, K._p(y), lo, hi)
-        times[t] = time.perf_counter() - t0
-
-    ths = [threading.Thread(target=work, args=(t,)) for t in range(nth)]
-    t0 = time.perf_counter()
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join()
-    return max(max(times), 0.0) or (time.perf_counter() - t0)
+    return run_threads([lambda t=t: share(t) for t in range(nth)])
 
 
 def main(argv=None) -> int:
@@ -92,39 +75,24 @@ def main(argv=None) -> int:
     cands = [dict(tune.DEFAULT)] + [c for c in tune.neighbours(chosen, layout, isa)
                                    if c != tune.DEFAULT and all(c[k] == chosen[k] for k in ("unroll", "max_groups"))
                                    and c["unpack"] == chosen["unpack"]]
-    w, big = tune._weights(layout, gate_up, args.mb * 2**20)
+    bench = tune.Candidates(layout, gate_up, cands, target, args.mb * 2**20)
     if args.backing == "file":
         import tempfile
 
         with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR", "/tmp"), delete=False) as f:
-            f.write(np.ascontiguousarray(w).tobytes())
-        w = np.memmap(f.name, dtype=np.uint8, mode="r")
+            f.write(np.ascontiguousarray(bench.weights).tobytes())
+        bench.weights = np.memmap(f.name, dtype=np.uint8, mode="r")
         os.unlink(f.name)  # the mapping keeps the pages; nothing left behind
-    mod = ir.Module(name="tune_threads")
-    K.emit_quantize_act(mod, "quantize_act", big.cols, big.cols_p)
-    for i, c in enumerate(cands):
-        K.emit_matvec(mod, f"mv{i}", big, isa, gate_up=gate_up, **c)
-    lib = Library(name="tune_threads", target=target, cache=None)
-    lib.add_ir(mod)
-    lib.finalize()
-    vp = ctypes.c_void_p
-    quant = lib.get_cfunc("quantize_act", None, vp, vp, vp, vp)
-    fns = [lib.get_cfunc(f"mv{i}", None, vp, vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64)
-           for i in range(len(cands))]
-    act = K.Activation(big.cols, big.cols_p)
-    act.x[: big.cols] = np.random.default_rng(1).standard_normal(big.cols).astype(np.float32)
-    quant(K._p(act.x), K._p(act.xq), K._p(act.xd), K._p(act.xs))
-    a = [K._p(v) for v in (act.x, act.xq, act.xd, act.xs)]
-    y = np.zeros(big.rows_p, np.float32)
-    streamed = big.nbytes * (2 if gate_up else 1)
+    n_tile_rows = bench.layout.n_tile_rows
+    y = np.zeros(bench.layout.rows_p, np.float32)
     counts = (1, args.threads)
     gbps = {(i, n): [] for i in range(len(cands)) for n in counts}
     read = {n: [] for n in counts}
     for i in range(len(cands)):  # warm-up (page faults, code); the split call must give the whole call's numbers
-        fns[i](K._p(w), *a, K._p(y), 0, big.n_tile_rows)
+        bench.call(i, y)
         whole = y.copy()
         y[:] = 0
-        run_threads(fns[i], w, a, y, big.n_tile_rows, args.threads, args.chunk)
+        split_call(bench, i, y, n_tile_rows, args.threads, args.chunk)
         if not np.array_equal(whole, y):
             raise SystemExit(f"FAIL: {tune.label(cands[i])} on {args.threads} threads differs from one thread")
     for r in range(args.rounds):
@@ -132,8 +100,7 @@ def main(argv=None) -> int:
             read[n].append(measure_read_bandwidth(threads=n, nbytes=1 << 28, reps=2))
             order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))
             for i in order:
-                gbps[(i, n)].append(streamed / run_threads(fns[i], w, a, y, big.n_tile_rows, n,
-                                                                     args.chunk) / 1e9)
+                gbps[(i, n)].append(bench.streamed / split_call(bench, i, y, n_tile_rows, n, args.chunk) / 1e9)
     print(f"{cpu_model()} ({isa}); {key}; {args.mb} MiB per call; medians of {args.rounds} interleaved rounds; "
           f"choice from {'this host cache' if rec else 'the recorded descent (docs/results/tune_descent.json)'}; "
           f"{'contiguous shares' if not args.chunk else f'chunks of {args.chunk} tile-rows round robin'}; "

@@ -176,6 +176,41 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0):
     return buf, TileLayout(layout.dtype, layout.tr * n, layout.cols, one.tile)
 
 
+class Candidates:
+    """Kernel variants `cands` of one shape JIT-compiled in one library, with real packed weights of >= nbytes
+    (`weights`, over `layout`: the shape's tile-row repeated) and a quantised random activation: what a timing of
+    the variants needs (measure() here, benchmarks/tune_threads.py on several threads). call(i, y, lo, hi)
+    runs variant i over tile-rows [lo, hi) (default: all) into y; `weights` may be replaced by a copy of itself
+    (e.g. a memory-mapped one): every call passes its pointer."""
+
+    def __init__(self, layout, gate_up: bool, cands: list[dict], target, nbytes: int):
+        from .library import Library
+
+        isa = K._check_isa(target.isa)
+        self.weights, self.layout = _weights(layout, gate_up, nbytes)
+        big = self.layout
+        self.streamed = big.nbytes * (2 if gate_up else 1)  # bytes one whole call reads (gate_up: both halves)
+        mod = ir.Module(name="cflow_tune")
+        K.emit_quantize_act(mod, "quantize_act", big.cols, big.cols_p)
+        for i, c in enumerate(cands):
+            K.emit_matvec(mod, f"mv{i}", big, isa, gate_up=gate_up, **c)
+        self.lib = Library(name="cflow_tune", target=target, cache=None)  # kept: the functions live in it
+        self.lib.add_ir(mod)
+        self.lib.finalize()
+        vp = ctypes.c_void_p
+        quant = self.lib.get_cfunc("quantize_act", None, vp, vp, vp, vp)
+        self.fns = [self.lib.get_cfunc(f"mv{i}", None, vp, vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64)
+                    for i in range(len(cands))]
+        self.act = K.Activation(big.cols, big.cols_p)
+        self.act.x[: big.cols] = np.random.default_rng(1).standard_normal(big.cols).astype(np.float32)
+        quant(K._p(self.act.x), K._p(self.act.xq), K._p(self.act.xd), K._p(self.act.xs))
+        self._args = [K._p(a) for a in (self.act.x, self.act.xq, self.act.xd, self.act.xs)]
+
+    def call(self, i: int, y: np.ndarray, lo: int = 0, hi: int | None = None) -> None:
+        hi = self.layout.n_tile_rows if hi is None else hi
+        self.fns[i](K._p(self.weights), *self._args, K._p(y), lo, hi)
+
+
 def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, target=None, rounds: int = ROUNDS,
             nbytes: int | None = None, check: bool = True) -> list[dict]:
     """Time each candidate on the same weights, interleaved round by round (one thread).
@@ -183,32 +218,15 @@ def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, targ
     Returns [{"knobs", "gbps" (median), "samples"}] in candidate order. check: every candidate's output
     must be bit-identical to the first's (the knobs are schedule-only).
     """
-    from .library import Library
     from .target import host_target
 
     target = target if target is not None else host_target()
-    isa = K._check_isa(target.isa)
-    cands = cands if cands is not None else candidates(layout, isa)
-    w, big = _weights(layout, gate_up, nbytes or MIN_BYTES)
-    mod = ir.Module(name="cflow_tune")
-    K.emit_quantize_act(mod, "quantize_act", big.cols, big.cols_p)
-    for i, c in enumerate(cands):
-        K.emit_matvec(mod, f"mv{i}", big, isa, gate_up=gate_up, **c)
-    lib = Library(name="cflow_tune", target=target, cache=None)
-    lib.add_ir(mod)
-    lib.finalize()
-    vp = ctypes.c_void_p
-    quant = lib.get_cfunc("quantize_act", None, vp, vp, vp, vp)
-    fns = [lib.get_cfunc(f"mv{i}", None, vp, vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64)
-           for i in range(len(cands))]
-    act = K.Activation(big.cols, big.cols_p)
-    act.x[: big.cols] = np.random.default_rng(1).standard_normal(big.cols).astype(np.float32)
-    quant(K._p(act.x), K._p(act.xq), K._p(act.xd), K._p(act.xs))
-    ys = [np.zeros(big.rows_p, np.float32) for _ in cands]
-    args = [K._p(a) for a in (act.x, act.xq, act.xd, act.xs)]
+    cands = cands if cands is not None else candidates(layout, K._check_isa(target.isa))
+    bench = Candidates(layout, gate_up, cands, target, nbytes or MIN_BYTES)
+    ys = [np.zeros(bench.layout.rows_p, np.float32) for _ in cands]
 
     def call(i):
-        fns[i](K._p(w), *args, K._p(ys[i]), 0, big.n_tile_rows)
+        bench.call(i, ys[i])
 
     for i in range(len(cands)):  # warm-up (page faults, code) and the bit-identity check
         call(i)
@@ -217,7 +235,7 @@ def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, targ
             if not np.array_equal(ys[0], ys[i]):
                 raise CflowError(f"tuning: candidate {label(cands[i])} changes the mat-vec's numbers "
                                  f"(kernel {kernel_key(layout, gate_up)})")
-    streamed = big.nbytes * (2 if gate_up else 1)
+    streamed = bench.streamed
     samples: list[list[float]] = [[] for _ in cands]
     for r in range(rounds):
         order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))  # no position favoured
