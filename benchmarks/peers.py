@@ -155,7 +155,7 @@ def f32_check(key: str, source: dict, ids: list[int], threads: int, rebuild: boo
     config = MODELS[key]
     if key in LAZY_MODELS:
         raise SystemExit(f"--f32-check: not for {key} (its F32 GGUF would be "
-                         f"{4 * sum(int(np.prod(s)) for s in source.shapes.values()) / 1e9:.1f} GB and the NumPy "
+                         f"{source.nbytes() / 1e9:.1f} GB and the NumPy "
                          "interpreter regenerates every weight per step)")
     g = lower(build_graph(config, source, name=config.name), "f32").graph
     path = os.path.join(OUT, f"{config.name}_f32.gguf")

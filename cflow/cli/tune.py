@@ -62,8 +62,7 @@ def run(args) -> int:
 
     # cached choices are shown as stored, missing ones measured and cached (also under CFLOW_TUNE=off)
     tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20,
-                 passes=args.passes, on_result=show,
-                 ignore_env=True)
+                 passes=args.passes, on_result=show, ignore_env=True)
     if args.json:
         atomic_write_text(args.json, json.dumps({"cpu": cpu_model(), "isa": target.isa, "kernels": records},
                                                 indent=1))
