@@ -179,34 +179,45 @@ def time_decode(m, prompt, tokens: int, reps: int = 3, prompt_logits: list | Non
 
 
 def profile(path: str, threads: int, prompt, tokens: int) -> str:
-    """Where the time goes: per-stage cycle stamps of a profiling build, grouped by what the stage does."""
+    """Where the time goes: per-stage cycle stamps of a profiling build, grouped by what the stage does. Each
+    stage's time (worker 0's stamps after consecutive barriers) is split into the threads' work (from the
+    previous barrier's release to reaching this one; the mean over threads) and their wait at the barrier for
+    the slowest (the rest): a stage whose wait is large is unbalanced between the threads."""
     from cflow.runtime.session import Session
 
     s = Session(path, threads=threads, profile=True)
     logits = s.prefill(prompt)
-    ticks = np.zeros(s.compiled.schedule.n_stages)
+    n = s.compiled.schedule.n_stages
+    ticks, work = np.zeros(n), np.zeros(n)
     t0 = time.perf_counter()
     for _ in range(tokens):
         logits = s.step(int(np.argmax(logits)))
-        ticks += np.diff(s.prof)
+        ticks += np.diff(s.prof[0])
+        # thread t reached stage i's barrier at prof[1 + t][i]; stage i began at worker 0's stamp prof[0][i]
+        work += (s.prof[1:, :n] - s.prof[0, :n]).mean(axis=0)
     wall = (time.perf_counter() - t0) / tokens
     s.close()
     per_tick = wall / ticks.sum() * tokens  # seconds per cycle-counter tick, from the same run
     groups: dict[str, list] = {}
-    for st, t in zip(s.compiled.schedule.stages, ticks):
+    for st, t, w in zip(s.compiled.schedule.stages, ticks, work):
         kinds = sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st if x.nbytes}) or ["no weights: " + ",".join(
             sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st}))]
         key = " + ".join(kinds)
-        g = groups.setdefault(key, [0.0, 0, 0])
+        g = groups.setdefault(key, [0.0, 0, 0, 0.0])
         g[0] += t * per_tick / tokens
         g[1] += sum(x.nbytes for x in st)
         g[2] += 1
+        g[3] += (t - w) * per_tick / tokens
+    total_wait = sum(g[3] for g in groups.values())
     lines = [f"profile ({threads} threads, {tokens} tokens, {1e3 * wall:.2f} ms/token; stage times are cycle-counter "
-             "stamps after each stage's barrier, scaled to the measured wall time):",
-             f"  {'stage kind':<44} {'stages':>6} {'ms/token':>9} {'share':>6} {'MB':>8} {'GB/s':>7}"]
-    for k, (sec, nb, n) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
-        lines.append(f"  {k:<44} {n:>6} {1e3 * sec:9.3f} {100 * sec / wall:5.1f}% {nb / 1e6:8.1f} "
-                     f"{(nb / sec / 1e9 if sec and nb else 0):7.2f}")
+             "stamps after each stage's barrier, scaled to the measured wall time; wait: the threads' mean time "
+             f"at the stage's barrier, {100 * total_wait / wall:.1f}% of the token):",
+             f"  {'stage kind':<44} {'stages':>6} {'ms/token':>9} {'share':>6} {'wait':>6} {'MB':>8} {'GB/s':>7}"
+             f" {'w/o wait':>8}"]
+    for k, (sec, nb, cnt, wt) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"  {k:<44} {cnt:>6} {1e3 * sec:9.3f} {100 * sec / wall:5.1f}% {100 * wt / sec:5.1f}% "
+                     f"{nb / 1e6:8.1f} {(nb / sec / 1e9 if sec and nb else 0):7.2f} "
+                     f"{(nb / (sec - wt) / 1e9 if sec > wt and nb else 0):8.2f}")
     return "\n".join(lines)
 
 

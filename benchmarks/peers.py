@@ -49,6 +49,7 @@ from bandwidth import measure_read_bandwidth  # noqa: E402
 from decode import LAZY_MODELS, MODELS, OUT, model_weights, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
+from cflow.codegen.target import cpu_model  # noqa: E402
 from cflow.runtime.format.gguf import export_gguf  # noqa: E402
 
 try:  # optional: the share of CPU other processes used while measuring (bandwidth.py, if it has it)
@@ -602,7 +603,7 @@ def main(argv=None) -> None:
     meta = {"model": config.name, "prompt": prompt, "tokens": args.tokens, "reps": args.reps,
             "torch_tokens": args.torch_tokens, "max_load": args.max_load,
             "argv": sys.argv[1:] if argv is None else list(argv),
-            "cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cflow": _git_state(),
+            "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cflow": _git_state(),
             "peak_rss_setup_mb": round(rss_build)}
     if args.f32_check and have_llama:
         meta["cross_check_f32"] = f32_check(args.model, weights, check_ids,
@@ -720,14 +721,6 @@ def _git_state() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "not a git checkout") + (" + uncommitted changes in cflow/" if dirty else "")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

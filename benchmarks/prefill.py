@@ -234,7 +234,7 @@ def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0) 
         dt = time.perf_counter() - t0
         wall += dt
         per_call.append(dt)
-        ticks += np.diff(s.prof)
+        ticks += np.diff(s.prof[0])
     s.close()
     per_tick = wall / ticks.sum()
     groups: dict[str, float] = {}

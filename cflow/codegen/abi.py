@@ -80,7 +80,7 @@ class Binding(enum.StrEnum):
     COS = "cos"  # f32 RoPE cos table [max_seq][head_dim / 2]
     SIN = "sin"  # f32 RoPE sin table [max_seq][head_dim / 2]
     SCRATCH = "scratch"  # per-thread scratch (ScratchLayout), nthreads copies
-    PROF = "prof"  # i64 cycle stamps [n_stages + 1] (profiling builds only)
+    PROF = "prof"  # i64 cycle stamps [threads + 1][n_stages + 1] (profiling builds only)
     EXPERT_ROWS = "expert_rows"  # i64 [n_layers + 1][n_experts][2]: tile-rows read per expert, gate_up / down
     #   (profiling builds only: tests count that a prompt block reads each chosen expert once)
     TOKENS = "tokens"  # i64 token ids [tmax] of a multi-token call

@@ -374,6 +374,7 @@ class _Emitter:
             call = b.load(b.gep(table, [c64(0), i]), name="stage_fn")
             desc = b.gep(desc_all, [c64(0), b.load(b.gep(offs, [c64(0), i]), name="desc_off")], name="desc")
             b.call(call, [self.ptrs, self.params, self.tid, self.nth, self.bar, desc])
+            self.arrive(b, si, n)
             # The last stage ends with a barrier too: when worker 0 returns, every worker is done.
             b.call(O.barrier(self.m, self.isa), [self.bar, self.nth])
             self.stamp(b, b.add(si, c64(1)))
@@ -417,13 +418,23 @@ class _Emitter:
         return fn
 
     def stamp(self, b, i) -> None:
-        """Profiling builds: worker 0 records the cycle counter after stage i-1's barrier in prof[i] (i: IR i64)."""
+        """Profiling builds: worker 0 records the cycle counter after stage i-1's barrier in prof[0][i] (i: IR i64)."""
         if not self.profile:
             return
         prof = self.pointer(b, BindingKey(Binding.PROF), i64)
         now = b.call(intrinsic(self.m, "llvm.readcyclecounter", i64, []), [])
         with b.if_then(b.icmp_signed("==", self.tid, c64(0))):  # only worker 0 writes: no race
             b.store(now, b.gep(prof, [i]))
+
+    def arrive(self, b, i, n_stages: int) -> None:
+        """Profiling builds: thread t records the cycle counter as it reaches stage i's barrier in prof[1 + t][i]
+        (rows of n_stages + 1 stamps; each thread its own row), so the host can tell a stage's work from its
+        wait for the slowest thread."""
+        if not self.profile:
+            return
+        prof = self.pointer(b, BindingKey(Binding.PROF), i64)
+        now = b.call(intrinsic(self.m, "llvm.readcyclecounter", i64, []), [])
+        b.store(now, b.gep(prof, [b.add(b.mul(b.add(self.tid, c64(1)), c64(n_stages + 1)), i)]))
 
     # one method per step phase ------------------------------------------------------------------
     # Each runs for one token (decode) or for every token of a multi-token call: per-token work (norm

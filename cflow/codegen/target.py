@@ -172,13 +172,37 @@ def host_target(cpu: str | None = None, features: str | None = None, *, env: boo
     return Target(triple=llvm.get_process_triple(), cpu=cpu, features=_format_features(base))
 
 
-def cpu_model() -> str:
-    """The host's CPU model as /proc/cpuinfo (and lscpu) name it: recorded beside every benchmark figure."""
+def cpu_name() -> str:
+    """The host's CPU model name as /proc/cpuinfo (and lscpu) give it. Hypervisors often shorten it ("AMD
+    EPYC" on both a Zen 4 and a Zen 5 host), so figures are labelled with cpu_model() instead."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
     except OSError:
         return "unknown CPU"
+
+
+def cpu_model() -> str:
+    """The host's CPU, recorded beside every benchmark figure: the model name, LLVM's name for the
+    microarchitecture and the CPUID family/model, e.g. "AMD EPYC (znver5, family 26 model 2)": the name alone
+    does not tell a Zen 4 host from a Zen 5 one."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if not ln.strip():
+                    break  # the first processor's block is enough
+                k, _, v = ln.partition(":")
+                fields.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    init_llvm()
+    import llvmlite.binding as llvm
+
+    extra = [llvm.get_host_cpu_name()]
+    if "cpu family" in fields and "model" in fields:
+        extra.append(f"family {fields['cpu family']} model {fields['model']}")
+    return f"{cpu_name()} ({', '.join(extra)})"
 
 
 def generic_target() -> Target:

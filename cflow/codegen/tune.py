@@ -116,9 +116,9 @@ def label(knobs: dict) -> str:
 
 # --- the cache ------------------------------------------------------------------------------------
 def _host_id(target) -> str:
-    from .target import cpu_model
+    from .target import cpu_name
 
-    return f"{cpu_model()}|{target.cpu}|{target.features}"
+    return f"{cpu_name()}|{target.cpu}|{target.features}"
 
 
 def _path(target) -> Path:
