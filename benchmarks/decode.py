@@ -227,6 +227,10 @@ VARIANTS = {
     "tune-off": ({"CFLOW_TUNE": "off"}, {}),  # the kernels' built-in defaults
     "kv-f32": ({}, {"kv": "f32"}),
     "kv-f16": ({}, {"kv": "f16"}),
+    "warm-off": ({"CFLOW_STAGE_WARM": "0"}, {}),  # no prefetch of the next stage's weights before a barrier
+    "warm-8k": ({"CFLOW_STAGE_WARM": "8192"}, {}),
+    "warm-32k": ({"CFLOW_STAGE_WARM": "32768"}, {}),
+    "warm-128k": ({"CFLOW_STAGE_WARM": "131072"}, {}),
 }
 
 

@@ -300,7 +300,7 @@ class Session:
     def _build(self, cache) -> None:
         from ..codegen import program_cache, tune
         from ..codegen.library import Library
-        from ..codegen.step import StepProgram, build_step
+        from ..codegen.step import StepProgram, build_step, stage_warm_bytes
         from ..codegen.target import host_target
 
         target = host_target()
@@ -308,8 +308,10 @@ class Session:
         # This host's measured mat-vec knobs (a short search the first time a kernel shape is met on this CPU,
         # then read from the cache; CFLOW_TUNE=off: the defaults). Schedule-only: the numbers do not change.
         self.tuning = tune.choices(self.run_state.tensors.values(), target)
+        self.warm = stage_warm_bytes()
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
-                                        self.profile, segmented, self.tmax, self.kv_dtype, self.tuning)
+                                        self.profile, segmented, self.tmax, self.kv_dtype,
+                                        dict(self.tuning, stage_warm=self.warm))
               if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
         self.program = None
@@ -320,7 +322,8 @@ class Session:
                 self.program = None
         if self.program is None:
             self.program = build_step(self.run_state, target.isa, self.max_seq, profile=self.profile,
-                                      segmented=segmented, tmax=self.tmax, kv=self.kv_dtype, tuning=self.tuning)
+                                      segmented=segmented, tmax=self.tmax, kv=self.kv_dtype, tuning=self.tuning,
+                                      warm=self.warm)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())
