@@ -8,6 +8,10 @@ started together, until the last one finishes), interleaved round by round, medi
 with the plain read loop's bandwidth of the same round. Numbers only: nothing is cached or chosen here.
 
     python benchmarks/tune_threads.py --shape q4:2048:plain --threads 2 --rounds 9
+    python benchmarks/tune_threads.py --shape q4:5632:plain --knobs prefetch_stride=128 --knobs unroll=2,prefetch=2304
+
+--knobs adds a candidate: the choice with those knobs changed (any of codegen.tune.KNOBS), e.g. to time a knob
+the one-knob neighbours leave fixed (unroll, max_groups, unpack).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def main(argv=None) -> int:
                     help="anon: the weights in anonymous memory (transparent huge pages where the kernel gives them); "
                          "file: written to a file and np.memmap-ed, as a loaded model's weights are (page-cache pages)")
     ap.add_argument("--mb", type=int, default=256, help="MiB of packed weights per call (default 256)")
+    ap.add_argument("--knobs", action="append", default=[], metavar="K=V[,K=V...]",
+                    help="also time the choice with these knobs changed (repeatable)")
     args = ap.parse_args(argv)
     dt, cols, kind = args.shape.split(":")
     gate_up = kind == "gate_up"
@@ -75,6 +81,17 @@ def main(argv=None) -> int:
     cands = [dict(tune.DEFAULT)] + [c for c in tune.neighbours(chosen, layout, isa)
                                    if c != tune.DEFAULT and all(c[k] == chosen[k] for k in ("unroll", "max_groups"))
                                    and c["unpack"] == chosen["unpack"]]
+    for text in args.knobs:
+        c = dict(chosen)
+        for kv in text.split(","):
+            k, _, v = kv.partition("=")
+            if k.strip() not in tune.KNOBS or not v.strip().lstrip("-").isdigit():
+                ap.error(f"--knobs {text!r}: give K=V pairs with K one of {', '.join(tune.KNOBS)} and V an integer")
+            c[k.strip()] = int(v)
+        if tune._valid_choice(c) is None:
+            ap.error(f"--knobs {text!r}: not a valid kernel variant for {args.shape}")
+        if c not in cands:
+            cands.append(c)
     bench = tune.Candidates(layout, gate_up, cands, target, args.mb * 2**20)
     if args.backing == "file":
         import tempfile
