@@ -32,3 +32,19 @@ def test_file_backed_weights(capsys, monkeypatch, tmp_path):
     tune_threads.main(["--shape", "q8:512:plain", "--threads", "2", "--rounds", "1", "--mb", "1", "--backing", "file"])
     assert "a memory-mapped file" in capsys.readouterr().out
     assert not list((tmp_path / "tmp").iterdir())  # the temporary weights file is gone
+
+
+def test_extra_knob_variants(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("CFLOW_CACHE_DIR", str(tmp_path))
+    cands = tune_threads.main(["--shape", "q8:512:plain", "--threads", "2", "--rounds", "1", "--mb", "1",
+                               "--knobs", "unroll=1,max_groups=4"])
+    assert cands[-1]["unroll"] == 1 and cands[-1]["max_groups"] == 4
+    assert "g4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["nope=1", "unroll=x", "vector_bits=128"])
+def test_bad_knobs_are_refused(bad, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("CFLOW_CACHE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit):
+        tune_threads.main(["--shape", "q8:512:plain", "--knobs", bad])
+    assert "--knobs" in capsys.readouterr().err
