@@ -181,25 +181,28 @@ def time_decode(m, prompt, tokens: int, reps: int = 3, prompt_logits: list | Non
 def profile(path: str, threads: int, prompt, tokens: int) -> str:
     """Where the time goes: per-stage cycle stamps of a profiling build, grouped by what the stage does. Each
     stage's time (worker 0's stamps after consecutive barriers) is split into the threads' work (from the
-    previous barrier's release to reaching this one; the mean over threads) and their wait at the barrier for
-    the slowest (the rest): a stage whose wait is large is unbalanced between the threads."""
+    previous barrier's release, as worker 0 stamps it, to reaching this one; the mean over threads) and their
+    wait (the rest): the wait for the slowest thread plus the barrier's own wake-up latency."""
     from cflow.runtime.session import Session
 
     s = Session(path, threads=threads, profile=True)
     logits = s.prefill(prompt)
-    n = s.compiled.schedule.n_stages
+    n = s.run_state.schedule.n_stages
     ticks, work = np.zeros(n), np.zeros(n)
     t0 = time.perf_counter()
     for _ in range(tokens):
         logits = s.step(int(np.argmax(logits)))
         ticks += np.diff(s.prof[0])
         # thread t reached stage i's barrier at prof[1 + t][i]; stage i began at worker 0's stamp prof[0][i]
-        work += (s.prof[1:, :n] - s.prof[0, :n]).mean(axis=0)
+        # (its release from barrier i - 1), stage 0 at the thread's own start, prof[1 + t][n]
+        begin = np.repeat(s.prof[0:1, :n], s.threads, axis=0)
+        begin[:, 0] = s.prof[1:, n]
+        work += (s.prof[1:, :n] - begin).mean(axis=0)
     wall = (time.perf_counter() - t0) / tokens
     s.close()
     per_tick = wall / ticks.sum() * tokens  # seconds per cycle-counter tick, from the same run
     groups: dict[str, list] = {}
-    for st, t, w in zip(s.compiled.schedule.stages, ticks, work):
+    for st, t, w in zip(s.run_state.schedule.stages, ticks, work):
         kinds = sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st if x.nbytes}) or ["no weights: " + ",".join(
             sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st}))]
         key = " + ".join(kinds)
@@ -300,7 +303,7 @@ def compare_variants(path: str, c, prompt, names: list[str], threads_list: list[
                             "fraction_per_round": round(per_round, 4),
                             "ratio_to_first": round(float(np.median(ratios)), 4),
                             "other_load": round(max(loads[n]), 3), "kv": m.kv, "model": c.graph.config.name,
-                            "cpu": cpu_model(), "isa": m.session.program.isa})
+                            "cpu": cpu_model(), "isa": m.session.program.isa, "stage_warm": m.session.warm})
         for m in models.values():
             m.close()
     return records

@@ -215,7 +215,7 @@ def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0) 
                 max_batch=max(batch, 1),
                 max_seq=max(n + 8, 16))
     ids = prompt_ids(n)
-    stages = s.compiled.schedule.stages
+    stages = s.run_state.schedule.stages
     ticks = np.zeros(len(stages))
     wall, per_call = 0.0, []
     if batch:

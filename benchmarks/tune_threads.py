@@ -88,8 +88,12 @@ def main(argv=None) -> int:
             if k.strip() not in tune.KNOBS or not v.strip().lstrip("-").isdigit():
                 ap.error(f"--knobs {text!r}: give K=V pairs with K one of {', '.join(tune.KNOBS)} and V an integer")
             c[k.strip()] = int(v)
-        if tune._valid_choice(c) is None:
-            ap.error(f"--knobs {text!r}: not a valid kernel variant for {args.shape}")
+        sp = tune.space(layout, isa)
+        off = [k for k in ("vector_bits", "unpack") if c[k] not in sp[k]]  # the ISA/dtype decide these
+        if tune._valid_choice(c) is None or off:
+            ap.error(f"--knobs {text!r}: not a kernel variant for {args.shape} on this host"
+                     + (f" ({', '.join(f'{k} one of {sp[k]}' for k in off)})" if off else ""))
+        c = tune._normal(c)
         if c not in cands:
             cands.append(c)
     bench = tune.Candidates(layout, gate_up, cands, target, args.mb * 2**20)

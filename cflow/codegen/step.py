@@ -382,7 +382,9 @@ class _Emitter:
         stages = list(self.sched.stages)
         for si, stage in enumerate(stages):
             name_k = f"{prefix}_{len(kept)}"
-            fn, desc = self.emit_stage(name_k, stage, self.stream_ahead(stages, si) if self.warm else None)
+            # (not in segmented programs: the disk tiers fill pointer slots per call, the next stage's may be unset)
+            warm = self.warm and not self.segmented
+            fn, desc = self.emit_stage(name_k, stage, self.stream_ahead(stages, si) if warm else None)
             text = str(fn).replace(f'@"{name_k}"', "@STAGE", 1)
             if text in kept:
                 _drop_function(self.m, fn)
@@ -410,6 +412,7 @@ class _Emitter:
             lo = b.load(b.gep(self.params, [c64(Param.STAGE_LO)]), name="stage_lo")
             hi = b.load(b.gep(self.params, [c64(Param.STAGE_HI)]), name="stage_hi")
         self.stamp(b, c64(0))
+        self.arrive(b, c64(n), n)  # each thread's own start, in the last column of its row
         with Loop(b, c64(0), c64(n), "si") as si:
             guard = None
             if self.segmented:
@@ -476,8 +479,8 @@ class _Emitter:
 
     def arrive(self, b, i, n_stages: int) -> None:
         """Profiling builds: thread t records the cycle counter as it reaches stage i's barrier in prof[1 + t][i]
-        (rows of n_stages + 1 stamps; each thread its own row), so the host can tell a stage's work from its
-        wait for the slowest thread."""
+        (rows of n_stages + 1 stamps; each thread its own row; i = n_stages: the thread's start of the call), so
+        the host can tell a stage's work from the wait at its barrier."""
         if not self.profile:
             return
         prof = self.pointer(b, BindingKey(Binding.PROF), i64)
@@ -886,8 +889,8 @@ def copy_rows(m: ir.Module):
     return internal_function(m, ("copy_rows",), (P(f32), P(f32), i64, i64), build)
 
 
-# Off: on the Zen 5 host it measured no gain (docs/performance.md, "Warming the next stage's weights"); kept as a
-# knob so another host can be measured with `benchmarks/decode.py --variants default,warm-32k`.
+# Off: on the Zen 5 host it measured no gain (docs/performance.md, "Barrier waits, and warming the next stage's
+# weights"); kept as a knob so another host can be measured (`benchmarks/decode.py --variants warm-off,warm-32k`).
 DEFAULT_STAGE_WARM = 0
 
 
@@ -910,7 +913,8 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
                tmax: int = 1, kv: str = "f32", tuning: dict | None = None, warm: int = 0) -> StepProgram:
     """Build the decode-step module for a lowered state (see module docstring).
 
-    profile: also record a cycle-counter stamp after every stage (binding PROF: i64[n_stages + 1]).
+    profile: also record cycle-counter stamps (binding PROF: i64[threads + 1][n_stages + 1]): worker 0's after
+        every stage's barrier (row 0), each thread's on reaching every barrier and on starting (row 1 + tid).
     segmented: each call runs only stages [params[STAGE_LO], params[STAGE_HI]) (the disk expert tier).
     tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
     kv: the KV cache's element type, 'f32' or 'f16' (ops.attention).

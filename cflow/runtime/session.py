@@ -362,8 +362,9 @@ class Session:
         self.params = np.zeros(PARAM_WORDS, np.int64)
         self.barrier = _zeros(4 * BARRIER_WORDS, 64).view(np.int32)
         # cycle stamps (profile builds): row 0 worker 0's after each stage's barrier, row 1 + t thread t's on
-        # reaching it (codegen/step.py: stamp, arrive)
-        self.prof = np.zeros((self.threads + 1, self.compiled.schedule.n_stages + 1), np.int64)
+        # reaching it and, in its last column, on starting the call (codegen/step.py: stamp, arrive). Sized by
+        # the schedule the program runs: the disk tier's (run_state) has more stages than the file's.
+        self.prof = np.zeros((self.threads + 1, self.run_state.schedule.n_stages + 1), np.int64)
         # profile builds: tile-rows read per [layer][expert][gate_up, down] (codegen/step.py:count_expert_rows)
         self.expert_rows = np.zeros((cfg.n_layers + 1, max(cfg.n_experts, 1), 2), np.int64)
         fixed = {Binding.KV: self.kv, Binding.COS: self.cos, Binding.SIN: self.sin, Binding.SCRATCH: self.scratch,

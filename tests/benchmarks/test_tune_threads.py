@@ -42,7 +42,7 @@ def test_extra_knob_variants(capsys, monkeypatch, tmp_path):
     assert "g4" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bad", ["nope=1", "unroll=x", "vector_bits=128"])
+@pytest.mark.parametrize("bad", ["nope=1", "unroll=x", "vector_bits=128", "unpack=1"])  # unpack: Q4 only
 def test_bad_knobs_are_refused(bad, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("CFLOW_CACHE_DIR", str(tmp_path))
     with pytest.raises(SystemExit):
