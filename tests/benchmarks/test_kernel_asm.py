@@ -1,0 +1,33 @@
+"""benchmarks/kernel_asm.py finds the inner loops in the JIT's assembly and counts their instructions."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+kernel_asm = pytest.importorskip("kernel_asm")
+
+
+def test_counts_the_loop_bodies(capsys):
+    rows = {r["kernel"]: r for r in kernel_asm.main(["--cols", "512", "--knobs", "unroll=1"])}
+    assert set(rows) == {"q4", "q8", "read loop"}
+    # the read loop: 8 x 64-byte loads folded into xors (16 or 32 on 256/128-bit hosts) + counter, compare, branch
+    assert 8 <= rows["read loop"]["instructions"] <= 40
+    assert min(rows["q4"]["per_line"], rows["q8"]["per_line"]) > rows["read loop"]["per_line"]
+    assert "per 64-byte line" in capsys.readouterr().out
+
+
+def test_loop_body_picks_the_block_that_jumps_back():
+    asm = """f:
+\tmovq %rdi, %rax
+.LBB0_2:
+\tvpxorq (%rdi), %zmm0, %zmm0
+\taddq $64, %rdi
+\tjl .LBB0_2
+\tvpxorq %zmm1, %zmm0, %zmm0
+\tvpxorq %zmm2, %zmm0, %zmm0
+\tvpxorq %zmm3, %zmm0, %zmm0
+\tretq
+"""
+    assert kernel_asm.loop_body(asm) == ["vpxorq", "addq", "jl"]
