@@ -158,3 +158,34 @@ def test_backoff_policy_with_a_fake_clock():
     assert probe(0) == b.WINDOW  # a quiet window resets it
     assert b.backoff == b.FIRST and not b.solo()
     assert b.solo_calls == 3
+
+
+def test_backoff_skips_the_probe_while_other_tasks_hold_the_cores():
+    from cflow.runtime.session import _Backoff
+
+    now, busy = [0.0], [True]
+    b = _Backoff(clock=lambda: now[0], busy=lambda: busy[0])
+    for k in range(1, b.NAPS + 1):  # a loaded window: one nap per call
+        assert not b.solo()
+        b.after(k)
+    assert b.until and b.solo()
+    first = b.backoff
+    now[0] += b.FIRST + 1e-9  # the backoff ends while the other task still runs: no probe, a longer backoff
+    assert b.solo() and b.skipped == 1 and b.backoff == min(2 * first, b.MOST)
+    now[0] += 10 * b.MOST  # long after: the load has gone, the next call probes (multi-threaded)
+    busy[0] = False
+    assert not b.solo() and b.skipped == 1
+
+
+def test_cores_taken_reads_the_run_queue(monkeypatch):
+    import builtins
+    import io
+
+    from cflow.runtime import session
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    for line, want in (("0.1 0.2 0.3 1/80 999", False), ("1.0 0.9 0.5 2/80 999", True)):
+        monkeypatch.setattr(builtins, "open", lambda *a, text=line, **k: io.StringIO(text))
+        assert session._cores_taken(2) is want  # 1: only this thread runs; 2: one other task wants a core
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: io.StringIO("garbage"))
+    assert session._cores_taken(2) is False  # unreadable: the probe decides
