@@ -1,0 +1,64 @@
+"""The MoE gate alone (codegen.ops.router: logits, softmax, top-k) in microseconds per call.
+
+    python benchmarks/router.py [--d 2048] [--experts 8] [--top-k 2] [--calls 20000]
+
+Every thread runs the router itself before its experts' mat-vecs (codegen/step.py), once per MoE layer and
+token, so its time is added to every MoE layer of every token whatever the thread count. The call goes through
+ctypes (~0.3 us of each figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from llvmlite import ir  # noqa: E402
+
+from cflow.codegen import ops as O  # noqa: E402
+from cflow.codegen.library import Library  # noqa: E402
+from cflow.codegen.target import cpu_model, host_target  # noqa: E402
+
+
+def main(argv=None) -> float:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d", type=int, default=2048, help="input width (d_model)")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=20000)
+    args = ap.parse_args(argv)
+    m = ir.Module(name="router_bench")
+    fn = O.router(m, args.d, args.experts, args.top_k, False)
+    fn.linkage = "external"
+    lib = Library(name="router_bench", target=host_target(), cache=None)
+    lib.add_ir(m)
+    lib.finalize()
+    vp = ctypes.c_void_p
+    f = lib.get_cfunc(fn.name, None, vp, vp, vp, vp)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(args.d).astype(np.float32)
+    w = rng.standard_normal((args.experts, args.d)).astype(np.float32)
+    probs = np.zeros(args.experts, np.float32)
+    route = np.zeros(8 * args.top_k, np.uint8)
+    a = [x.ctypes.data, w.ctypes.data, probs.ctypes.data, route.ctypes.data]
+    for _ in range(100):
+        f(*a)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            f(*a)
+        best = min(best, (time.perf_counter() - t0) / args.calls)
+    print(f"# {cpu_model()}; router d={args.d} experts={args.experts} top-k={args.top_k}: "
+          f"{best * 1e6:.2f} us per call (best of 3 x {args.calls} calls)")
+    return best
+
+
+if __name__ == "__main__":
+    main()
