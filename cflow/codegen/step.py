@@ -411,8 +411,13 @@ class _Emitter:
         if self.segmented:  # run only stages [lo, hi): the host reads routes and loads experts in between
             lo = b.load(b.gep(self.params, [c64(Param.STAGE_LO)]), name="stage_lo")
             hi = b.load(b.gep(self.params, [c64(Param.STAGE_HI)]), name="stage_hi")
-        self.stamp(b, c64(0))
-        self.arrive(b, c64(n), n)  # each thread's own start, in the last column of its row
+        if self.segmented:  # the token's start: the first segment's (later segments must not stamp it again)
+            with b.if_then(b.icmp_signed("==", lo, c64(0))):
+                self.stamp(b, c64(0))
+                self.arrive(b, c64(n), n)
+        else:
+            self.stamp(b, c64(0))
+            self.arrive(b, c64(n), n)  # each thread's own start, in the last column of its row
         with Loop(b, c64(0), c64(n), "si") as si:
             guard = None
             if self.segmented:
