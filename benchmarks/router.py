@@ -26,6 +26,20 @@ from cflow.codegen.library import Library  # noqa: E402
 from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 
 
+def router_fn(d: int, experts: int, top_k: int, normalize: bool = False):
+    """ops.router JIT-compiled alone: f(x, w, probs, route) through ctypes (the library is kept on the function)."""
+    m = ir.Module(name="router_bench")
+    fn = O.router(m, d, experts, top_k, normalize)
+    fn.linkage = "external"
+    lib = Library(name="router_bench", target=host_target(), cache=None)
+    lib.add_ir(m)
+    lib.finalize()
+    vp = ctypes.c_void_p
+    f = lib.get_cfunc(fn.name, None, vp, vp, vp, vp)
+    f.library = lib  # the code lives as long as the library
+    return f
+
+
 def main(argv=None) -> float:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=2048, help="input width (d_model)")
@@ -33,14 +47,7 @@ def main(argv=None) -> float:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--calls", type=int, default=20000)
     args = ap.parse_args(argv)
-    m = ir.Module(name="router_bench")
-    fn = O.router(m, args.d, args.experts, args.top_k, False)
-    fn.linkage = "external"
-    lib = Library(name="router_bench", target=host_target(), cache=None)
-    lib.add_ir(m)
-    lib.finalize()
-    vp = ctypes.c_void_p
-    f = lib.get_cfunc(fn.name, None, vp, vp, vp, vp)
+    f = router_fn(args.d, args.experts, args.top_k)
     rng = np.random.default_rng(0)
     x = rng.standard_normal(args.d).astype(np.float32)
     w = rng.standard_normal((args.experts, args.d)).astype(np.float32)

@@ -31,12 +31,12 @@ def _source_digest() -> str:
 
 
 def fingerprint(header: dict, schedule: dict, isa: str, max_seq: int, profile: bool, segmented: bool = False,
-                tmax: int = 1, kv: str = "f32", tuning: dict | None = None) -> str:
+                tmax: int = 1, kv: str = "f32", tuning: dict | None = None, warm: int = 0) -> str:
     """schedule: the one the step runs (the header's, or the disk tier's late one); segmented: stage-range calls;
     tmax: tokens per multi-token call (1: decode only); kv: the KV cache's element type; tuning: this host's
-    mat-vec knobs (codegen.tune), which change the emitted text."""
+    mat-vec knobs (codegen.tune), which change the emitted text; warm: the stage warm-up bytes (step.py)."""
     plan = {k: header.get(k) for k in ("config", "packing", "tile", "quant")}
-    blob = json.dumps([plan, schedule, isa, max_seq, profile, segmented, tmax, kv, tuning or {}, _versions(),
+    blob = json.dumps([plan, schedule, isa, max_seq, profile, segmented, tmax, kv, tuning or {}, warm, _versions(),
                        _source_digest()],
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()

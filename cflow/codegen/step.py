@@ -411,13 +411,10 @@ class _Emitter:
         if self.segmented:  # run only stages [lo, hi): the host reads routes and loads experts in between
             lo = b.load(b.gep(self.params, [c64(Param.STAGE_LO)]), name="stage_lo")
             hi = b.load(b.gep(self.params, [c64(Param.STAGE_HI)]), name="stage_hi")
-        if self.segmented:  # the token's start: the first segment's (later segments must not stamp it again)
-            with b.if_then(b.icmp_signed("==", lo, c64(0))):
-                self.stamp(b, c64(0))
-                self.arrive(b, c64(n), n)
-        else:
+        # the token's start (segmented: the first segment's only) and each thread's, in its row's last column
+        with (b.if_then(b.icmp_signed("==", lo, c64(0))) if self.segmented else contextlib.nullcontext()):
             self.stamp(b, c64(0))
-            self.arrive(b, c64(n), n)  # each thread's own start, in the last column of its row
+            self.arrive(b, c64(n), n)
         with Loop(b, c64(0), c64(n), "si") as si:
             guard = None
             if self.segmented:

@@ -11,6 +11,7 @@ Overrides (for testing the fallback kernels on a capable host):
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import threading
 
@@ -172,20 +173,9 @@ def host_target(cpu: str | None = None, features: str | None = None, *, env: boo
     return Target(triple=llvm.get_process_triple(), cpu=cpu, features=_format_features(base))
 
 
-def cpu_name() -> str:
-    """The host's CPU model name as /proc/cpuinfo (and lscpu) give it. Hypervisors often shorten it ("AMD
-    EPYC" on both a Zen 4 and a Zen 5 host), so figures are labelled with cpu_model() instead."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
-    except OSError:
-        return "unknown CPU"
-
-
-def cpu_model() -> str:
-    """The host's CPU, recorded beside every benchmark figure: the model name, LLVM's name for the
-    microarchitecture and the CPUID family/model, e.g. "AMD EPYC (znver5, family 26 model 2)": the name alone
-    does not tell a Zen 4 host from a Zen 5 one."""
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where it cannot be read): read once per process."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -196,6 +186,20 @@ def cpu_model() -> str:
                 fields.setdefault(k.strip(), v.strip())
     except OSError:
         pass
+    return fields
+
+
+def cpu_name() -> str:
+    """The host's CPU model name as /proc/cpuinfo (and lscpu) give it. Hypervisors often shorten it ("AMD
+    EPYC" on both a Zen 4 and a Zen 5 host), so figures are labelled with cpu_model() instead."""
+    return _cpuinfo().get("model name", "unknown CPU")
+
+
+def cpu_model() -> str:
+    """The host's CPU, recorded beside every benchmark figure: the model name, LLVM's name for the
+    microarchitecture and the CPUID family/model, e.g. "AMD EPYC (znver5, family 26 model 2)": the name alone
+    does not tell a Zen 4 host from a Zen 5 one."""
+    fields = _cpuinfo()
     init_llvm()
     import llvmlite.binding as llvm
 

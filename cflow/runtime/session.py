@@ -336,8 +336,7 @@ class Session:
         self.tuning = tune.choices(self.run_state.tensors.values(), target)
         self.warm = stage_warm_bytes()
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
-                                        self.profile, segmented, self.tmax, self.kv_dtype,
-                                        dict(self.tuning, stage_warm=self.warm))
+                                        self.profile, segmented, self.tmax, self.kv_dtype, self.tuning, self.warm)
               if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
         self.program = None

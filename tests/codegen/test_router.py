@@ -2,29 +2,21 @@
 its loop (whole groups of four 16-lane chains, left-over vectors, a scalar tail), with and without renormalising
 the top-k weights."""
 
-import ctypes
+import os
+import sys
 
 import numpy as np
 import pytest
-from llvmlite import ir
 
-from cflow.codegen import ops as O
-from cflow.codegen.library import Library
-from cflow.codegen.target import host_target
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import router  # noqa: E402  (benchmarks/router.py: the router JIT-compiled alone)
 
 
 @pytest.mark.parametrize("d", [8, 40, 100, 1024, 2048])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_router_matches_numpy(d, normalize):
     E, k = 8, 2
-    m = ir.Module(name="router_test")
-    fn = O.router(m, d, E, k, normalize)
-    fn.linkage = "external"
-    lib = Library(name="router_test", target=host_target(), cache=None)
-    lib.add_ir(m)
-    lib.finalize()
-    vp = ctypes.c_void_p
-    f = lib.get_cfunc(fn.name, None, vp, vp, vp, vp)
+    f = router.router_fn(d, E, k, normalize)
     rng = np.random.default_rng(d)
     for _ in range(20):
         x = (rng.standard_normal(d) / np.sqrt(d)).astype(np.float32)
@@ -43,11 +35,5 @@ def test_router_matches_numpy(d, normalize):
 
 
 def test_router_benchmark_runs(capsys):
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-    import router
-
     assert router.main(["--d", "64", "--calls", "10"]) > 0
     assert "us per call" in capsys.readouterr().out
