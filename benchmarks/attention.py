@@ -1,13 +1,15 @@
 """The attention core alone (codegen/ops.py:attention): one decode token's attention over a long KV cache.
 
-    python benchmarks/attention.py --contexts 16,1024,2048,4064 --kv f16,f32 --json out.json
+    python benchmarks/attention.py --contexts 16,1024,2048,4064 --kv f16,f32,bf16 --json out.json
 
 TinyLlama-1.1B's attention geometry by default (32 query heads, 4 KV heads of 64, max_seq 4096): the compiled
 function runs for every kv head on one thread at position P, over a cache filled with random K/V, and is timed
 (best of --reps calls after a warm-up; --layers N calls N caches in turn, so that with TinyLlama's 22 they stream
 from DRAM as in decode, and reports the time per call). Reported: microseconds per call (one layer of one token),
 the K/V bytes the call reads and the rate it reads them at, next to the read bandwidth measured in the same run,
-and the call's arithmetic floor: its multiply-adds at the FMA rate one core reaches on registers (fma_rate).
+and the call's arithmetic floor: its multiply-adds at the FMA rate one core reaches on registers (fma_rate; for
+bf16, whose dot-product instruction does two multiply-adds per lane, half that time). bf16 uses VDPBF16PS where
+the host has AVX512_BF16; CFLOW_FEATURES=-avx512bf16 times its FMA emulation instead.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from cflow.codegen.cgutils import P, f32, i16, i64  # noqa: E402
 from cflow.codegen.library import Library  # noqa: E402
 from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 from cflow.ir import Attention  # noqa: E402
+from cflow.layout.quant import bf16_bits  # noqa: E402
 
 
 def build(H: int, KV: int, hd: int, kv: str, max_seq: int):
@@ -43,8 +46,9 @@ def build(H: int, KV: int, hd: int, kv: str, max_seq: int):
 
     # (an older cflow's attention took no max_seq: PYTHONPATH=<old checkout> runs this script against it)
     extra = (max_seq,) if "max_seq" in inspect.signature(O.attention).parameters else ()
+    extra += (kv == "bf16" and t.has_avx512_bf16,) if kv == "bf16" else ()
     fn = O.attention(m, n, offs, t.isa, kv, *extra)
-    kvp = P(i16) if kv == "f16" else P(f32)
+    kvp = P(i16) if kv in ("f16", "bf16") else P(f32)
     args = [P(f32)] * 6 + [kvp, kvp] + [P(f32)] * 4 + [i64, i64, i64]
     w = ir.Function(m, ir.FunctionType(ir.VoidType(), args), "attn_entry")
     b = ir.IRBuilder(w.append_basic_block("entry"))
@@ -125,9 +129,9 @@ def main(argv=None) -> None:
     recs = []
     for kv in a.kv.split(","):
         lib, fn = build(H, KV, hd, kv, S)
-        esz = 2 if kv == "f16" else 4
+        esz = 2 if kv in ("f16", "bf16") else 4
         one = rng.standard_normal(2 * S * KV * hd).astype(np.float32)
-        one = one.astype(np.float16).view(np.int16) if kv == "f16" else one
+        one = one.astype(np.float16).view(np.int16) if kv == "f16" else bf16_bits(one) if kv == "bf16" else one
         caches = [one.copy() for _ in range(a.layers)]  # one per layer: with many, they stream from DRAM
         ps = [[qkv.ctypes.data] + [None] * 5 + [c[: S * KV * hd].ctypes.data, c[S * KV * hd:].ctypes.data,
                                                   cos.ctypes.data, sin.ctypes.data, att.ctypes.data,
@@ -144,6 +148,7 @@ def main(argv=None) -> None:
             nbytes = 2 * (pos + 1) * KV * hd * esz
             rate = nbytes / best / 1e9
             floor = 2 * H * hd * (pos + 1) / peak  # q.k and p.v: one multiply-add per query head, dim, position
+            floor /= 2 if kv == "bf16" else 1  # two per lane per instruction
             print(f"  {kv:<4} {pos:>5} {1e6 * best:9.1f} {nbytes / 1e6:7.2f} {rate:6.2f} {100 * rate / bw:6.1f}% "
                   f"{1e6 * floor:12.1f} {100 * floor / best:12.1f}%", flush=True)
             recs.append({"kv": kv, "pos": pos, "us": round(1e6 * best, 2), "kv_bytes": nbytes, "gbps": round(rate, 3),

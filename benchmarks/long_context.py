@@ -92,17 +92,18 @@ def main(argv=None) -> None:
             records.append(rec)
             print(f"   kv {kv}  context {p:5d}: {tps:7.2f} tok/s, {nbytes / 1e6:7.1f} MB/token read -> bound "
                   f"{bound:6.2f} tok/s: {100 * tps / bound:5.1f}%", flush=True)
-    quality = {}
-    for p in contexts:
-        if ("f32", p) in first_logits and ("f16", p) in first_logits:
-            d = float(np.abs(first_logits["f16", p] - first_logits["f32", p]).max())
-            same = int(np.argmax(first_logits["f16", p])) == int(np.argmax(first_logits["f32", p]))
-            quality[p] = {"max_abs_logit_diff": round(d, 5), "same_argmax": same}
-            print(f"# f16 vs f32 KV after {p} tokens: max |logit diff| {d:.4f}, same argmax: {same}")
+    quality = {}  # {kv: {context: ...}} against the f32 cache, for every other type measured
+    for kv in (k for k in args.kv.split(",") if k != "f32"):
+        for p in contexts:
+            if ("f32", p) in first_logits:
+                d = float(np.abs(first_logits[kv, p] - first_logits["f32", p]).max())
+                same = int(np.argmax(first_logits[kv, p])) == int(np.argmax(first_logits["f32", p]))
+                quality.setdefault(kv, {})[p] = {"max_abs_logit_diff": round(d, 5), "same_argmax": same}
+                print(f"# {kv} vs f32 KV after {p} tokens: max |logit diff| {d:.4f}, same argmax: {same}")
     ppl = perplexities(args.text, args.windows, args.kv.split(",")) if args.text else {}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": cpu_model(), "records": records, "f16_vs_f32": quality, "perplexity": ppl}, f,
+            json.dump({"machine": cpu_model(), "records": records, "vs_f32": quality, "perplexity": ppl}, f,
                       indent=2)
 
 

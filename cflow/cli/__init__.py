@@ -26,6 +26,9 @@ from ..errors import CflowError
 COMMANDS = ("bench", "demo", "export-onnx", "inspect", "run", "serve", "train", "tune")
 
 VERSION = f"cflow {__version__}"
+# --kv of run / bench / serve: "auto" and the keys of codegen.abi.KV_BYTES, spelled out here because importing
+# that pulls in numpy and --help stays light (tests/test_cli.py checks the two agree)
+KV_CHOICES = ("auto", "f32", "f16", "bf16")
 
 
 def _guard(main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ def _thread_counts(text: str) -> list[int]:
 
 
 def add_args(p):
-    from . import whole
+    from . import KV_CHOICES, whole
 
     p.add_argument("file", help="compiled model (.vflow or .cflow)")
     p.add_argument("--threads", type=_thread_counts, default=None,
@@ -30,7 +30,7 @@ def add_args(p):
     p.add_argument("--tokens", type=whole(1), default=32, help="tokens decoded per repetition (default 32)")
     p.add_argument("--reps", type=whole(1), default=3,
                    help="repetitions per thread count; the best is kept (default 3)")
-    p.add_argument("--kv", choices=("auto", "f32", "f16"), default="auto",
+    p.add_argument("--kv", choices=KV_CHOICES, default="auto",
                    help="KV cache element type; auto: f16 for q4/q8 weights, f32 for f16/f32 (default auto)")
     p.add_argument("--json", metavar="FILE",
                    help="also write one record per thread count to this JSON file (default: no file)")

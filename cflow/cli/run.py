@@ -10,7 +10,7 @@ DEFAULT_NEW_TOKENS = 128
 
 
 def add_args(p):
-    from . import MAX_THREADS, number, whole
+    from . import KV_CHOICES, MAX_THREADS, number, whole
 
     p.add_argument("file", help="compiled model (.vflow or .cflow)")
     p.add_argument("--prompt", "-p", default="Once upon a time",
@@ -40,8 +40,7 @@ def add_args(p):
     p.add_argument("--ctx", "--max-seq", dest="max_seq", type=whole(1), default=None, metavar="TOKENS",
                    help="context to allocate (KV cache), at most the model's; more is an error naming both "
                    "(default: the model's max_seq_len)")
-    # the keys of codegen.abi.KV_BYTES, spelled out: importing it pulls in numpy, and --help stays light
-    p.add_argument("--kv", choices=("auto", "f32", "f16"), default="auto",
+    p.add_argument("--kv", choices=KV_CHOICES, default="auto",
                    help="KV cache element type: f16 halves its memory and what attention reads per token at long "
                    "contexts; auto is f16 for q4/q8 weights (measured equal in perplexity), f32 for f16/f32 "
                    "weights (default auto; the type in use is printed with the speeds)")

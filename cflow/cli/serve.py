@@ -6,6 +6,8 @@ HELP = "serve a compiled model over HTTP with OpenAI's API (completions, chat, s
 
 
 def add_args(p):
+    from . import KV_CHOICES
+
     p.add_argument("file", help="compiled model (.vflow or .cflow)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; anything but loopback is reachable by others, so give --api-key "
@@ -34,7 +36,7 @@ def add_args(p):
     p.add_argument("--weights-on-disk", action="store_true",
                    help="stream the big matrices from the file every token (a model larger than RAM; implies "
                    "--experts-on-disk) (default: mapped in RAM)")
-    p.add_argument("--kv", choices=("auto", "f32", "f16"), default="auto",
+    p.add_argument("--kv", choices=KV_CHOICES, default="auto",
                    help="KV cache element type; auto: f16 for q4/q8 weights (measured equal in perplexity), f32 "
                    "for f16/f32 weights (default auto)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),

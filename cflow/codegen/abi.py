@@ -214,11 +214,12 @@ def scratch_layout(config, tensors: dict, max_seq: int, tmax: int = 1) -> Scratc
 
 
 def kv_floats_per_layer(config, max_seq: int) -> int:
-    """f32 entries of one layer's K (or V) cache: [max_seq][n_kv_heads * head_dim] (see Binding.KV)."""
-    return max_seq * config.n_kv_heads * config.head_dim
+    """Entries of one layer's K (or V) cache: [max_seq][n_kv_heads * head_dim] (see Binding.KV), max_seq rounded
+    up to even (kv='bf16' keeps V in pairs of positions: ops.kv_layout)."""
+    return (max_seq + max_seq % 2) * config.n_kv_heads * config.head_dim
 
 
-KV_BYTES = {"f32": 4, "f16": 2}  # the KV cache's element types (load(kv=...)) and bytes per entry
+KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2}  # the KV cache's element types (load(kv=...)) and bytes per entry
 
 
 def kv_cache_bytes(config, max_seq: int, n_slots: int = 1, kv: str = "f32") -> int:

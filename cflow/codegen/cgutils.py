@@ -15,6 +15,24 @@ i1, i8, i16, i32, i64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
 f16, f32 = ir.HalfType(), ir.FloatType()
 void = ir.VoidType()
 V = ir.VectorType
+
+
+class BFloatType(ir.types._BaseFloatType):
+    """LLVM's `bfloat` (llvmlite has no class for it): only the operand type of the BF16 dot-product
+    intrinsic, reached by bitcasting integer vectors; no constants of it are ever emitted."""
+
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+    def format_constant(self, value):
+        raise TypeError("bfloat constants are not emitted")
+
+
+BFloatType._create_instance()
+bf16 = BFloatType()
 P = ir.PointerType
 
 
@@ -184,6 +202,45 @@ def float_to_half(b: ir.IRBuilder, x, isa: str):
     h = b.select(b.icmp_unsigned(">=", a, k(i32, 0x477FF000)), k(i32, 0x7C00), h)
     h = b.select(b.icmp_unsigned(">", a, k(i32, 0x7F800000)), k(i32, 0x7E00), h)
     return b.trunc(b.or_(h, sign), hty)
+
+
+def float_to_bf16(b: ir.IRBuilder, x):
+    """float (or <n x float>) -> bfloat16 bits (i16 / <n x i16>): the top half of the float, rounded to nearest
+    even (layout.quant.round_bf16 is the NumPy twin), NaN kept quiet. Integer ops only, on every ISA."""
+    n = _lanes(x)
+
+    def k(ty, v):
+        return _lit(ty, n, v)
+
+    w = b.bitcast(x, V(i32, n) if n else i32)
+    r = b.lshr(b.add(w, b.add(k(i32, 0x7FFF), b.and_(b.lshr(w, k(i32, 16)), k(i32, 1)))), k(i32, 16))
+    nan = b.icmp_unsigned(">", b.and_(w, k(i32, 0x7FFFFFFF)), k(i32, 0x7F800000))
+    r = b.select(nan, b.or_(b.lshr(w, k(i32, 16)), k(i32, 0x0040)), r)
+    return b.trunc(r, V(i16, n) if n else i16)
+
+
+def bf16_dot(b: ir.IRBuilder, acc, x, y, hw: bool, fma: bool = True):
+    """acc + x . y over bf16 pairs: acc <n x float>; x, y <n x i32>, each lane a pair of bf16 (element 2i in the
+    low half). Lane i gets acc + x_hi * y_hi, then + x_lo * y_lo, each product exact in f32 (8-bit mantissas), so
+    one rounding per add: the order VDPBF16PS defines. hw: use that instruction (AVX512_BF16, n in 4, 8, 16);
+    otherwise both halves are widened by shifts and added by FMA (fma=False: multiply then add, the same
+    result since the product is exact). The instruction treats subnormal inputs and results as zero; the
+    emulation does not (the only difference: values below 1.2e-38)."""
+    n = x.type.count
+    if hw and n in (4, 8, 16):
+        fn = intrinsic(b.module, f"llvm.x86.avx512bf16.dpbf16ps.{32 * n}", V(f32, n),
+                       [V(f32, n), V(bf16, 2 * n), V(bf16, 2 * n)])
+        return b.call(fn, [acc, b.bitcast(x, V(bf16, 2 * n)), b.bitcast(y, V(bf16, 2 * n))])
+    hi_m, sh = const_vec(i32, n, -65536), const_vec(i32, n, 16)
+    fty = V(f32, n)
+
+    def madd(u, v, a):
+        if fma:
+            return b.call(intrinsic(b.module, f"llvm.fma.v{n}f32", fty, [fty] * 3), [u, v, a])
+        return b.fadd(b.fmul(u, v), a)
+
+    acc = madd(b.bitcast(b.and_(x, hi_m), fty), b.bitcast(b.and_(y, hi_m), fty), acc)
+    return madd(b.bitcast(b.shl(x, sh), fty), b.bitcast(b.shl(y, sh), fty), acc)
 
 
 # -- math ------------------------------------------------------------------------------------------

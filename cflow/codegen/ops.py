@@ -19,12 +19,14 @@ from .cgutils import (
     P,
     V,
     alloca_once,
+    bf16_dot,
     c32,
     c64,
     cf,
     const_vec,
     exp_vec,
     f32,
+    float_to_bf16,
     float_to_half,
     half_to_float,
     hsum,
@@ -316,13 +318,28 @@ def kv_block(max_seq: int) -> int:
     return next(B for B in (16, 8, 4, 2, 1) if max_seq % B == 0)
 
 
-def kv_layout(max_seq: int, n_kv_heads: int, head_dim: int):
+def kv_layout(max_seq: int, n_kv_heads: int, head_dim: int, kv: str = "f32"):
     """Where position s, kv head g, dimension d of one layer's K and V live (element offsets in each region of
-    max_seq * n_kv_heads * head_dim entries): K in blocks of B = kv_block(max_seq) positions, dimension-major
-    inside a block, so one load gives B positions' entries of a dimension; V position after position, each kv head's
-    positions together. Both are read front to back by a kv head's scan. Works on ints and numpy arrays."""
+    abi.kv_floats_per_layer entries): K in blocks of B = kv_block(max_seq) positions, dimension-major inside a
+    block, so one load gives B positions' entries of a dimension; V position after position, each kv head's
+    positions together. Both are read front to back by a kv head's scan. Works on ints and numpy arrays.
+
+    kv='bf16' pairs the entries one BF16 dot-product lane takes (bf16_dot): in K the two dimensions 2m, 2m+1 of a
+    position sit side by side (a block is pair-major: pair m holds B positions x 2 dimensions); in V the two
+    positions 2t, 2t+1 of a dimension (a kv head's V is pair-row after pair-row, the position count rounded up
+    to even)."""
     B = kv_block(max_seq)
     nb = max_seq // B
+    if kv == "bf16":
+        S2 = max_seq + max_seq % 2
+
+        def k_at(s, g, d):
+            return ((g * nb + s // B) * head_dim + d - d % 2) * B + 2 * (s % B) + d % 2
+
+        def v_at(s, g, d):
+            return (g * S2 + s - s % 2) * head_dim + 2 * d + s % 2
+
+        return k_at, v_at
 
     def k_at(s, g, d):
         return ((g * nb + s // B) * head_dim + d) * B + s % B
@@ -334,7 +351,7 @@ def kv_layout(max_seq: int, n_kv_heads: int, head_dim: int):
 
 
 def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: str, kv: str = "f32",
-              max_seq: int = 0):
+              max_seq: int = 0, bf16_hw: bool = False):
     """Single-token GQA over the cache for kv heads [g0, g1): bias, q/k norms, RoPE, cache write, softmax(qK)V.
 
     q/k norms (n.qk_norm) are RMSNorms of (projection + bias) before RoPE, weights qn/kn: 'head' normalises each
@@ -355,6 +372,12 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
 
     kv: the cache's element type, 'f32' or 'f16' (IEEE half, rounded to nearest even as numpy's astype does;
     the interpreter's kv='f16' rounds the same way): K and V are rounded once when written, widened on read.
+    'bf16' (rounded to nearest even, layout.quant.round_bf16) is also the arithmetic's type: the query is rounded
+    to bf16 and q.k taken as bf16 pair dot products (cgutils.bf16_dot: exact products, f32 sums), and the
+    weighted V sum takes bf16(exp(score - max)) in pairs of positions, divided by the f32 sum of the unrounded
+    weights. Each dot-product instruction does two multiply-adds per lane (VDPBF16PS where bf16_hw, the
+    target's AVX512_BF16; an FMA emulation in the same order elsewhere), so the core does half the
+    instructions per cache byte of f16, whose multiply-adds bound it (docs/performance.md).
     """
     H, KV, hd = n.n_heads, n.n_kv_heads, n.head_dim
     rep, half = H // KV, hd // 2
@@ -376,7 +399,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     fma = isa != ISA.GENERIC
     if kv not in KV_BYTES:
         raise ValueError(f"KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
-    half_kv = kv == "f16"
+    half_kv, bf = kv == "f16", kv == "bf16"
+    S2 = S + S % 2 if bf else S  # positions per kv head in the V region (pairs of positions in bf16)
 
     def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):
         sqrt = intrinsic(m, "llvm.sqrt.f32", f32, [f32])
@@ -453,41 +477,63 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         if window:  # max(0, pos + 1 - window): the oldest position still inside the window
             lo = b.sub(npos, c64(window))
             start = b.select(b.icmp_signed(">", lo, c64(0)), lo, c64(0))
-        RB = 32  # positions per block of the weighted sum (their V rows stay in L1 across the chunks)
+        RB = 32  # positions per block of the weighted sum (their V rows stay in L1 across the head groups)
+        # The weighted sum reads each V row whole (all nc chunks), front to back, for a group of heads whose
+        # rep x nc accumulators fit the registers; the next group re-reads the block from L1. Reading chunk by
+        # chunk instead (a 128-byte stride through each 4 KiB block, four times) streamed V from DRAM at 11 GB/s
+        # against 18 for K on Zen 5 (docs/performance.md). Each accumulator sums its positions in the same order.
+        HG = max(1, min(rep, 16 // nc))
+        head_groups = [range(h, min(rep, h + HG)) for h in range(0, rep, HG)]
         bt = V(f32, B)
         mx = [alloca_once(b, bt) for _ in range(rep)]
         qk = [[alloca_once(b, bt) for _ in range(NP)] for _ in range(rep)]
         accs = [[alloca_once(b, vt) for _ in range(nc)] for _ in range(rep)]
         esum = [alloca_once(b, V(f32, L)) for _ in range(rep)]
         qr = b.bitcast(alloca_once(b, ir.ArrayType(f32, rep * hd)), P(f32))
+        qbf = b.bitcast(alloca_once(b, ir.ArrayType(i16, rep * hd)), P(i16)) if bf else None
+        sbf = b.bitcast(scores, P(i16)) if bf else None  # kv='bf16': the weights as bf16, over the scores
         lane_ids = ir.Constant(V(i64, B), list(range(B)))
         ninf_b = const_vec(f32, B, -math.inf)
         pos_blk, pos_lane = b.udiv(pos, c64(B)), b.urem(pos, c64(B))
         with Loop(b, g0, g1, "g") as g:
             goff = b.mul(g, c64(hd))
             kbase = b.mul(g, c64(nb * hd * B))  # this kv head's K blocks
-            vbase = b.mul(g, c64(S * hd))  # and its V rows
+            vbase = b.mul(g, c64(S2 * hd))  # and its V rows
             ksrc, kb = b.gep(qkv, [b.add(c64(ko), goff)]), b.gep(bk, [goff]) if bias else None
             rope_into(ksrc, kb, kr, norm_of(goff, ksrc, kb, kn, k_inv))
             # this position's K (roped) into its block, dimension d at d * B (a strided store: hd entries per
             # token, against hd * (pos + 1) read below) ...
-            kpos = b.add(b.add(kbase, b.mul(pos_blk, c64(hd * B))), pos_lane)
+            kpos = b.add(b.add(kbase, b.mul(pos_blk, c64(hd * B))), b.mul(pos_lane, c64(2 if bf else 1)))
             for c in range(nc):
                 kv_ = vload(kr, c64(c * W))
-                hv = float_to_half(b, kv_, isa) if half_kv else kv_
+                hv = float_to_bf16(b, kv_) if bf else float_to_half(b, kv_, isa) if half_kv else kv_
                 for t in range(W):
-                    b.store(b.extract_element(hv, c32(t)), b.gep(kc, [b.add(kpos, c64((c * W + t) * B))]))
-            # ... and its V (+ bias) row after the previous positions'
-            vrow = b.add(vbase, b.mul(pos, c64(hd)))
+                    d = c * W + t
+                    at = (d - d % 2) * B + d % 2 if bf else d * B  # bf16: dimension pairs side by side
+                    b.store(b.extract_element(hv, c32(t)), b.gep(kc, [b.add(kpos, c64(at))]))
+            # ... and its V (+ bias) row after the previous positions' (bf16: interleaved with its pair's)
+            if bf:
+                vrow = b.add(b.add(vbase, b.mul(b.udiv(pos, c64(2)), c64(2 * hd))), b.urem(pos, c64(2)))
+            else:
+                vrow = b.add(vbase, b.mul(pos, c64(hd)))
             for c in range(nc):
                 v = vload(qkv, b.add(c64(vo + c * W), goff))
                 if bias:
                     v = b.fadd(v, vload(bv, b.add(goff, c64(c * W))))
-                cstore(v, vc, b.add(vrow, c64(c * W)))
+                if bf:
+                    hv = float_to_bf16(b, v)
+                    for t in range(W):
+                        b.store(b.extract_element(hv, c32(t)), b.gep(vc, [b.add(vrow, c64(2 * (c * W + t)))]))
+                else:
+                    cstore(v, vc, b.add(vrow, c64(c * W)))
             with Loop(b, c64(0), c64(rep), "h") as r:  # the group's query heads, roped, side by side in qr
                 hoff = b.mul(b.add(b.mul(g, c64(rep)), r), c64(hd))
                 qsrc, qb = b.gep(qkv, [b.add(c64(qo), hoff)]), b.gep(bq, [hoff]) if bias else None
                 rope_into(qsrc, qb, b.gep(qr, [b.mul(r, c64(hd))]), norm_of(hoff, qsrc, qb, qn, q_inv))
+            if bf:  # the group's queries as bf16, W at a time: pair m of head r is the i32 at qbf[r * hd + 2m]
+                with Loop(b, c64(0), c64(rep * hd // W), "qbf") as i:
+                    b.store(float_to_bf16(b, vload(qr, b.mul(i, c64(W)))),
+                            b.bitcast(b.gep(qbf, [b.mul(i, c64(W))]), P(V(i16, W))), align=2)
             for r in range(rep):
                 b.store(ninf_b, mx[r])
             # scores[r][s] = q_r.k_s * scale for the blocks holding [start, pos]; lanes outside it -inf
@@ -496,18 +542,35 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                 for r in range(rep):
                     for a_ in qk[r]:
                         b.store(const_vec(f32, B, 0.0), a_)
-                with Loop(b, c64(0), c64(hd // DU), "kd") as dd:
-                    d0 = b.mul(dd, c64(DU))
-                    chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
-                    for u in range(DU):
-                        d = b.add(d0, c64(u))
-                        kd = cload(kc, b.add(blk, b.mul(d, c64(B))), B)
+                if bf:  # pairs of dimensions: B lanes of i32 (two bf16) per load, two multiply-adds per lane
+                    PU = math.gcd(half, 4)
+                    with Loop(b, c64(0), c64(half // PU), "kd") as dd:
+                        m0 = b.mul(dd, c64(PU))
+                        chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
+                        for u in range(PU):
+                            mm = b.add(m0, c64(u))
+                            kp = b.gep(kc, [b.add(blk, b.mul(mm, c64(2 * B)))])
+                            kd = b.load(b.bitcast(kp, P(V(i32, B))), align=4)
+                            for r in range(rep):
+                                qp = b.gep(qbf, [b.add(c64(r * hd), b.mul(mm, c64(2)))])
+                                q = splat(b, b.load(b.bitcast(qp, P(i32)), align=4), B)
+                                chains[r][u % NP] = bf16_dot(b, chains[r][u % NP], kd, q, bf16_hw, fma)
                         for r in range(rep):
-                            q = splat(b, b.load(b.gep(qr, [b.add(c64(r * hd), d)])), B)
-                            chains[r][u % NP] = madd(q, kd, chains[r][u % NP])
-                    for r in range(rep):
-                        for a_, x in zip(qk[r], chains[r]):
-                            b.store(x, a_)
+                            for a_, x in zip(qk[r], chains[r]):
+                                b.store(x, a_)
+                else:
+                    with Loop(b, c64(0), c64(hd // DU), "kd") as dd:
+                        d0 = b.mul(dd, c64(DU))
+                        chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
+                        for u in range(DU):
+                            d = b.add(d0, c64(u))
+                            kd = cload(kc, b.add(blk, b.mul(d, c64(B))), B)
+                            for r in range(rep):
+                                q = splat(b, b.load(b.gep(qr, [b.add(c64(r * hd), d)])), B)
+                                chains[r][u % NP] = madd(q, kd, chains[r][u % NP])
+                        for r in range(rep):
+                            for a_, x in zip(qk[r], chains[r]):
+                                b.store(x, a_)
                 s_ids = b.add(splat(b, b.mul(j, c64(B)), B), lane_ids)
                 live = b.and_(b.icmp_signed(">=", s_ids, splat(b, start, B)),
                               b.icmp_signed("<", s_ids, splat(b, npos, B)))
@@ -539,23 +602,50 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                                          splat(b, npos, L))
                     x = b.select(live, b.fsub(b.load(sp, align=4), m_v), const_vec(f32, L, -math.inf))
                     p = exp_vec(b, x)
-                    b.store(p, sp, align=4)
+                    if bf:  # bf16(p) at i16 index s of the head's scratch: below the floats not yet read
+                        b.store(float_to_bf16(b, p), b.bitcast(b.gep(sbf, [b.add(c64(2 * r * SS), s0)]),
+                                                               P(V(i16, L))), align=2)
+                    else:
+                        b.store(p, sp, align=4)
                     b.store(b.fadd(b.load(esum[r]), p), esum[r])
                 inv.append(b.fdiv(cf(1.0), hsum(b, b.load(esum[r]))))
+                if bf:  # the pair scan reads the neighbours of an odd start / end: their weights are 0
+                    odd_start = b.icmp_unsigned("!=", b.urem(start, c64(2)), c64(0))
+                    for at in (npos, b.select(odd_start, b.sub(start, c64(1)), npos)):
+                        b.store(ir.Constant(i16, 0), b.gep(sbf, [b.add(c64(2 * r * SS), at)]))
             for ar in accs:
                 for a in ar:
                     b.store(const_vec(f32, W, 0.0), a)
-            nblk = b.udiv(b.add(b.sub(npos, start), c64(RB - 1)), c64(RB))
-            with Loop(b, c64(0), nblk, "pb") as j:  # out_r += p_rs * v_s, RB positions at a time, chunk by chunk
-                s_lo = b.add(start, b.mul(j, c64(RB)))
-                s_end = b.add(s_lo, c64(RB))
-                s_hi = b.select(b.icmp_signed("<", s_end, npos), s_end, npos)
-                for c in range(nc):
-                    with Loop(b, s_lo, s_hi, f"pv{c}") as s:
-                        vv = cload(vc, b.add(b.add(vbase, b.mul(s, c64(hd))), c64(c * W)))
-                        for r in range(rep):
-                            p = splat(b, b.load(b.gep(scores, [b.add(c64(r * SS), s)])), W)
-                            b.store(madd(p, vv, b.load(accs[r][c])), accs[r][c])
+            if bf:  # out_r += p_r(2t) v_2t + p_r(2t+1) v_2t+1, RB / 2 pairs at a time
+                t0, t1, RP = b.udiv(start, c64(2)), b.udiv(b.add(npos, c64(1)), c64(2)), RB // 2
+                with Loop(b, c64(0), b.udiv(b.add(b.sub(t1, t0), c64(RP - 1)), c64(RP)), "pb") as j:
+                    t_lo = b.add(t0, b.mul(j, c64(RP)))
+                    t_end = b.add(t_lo, c64(RP))
+                    t_hi = b.select(b.icmp_signed("<", t_end, t1), t_end, t1)
+                    for k, heads in enumerate(head_groups):
+                        with Loop(b, t_lo, t_hi, f"pv{k}") as t:
+                            prow = b.add(vbase, b.mul(t, c64(2 * hd)))
+                            vvs = [b.load(b.bitcast(b.gep(vc, [b.add(prow, c64(2 * c * W))]), P(V(i32, W))), align=4)
+                                   for c in range(nc)]
+                            for r in heads:
+                                pp = b.gep(sbf, [b.add(c64(2 * r * SS), b.mul(t, c64(2)))])
+                                p = splat(b, b.load(b.bitcast(pp, P(i32)), align=4), W)
+                                for c, vv in enumerate(vvs):
+                                    b.store(bf16_dot(b, b.load(accs[r][c]), vv, p, bf16_hw, fma), accs[r][c])
+            else:
+                nblk = b.udiv(b.add(b.sub(npos, start), c64(RB - 1)), c64(RB))
+                with Loop(b, c64(0), nblk, "pb") as j:  # out_r += p_rs * v_s, RB positions at a time
+                    s_lo = b.add(start, b.mul(j, c64(RB)))
+                    s_end = b.add(s_lo, c64(RB))
+                    s_hi = b.select(b.icmp_signed("<", s_end, npos), s_end, npos)
+                    for k, heads in enumerate(head_groups):
+                        with Loop(b, s_lo, s_hi, f"pv{k}") as s:
+                            row = b.add(vbase, b.mul(s, c64(hd)))
+                            vvs = [cload(vc, b.add(row, c64(c * W))) for c in range(nc)]
+                            for r in heads:
+                                p = splat(b, b.load(b.gep(scores, [b.add(c64(r * SS), s)])), W)
+                                for c, vv in enumerate(vvs):
+                                    b.store(madd(p, vv, b.load(accs[r][c])), accs[r][c])
             for r in range(rep):
                 out = b.gep(att, [b.mul(b.add(b.mul(g, c64(rep)), c64(r)), c64(hd))])
                 iv = splat(b, inv[r], W)
@@ -564,9 +654,10 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         b.ret_void()
 
     key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul", kv, f"S{S}") + (
+        ("bfhw",) if bf and bf16_hw else ()) + (
         (qk_norm, _flt(n.eps)) if qk_norm else ()) + (
         (f"cap{_flt(n.softcap)}",) if n.softcap else ()) + ((f"win{window}",) if window else ())
-    kvp = P(i16) if half_kv else P(f32)
+    kvp = P(i16) if half_kv or bf else P(f32)
     return internal_function(m, key, (P(f32),) * 6 + (kvp, kvp) + (P(f32),) * 4 + (i64, i64, i64), build)
 
 

@@ -43,6 +43,7 @@ from .abi import (
     Mode,
     Param,
     ScratchLayout,
+    kv_floats_per_layer,
     scratch_layout,
 )
 from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i16, i32, i64, internal_function, intrinsic, softcap, void
@@ -96,6 +97,7 @@ class _Emitter:
         self.warm = warm  # bytes of the next stage's weights each thread prefetches before a barrier (0: none)
         self.tuning = tuning or {}  # {codegen.tune.kernel_key: mat-vec knobs}: this host's measured choices
         self.kv = kv
+        self.bf16_hw = False  # kv='bf16' on a target with AVX512_BF16 (build_step)
         self.tmax = tmax  # tokens per prefill call (1: a decode-only program)
         self.multi = False  # emitting the multi-token body (prefill) rather than the decode step
         self.t = None  # the token index inside a multi-token loop (an IR value), else None: token 0
@@ -453,7 +455,7 @@ class _Emitter:
         O.emit_workers(self.m, body, self.isa, WORKER_SYMBOL, KICK_SYMBOL)
         return StepProgram(module=self.m, bindings=tuple(self.bindings), pool_strides=self.strides,
                            pool_slots={p: n for p, (n, _) in self.sched.pools.items()}, scratch=self.scratch,
-                           kv_floats_per_layer=self.max_seq * self.cfg.n_kv_heads * self.cfg.head_dim,
+                           kv_floats_per_layer=kv_floats_per_layer(self.cfg, self.max_seq),
                            max_seq=self.max_seq, isa=self.isa, kv=self.kv, stage_functions=dict(self.stage_counts))
 
     def emit_dispatch(self, decode: ir.Function, multi: ir.Function) -> ir.Function:
@@ -531,8 +533,8 @@ class _Emitter:
         t = self.tensors[qkv_tensor(n.prefix)]
         offs = t.concat.row_offsets
         layer = n.layer
-        kv = self.pointer(b, BindingKey(Binding.KV), i16 if self.kv == "f16" else f32)
-        per = self.max_seq * n.n_kv_heads * n.head_dim  # entries of one layer's K (or V), whatever their type
+        kv = self.pointer(b, BindingKey(Binding.KV), i16 if KV_BYTES[self.kv] == 2 else f32)
+        per = kv_floats_per_layer(self.cfg, self.max_seq)  # entries of one layer's K (or V), whatever their type
         k_off, v_off = self.k((layer - 1) * 2 * per, "k_off"), self.k(((layer - 1) * 2 + 1) * per, "v_off")
         kc, vc = b.gep(kv, [k_off]), b.gep(kv, [v_off])
         null = ir.Constant(P(f32), None)
@@ -554,7 +556,7 @@ class _Emitter:
                 pos = b.load(b.gep(self.positions, [self.t]))
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
                 kc, vc = b.gep(kv, [b.add(slot_off, k_off)]), b.gep(kv, [b.add(slot_off, v_off)])
-            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq),
+            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_hw),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
                     cos, sin, self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])
@@ -912,14 +914,16 @@ def stage_warm_bytes() -> int:
 
 
 def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,
-               tmax: int = 1, kv: str = "f32", tuning: dict | None = None, warm: int = 0) -> StepProgram:
+               tmax: int = 1, kv: str = "f32", tuning: dict | None = None, warm: int = 0,
+               bf16_hw: bool = False) -> StepProgram:
     """Build the decode-step module for a lowered state (see module docstring).
 
     profile: also record cycle-counter stamps (binding PROF: i64[threads + 1][n_stages + 1]): worker 0's after
         every stage's barrier (row 0), each thread's on reaching every barrier and on starting (row 1 + tid).
     segmented: each call runs only stages [params[STAGE_LO], params[STAGE_HI]) (the disk expert tier).
     tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
-    kv: the KV cache's element type, 'f32' or 'f16' (ops.attention).
+    kv: the KV cache's element type, 'f32', 'f16' or 'bf16' (ops.attention).
+    bf16_hw: kv='bf16' uses AVX512_BF16's dot-product instruction (the target has it; an FMA emulation otherwise).
     tuning: {kernel key: knobs} from codegen.tune (schedule knobs of the mat-vec kernels; numerics unchanged).
     warm: bytes of the next stage's weights each thread prefetches before a barrier (_Emitter.warm_stream; 0: off).
     """
@@ -930,6 +934,7 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
     if tmax < 1:
         raise CodegenError(f"tokens per call must be >= 1, got {tmax}")
     em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, warm)
+    em.bf16_hw = bf16_hw and kv == "bf16"
     # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
     for n in state.graph.nodes():
         if isinstance(n, ExpertBank):

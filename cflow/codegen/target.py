@@ -122,6 +122,11 @@ class Target:
         return self.has_avx2 and self.has_fma and self.has_f16c and self.has("avx512f") and self.has("avx512bw")
 
     @property
+    def has_avx512_bf16(self) -> bool:
+        """VDPBF16PS at 128/256/512 bits (kv='bf16' attention: ops.attention)."""
+        return self.has_avx512 and self.has("avx512vl") and self.has("avx512bf16")
+
+    @property
     def has_avx512_vnni(self) -> bool:
         return self.has_avx512 and self.has("avx512vnni")
 

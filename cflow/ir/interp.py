@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CflowError, VerifyError
-from ..layout.quant import DType, QTensor, dequantize, quantize_activation_q8
+from ..layout.quant import DType, QTensor, dequantize, quantize_activation_q8, round_bf16
 from .graph import INPUT, OUTPUT, Graph
 from .nodes import Add, Attention, DenseFFN, Embedding, ExpertBank, LMHead, Node, RMSNorm, Router
 from .rope import inv_freq, tables
@@ -67,9 +67,11 @@ class Interpreter:
                  cache_weights: bool = True, kv: str = "f32"):
         if act_quant not in (None, "q8"):
             raise ValueError(f"act_quant must be None or 'q8', not {act_quant!r}")
-        if kv not in ("f32", "f16"):
-            raise ValueError(f"kv must be 'f32' or 'f16', not {kv!r}")
-        self.kv_dtype = kv  # 'f16': K and V rounded to half once when cached, as the runtime's kv='f16' does
+        if kv not in ("f32", "f16", "bf16"):
+            raise ValueError(f"kv must be 'f32', 'f16' or 'bf16', not {kv!r}")
+        # 'f16': K and V rounded to half once when cached, as the runtime's kv='f16' does; 'bf16': to bfloat16,
+        # and the query and the softmax weights too (codegen.ops.attention takes bf16 dot products)
+        self.kv_dtype = kv
         if not graph.weights:
             raise CflowError(f"graph {graph.name} has no weights to interpret (built from shapes only)")
         self.g = graph
@@ -203,19 +205,28 @@ class Interpreter:
         vv = vv.reshape(T, KV, hd).astype(np.float32)
         if self.kv_dtype == "f16":
             k, vv = (a.astype(np.float32).astype(np.float16).astype(np.float32) for a in (k, vv))
+        elif self.kv_dtype == "bf16":
+            k, vv = round_bf16(k), round_bf16(vv)
         if n.name in self.kv:
             pk, pv = self.kv[n.name]
             k, vv = np.concatenate([pk, k]), np.concatenate([pv, vv])
         self.kv[n.name] = (k, vv)
         S, rep = k.shape[0], H // KV
         kk, vh = np.repeat(k, rep, axis=1), np.repeat(vv, rep, axis=1)  # [S, H, hd]
-        scores = softcap(np.einsum("thd,shd->hts", q, kk) / np.float32(np.sqrt(hd)), n.softcap)
+        bf = self.kv_dtype == "bf16"
+        qd = round_bf16(q) if bf else q
+        scores = softcap(np.einsum("thd,shd->hts", qd, kk) / np.float32(np.sqrt(hd)), n.softcap)
         qpos = (self.pos + np.arange(T))[:, None]
         causal = np.arange(S)[None, :] <= qpos
         if n.window:
             causal &= np.arange(S)[None, :] > qpos - n.window
         scores = np.where(causal[None], scores, -np.inf)
-        out = np.einsum("hts,shd->thd", softmax(scores), vh).reshape(T, H * hd).astype(np.float32)
+        if bf:  # the weights rounded to bf16 for the weighted sum, their unrounded sum the divisor
+            z = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            out = np.einsum("hts,shd->thd", round_bf16(z.astype(np.float32)), vh) / z.sum(-1).T[..., None]
+            out = out.reshape(T, H * hd).astype(np.float32)
+        else:
+            out = np.einsum("hts,shd->thd", softmax(scores), vh).reshape(T, H * hd).astype(np.float32)
         out = self.matvec(out, f"{n.prefix}.wo")
         return rms_norm(out, self.weight(f"{n.prefix}.post_norm"), n.eps) if n.post_norm else out
 

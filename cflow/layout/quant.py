@@ -185,3 +185,17 @@ def quantize_activation_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
     q = _round_half_away(b * inv[..., None]).astype(np.int8)
     return q, d.astype(np.float32)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16): the top half, rounded to nearest even, NaN kept quiet (the twin of
+    codegen.cgutils.float_to_bf16, which the bf16 KV cache and attention use)."""
+    w = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    r = (w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (w & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(nan, (w >> np.uint32(16)) | np.uint32(0x40), r).astype(np.uint16)
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (as float32)."""
+    return (bf16_bits(x).astype(np.uint32) << np.uint32(16)).view(np.float32)

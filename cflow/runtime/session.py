@@ -335,8 +335,10 @@ class Session:
         # then read from the cache; CFLOW_TUNE=off: the defaults). Schedule-only: the numbers do not change.
         self.tuning = tune.choices(self.run_state.tensors.values(), target)
         self.warm = stage_warm_bytes()
+        bf16_hw = self.kv_dtype == "bf16" and target.has_avx512_bf16
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
-                                        self.profile, segmented, self.tmax, self.kv_dtype, self.tuning, self.warm)
+                                        self.profile, segmented, self.tmax, self.kv_dtype, self.tuning, self.warm,
+                                        bf16_hw)
               if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
         self.program = None
@@ -348,7 +350,7 @@ class Session:
         if self.program is None:
             self.program = build_step(self.run_state, target.isa, self.max_seq, profile=self.profile,
                                       segmented=segmented, tmax=self.tmax, kv=self.kv_dtype, tuning=self.tuning,
-                                      warm=self.warm)
+                                      warm=self.warm, bf16_hw=bf16_hw)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())
@@ -366,9 +368,9 @@ class Session:
         self.tokens = np.zeros(T, np.int64)
         self.positions = np.zeros(T, np.int64)
         self.slots = np.zeros(T, np.int64)
-        # f16 entries are IEEE half bits (the generated code converts); numpy only holds and zeroes them
+        # f16 / bf16 entries are their bits (the generated code converts); numpy only holds and zeroes them
         self.kv = np.zeros(self.n_slots * 2 * cfg.n_layers * prog.kv_floats_per_layer,
-                           np.uint16 if prog.kv == "f16" else np.float32)
+                           np.uint16 if KV_BYTES[prog.kv] == 2 else np.float32)
         half = cfg.head_dim // 2
         # ir/rope.py: RoPE scaling and partial rotary included. Gemma 3's sliding-window layers rotate at their own
         # base: the "local" pair (BindingKey name, codegen/step.py), the model's RoPE from a layer that is not local.
