@@ -1,0 +1,140 @@
+"""How work per cache line changes one core's streaming rate: the read loop with k extra vector ops per 64-byte line.
+
+    python benchmarks/stream_work.py [--ops 0,2,4,8,16] [--kind alu,dp] [--rounds 2] [--json out.json]
+
+Each variant is codegen.bandwidth's read loop (8 independent 64-byte loads per iteration) where every loaded
+vector also goes through k ops before it is folded into its accumulator: `alu`, k alternating XOR / ADD with
+constants (1-cycle integer ops, a chain of k per line); `dp`, k VPDPBUSD into the line's accumulator (the Q4
+and Q8 kernels' instruction, a loop-carried chain; AVX-512 VNNI hosts only). Each is timed over a 1 GiB buffer
+(streamed from DRAM) and over a 256 KiB one (L2-resident: what the core issues when memory is not the limit),
+in the same round. The question it answers: does a loop that is far from instruction-bound in cache still lose
+DRAM rate as its work per line grows (docs/performance.md, "A second host kind")?
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from llvmlite import ir  # noqa: E402
+
+from cflow.codegen.cgutils import intrinsic  # noqa: E402
+from cflow.codegen.library import Library  # noqa: E402
+from cflow.codegen.target import ISA, cpu_model, host_target  # noqa: E402
+from cflow.layout.tile import aligned_empty  # noqa: E402
+
+LINES = 8  # 64-byte loads per iteration, one accumulator each
+
+
+def module(kind: str, k: int) -> ir.Module:
+    """i64 f(i8* p, i64 nbytes), nbytes % 512 == 0: the XOR of all accumulators, so nothing is optimised away."""
+    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    vt, vi = ir.VectorType(i64, 8), ir.VectorType(i32, 16)
+    m = ir.Module(name=f"stream_{kind}{k}")
+    fn = ir.Function(m, ir.FunctionType(i64, [i8.as_pointer(), i64]), "stream")
+    p, n = fn.args
+    entry = fn.append_basic_block("entry")
+    head, body, done = (fn.append_basic_block(s) for s in ("head", "body", "done"))
+    b = ir.IRBuilder(entry)
+    b.branch(head)
+    b.position_at_end(head)
+    off = b.phi(i64)
+    accs = [b.phi(vt) for _ in range(LINES)]
+    off.add_incoming(ir.Constant(i64, 0), entry)
+    for a in accs:
+        a.add_incoming(ir.Constant(vt, [0] * 8), entry)
+    b.cbranch(b.icmp_signed("<", off, n), body, done)
+    b.position_at_end(body)
+    new = []
+    for j, acc in enumerate(accs):
+        t = b.load(b.bitcast(b.gep(p, [b.add(off, ir.Constant(i64, 64 * j))]), vt.as_pointer()), align=64)
+        if kind == "dp":
+            dp = intrinsic(m, "llvm.x86.avx512.vpdpbusd.512", vi, [vi, vi, vi])
+            a, ti = b.bitcast(acc, vi), b.bitcast(t, vi)
+            for i in range(k):
+                a = b.call(dp, [a, ti, ir.Constant(vi, [0x01010101 * (i + 1)] * 16)])
+            new.append(b.xor(b.bitcast(a, vt), t) if k == 0 else b.bitcast(a, vt))
+        else:
+            for i in range(k):
+                c = ir.Constant(vt, [(0x9E3779B97F4A7C15 * (i + 1) + e) % (1 << 63) for e in range(8)])
+                t = b.xor(t, c) if i % 2 == 0 else b.add(t, c)
+            new.append(b.xor(acc, t))
+    nxt = b.add(off, ir.Constant(i64, 64 * LINES))
+    off.add_incoming(nxt, body)
+    for a, v in zip(accs, new):
+        a.add_incoming(v, body)
+    b.branch(head)
+    b.position_at_end(done)
+    tot = accs[0]
+    for a in accs[1:]:
+        tot = b.xor(tot, a)
+    b.ret(b.extract_element(tot, ir.Constant(i32, 0)))
+    return m
+
+
+def build(kind: str, k: int, target):
+    lib = Library(name=f"stream_{kind}{k}", target=target, cache=None)
+    lib.add_ir(module(kind, k))
+    lib.finalize()
+    f = lib.get_cfunc("stream", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+    f.library = lib
+    return f
+
+
+def rate(f, buf: np.ndarray, total: int, reps: int) -> float:
+    """GB/s over `total` bytes (passes over buf), best of reps."""
+    passes = max(1, total // buf.size)
+    f(buf.ctypes.data, buf.size)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            f(buf.ctypes.data, buf.size)
+        best = min(best, time.perf_counter() - t0)
+    return passes * buf.size / best / 1e9
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default="0,2,4,8,16", help="extra ops per line (comma list)")
+    ap.add_argument("--kind", default="alu,dp", help="alu and/or dp (dp needs AVX-512 VNNI)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dram-bytes", type=int, default=1 << 30)
+    ap.add_argument("--l2-bytes", type=int, default=256 << 10)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    target = host_target()
+    kinds = [x for x in a.kind.split(",") if x != "dp" or target.isa == ISA.AVX512VNNI]
+    ops = [int(x) for x in a.ops.split(",")]
+    fns = {(kd, k): build(kd, k, target) for kd in kinds for k in ops}
+    big, small = aligned_empty(a.dram_bytes // 512 * 512), aligned_empty(a.l2_bytes // 512 * 512)
+    for buf in (big, small):
+        buf.view(np.uint64)[:] = 0x0123456789ABCDEF  # written: untouched pages would all map the zero page
+    print(f"# {cpu_model()}, 1 thread; GB/s over {big.size / 2**30:.2f} GiB (DRAM) and {small.size >> 10} KiB (L2)")
+    recs = []
+    for r in range(a.rounds):
+        for kd in kinds:
+            row = []
+            for k in ops:
+                f = fns[kd, k]
+                dram, l2 = rate(f, big, big.size, 3), rate(f, small, 1 << 30, 3)
+                recs.append(dict(cpu=cpu_model(), round=r, kind=kd, ops_per_line=k, dram_gbps=round(dram, 2),
+                                 l2_gbps=round(l2, 2)))
+                row.append(f"{k:2d}: {dram:5.1f} / {l2:5.1f}")
+            print(f"round {r} {kd:3}  ops: DRAM / L2 GB/s   " + "   ".join(row), flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(recs, fh, indent=1)
+    return recs
+
+
+if __name__ == "__main__":
+    main()
