@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Mapping
 
+import attrs
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -46,6 +47,8 @@ MODELS = {
     "moe2g": ModelConfig(name="moe2g_geometry", vocab_size=32000, d_model=2048, n_layers=20, n_heads=32,
                          n_kv_heads=4, n_experts=8, top_k=2, expert_dim=3584, max_seq_len=2048),
 }
+# TinyLlama's geometry with a 4096-token context (benchmarks/long_context.py; --context here)
+MODELS["tinyllama_4k"] = attrs.evolve(MODELS["tinyllama"], name="tinyllama_geometry_4k", max_seq_len=4096)
 LAZY_MODELS = {"moe2g"}  # geometries whose weights come from LazyWeights instead of random_weights
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "bench")
 
@@ -230,6 +233,7 @@ VARIANTS = {
     "tune-off": ({"CFLOW_TUNE": "off"}, {}),  # the kernels' built-in defaults
     "kv-f32": ({}, {"kv": "f32"}),
     "kv-f16": ({}, {"kv": "f16"}),
+    "kv-bf16": ({}, {"kv": "bf16"}),
     "warm-off": ({"CFLOW_STAGE_WARM": "0"}, {}),  # no prefetch of the next stage's weights before a barrier
     "warm-8k": ({"CFLOW_STAGE_WARM": "8192"}, {}),
     "warm-32k": ({"CFLOW_STAGE_WARM": "32768"}, {}),
@@ -322,6 +326,9 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", help=f"compare load options side by side in interleaved rounds, e.g. "
                     f"default,tune-off (any of {', '.join(VARIANTS)}, or cache=DIR: CFLOW_CACHE_DIR=DIR)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --variants (default: 5)")
+    ap.add_argument("--context", type=int, default=8,
+                    help="prompt tokens before the timed steps (default 8; e.g. --model tinyllama_4k --context 4064 "
+                    "--variants kv-f16,kv-bf16: fractions then count the weights only, the ratios are the A/B)")
     args = ap.parse_args(argv)
     names = args.variants.split(",") if args.variants else []
     bad = [n for n in names if n not in VARIANTS and not (n.startswith("cache=") and len(n) > 6)]
@@ -329,7 +336,10 @@ def main(argv=None) -> None:
         ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
 
     path, c = compiled_model(args.model)
-    prompt = [int(t) for t in np.random.default_rng(1).integers(0, c.graph.config.vocab_size, 8)]
+    if args.context + args.tokens > c.graph.config.max_seq_len:
+        ap.error(f"--context {args.context} + --tokens {args.tokens} exceed {args.model}'s "
+                 f"{c.graph.config.max_seq_len}-token context")
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, c.graph.config.vocab_size, args.context)]
     if names:
         records = compare_variants(path, c, prompt, names, [int(t) for t in args.threads.split(",")], args.rounds,
                                    args.tokens, args.gib)

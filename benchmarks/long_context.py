@@ -24,19 +24,16 @@ import json
 import os
 import sys
 
-import attrs
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bandwidth import measure_read_bandwidth  # noqa: E402
-from decode import MODELS, compiled_model, time_decode  # noqa: E402
+from decode import compiled_model, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.codegen.abi import KV_BYTES  # noqa: E402
 from cflow.codegen.target import cpu_model  # noqa: E402
-
-MODELS["tinyllama_4k"] = attrs.evolve(MODELS["tinyllama"], name="tinyllama_geometry_4k", max_seq_len=4096)
 
 
 def kv_bytes_read(cfg, first_pos: int, steps: int, kv: str) -> float:
