@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bandwidth import measure_read_bandwidth  # noqa: E402
 
 from cflow.codegen import ops as O  # noqa: E402
+from cflow.codegen.abi import KV_BYTES, kv_floats_per_layer  # noqa: E402
 from cflow.codegen.cgutils import P, f32, i16, i64  # noqa: E402
 from cflow.codegen.library import Library  # noqa: E402
 from cflow.codegen.target import cpu_model, host_target  # noqa: E402
@@ -46,9 +48,9 @@ def build(H: int, KV: int, hd: int, kv: str, max_seq: int):
 
     # (an older cflow's attention took no max_seq: PYTHONPATH=<old checkout> runs this script against it)
     extra = (max_seq,) if "max_seq" in inspect.signature(O.attention).parameters else ()
-    extra += (kv == "bf16" and t.has_avx512_bf16,) if kv == "bf16" else ()
+    extra += (t.has_avx512_bf16,) if kv == "bf16" else ()
     fn = O.attention(m, n, offs, t.isa, kv, *extra)
-    kvp = P(i16) if kv in ("f16", "bf16") else P(f32)
+    kvp = P(i16) if KV_BYTES[kv] == 2 else P(f32)
     args = [P(f32)] * 6 + [kvp, kvp] + [P(f32)] * 4 + [i64, i64, i64]
     w = ir.Function(m, ir.FunctionType(ir.VoidType(), args), "attn_entry")
     b = ir.IRBuilder(w.append_basic_block("entry"))
@@ -129,11 +131,12 @@ def main(argv=None) -> None:
     recs = []
     for kv in a.kv.split(","):
         lib, fn = build(H, KV, hd, kv, S)
-        esz = 2 if kv in ("f16", "bf16") else 4
-        one = rng.standard_normal(2 * S * KV * hd).astype(np.float32)
+        esz = KV_BYTES[kv]
+        per = kv_floats_per_layer(SimpleNamespace(n_kv_heads=KV, head_dim=hd), S)  # K (or V) entries
+        one = rng.standard_normal(2 * per).astype(np.float32)
         one = one.astype(np.float16).view(np.int16) if kv == "f16" else bf16_bits(one) if kv == "bf16" else one
         caches = [one.copy() for _ in range(a.layers)]  # one per layer: with many, they stream from DRAM
-        ps = [[qkv.ctypes.data] + [None] * 5 + [c[: S * KV * hd].ctypes.data, c[S * KV * hd:].ctypes.data,
+        ps = [[qkv.ctypes.data] + [None] * 5 + [c[:per].ctypes.data, c[per:].ctypes.data,
                                                   cos.ctypes.data, sin.ctypes.data, att.ctypes.data,
                                                   scores.ctypes.data] for c in caches]
         for pos in (int(x) for x in a.contexts.split(",")):

@@ -92,7 +92,8 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
         prefill_block: prompt tokens per native call (each weight tile read once per block); 1 = token by token.
         max_batch: sequences (KV-cache slots) that batch_step advances together in one pass over the weights.
         kv: the KV cache's element type: 'f32', 'f16' (half the cache's memory and the bytes attention reads
-            per token at long contexts; K and V rounded to half once, when written: docs/performance.md), or
+            per token at long contexts; K and V rounded to half once, when written: docs/performance.md),
+            'bf16' (as many bytes, f32's range; attention's q.k and weighted sum as bf16 dot products), or
             'auto' (default): f16 for Q4 / Q8 weights, where it measured equal in perplexity, f32 for f16 / f32
             weights (runtime.session.resolve_kv). `CompiledModel.kv` is the type in use.
     """
@@ -145,7 +146,8 @@ class CompiledModel:
 
     @property
     def kv(self) -> str:
-        """The KV cache's element type in use, 'f32' or 'f16' (load's kv='auto' resolved by the weights' type)."""
+        """The KV cache's element type in use, 'f32', 'f16' or 'bf16' (load's kv='auto' resolved by the weights'
+        type)."""
         return self.session.kv_dtype
 
     @property

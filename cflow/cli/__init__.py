@@ -27,7 +27,7 @@ COMMANDS = ("bench", "demo", "export-onnx", "inspect", "run", "serve", "train", 
 
 VERSION = f"cflow {__version__}"
 # --kv of run / bench / serve: "auto" and the keys of codegen.abi.KV_BYTES, spelled out here because importing
-# that pulls in numpy and --help stays light (tests/test_cli.py checks the two agree)
+# that pulls in numpy and --help stays light (tests/runtime/test_kv_cache.py checks the two agree)
 KV_CHOICES = ("auto", "f32", "f16", "bf16")
 
 

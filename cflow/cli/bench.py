@@ -31,7 +31,8 @@ def add_args(p):
     p.add_argument("--reps", type=whole(1), default=3,
                    help="repetitions per thread count; the best is kept (default 3)")
     p.add_argument("--kv", choices=KV_CHOICES, default="auto",
-                   help="KV cache element type; auto: f16 for q4/q8 weights, f32 for f16/f32 (default auto)")
+                   help="KV cache element type (f32, f16, bf16); auto: f16 for q4/q8 weights, f32 for f16/f32 "
+                   "(default auto)")
     p.add_argument("--json", metavar="FILE",
                    help="also write one record per thread count to this JSON file (default: no file)")
 

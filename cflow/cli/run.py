@@ -42,7 +42,8 @@ def add_args(p):
                    "(default: the model's max_seq_len)")
     p.add_argument("--kv", choices=KV_CHOICES, default="auto",
                    help="KV cache element type: f16 halves its memory and what attention reads per token at long "
-                   "contexts; auto is f16 for q4/q8 weights (measured equal in perplexity), f32 for f16/f32 "
+                   "contexts; bf16 as many bytes with f32's range (bf16 dot products in attention); auto is f16 "
+                   "for q4/q8 weights (measured equal in perplexity), f32 for f16/f32 "
                    "weights (default auto; the type in use is printed with the speeds)")
     p.add_argument("--verify", action="store_true",
                    help="verify every checksum before running (default: no full-read check)")

@@ -37,8 +37,8 @@ def add_args(p):
                    help="stream the big matrices from the file every token (a model larger than RAM; implies "
                    "--experts-on-disk) (default: mapped in RAM)")
     p.add_argument("--kv", choices=KV_CHOICES, default="auto",
-                   help="KV cache element type; auto: f16 for q4/q8 weights (measured equal in perplexity), f32 "
-                   "for f16/f32 weights (default auto)")
+                   help="KV cache element type (f32, f16, bf16); auto: f16 for q4/q8 weights (measured equal in "
+                   "perplexity), f32 for f16/f32 weights (default auto)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level; 'warning' hides the access log (default info)")
 

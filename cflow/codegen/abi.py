@@ -76,7 +76,7 @@ class Binding(enum.StrEnum):
 
     TENSOR = "tensor"  # a packed weight tensor of the file (name = tensor name)
     POOL = "pool"  # a buffer pool (name = passes.schedule.Pool)
-    KV = "kv"  # KV cache (f32, or f16 bits): [slot][layer][K|V][max_seq][n_kv_heads * head_dim]
+    KV = "kv"  # KV cache (f32, or f16 / bf16 bits): [slot][layer][K|V][kv_floats_per_layer] (ops.kv_layout)
     COS = "cos"  # f32 RoPE cos table [max_seq][head_dim / 2]
     SIN = "sin"  # f32 RoPE sin table [max_seq][head_dim / 2]
     SCRATCH = "scratch"  # per-thread scratch (ScratchLayout), nthreads copies
@@ -223,7 +223,7 @@ KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2}  # the KV cache's element types (load
 
 
 def kv_cache_bytes(config, max_seq: int, n_slots: int = 1, kv: str = "f32") -> int:
-    """Bytes of the whole KV cache: [slot][layer][K|V][max_seq][n_kv_heads * head_dim] entries of type kv."""
+    """Bytes of the whole KV cache: [slot][layer][K|V][kv_floats_per_layer] entries of type kv."""
     return KV_BYTES[kv] * n_slots * 2 * config.n_layers * kv_floats_per_layer(config, max_seq)
 
 

@@ -370,14 +370,14 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     and V entry is loaded (and widened) once per group. FMA where the ISA has it (one rounding per
     multiply-add), separate multiply and add on the generic path.
 
-    kv: the cache's element type, 'f32' or 'f16' (IEEE half, rounded to nearest even as numpy's astype does;
-    the interpreter's kv='f16' rounds the same way): K and V are rounded once when written, widened on read.
+    kv: the cache's element type, 'f32', 'f16' or 'bf16'. 'f16' (IEEE half, rounded to nearest even as numpy's
+    astype does; the interpreter's kv='f16' rounds the same way): K and V rounded once when written, widened on read.
     'bf16' (rounded to nearest even, layout.quant.round_bf16) is also the arithmetic's type: the query is rounded
     to bf16 and q.k taken as bf16 pair dot products (cgutils.bf16_dot: exact products, f32 sums), and the
     weighted V sum takes bf16(exp(score - max)) in pairs of positions, divided by the f32 sum of the unrounded
-    weights. Each dot-product instruction does two multiply-adds per lane (VDPBF16PS where bf16_hw, the
-    target's AVX512_BF16; an FMA emulation in the same order elsewhere), so the core does half the
-    instructions per cache byte of f16, whose multiply-adds bound it (docs/performance.md).
+    weights. With bf16_hw (the target's AVX512_BF16) each VDPBF16PS does two multiply-adds per lane: half the
+    instructions per cache byte of f16, whose multiply-adds bound the core (docs/performance.md); elsewhere an FMA
+    emulation in the same order (bit-identical, and slower than f16: two FMAs and four integer ops per pair).
     """
     H, KV, hd = n.n_heads, n.n_kv_heads, n.head_dim
     rep, half = H // KV, hd // 2
@@ -482,7 +482,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         # rep x nc accumulators fit the registers; the next group re-reads the block from L1. Reading chunk by
         # chunk instead (a 128-byte stride through each 4 KiB block, four times) streamed V from DRAM at 11 GB/s
         # against 18 for K on Zen 5 (docs/performance.md). Each accumulator sums its positions in the same order.
-        HG = max(1, min(rep, 16 // nc))
+        HG = max(1, min(rep, (16 if isa == ISA.AVX512VNNI else 4) // nc))  # accumulators: half the registers
         head_groups = [range(h, min(rep, h + HG)) for h in range(0, rep, HG)]
         bt = V(f32, B)
         mx = [alloca_once(b, bt) for _ in range(rep)]
@@ -490,7 +490,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         accs = [[alloca_once(b, vt) for _ in range(nc)] for _ in range(rep)]
         esum = [alloca_once(b, V(f32, L)) for _ in range(rep)]
         qr = b.bitcast(alloca_once(b, ir.ArrayType(f32, rep * hd)), P(f32))
-        qbf = b.bitcast(alloca_once(b, ir.ArrayType(i16, rep * hd)), P(i16)) if bf else None
+        qbf = b.bitcast(alloca_once(b, ir.ArrayType(i32, rep * hd // 2)), P(i16)) if bf else None  # read as i32
         sbf = b.bitcast(scores, P(i16)) if bf else None  # kv='bf16': the weights as bf16, over the scores
         lane_ids = ir.Constant(V(i64, B), list(range(B)))
         ninf_b = const_vec(f32, B, -math.inf)
@@ -513,7 +513,15 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                     b.store(b.extract_element(hv, c32(t)), b.gep(kc, [b.add(kpos, c64(at))]))
             # ... and its V (+ bias) row after the previous positions' (bf16: interleaved with its pair's)
             if bf:
-                vrow = b.add(b.add(vbase, b.mul(b.udiv(pos, c64(2)), c64(2 * hd))), b.urem(pos, c64(2)))
+                odd = b.urem(pos, c64(2))
+                vrow = b.add(b.add(vbase, b.mul(b.udiv(pos, c64(2)), c64(2 * hd))), odd)
+                # The pair scan reads pos's partner pos + 1 with weight 0 before it is written; 0 x NaN is NaN, and a
+                # slot keeps an earlier sequence's entries (Session.reset does not clear it), so an even position
+                # zeroes its partner's V first (an odd one zeroes its own entries, then overwrites them).
+                part = b.add(vrow, b.sub(c64(1), b.mul(odd, c64(2))))
+                part = b.select(b.icmp_unsigned("!=", odd, c64(0)), vrow, part)
+                for d in range(hd):
+                    b.store(ir.Constant(i16, 0), b.gep(vc, [b.add(part, c64(2 * d))]))
             else:
                 vrow = b.add(vbase, b.mul(pos, c64(hd)))
             for c in range(nc):

@@ -46,7 +46,7 @@ from ..errors import CflowError, UnsupportedModelError
 from ..ir import Graph, build_graph, verify, weight_shapes
 from ..ir.config import ModelConfig
 from ..ir.rope import yarn_attention_factor
-from ..layout.quant import BLOCK, DType, QTensor, dequantize, quantize
+from ..layout.quant import BLOCK, DType, QTensor, bf16_to_f32, dequantize, quantize
 from .hf_weights import partial_rotary_permutation
 from .tensors import LazyWeights
 
@@ -360,7 +360,7 @@ class _Loader:
         elif t.type == Q.F16:
             w = raw.view("<f2").reshape(rows, cols).astype(np.float32)
         elif t.type == Q.BF16:
-            w = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(rows, cols)
+            w = bf16_to_f32(raw.view("<u2")).reshape(rows, cols)
         else:
             try:
                 w = np.asarray(gguf.quants.dequantize(raw.reshape(rows, -1), t.type), np.float32).reshape(rows, cols)

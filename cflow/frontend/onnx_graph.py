@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CflowError
+from ..layout.quant import bf16_to_f32
 
 SHAPE_OPS = ("Shape", "Size")
 # Ops folded when all their inputs are constant (the exporter leaves Transpose(weight) unfolded
@@ -362,7 +363,7 @@ class OnnxModel:
             raw_bf16 = t.data_type == TensorProto.BFLOAT16
             arr = np.memmap(self.base_dir / info["location"], dtype=np.uint16 if raw_bf16 else dtype, mode="r",
                             offset=int(info.get("offset", 0) or 0), shape=tuple(t.dims))
-            return _bf16_to_f32(arr) if raw_bf16 else arr
+            return bf16_to_f32(arr) if raw_bf16 else arr
         try:
             a = numpy_helper.to_array(t)
         except Exception as e:
@@ -447,5 +448,3 @@ class OnnxModel:
         return ev.run(None, {k: np.asarray(v) for k, v in all_feeds.items() if k in needed})
 
 
-def _bf16_to_f32(a: np.ndarray) -> np.ndarray:
-    return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -196,6 +196,11 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(nan, (w >> np.uint32(16)) | np.uint32(0x40), r).astype(np.uint16)
 
 
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16, any shape) -> float32, exactly (the top half of the float)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 def round_bf16(x: np.ndarray) -> np.ndarray:
     """float32 values rounded to bfloat16 (as float32)."""
-    return (bf16_bits(x).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return bf16_to_f32(bf16_bits(x))

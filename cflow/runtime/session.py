@@ -54,7 +54,7 @@ KV_AUTO = {"q4": "f16", "q8": "f16", "f16": "f32", "f32": "f32"}
 
 def resolve_kv(kv: str, quant: str) -> str:
     """The KV cache type that load(kv=...) / Session(kv=...) / --kv mean for weights of type `quant`: 'auto' is
-    KV_AUTO[quant], 'f32' / 'f16' (abi.KV_BYTES) are taken as given; anything else is a CflowError."""
+    KV_AUTO[quant], 'f32' / 'f16' / 'bf16' (abi.KV_BYTES) are taken as given; anything else is a CflowError."""
     if kv == "auto":
         return KV_AUTO.get(quant, "f32")
     if kv not in KV_BYTES:

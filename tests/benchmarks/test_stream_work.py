@@ -10,11 +10,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 import stream_work  # noqa: E402
 
 from cflow.codegen.target import host_target  # noqa: E402
+from cflow.layout.tile import aligned_empty  # noqa: E402
 
 
 def test_alu_loop_with_no_ops_is_the_xor_of_the_data():
     f = stream_work.build("alu", 0, host_target())
-    x = np.random.default_rng(0).integers(0, 2**63, 4096 // 8, dtype=np.uint64)
+    x = aligned_empty(4096).view(np.uint64)  # the loop's loads are 64-byte aligned
+    x[:] = np.random.default_rng(0).integers(0, 2**63, x.size, dtype=np.uint64)
     lanes = np.bitwise_xor.reduce(x.reshape(-1, 8), axis=0)  # 8 accumulators of 8 lanes: XOR per lane
     assert f(x.ctypes.data, x.nbytes) & (2**64 - 1) == int(lanes[0])
 

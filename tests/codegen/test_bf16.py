@@ -11,7 +11,7 @@ from llvmlite import ir
 from cflow.codegen.cgutils import P, V, bf16_dot, f32, float_to_bf16, i16, i32
 from cflow.codegen.library import compile_ir
 from cflow.codegen.target import host_target
-from cflow.layout.quant import bf16_bits, round_bf16
+from cflow.layout.quant import bf16_bits, bf16_to_f32, round_bf16
 
 
 def _convert_fn():
@@ -64,6 +64,6 @@ def test_bf16_dot_is_the_ordered_exact_pair_sum(n):
             xb, yb = (bf16_bits(rng.standard_normal(2 * n).astype(np.float32) * 4) for _ in range(2))
             out = np.zeros(n, np.float32)
             f(acc.ctypes.data, xb.view(np.int32).ctypes.data, yb.view(np.int32).ctypes.data, out.ctypes.data)
-            xf, yf = ((v.astype(np.uint32) << np.uint32(16)).view(np.float32) for v in (xb, yb))
+            xf, yf = bf16_to_f32(xb), bf16_to_f32(yb)
             want = (acc + xf[1::2] * yf[1::2]) + xf[0::2] * yf[0::2]  # each product exact in f32
             np.testing.assert_array_equal(out, want.astype(np.float32), err_msg=f"hw={hw}")

@@ -200,3 +200,39 @@ def test_every_k_block_width_equals_the_interpreter(path, max_seq, kv):
     assert kv_block(max_seq) == {7: 1, 24: 8, 30: 2, 128: 16}[max_seq]
     for a, b in zip(got, ref):
         assert np.abs(a - b).max() < 5e-2
+
+
+@pytest.mark.parametrize("kv, features", [("bf16", ""), ("bf16", "-avx512f"), ("f16", ""), ("f32", "")])
+def test_a_poisoned_slot_is_harmless_after_reset(path, kv, features, monkeypatch):
+    """Session.reset does not clear the cache, so entries past the current position hold whatever an earlier
+    sequence (or anything) left there. Those must never reach the output: bf16's pair scan reads the partner of an
+    even position with weight 0, and 0 x NaN is NaN, so the cache write zeroes that partner first. Here the whole
+    cache is NaN before the prompt; the logits equal a clean session's. '-avx512f': the AVX2 kernels."""
+    monkeypatch.setenv("CFLOW_FEATURES", features)
+    ids = list(np.random.default_rng(8).integers(0, 256, 21))
+    with Session(str(path), threads=2, prefill_block=8, kv=kv) as s:
+        want = _greedy(s, ids, steps=5)
+        s.kv.view(np.uint16 if kv != "f32" else np.uint32)[:] = 0xFFFF if kv != "f32" else 0x7FC00000  # NaN
+        s.reset()
+        got = _greedy(s, ids, steps=5)
+    assert all(np.isfinite(g).all() and np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_bf16_cache_with_a_sliding_window_equals_the_interpreter(tmp_path):
+    """Gemma 2: a window of 8 on every other layer (odd window starts: the pair scan's lower neighbour has weight
+    0), soft-capped scores, through both bodies (prompt blocks of 5) and decode."""
+    from cflow.frontend import from_torch
+    from tests.frontend._models import hf_model
+
+    p = tmp_path / "g.vflow"
+    c = compile_file(from_torch(hf_model("gemma2", final_logit_softcapping=100.0)), p, "f32")
+    ids = list(np.random.default_rng(9).integers(0, c.graph.config.vocab_size, 13))
+    with Session(str(p), threads=2, prefill_block=5, kv="bf16") as s:
+        got = _greedy(s, ids, steps=12)
+    it = Interpreter(c.graph, kv="bf16")
+    ref = [it.prefill(ids)[-1]]
+    for g in got[:-1]:
+        ref.append(it.step(int(np.argmax(g))))
+    scale = max(1.0, float(np.abs(ref[0]).max()))
+    for a, b in zip(got, ref):
+        assert np.abs(a - b).max() <= 2e-3 * scale
