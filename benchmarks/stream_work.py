@@ -2,7 +2,7 @@
 
     python benchmarks/stream_work.py [--ops 0,2,4,8,16] [--kind alu,dp] [--rounds 2] [--json out.json]
 
-Each variant is codegen.bandwidth's read loop (8 independent 64-byte loads per iteration) where every loaded
+Each variant is codegen.bandwidth's read loop itself (8 independent 64-byte loads per iteration) where every loaded
 vector also goes through k ops before it is folded into its accumulator: `alu`, k alternating XOR / ADD with
 constants (1-cycle integer ops, a chain of k per line); `dp`, k VPDPBUSD into the line's accumulator (the Q4
 and Q8 kernels' instruction, a loop-carried chain; AVX-512 VNNI hosts only). Each is timed over a 1 GiB buffer
@@ -26,65 +26,40 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from llvmlite import ir  # noqa: E402
 
+from cflow.codegen.bandwidth import read_kernel_module  # noqa: E402
 from cflow.codegen.cgutils import intrinsic  # noqa: E402
 from cflow.codegen.library import Library  # noqa: E402
 from cflow.codegen.target import ISA, cpu_model, host_target  # noqa: E402
 from cflow.layout.tile import aligned_empty  # noqa: E402
 
-LINES = 8  # 64-byte loads per iteration, one accumulator each
 
+def work(kind: str, k: int):
+    """The read loop's per-line step (codegen.bandwidth.read_kernel_module's `work`): acc' from acc and the line."""
+    i32 = ir.IntType(32)
+    vt, vi = ir.VectorType(ir.IntType(64), 8), ir.VectorType(i32, 16)
 
-def module(kind: str, k: int) -> ir.Module:
-    """i64 f(i8* p, i64 nbytes), nbytes % 512 == 0: the XOR of all accumulators, so nothing is optimised away."""
-    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-    vt, vi = ir.VectorType(i64, 8), ir.VectorType(i32, 16)
-    m = ir.Module(name=f"stream_{kind}{k}")
-    fn = ir.Function(m, ir.FunctionType(i64, [i8.as_pointer(), i64]), "stream")
-    p, n = fn.args
-    entry = fn.append_basic_block("entry")
-    head, body, done = (fn.append_basic_block(s) for s in ("head", "body", "done"))
-    b = ir.IRBuilder(entry)
-    b.branch(head)
-    b.position_at_end(head)
-    off = b.phi(i64)
-    accs = [b.phi(vt) for _ in range(LINES)]
-    off.add_incoming(ir.Constant(i64, 0), entry)
-    for a in accs:
-        a.add_incoming(ir.Constant(vt, [0] * 8), entry)
-    b.cbranch(b.icmp_signed("<", off, n), body, done)
-    b.position_at_end(body)
-    new = []
-    for j, acc in enumerate(accs):
-        t = b.load(b.bitcast(b.gep(p, [b.add(off, ir.Constant(i64, 64 * j))]), vt.as_pointer()), align=64)
-        if kind == "dp":
-            dp = intrinsic(m, "llvm.x86.avx512.vpdpbusd.512", vi, [vi, vi, vi])
+    def step(b, acc, t):
+        if kind == "dp":  # k VPDPBUSD into the accumulator (with k = 0: the plain XOR)
+            if k == 0:
+                return b.xor(acc, t)
+            dp = intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.512", vi, [vi, vi, vi])
             a, ti = b.bitcast(acc, vi), b.bitcast(t, vi)
             for i in range(k):
                 a = b.call(dp, [a, ti, ir.Constant(vi, [0x01010101 * (i + 1)] * 16)])
-            new.append(b.xor(b.bitcast(a, vt), t) if k == 0 else b.bitcast(a, vt))
-        else:
-            for i in range(k):
-                c = ir.Constant(vt, [(0x9E3779B97F4A7C15 * (i + 1) + e) % (1 << 63) for e in range(8)])
-                t = b.xor(t, c) if i % 2 == 0 else b.add(t, c)
-            new.append(b.xor(acc, t))
-    nxt = b.add(off, ir.Constant(i64, 64 * LINES))
-    off.add_incoming(nxt, body)
-    for a, v in zip(accs, new):
-        a.add_incoming(v, body)
-    b.branch(head)
-    b.position_at_end(done)
-    tot = accs[0]
-    for a in accs[1:]:
-        tot = b.xor(tot, a)
-    b.ret(b.extract_element(tot, ir.Constant(i32, 0)))
-    return m
+            return b.bitcast(a, vt)
+        for i in range(k):  # k alternating XOR / ADD with constants on the line, then into the accumulator
+            c = ir.Constant(vt, [(0x9E3779B97F4A7C15 * (i + 1) + e) % (1 << 63) for e in range(8)])
+            t = b.xor(t, c) if i % 2 == 0 else b.add(t, c)
+        return b.xor(acc, t)
+
+    return step
 
 
 def build(kind: str, k: int, target):
     lib = Library(name=f"stream_{kind}{k}", target=target, cache=None)
-    lib.add_ir(module(kind, k))
+    lib.add_ir(read_kernel_module(work=work(kind, k)))
     lib.finalize()
-    f = lib.get_cfunc("stream", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+    f = lib.get_cfunc("read_xor", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
     f.library = lib
     return f
 

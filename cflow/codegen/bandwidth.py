@@ -26,11 +26,13 @@ _kernels: dict[int, object] = {}
 _buffers: dict[int, np.ndarray] = {}
 
 
-def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0) -> ir.Module:
+def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0, work=None) -> ir.Module:
     """i64 read_xor(i8* p, i64 nbytes): XOR of all 64-byte vectors in p[0:nbytes] (nbytes % 512 == 0).
 
     accumulators: independent 64-byte XOR chains per iteration (must divide 8); prefetch: optional
-    software-prefetch distance in bytes (0 = hardware prefetchers only, the default)."""
+    software-prefetch distance in bytes (0 = hardware prefetchers only, the default). work(builder, acc, v):
+    the accumulator's next value from a loaded <8 x i64> vector instead of acc ^ v (benchmarks/stream_work.py:
+    the same loop with more work per line)."""
     i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
     vt = ir.VectorType(i64, 8)
     mod = ir.Module(name="bandwidth")
@@ -57,7 +59,9 @@ def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0) -> ir
     new = list(accs)
     for j in range(CHUNK // 64):
         ptr = b.bitcast(b.gep(p, [b.add(off, ir.Constant(i64, 64 * j))]), vt.as_pointer())
-        new[j % accumulators] = b.xor(new[j % accumulators], b.load(ptr, align=64))
+        v = b.load(ptr, align=64)
+        acc = new[j % accumulators]
+        new[j % accumulators] = work(b, acc, v) if work else b.xor(acc, v)
     nxt = b.add(off, ir.Constant(i64, CHUNK))
     off.add_incoming(nxt, body)
     for a, v in zip(accs, new):

@@ -418,12 +418,14 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         def vload(base, i):
             return b.load(b.bitcast(b.gep(base, [i]), P(vt)), align=4)
 
-        def cload(base, i, lanes=W):  # `lanes` cache entries from element i, as floats
+        def cload(base, i, lanes=W):  # `lanes` cache entries from element i, as floats (f32 / f16 caches)
+            assert not bf, "bf16 entries are read in pairs (k_unit, v_chunks)"
             if not half_kv:
                 return b.load(b.bitcast(b.gep(base, [i]), P(V(f32, lanes))), align=4)
             return half_to_float(b, b.load(b.bitcast(b.gep(base, [i]), P(V(i16, lanes))), align=2), isa)
 
-        def cstore(v, base, i):  # W floats into the cache from element i
+        def cstore(v, base, i):  # W floats into the cache from element i (f32 / f16 caches)
+            assert not bf, "bf16 entries are written in pairs (the cache write below)"
             if half_kv:
                 b.store(float_to_half(b, v, isa), b.bitcast(b.gep(base, [i]), P(V(i16, W))), align=2)
             else:
@@ -495,6 +497,55 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         lane_ids = ir.Constant(V(i64, B), list(range(B)))
         ninf_b = const_vec(f32, B, -math.inf)
         pos_blk, pos_lane = b.udiv(pos, c64(B)), b.urem(pos, c64(B))
+        # The two scans' units, by cache type. q.k: a K block's unit u (a dimension; bf16: a pair of them) as B lanes,
+        # head r's query there, one multiply-add step. V sum: unit u's row (a position; bf16: a pair-row) in nc
+        # chunks, head r's weight for it, one step.
+        if bf:
+            qk_units, QU = half, math.gcd(half, 4)
+
+            def k_unit(blk, u):  # B lanes of i32: dimensions 2u, 2u+1 of B positions
+                return b.load(b.bitcast(b.gep(kc, [b.add(blk, b.mul(u, c64(2 * B)))]), P(V(i32, B))), align=4)
+
+            def q_unit(r, u):
+                qp = b.gep(qbf, [b.add(c64(r * hd), b.mul(u, c64(2)))])
+                return splat(b, b.load(b.bitcast(qp, P(i32)), align=4), B)
+
+            def qk_step(kd, q, acc):
+                return bf16_dot(b, acc, kd, q, bf16_hw, fma)
+
+            def v_chunks(base, u):  # pair-row u: positions 2u, 2u+1 of every dimension, W dimensions per chunk
+                row = b.add(base, b.mul(u, c64(2 * hd)))
+                return [b.load(b.bitcast(b.gep(vc, [b.add(row, c64(2 * c * W))]), P(V(i32, W))), align=4)
+                        for c in range(nc)]
+
+            def weight(r, u):  # bf16 weights of positions 2u, 2u+1
+                pp = b.gep(sbf, [b.add(c64(2 * r * SS), b.mul(u, c64(2)))])
+                return splat(b, b.load(b.bitcast(pp, P(i32)), align=4), W)
+
+            def v_step(vv, p, acc):
+                return bf16_dot(b, acc, vv, p, bf16_hw, fma)
+        else:
+            qk_units, QU = hd, DU
+
+            def k_unit(blk, u):
+                return cload(kc, b.add(blk, b.mul(u, c64(B))), B)
+
+            def q_unit(r, u):
+                return splat(b, b.load(b.gep(qr, [b.add(c64(r * hd), u)])), B)
+
+            def qk_step(kd, q, acc):
+                return madd(q, kd, acc)
+
+            def v_chunks(base, u):
+                row = b.add(base, b.mul(u, c64(hd)))
+                return [cload(vc, b.add(row, c64(c * W))) for c in range(nc)]
+
+            def weight(r, u):
+                return splat(b, b.load(b.gep(scores, [b.add(c64(r * SS), u)])), W)
+
+            def v_step(vv, p, acc):
+                return madd(p, vv, acc)
+
         with Loop(b, g0, g1, "g") as g:
             goff = b.mul(g, c64(hd))
             kbase = b.mul(g, c64(nb * hd * B))  # this kv head's K blocks
@@ -518,8 +569,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                 # The pair scan reads pos's partner pos + 1 with weight 0 before it is written; 0 x NaN is NaN, and a
                 # slot keeps an earlier sequence's entries (Session.reset does not clear it), so an even position
                 # zeroes its partner's V first (an odd one zeroes its own entries, then overwrites them).
-                part = b.add(vrow, b.sub(c64(1), b.mul(odd, c64(2))))
-                part = b.select(b.icmp_unsigned("!=", odd, c64(0)), vrow, part)
+                part = b.add(vrow, b.sub(c64(1), odd))  # even: pos + 1's entries; odd: its own
                 for d in range(hd):
                     b.store(ir.Constant(i16, 0), b.gep(vc, [b.add(part, c64(2 * d))]))
             else:
@@ -550,35 +600,17 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                 for r in range(rep):
                     for a_ in qk[r]:
                         b.store(const_vec(f32, B, 0.0), a_)
-                if bf:  # pairs of dimensions: B lanes of i32 (two bf16) per load, two multiply-adds per lane
-                    PU = math.gcd(half, 4)
-                    with Loop(b, c64(0), c64(half // PU), "kd") as dd:
-                        m0 = b.mul(dd, c64(PU))
-                        chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
-                        for u in range(PU):
-                            mm = b.add(m0, c64(u))
-                            kp = b.gep(kc, [b.add(blk, b.mul(mm, c64(2 * B)))])
-                            kd = b.load(b.bitcast(kp, P(V(i32, B))), align=4)
-                            for r in range(rep):
-                                qp = b.gep(qbf, [b.add(c64(r * hd), b.mul(mm, c64(2)))])
-                                q = splat(b, b.load(b.bitcast(qp, P(i32)), align=4), B)
-                                chains[r][u % NP] = bf16_dot(b, chains[r][u % NP], kd, q, bf16_hw, fma)
+                with Loop(b, c64(0), c64(qk_units // QU), "kd") as dd:
+                    u0 = b.mul(dd, c64(QU))
+                    chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
+                    for u in range(QU):
+                        uu = b.add(u0, c64(u))
+                        kd = k_unit(blk, uu)
                         for r in range(rep):
-                            for a_, x in zip(qk[r], chains[r]):
-                                b.store(x, a_)
-                else:
-                    with Loop(b, c64(0), c64(hd // DU), "kd") as dd:
-                        d0 = b.mul(dd, c64(DU))
-                        chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
-                        for u in range(DU):
-                            d = b.add(d0, c64(u))
-                            kd = cload(kc, b.add(blk, b.mul(d, c64(B))), B)
-                            for r in range(rep):
-                                q = splat(b, b.load(b.gep(qr, [b.add(c64(r * hd), d)])), B)
-                                chains[r][u % NP] = madd(q, kd, chains[r][u % NP])
-                        for r in range(rep):
-                            for a_, x in zip(qk[r], chains[r]):
-                                b.store(x, a_)
+                            chains[r][u % NP] = qk_step(kd, q_unit(r, uu), chains[r][u % NP])
+                    for r in range(rep):
+                        for a_, x in zip(qk[r], chains[r]):
+                            b.store(x, a_)
                 s_ids = b.add(splat(b, b.mul(j, c64(B)), B), lane_ids)
                 live = b.and_(b.icmp_signed(">=", s_ids, splat(b, start, B)),
                               b.icmp_signed("<", s_ids, splat(b, npos, B)))
@@ -624,36 +656,20 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
             for ar in accs:
                 for a in ar:
                     b.store(const_vec(f32, W, 0.0), a)
-            if bf:  # out_r += p_r(2t) v_2t + p_r(2t+1) v_2t+1, RB / 2 pairs at a time
-                t0, t1, RP = b.udiv(start, c64(2)), b.udiv(b.add(npos, c64(1)), c64(2)), RB // 2
-                with Loop(b, c64(0), b.udiv(b.add(b.sub(t1, t0), c64(RP - 1)), c64(RP)), "pb") as j:
-                    t_lo = b.add(t0, b.mul(j, c64(RP)))
-                    t_end = b.add(t_lo, c64(RP))
-                    t_hi = b.select(b.icmp_signed("<", t_end, t1), t_end, t1)
-                    for k, heads in enumerate(head_groups):
-                        with Loop(b, t_lo, t_hi, f"pv{k}") as t:
-                            prow = b.add(vbase, b.mul(t, c64(2 * hd)))
-                            vvs = [b.load(b.bitcast(b.gep(vc, [b.add(prow, c64(2 * c * W))]), P(V(i32, W))), align=4)
-                                   for c in range(nc)]
-                            for r in heads:
-                                pp = b.gep(sbf, [b.add(c64(2 * r * SS), b.mul(t, c64(2)))])
-                                p = splat(b, b.load(b.bitcast(pp, P(i32)), align=4), W)
-                                for c, vv in enumerate(vvs):
-                                    b.store(bf16_dot(b, b.load(accs[r][c]), vv, p, bf16_hw, fma), accs[r][c])
-            else:
-                nblk = b.udiv(b.add(b.sub(npos, start), c64(RB - 1)), c64(RB))
-                with Loop(b, c64(0), nblk, "pb") as j:  # out_r += p_rs * v_s, RB positions at a time
-                    s_lo = b.add(start, b.mul(j, c64(RB)))
-                    s_end = b.add(s_lo, c64(RB))
-                    s_hi = b.select(b.icmp_signed("<", s_end, npos), s_end, npos)
-                    for k, heads in enumerate(head_groups):
-                        with Loop(b, s_lo, s_hi, f"pv{k}") as s:
-                            row = b.add(vbase, b.mul(s, c64(hd)))
-                            vvs = [cload(vc, b.add(row, c64(c * W))) for c in range(nc)]
-                            for r in heads:
-                                p = splat(b, b.load(b.gep(scores, [b.add(c64(r * SS), s)])), W)
-                                for c, vv in enumerate(vvs):
-                                    b.store(madd(p, vv, b.load(accs[r][c])), accs[r][c])
+            # out_r += p_r(u) v_u over the V units [v_lo, v_hi) (positions; bf16: pairs of them), VB at a time
+            v_lo, v_hi = (b.udiv(start, c64(2)), b.udiv(b.add(npos, c64(1)), c64(2))) if bf else (start, npos)
+            VB = RB // 2 if bf else RB
+            with Loop(b, c64(0), b.udiv(b.add(b.sub(v_hi, v_lo), c64(VB - 1)), c64(VB)), "pb") as j:
+                u_lo = b.add(v_lo, b.mul(j, c64(VB)))
+                u_end = b.add(u_lo, c64(VB))
+                u_hi = b.select(b.icmp_signed("<", u_end, v_hi), u_end, v_hi)
+                for k, heads in enumerate(head_groups):
+                    with Loop(b, u_lo, u_hi, f"pv{k}") as u:
+                        vvs = v_chunks(vbase, u)
+                        for r in heads:
+                            p = weight(r, u)
+                            for c, vv in enumerate(vvs):
+                                b.store(v_step(vv, p, b.load(accs[r][c])), accs[r][c])
             for r in range(rep):
                 out = b.gep(att, [b.mul(b.add(b.mul(g, c64(rep)), c64(r)), c64(hd))])
                 iv = splat(b, inv[r], W)
@@ -665,7 +681,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         ("bfhw",) if bf and bf16_hw else ()) + (
         (qk_norm, _flt(n.eps)) if qk_norm else ()) + (
         (f"cap{_flt(n.softcap)}",) if n.softcap else ()) + ((f"win{window}",) if window else ())
-    kvp = P(i16) if half_kv or bf else P(f32)
+    kvp = P(i16) if KV_BYTES[kv] == 2 else P(f32)
     return internal_function(m, key, (P(f32),) * 6 + (kvp, kvp) + (P(f32),) * 4 + (i64, i64, i64), build)
 
 

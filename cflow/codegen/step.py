@@ -92,12 +92,12 @@ class StepProgram:
 
 class _Emitter:
     def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False,
-                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None, warm: int = 0):
+                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None, warm: int = 0, bf16_hw: bool = False):
         self.profile = profile
         self.warm = warm  # bytes of the next stage's weights each thread prefetches before a barrier (0: none)
         self.tuning = tuning or {}  # {codegen.tune.kernel_key: mat-vec knobs}: this host's measured choices
         self.kv = kv
-        self.bf16_hw = False  # kv='bf16' on a target with AVX512_BF16 (build_step)
+        self.bf16_hw = bf16_hw and kv == "bf16"  # kv='bf16' with AVX512_BF16's dot-product instruction
         self.tmax = tmax  # tokens per prefill call (1: a decode-only program)
         self.multi = False  # emitting the multi-token body (prefill) rather than the decode step
         self.t = None  # the token index inside a multi-token loop (an IR value), else None: token 0
@@ -933,8 +933,7 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
     if tmax < 1:
         raise CodegenError(f"tokens per call must be >= 1, got {tmax}")
-    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, warm)
-    em.bf16_hw = bf16_hw and kv == "bf16"
+    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, warm, bf16_hw)
     # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
     for n in state.graph.nodes():
         if isinstance(n, ExpertBank):
