@@ -233,6 +233,8 @@ def main(argv=None):
     ap.add_argument("--unroll", type=int, default=K.DEFAULT_UNROLL, help="block units per loop iteration")
     ap.add_argument("--prefetch", type=int, default=K.DEFAULT_PREFETCH, help="prefetch distance (bytes, 0 = off)")
     ap.add_argument("--prefetch-locality", type=int, default=K.DEFAULT_PREFETCH_LOCALITY, help="3 = prefetcht0, 2 = t1")
+    ap.add_argument("--group-loop", type=int, default=0, choices=(0, 1),
+                    help="1 = one 16-row group per loop iteration (the group_loop knob)")
     ap.add_argument("--emit", choices=["asm", "llvm"], default=None, help="print the driver module and exit")
     ap.add_argument("--l1-limit", action="store_true",
                     help="1 thread: decode kernels on cache-resident weights vs streamed from DRAM vs read bandwidth")
@@ -244,7 +246,7 @@ def main(argv=None):
     target = host_target()
     isa = args.isa or target.isa
     tuning = dict(max_groups=args.max_groups, unroll=args.unroll, prefetch=args.prefetch,
-                  prefetch_locality=args.prefetch_locality)
+                  prefetch_locality=args.prefetch_locality, group_loop=args.group_loop)
     if args.l1_limit:
         args.stream_bytes = int(args.stream_bytes)
         return l1_limit(args, tile, target, isa, tuning)

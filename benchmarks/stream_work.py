@@ -1,11 +1,15 @@
 """How work per cache line changes one core's streaming rate: the read loop with k extra vector ops per 64-byte line.
 
-    python benchmarks/stream_work.py [--ops 0,2,4,8,16] [--kind alu,dp] [--rounds 2] [--json out.json]
+    python benchmarks/stream_work.py [--ops 0,2,4,8,16] [--kind alu,indep,dp] [--prefetch 0,4608] [--rounds 2]
+                                     [--json out.json]
 
 Each variant is codegen.bandwidth's read loop itself (8 independent 64-byte loads per iteration) where every loaded
 vector also goes through k ops before it is folded into its accumulator: `alu`, k alternating XOR / ADD with
-constants (1-cycle integer ops, a chain of k per line); `dp`, k VPDPBUSD into the line's accumulator (the Q4
-and Q8 kernels' instruction, a loop-carried chain; AVX-512 VNNI hosts only). Each is timed over a 1 GiB buffer
+constants (1-cycle integer ops, a chain of k per line); `indep`, the same k ops on a vector that does not depend
+on any load (the loop offset, broadcast), folded into the accumulator by one XOR: as many instructions, but
+they execute at once instead of waiting in the scheduler for the line; `dp`, k VPDPBUSD into the line's
+accumulator (the Q4 and Q8 kernels' instruction, a loop-carried chain; AVX-512 VNNI hosts only). `--prefetch D`
+adds the read loop's own software prefetch (prefetcht0 of every line D bytes ahead). Each is timed over a 1 GiB buffer
 (streamed from DRAM) and over a 256 KiB one (L2-resident: what the core issues when memory is not the limit),
 in the same round. The question it answers: does a loop that is far from instruction-bound in cache still lose
 DRAM rate as its work per line grows (docs/performance.md, "A second host kind")?
@@ -37,8 +41,19 @@ def work(kind: str, k: int):
     """The read loop's per-line step (codegen.bandwidth.read_kernel_module's `work`): acc' from acc and the line."""
     i32 = ir.IntType(32)
     vt, vi = ir.VectorType(ir.IntType(64), 8), ir.VectorType(i32, 16)
+    lines = [0]  # loads seen so far in this iteration: gives each line's independent chain its own start
 
     def step(b, acc, t):
+        if kind == "indep":  # k ops on (offset + line) broadcast, per-lane constants so they stay vector ops
+            off = b.block.function.basic_blocks[1].instructions[0]  # the loop's offset phi (block "head")
+            u = b.add(off, ir.Constant(ir.IntType(64), 64 * lines[0]))
+            lines[0] += 1
+            x = b.shuffle_vector(b.insert_element(ir.Constant(vt, ir.Undefined), u, ir.Constant(i32, 0)),
+                                ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+            for i in range(k):
+                c = ir.Constant(vt, [(0x9E3779B97F4A7C15 * (i + 1) + e) % (1 << 63) for e in range(8)])
+                x = b.xor(x, c) if i % 2 == 0 else b.add(x, c)
+            return b.xor(b.xor(acc, t), x) if k else b.xor(acc, t)
         if kind == "dp":  # k VPDPBUSD into the accumulator (with k = 0: the plain XOR)
             if k == 0:
                 return b.xor(acc, t)
@@ -55,9 +70,9 @@ def work(kind: str, k: int):
     return step
 
 
-def build(kind: str, k: int, target):
-    lib = Library(name=f"stream_{kind}{k}", target=target, cache=None)
-    lib.add_ir(read_kernel_module(work=work(kind, k)))
+def build(kind: str, k: int, target, prefetch: int = 0):
+    lib = Library(name=f"stream_{kind}{k}_pf{prefetch}", target=target, cache=None)
+    lib.add_ir(read_kernel_module(prefetch=prefetch, work=work(kind, k)))
     lib.finalize()
     f = lib.get_cfunc("read_xor", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
     f.library = lib
@@ -80,7 +95,8 @@ def rate(f, buf: np.ndarray, total: int, reps: int) -> float:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="0,2,4,8,16", help="extra ops per line (comma list)")
-    ap.add_argument("--kind", default="alu,dp", help="alu and/or dp (dp needs AVX-512 VNNI)")
+    ap.add_argument("--kind", default="alu,indep,dp", help="alu, indep and/or dp (dp needs AVX-512 VNNI)")
+    ap.add_argument("--prefetch", default="0", help="software prefetch distances in bytes (comma list; 0 = none)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dram-bytes", type=int, default=1 << 30)
     ap.add_argument("--l2-bytes", type=int, default=256 << 10)
@@ -89,7 +105,8 @@ def main(argv=None) -> list[dict]:
     target = host_target()
     kinds = [x for x in a.kind.split(",") if x != "dp" or target.isa == ISA.AVX512VNNI]
     ops = [int(x) for x in a.ops.split(",")]
-    fns = {(kd, k): build(kd, k, target) for kd in kinds for k in ops}
+    pfs = [int(x) for x in a.prefetch.split(",")]
+    fns = {(kd, k, pf): build(kd, k, target, pf) for kd in kinds for k in ops for pf in pfs}
     big, small = aligned_empty(a.dram_bytes // 512 * 512), aligned_empty(a.l2_bytes // 512 * 512)
     for buf in (big, small):
         buf.view(np.uint64)[:] = 0x0123456789ABCDEF  # written: untouched pages would all map the zero page
@@ -97,14 +114,15 @@ def main(argv=None) -> list[dict]:
     recs = []
     for r in range(a.rounds):
         for kd in kinds:
-            row = []
-            for k in ops:
-                f = fns[kd, k]
-                dram, l2 = rate(f, big, big.size, 3), rate(f, small, 1 << 30, 3)
-                recs.append(dict(cpu=cpu_model(), round=r, kind=kd, ops_per_line=k, dram_gbps=round(dram, 2),
-                                 l2_gbps=round(l2, 2)))
-                row.append(f"{k:2d}: {dram:5.1f} / {l2:5.1f}")
-            print(f"round {r} {kd:3}  ops: DRAM / L2 GB/s   " + "   ".join(row), flush=True)
+            for pf in pfs:
+                row = []
+                for k in ops:
+                    f = fns[kd, k, pf]
+                    dram, l2 = rate(f, big, big.size, 3), rate(f, small, 1 << 30, 3)
+                    recs.append(dict(cpu=cpu_model(), round=r, kind=kd, ops_per_line=k, prefetch=pf,
+                                     dram_gbps=round(dram, 2), l2_gbps=round(l2, 2)))
+                    row.append(f"{k:2d}: {dram:5.1f} / {l2:5.1f}")
+                print(f"round {r} {kd:5} pf {pf:5d}  ops: DRAM / L2 GB/s   " + "   ".join(row), flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(recs, fh, indent=1)

@@ -30,6 +30,7 @@ from .cgutils import (
     Loop,
     P,
     V,
+    c32,
     const_vec,
     f32,
     half_to_float,
@@ -273,6 +274,45 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
+def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_locality, unpack, pf_stride):
+    """out[0:TR] = (one tile-row of W) x, one 16-row group of one block unit per loop iteration.
+
+    The same arithmetic as one pass of _emit_tile_row, group by group and unit by unit in the same order per
+    row (so the same numbers), but the loop body is one group's 4 (Q4) or 8 (Q8) lines instead of a whole
+    unit's 36 or 68: streaming from DRAM, loops with short bodies keep more of one core's read bandwidth on Zen
+    5 (docs/performance.md, "Short loop bodies stream faster"). The group sums live in `arr` (an entry-block
+    [NG x <16 x float>] alloca indexed by the group: in L1, a load and a store per iteration), the unit's
+    activation is re-read per group (L1). Prefetch: the group's code lines and its scales' line, `prefetch`
+    bytes ahead."""
+    x, xq, xd, xs = act
+    ng, UB = L.groups_per_tile, L.unit_nbytes
+    nunits = L.cols_p // BLOCK
+    zf = ir.Constant(V(f32, 16), [0.0] * 16)
+    slot = [b.gep(arr, [c32(0), c32(g)]) for g in range(ng)]
+    for s in slot:
+        b.store(zf, s)
+    with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nunits * ng), "ug") as i:
+        kb, g = b.udiv(i, ir.Constant(i64, ng)), b.urem(i, ir.Constant(i64, ng))
+        unit = ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
+        if prefetch:  # this group's lines, `prefetch` bytes ahead (never faults)
+            pf = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
+            offs = [_goff(b, g, L.group_nbytes, prefetch + off) for off in range(0, L.group_nbytes, pf_stride)]
+            if L.dtype in (DType.Q4, DType.Q8):
+                offs.append(_goff(b, g, 32, prefetch + L.scales_offset))
+            for off in offs:
+                b.call(pf, [ptr(b, unit, off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
+        sp = b.gep(arr, [c32(0), g])
+        accs = {g: b.load(sp)}
+        if L.dtype in (DType.Q4, DType.Q8):
+            _q_unit(b, L, isa, unit, kb, [g], accs, xq, xd, xs, unpack)
+        else:
+            _f_unit(b, L, isa, unit, kb, [g], accs, x)
+        b.store(accs[g], sp)
+    outv = b.bitcast(out, P(V(f32, 16)))
+    for g in range(ng):
+        b.store(b.load(slot[g]), ptr(b, outv, g), align=4)
+
+
 def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2, unpack=0,
                    pf_stride=64):
     """outs[a][0:TR] = (one tile-row of W) x_a for every activation a, where w_row points at the tile-row's
@@ -332,7 +372,8 @@ def _pick_unroll(nunits: int, unroll: int) -> int:
 def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
                 max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int = DEFAULT_PREFETCH,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
-                act: str = "silu", vector_bits: int = 0, unpack: int = 0, prefetch_stride: int = 64) -> ir.Function:
+                act: str = "silu", vector_bits: int = 0, unpack: int = 0, prefetch_stride: int = 64,
+                group_loop: int = 0) -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
@@ -349,6 +390,9 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
         unpack: the Q4 nibble-unpack sequence of the VNNI kernel (_q4_block_int).
         prefetch_stride: bytes between the prefetched lines of a unit (64: every line; a unit's size or more:
             one line per unit, a hint to the hardware prefetchers rather than a fetch of every line).
+        group_loop: 1 = one 16-row group of one unit per loop iteration (_emit_group_loop: a short loop body;
+            max_groups and unroll do not apply, prefetch_stride counts within a group); 0 = every group of
+            `unroll` units per iteration, groups in passes of max_groups.
     """
     isa = _check_isa(isa)
     _check_act(act)
@@ -366,13 +410,21 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     up = b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name="up_rows"), P(f32)) if gate_up else None
     unroll = _pick_unroll(L.cols_p // BLOCK, unroll)
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
+    arr = b.alloca(ir.ArrayType(V(f32, 16), L.groups_per_tile), name="group_sums") if group_loop else None
+
+    def tile_row(w_row, out):
+        if group_loop:
+            _emit_group_loop(b, L, isa, w_row, (x, xq, xd, xs), arr, out, prefetch, prefetch_locality, unpack,
+                             prefetch_stride)
+        else:
+            _emit_tile_row(b, L, isa, w_row, [(x, xq, xd, xs)], slots, [out], unroll, prefetch, prefetch_locality,
+                           unpack, prefetch_stride)
+
     with Loop(b, r0, r1, "t") as t:
         w_row = ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
-        _emit_tile_row(b, L, isa, w_row, [(x, xq, xd, xs)], slots, [tmp], unroll, prefetch, prefetch_locality,
-                       unpack, prefetch_stride)
+        tile_row(w_row, tmp)
         if gate_up:  # the up tile-row follows the gate tile-row
-            _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), [(x, xq, xd, xs)], slots, [up], unroll,
-                           prefetch, prefetch_locality, unpack, prefetch_stride)
+            tile_row(ptr(b, w_row, L.tile_row_nbytes), up)
         y_row = ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
         for g in range(L.groups_per_tile):
             v = load(b, tmp, 16 * g, V(f32, 16), align=4)

@@ -49,11 +49,13 @@ MIN_BYTES = 64 * 2**20  # weights streamed per timed call: past L3, like decode
 PASSES = 3  # coordinate-descent passes at most (each: the current choice and its one-knob neighbours)
 ROUNDS = 9  # timed rounds per candidate (each call streams MIN_BYTES: milliseconds; the JIT costs more)
 CONFIRM_ROUNDS = 15  # rounds of the final head-to-head of a non-default choice against the default
-KNOBS = ("unroll", "prefetch", "prefetch_locality", "prefetch_stride", "max_groups", "vector_bits", "unpack")
+KNOBS = ("unroll", "prefetch", "prefetch_locality", "prefetch_stride", "max_groups", "vector_bits", "unpack",
+         "group_loop")
 DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
            "prefetch_locality": K.DEFAULT_PREFETCH_LOCALITY, "prefetch_stride": 64, "max_groups": K.MAX_GROUPS,
-           "vector_bits": 0, "unpack": 0}
-SCHEMA = 3  # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent (older tables: searched again)
+           "vector_bits": 0, "unpack": 0, "group_loop": 0}
+# 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent; 4: group_loop (older tables: searched again)
+SCHEMA = 4
 
 
 def enabled() -> bool:
@@ -77,7 +79,7 @@ def space(layout, isa: str | None = None) -> dict[str, tuple]:
     sp = {"prefetch": tuple(dict.fromkeys(min(n * unit, 1 << 17) for n in (0, 1, 2, 4, 8, 16))),
           "prefetch_stride": (64, unit) if unit > 64 else (64,),
           "prefetch_locality": (3, 2, 0), "unroll": (1, 2, 4), "max_groups": (8, 4),
-          "vector_bits": (0,), "unpack": (0,)}
+          "vector_bits": (0,), "unpack": (0,), "group_loop": (0, 1)}
     if isa is not None and ISA.parse(isa) == ISA.AVX512VNNI and layout.dtype in (DType.Q4, DType.Q8):
         sp["vector_bits"] = (0, 256)
         if layout.dtype == DType.Q4:
@@ -86,8 +88,13 @@ def space(layout, isa: str | None = None) -> dict[str, tuple]:
 
 
 def _normal(c: dict) -> dict:
-    """Without a software prefetch its hint and density mean nothing: one spelling of that kernel."""
-    return {**c, "prefetch_locality": DEFAULT["prefetch_locality"], "prefetch_stride": 64} if not c["prefetch"] else c
+    """One spelling per kernel: without a software prefetch its hint and density mean nothing, and a group loop
+    (one row group per iteration) has no units per iteration or groups per pass."""
+    if not c["prefetch"]:
+        c = {**c, "prefetch_locality": DEFAULT["prefetch_locality"], "prefetch_stride": 64}
+    if c["group_loop"]:
+        c = {**c, "unroll": DEFAULT["unroll"], "max_groups": DEFAULT["max_groups"]}
+    return c
 
 
 def neighbours(cur: dict, layout, isa: str | None = None) -> list[dict]:
@@ -108,7 +115,8 @@ def candidates(layout, isa: str | None = None) -> list[dict]:
 
 
 def label(knobs: dict) -> str:
-    extra = (" v256" if knobs.get("vector_bits") == 256 else "") + (" shift" if knobs.get("unpack") else "")
+    extra = ((" v256" if knobs.get("vector_bits") == 256 else "") + (" shift" if knobs.get("unpack") else "")
+             + (" gloop" if knobs.get("group_loop") else ""))
     st = knobs.get("prefetch_stride", 64)
     pf = f"pf{knobs['prefetch']}" + (f"/{st}" if knobs["prefetch"] and st != 64 else "")
     return f"u{knobs['unroll']} {pf} L{knobs['prefetch_locality']} g{knobs['max_groups']}{extra}"

@@ -184,16 +184,18 @@ def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_fi
         shapes = tune.kernel_shapes(plan_from_header(r.header, r.path).tensors.values())
     target = host_target()
     odd = {"unroll": 1, "prefetch": 4096, "prefetch_locality": 2, "prefetch_stride": 1024, "max_groups": 4,
-           "vector_bits": 256, "unpack": 1}
-    tune._write_table(target, {k: {"choice": odd} for k in shapes})
-    m = cflow.load(model_file)
-    assert m.session.tuning == {k: odd for k in shapes}
-    ir_text = m.session.program.module if isinstance(m.session.program.module, str) else str(m.session.program.module)
-    ref_ir = ref.session.program.module if isinstance(ref.session.program.module, str) else str(
-        ref.session.program.module)
-    assert ir_text != ref_ir and "llvm.prefetch" in ref_ir
-    np.testing.assert_array_equal(m.session.prefill(ids), ref_logits)
-    assert m.generate(ids, max_new_tokens=6, stop=False) == ref_toks
+           "vector_bits": 256, "unpack": 1, "group_loop": 0}
+    for choice in (odd, {**tune.DEFAULT, "prefetch": 4096, "group_loop": 1}):
+        tune._write_table(target, {k: {"choice": choice} for k in shapes})
+        m = cflow.load(model_file)
+        assert m.session.tuning == {k: choice for k in shapes}
+        ir_text = m.session.program.module if isinstance(m.session.program.module, str) else str(
+            m.session.program.module)
+        ref_ir = ref.session.program.module if isinstance(ref.session.program.module, str) else str(
+            ref.session.program.module)
+        assert ir_text != ref_ir and "llvm.prefetch" in ref_ir
+        np.testing.assert_array_equal(m.session.prefill(ids), ref_logits)
+        assert m.generate(ids, max_new_tokens=6, stop=False) == ref_toks
 
 
 def test_cli_tune(tuning_on, model_file):
