@@ -5,8 +5,9 @@
 Builds the decode mat-vec (codegen.kernels.emit_matvec, this host's ISA) for Q4 and Q8 with the given knobs
 through codegen.library.Library (the optimisation pipeline the runtime uses), takes the optimised module's
 assembly, finds the loop over block units (the largest basic block that jumps back: one iteration = `unroll`
-units) and prints its instruction count, the count per 64-byte line of weights the iteration reads, and the
-most frequent opcodes. Next to it, the read loop of codegen.bandwidth (the bandwidth reference) counted the same way.
+units, or with group_loop one 16-row group of one unit) and prints its instruction count, the count per
+64-byte line of weights the iteration reads, and the most frequent opcodes. Next to it, the read loop of
+codegen.bandwidth (the bandwidth reference) counted the same way.
 A static count, not a timing: how many instructions the core must issue per line it streams.
 """
 
@@ -78,7 +79,8 @@ def main(argv=None) -> list[dict]:
         K.emit_matvec(m, "mv", L, target.isa, **knobs)
         ops = count(m, target)
         unroll = K._pick_unroll(L.cols_p // 32, knobs["unroll"])
-        lines = unroll * L.unit_nbytes / 64
+        # a group loop's iteration is one 16-row group of one unit; otherwise `unroll` whole units
+        lines = (L.unit_nbytes / L.groups_per_tile if knobs["group_loop"] else unroll * L.unit_nbytes) / 64
         rows.append({"kernel": dt.label, "instructions": len(ops), "lines": lines, "per_line": len(ops) / lines,
                      "top": collections.Counter(ops).most_common(8)})
     ops = count(read_kernel_module(), target)
@@ -87,7 +89,7 @@ def main(argv=None) -> list[dict]:
                  "top": collections.Counter(ops).most_common(8)})
     for r in rows:
         top = ", ".join(f"{op} {n}" for op, n in r["top"])
-        print(f"{r['kernel']:<10} {r['instructions']:4d} instructions per iteration of {r['lines']:.0f} lines = "
+        print(f"{r['kernel']:<10} {r['instructions']:4d} instructions per iteration of {r['lines']:g} lines = "
               f"{r['per_line']:.1f} per 64-byte line   ({top})")
     return rows
 

@@ -1,7 +1,7 @@
 """How work per cache line changes one core's streaming rate: the read loop with k extra vector ops per 64-byte line.
 
-    python benchmarks/stream_work.py [--ops 0,2,4,8,16] [--kind alu,indep,dp] [--prefetch 0,4608] [--rounds 2]
-                                     [--json out.json]
+    python benchmarks/stream_work.py [--ops 0,2,4,8,16] [--kind alu,indep,dp] [--prefetch 0,4608] [--lines 8,36]
+                                     [--rounds 2] [--json out.json]
 
 Each variant is codegen.bandwidth's read loop itself (8 independent 64-byte loads per iteration) where every loaded
 vector also goes through k ops before it is folded into its accumulator: `alu`, k alternating XOR / ADD with
@@ -9,17 +9,21 @@ constants (1-cycle integer ops, a chain of k per line); `indep`, the same k ops 
 on any load (the loop offset, broadcast), folded into the accumulator by one XOR: as many instructions, but
 they execute at once instead of waiting in the scheduler for the line; `dp`, k VPDPBUSD into the line's
 accumulator (the Q4 and Q8 kernels' instruction, a loop-carried chain; AVX-512 VNNI hosts only). `--prefetch D`
-adds the read loop's own software prefetch (prefetcht0 of every line D bytes ahead). Each is timed over a 1 GiB buffer
-(streamed from DRAM) and over a 256 KiB one (L2-resident: what the core issues when memory is not the limit),
-in the same round. The question it answers: does a loop that is far from instruction-bound in cache still lose
-DRAM rate as its work per line grows (docs/performance.md, "A second host kind")?
+adds the read loop's own software prefetch (prefetcht0 of every line D bytes ahead); `--lines N` makes one loop
+iteration N lines long instead of 8 (the Q4 kernel's unit loop is 36 lines per iteration, its group loop 4.5;
+gcd(8, N) accumulators). Each is timed over a 1 GiB buffer (streamed from DRAM) and over a 256 KiB one
+(L2-resident: what the core issues when memory is not the limit), in the same round. The questions it answers:
+does a loop that is far from instruction-bound in cache still lose DRAM rate as its work per line grows, and
+does the length of its iterations matter (docs/performance.md, "A second host kind", "Short loop bodies")?
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -70,9 +74,10 @@ def work(kind: str, k: int):
     return step
 
 
-def build(kind: str, k: int, target, prefetch: int = 0):
-    lib = Library(name=f"stream_{kind}{k}_pf{prefetch}", target=target, cache=None)
-    lib.add_ir(read_kernel_module(prefetch=prefetch, work=work(kind, k)))
+def build(kind: str, k: int, target, prefetch: int = 0, lines: int = 8):
+    lib = Library(name=f"stream_{kind}{k}_pf{prefetch}_n{lines}", target=target, cache=None)
+    lib.add_ir(read_kernel_module(accumulators=math.gcd(8, lines), prefetch=prefetch, work=work(kind, k),
+                                  chunk=64 * lines))
     lib.finalize()
     f = lib.get_cfunc("read_xor", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
     f.library = lib
@@ -97,6 +102,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--ops", default="0,2,4,8,16", help="extra ops per line (comma list)")
     ap.add_argument("--kind", default="alu,indep,dp", help="alu, indep and/or dp (dp needs AVX-512 VNNI)")
     ap.add_argument("--prefetch", default="0", help="software prefetch distances in bytes (comma list; 0 = none)")
+    ap.add_argument("--lines", default="8", help="64-byte lines per loop iteration (comma list)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dram-bytes", type=int, default=1 << 30)
     ap.add_argument("--l2-bytes", type=int, default=256 << 10)
@@ -106,23 +112,26 @@ def main(argv=None) -> list[dict]:
     kinds = [x for x in a.kind.split(",") if x != "dp" or target.isa == ISA.AVX512VNNI]
     ops = [int(x) for x in a.ops.split(",")]
     pfs = [int(x) for x in a.prefetch.split(",")]
-    fns = {(kd, k, pf): build(kd, k, target, pf) for kd in kinds for k in ops for pf in pfs}
-    big, small = aligned_empty(a.dram_bytes // 512 * 512), aligned_empty(a.l2_bytes // 512 * 512)
+    lines = [int(x) for x in a.lines.split(",")]
+    if any(n <= 0 for n in lines):
+        ap.error("--lines: positive line counts")
+    fns = {(kd, k, pf, n): build(kd, k, target, pf, n) for kd in kinds for k in ops for pf in pfs for n in lines}
+    step = 64 * math.lcm(*lines)  # every variant's loop needs whole iterations
+    big, small = aligned_empty(a.dram_bytes // step * step), aligned_empty(max(step, a.l2_bytes // step * step))
     for buf in (big, small):
         buf.view(np.uint64)[:] = 0x0123456789ABCDEF  # written: untouched pages would all map the zero page
     print(f"# {cpu_model()}, 1 thread; GB/s over {big.size / 2**30:.2f} GiB (DRAM) and {small.size >> 10} KiB (L2)")
     recs = []
     for r in range(a.rounds):
-        for kd in kinds:
-            for pf in pfs:
-                row = []
-                for k in ops:
-                    f = fns[kd, k, pf]
-                    dram, l2 = rate(f, big, big.size, 3), rate(f, small, 1 << 30, 3)
-                    recs.append(dict(cpu=cpu_model(), round=r, kind=kd, ops_per_line=k, prefetch=pf,
-                                     dram_gbps=round(dram, 2), l2_gbps=round(l2, 2)))
-                    row.append(f"{k:2d}: {dram:5.1f} / {l2:5.1f}")
-                print(f"round {r} {kd:5} pf {pf:5d}  ops: DRAM / L2 GB/s   " + "   ".join(row), flush=True)
+        for kd, pf, n in itertools.product(kinds, pfs, lines):
+            row = []
+            for k in ops:
+                f = fns[kd, k, pf, n]
+                dram, l2 = rate(f, big, big.size, 3), rate(f, small, 1 << 30, 3)
+                recs.append(dict(cpu=cpu_model(), round=r, kind=kd, ops_per_line=k, prefetch=pf, lines=n,
+                                 dram_gbps=round(dram, 2), l2_gbps=round(l2, 2)))
+                row.append(f"{k:2d}: {dram:5.1f} / {l2:5.1f}")
+            print(f"round {r} {kd:5} pf {pf:5d} lines {n:3d}  ops: DRAM / L2 GB/s   " + "   ".join(row), flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(recs, fh, indent=1)

@@ -26,13 +26,14 @@ _kernels: dict[int, object] = {}
 _buffers: dict[int, np.ndarray] = {}
 
 
-def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0, work=None) -> ir.Module:
-    """i64 read_xor(i8* p, i64 nbytes): XOR of all 64-byte vectors in p[0:nbytes] (nbytes % 512 == 0).
+def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0, work=None,
+                       chunk: int = CHUNK) -> ir.Module:
+    """i64 read_xor(i8* p, i64 nbytes): XOR of all 64-byte vectors in p[0:nbytes] (nbytes % chunk == 0).
 
-    accumulators: independent 64-byte XOR chains per iteration (must divide 8); prefetch: optional
+    accumulators: independent 64-byte XOR chains per iteration (must divide chunk / 64); prefetch: optional
     software-prefetch distance in bytes (0 = hardware prefetchers only, the default). work(builder, acc, v):
-    the accumulator's next value from a loaded <8 x i64> vector instead of acc ^ v (benchmarks/stream_work.py:
-    the same loop with more work per line)."""
+    the accumulator's next value from a loaded <8 x i64> vector instead of acc ^ v; chunk: bytes per loop
+    iteration (benchmarks/stream_work.py: the same loop with more work per line, in longer iterations)."""
     i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
     vt = ir.VectorType(i64, 8)
     mod = ir.Module(name="bandwidth")
@@ -53,16 +54,16 @@ def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0, work=
     b.position_at_end(body)
     if prefetch:
         pf = ir.Function(mod, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
-        for j in range(0, CHUNK, 64):
+        for j in range(0, chunk, 64):
             b.call(pf, [b.gep(p, [b.add(off, ir.Constant(i64, prefetch + j))]), ir.Constant(i32, 0),
                         ir.Constant(i32, 3), ir.Constant(i32, 1)])
     new = list(accs)
-    for j in range(CHUNK // 64):
+    for j in range(chunk // 64):
         ptr = b.bitcast(b.gep(p, [b.add(off, ir.Constant(i64, 64 * j))]), vt.as_pointer())
         v = b.load(ptr, align=64)
         acc = new[j % accumulators]
         new[j % accumulators] = work(b, acc, v) if work else b.xor(acc, v)
-    nxt = b.add(off, ir.Constant(i64, CHUNK))
+    nxt = b.add(off, ir.Constant(i64, chunk))
     off.add_incoming(nxt, body)
     for a, v in zip(accs, new):
         a.add_incoming(v, body)

@@ -23,6 +23,7 @@ def test_alu_loop_with_no_ops_is_the_xor_of_the_data():
 
 def test_stream_work_runs(tmp_path):
     out = tmp_path / "s.json"
-    recs = stream_work.main(["--ops", "0,2", "--rounds", "1", "--dram-bytes", str(1 << 20), "--l2-bytes",
+    recs = stream_work.main(["--ops", "0,2", "--rounds", "1", "--lines", "8,12", "--kind", "alu,indep",
+                             "--dram-bytes", str(1 << 20), "--l2-bytes",
                              str(64 << 10), "--json", str(out)])
     assert out.exists() and recs and all(r["dram_gbps"] > 0 and r["l2_gbps"] > 0 for r in recs)
