@@ -5,16 +5,16 @@
 
 Each variant is codegen.bandwidth's read loop itself (8 independent 64-byte loads per iteration) where every loaded
 vector also goes through k ops before it is folded into its accumulator: `alu`, k alternating XOR / ADD with
-constants (1-cycle integer ops, a chain of k per line); `indep`, the same k ops on a vector that does not depend
-on any load (the loop offset, broadcast), folded into the accumulator by one XOR: as many instructions, but
-they execute at once instead of waiting in the scheduler for the line; `dp`, k VPDPBUSD into the line's
-accumulator (the Q4 and Q8 kernels' instruction, a loop-carried chain; AVX-512 VNNI hosts only). `--prefetch D`
-adds the read loop's own software prefetch (prefetcht0 of every line D bytes ahead); `--lines N` makes one loop
-iteration N lines long instead of 8 (the Q4 kernel's unit loop is 36 lines per iteration, its group loop 4.5;
-gcd(8, N) accumulators). Each is timed over a 1 GiB buffer (streamed from DRAM) and over a 256 KiB one
-(L2-resident: what the core issues when memory is not the limit), in the same round. The questions it answers:
-does a loop that is far from instruction-bound in cache still lose DRAM rate as its work per line grows, and
-does the length of its iterations matter (docs/performance.md, "A second host kind", "Short loop bodies")?
+constants (1-cycle integer ops, a chain of k per line); `indep`, the same k ops on a vector that does not depend on
+any load (the line's offset, broadcast), folded into the accumulator by one XOR: about as many instructions (k + 3
+per line against alu's k + 1), but they execute at once instead of waiting in the scheduler for the line; `dp`, k
+VPDPBUSD into the line's accumulator (the Q4 and Q8 kernels' instruction, a loop-carried chain; AVX-512 VNNI hosts
+only). `--prefetch D` adds the read loop's own software prefetch (prefetcht0 of every line D bytes ahead); `--lines
+N` makes one loop iteration N lines long instead of 8 (the Q4 kernel's unit loop is 36 lines per iteration, its
+group loop 4.5; gcd(8, N) accumulators). Each is timed over a 1 GiB buffer (streamed from DRAM) and over a 256 KiB
+one (L2-resident: what the core issues when memory is not the limit), in the same round. The questions it answers:
+does a loop that is far from instruction-bound in cache still lose DRAM rate as its work per line grows, and does
+the length of its iterations matter (docs/performance.md, "A second host kind", "Short loop bodies")?
 """
 
 from __future__ import annotations
@@ -45,14 +45,9 @@ def work(kind: str, k: int):
     """The read loop's per-line step (codegen.bandwidth.read_kernel_module's `work`): acc' from acc and the line."""
     i32 = ir.IntType(32)
     vt, vi = ir.VectorType(ir.IntType(64), 8), ir.VectorType(i32, 16)
-    lines = [0]  # loads seen so far in this iteration: gives each line's independent chain its own start
-
-    def step(b, acc, t):
-        if kind == "indep":  # k ops on (offset + line) broadcast, per-lane constants so they stay vector ops
-            off = b.block.function.basic_blocks[1].instructions[0]  # the loop's offset phi (block "head")
-            u = b.add(off, ir.Constant(ir.IntType(64), 64 * lines[0]))
-            lines[0] += 1
-            x = b.shuffle_vector(b.insert_element(ir.Constant(vt, ir.Undefined), u, ir.Constant(i32, 0)),
+    def step(b, acc, t, at):
+        if kind == "indep":  # k ops on the line's offset broadcast, per-lane constants so they stay vector ops
+            x = b.shuffle_vector(b.insert_element(ir.Constant(vt, ir.Undefined), at, ir.Constant(i32, 0)),
                                 ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
             for i in range(k):
                 c = ir.Constant(vt, [(0x9E3779B97F4A7C15 * (i + 1) + e) % (1 << 63) for e in range(8)])

@@ -1,7 +1,8 @@
 """Does the 1-thread tuning choice stay the best with every core streaming? (issue 10, the 2-thread shortfall)
 
 codegen/tune.py times kernel variants on one thread. This script times the same kind of candidates (the default,
-this host's cached choice or the descent's recorded choice, and the one-knob prefetch/vector variants of it) on
+this host's cached choice or the descent's recorded choice, and the one-knob prefetch/vector/loop-kind variants
+of it) on
 1 thread over the whole matrix and on N threads at once, each thread on its own contiguous tile-row range as the
 decode step splits them (Python threads calling the JIT-compiled kernel through ctypes, which releases the GIL;
 started together, until the last one finishes), interleaved round by round, medians printed
@@ -11,7 +12,7 @@ with the plain read loop's bandwidth of the same round. Numbers only: nothing is
     python benchmarks/tune_threads.py --shape q4:5632:plain --knobs prefetch_stride=128 --knobs unroll=2,prefetch=2304
 
 --knobs adds a candidate: the choice with those knobs changed (any of codegen.tune.KNOBS), e.g. to time a knob
-the one-knob neighbours leave fixed (unroll, max_groups, unpack).
+the one-knob neighbours leave fixed (unroll, max_groups, unpack, group_loop).
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ def main(argv=None) -> int:
     key = tune.kernel_key(layout, gate_up)
     rec = tune.read_table(target).get(key)
     chosen = (rec or {}).get("choice") or {**tune.DEFAULT, **RECORDED.get(args.shape, {})}
+    # the choice's prefetch / vector / loop-kind neighbours (a group loop has no unroll or groups per pass to keep)
     cands = [dict(tune.DEFAULT)] + [c for c in tune.neighbours(chosen, layout, isa)
-                                   if c != tune.DEFAULT and all(c[k] == chosen[k] for k in ("unroll", "max_groups"))
-                                   and c["unpack"] == chosen["unpack"]]
+                                   if c != tune.DEFAULT and c["unpack"] == chosen["unpack"]
+                                   and (c["group_loop"] != chosen["group_loop"]
+                                        or all(c[k] == chosen[k] for k in ("unroll", "max_groups")))]
     for text in args.knobs:
         c = dict(chosen)
         for kv in text.split(","):

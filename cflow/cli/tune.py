@@ -52,13 +52,13 @@ def run(args) -> int:
     def show(key, rec):
         records[key] = rec
         print(f"\n{key}")
-        print(f"  {'pass':>4}  {'variant':<28} {'GB/s':>7}")
+        print(f"  {'pass':>4}  {'variant':<32} {'GB/s':>7}")
         results = rec.get("results", ())
         final = max((i for i, v in enumerate(results) if v["knobs"] == rec["choice"]), default=-1)
         for i, v in enumerate(results):
             step = "final" if v.get("pass") == 0 else str(v.get("pass", 1))
             mark = "  <- chosen" if i == final else ""
-            print(f"  {step:>5} {v['variant']:<28} {v['gbps']:>7.2f}{mark}")
+            print(f"  {step:>5} {v['variant']:<32} {v['gbps']:>7.2f}{mark}")
 
     # cached choices are shown as stored, missing ones measured and cached (also under CFLOW_TUNE=off)
     tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20,

@@ -31,9 +31,10 @@ def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0, work=
     """i64 read_xor(i8* p, i64 nbytes): XOR of all 64-byte vectors in p[0:nbytes] (nbytes % chunk == 0).
 
     accumulators: independent 64-byte XOR chains per iteration (must divide chunk / 64); prefetch: optional
-    software-prefetch distance in bytes (0 = hardware prefetchers only, the default). work(builder, acc, v):
-    the accumulator's next value from a loaded <8 x i64> vector instead of acc ^ v; chunk: bytes per loop
-    iteration (benchmarks/stream_work.py: the same loop with more work per line, in longer iterations)."""
+    software-prefetch distance in bytes (0 = hardware prefetchers only, the default). work(builder, acc, v, at): the
+    accumulator's next value from a loaded <8 x i64> vector (at: its i64 byte offset) instead of acc ^ v; chunk:
+    bytes per loop iteration (benchmarks/stream_work.py: the same loop with more work per line, in longer
+    iterations)."""
     i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
     vt = ir.VectorType(i64, 8)
     mod = ir.Module(name="bandwidth")
@@ -59,10 +60,10 @@ def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0, work=
                         ir.Constant(i32, 3), ir.Constant(i32, 1)])
     new = list(accs)
     for j in range(chunk // 64):
-        ptr = b.bitcast(b.gep(p, [b.add(off, ir.Constant(i64, 64 * j))]), vt.as_pointer())
-        v = b.load(ptr, align=64)
+        at = b.add(off, ir.Constant(i64, 64 * j))
+        v = b.load(b.bitcast(b.gep(p, [at]), vt.as_pointer()), align=64)
         acc = new[j % accumulators]
-        new[j % accumulators] = work(b, acc, v) if work else b.xor(acc, v)
+        new[j % accumulators] = work(b, acc, v, at) if work else b.xor(acc, v)
     nxt = b.add(off, ir.Constant(i64, chunk))
     off.add_incoming(nxt, body)
     for a, v in zip(accs, new):

@@ -274,17 +274,33 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
+def _prefetch(b, base, offsets, locality: int) -> None:
+    """llvm.prefetch (read, `locality`, data) of base + each offset (ints or IR values; never faults)."""
+    pf = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
+    for off in offsets:
+        b.call(pf, [ptr(b, base, off)] + [ir.Constant(i32, v) for v in (0, locality, 1)])
+
+
+def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0) -> None:
+    """One block unit for `groups` of any dtype: _q_unit (Q4/Q8) or _f_unit (F16/F32); act = (x, xq, xd, xs)."""
+    x, xq, xd, xs = act
+    if L.dtype in (DType.Q4, DType.Q8):
+        _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack)
+    else:
+        _f_unit(b, L, isa, unit, kb, groups, accs, x)
+
+
 def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_locality, unpack, pf_stride):
     """out[0:TR] = (one tile-row of W) x, one 16-row group of one block unit per loop iteration.
 
     The same arithmetic as one pass of _emit_tile_row, group by group and unit by unit in the same order per
-    row (so the same numbers), but the loop body is one group's 4 (Q4) or 8 (Q8) lines instead of a whole
-    unit's 36 or 68: streaming from DRAM, loops with short bodies keep more of one core's read bandwidth on Zen
-    5 (docs/performance.md, "Short loop bodies stream faster"). The group sums live in `arr` (an entry-block
-    [NG x <16 x float>] alloca indexed by the group: in L1, a load and a store per iteration), the unit's
-    activation is re-read per group (L1). Prefetch: the group's code lines and its scales' line, `prefetch`
-    bytes ahead."""
-    x, xq, xd, xs = act
+    row (so the same numbers), but the loop body is one group's 4.5 (Q4) or 8.5 (Q8) lines, codes and scales,
+    instead of a whole unit's 36 or 68: streaming from DRAM, loops with short bodies keep more of one core's
+    read bandwidth on Zen 5 (docs/performance.md, "Short loop bodies stream faster"). The group sums live in
+    `arr` (an entry-block [NG x <16 x float>] alloca indexed by the group: in L1, a load and a store per
+    iteration), the unit's activation is re-read per group (L1). Prefetch: the group's code lines (one per
+    `pf_stride` bytes of them) and its scales' line (shared by two groups, so each is asked for twice),
+    `prefetch` bytes ahead."""
     ng, UB = L.groups_per_tile, L.unit_nbytes
     nunits = L.cols_p // BLOCK
     zf = ir.Constant(V(f32, 16), [0.0] * 16)
@@ -294,19 +310,14 @@ def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_l
     with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, nunits * ng), "ug") as i:
         kb, g = b.udiv(i, ir.Constant(i64, ng)), b.urem(i, ir.Constant(i64, ng))
         unit = ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
-        if prefetch:  # this group's lines, `prefetch` bytes ahead (never faults)
-            pf = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
+        if prefetch:  # this group's lines, `prefetch` bytes ahead
             offs = [_goff(b, g, L.group_nbytes, prefetch + off) for off in range(0, L.group_nbytes, pf_stride)]
             if L.dtype in (DType.Q4, DType.Q8):
                 offs.append(_goff(b, g, 32, prefetch + L.scales_offset))
-            for off in offs:
-                b.call(pf, [ptr(b, unit, off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
+            _prefetch(b, unit, offs, pf_locality)
         sp = b.gep(arr, [c32(0), g])
         accs = {g: b.load(sp)}
-        if L.dtype in (DType.Q4, DType.Q8):
-            _q_unit(b, L, isa, unit, kb, [g], accs, xq, xd, xs, unpack)
-        else:
-            _f_unit(b, L, isa, unit, kb, [g], accs, x)
+        _unit(b, L, isa, unit, kb, [g], accs, act, unpack)
         b.store(accs[g], sp)
     outv = b.bitcast(out, P(V(f32, 16)))
     for g in range(ng):
@@ -338,16 +349,11 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
             for u in range(unroll):
                 kb = b.add(b.mul(it, ir.Constant(i64, unroll)), ir.Constant(i64, u))
                 unit = ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
-                if prefetch:  # one per `pf_stride` bytes of the unit, `prefetch` bytes ahead (never faults)
-                    pf = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
-                    for off in range(0, UB, pf_stride):
-                        b.call(pf, [ptr(b, unit, prefetch + off)] + [ir.Constant(i32, v) for v in (0, pf_locality, 1)])
-                for a, (x, xq, xd, xs) in enumerate(acts):
+                if prefetch:  # one per `pf_stride` bytes of the unit, `prefetch` bytes ahead
+                    _prefetch(b, unit, [prefetch + off for off in range(0, UB, pf_stride)], pf_locality)
+                for a, act in enumerate(acts):
                     accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
-                    if L.dtype in (DType.Q4, DType.Q8):
-                        _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack)
-                    else:
-                        _f_unit(b, L, isa, unit, kb, groups, accs, x)
+                    _unit(b, L, isa, unit, kb, groups, accs, act, unpack)
                     for k, g in enumerate(groups):
                         b.store(accs[g], slots[a * gp + k])
         for a in range(na):

@@ -2,7 +2,8 @@
 
 Stage: codegen (used by the runtime before it emits a step). The decode kernels were tuned by hand on one
 Intel host; what streams fastest differs between CPUs (prefetch distance, hint and density, units per loop
-iteration, 16-row groups per pass, 256- vs 512-bit integer dots, the Q4 unpack sequence), and the knobs
+iteration, 16-row groups per pass, one row group per loop iteration (the group loop: short loop bodies stream
+faster on Zen 5), 256- vs 512-bit integer dots, the Q4 unpack sequence), and the knobs
 interact (on Zen 4 the 256-bit kernel only pays once the software prefetch is off), so the search is a
 coordinate descent: the first time a kernel shape (dtype, columns, tile, gate_up) is met on a CPU, the current
 choice and every one-knob change of it (SPACE) are JIT-compiled in one library and timed on >= 64 MiB of real
@@ -16,10 +17,10 @@ The result is cached in $CFLOW_CACHE_DIR/tune/<cpu>.json, keyed by kernel shape,
 LLVM feature string are part of the file's key; later loads only read it, so the choice is deterministic
 given the cache. The program cache's fingerprint includes the choices.
 
-Numerics never change: every knob is a schedule knob (prefetch hints, loop unrolling, how many row groups
-share a pass over the tile-row) or changes only how an exact integer block sum is formed (256- vs 512-bit
-integer dot products on an AVX-512 host, the Q4 nibble-unpack sequence); each row's per-block arithmetic and
-its summation order over blocks stay the same (tests/codegen/test_tune.py checks the candidates are
+Numerics never change: every knob is a schedule knob (prefetch hints, loop unrolling, how many row groups share a
+pass over the tile-row, one group per loop iteration) or changes only how an exact integer block sum is formed (256-
+vs 512-bit integer dot products on an AVX-512 host, the Q4 nibble-unpack sequence); each row's per-block arithmetic
+and its summation order over blocks stay the same (tests/codegen/test_tune.py checks the candidates are
 bit-identical, and measure() checks it again on every search).
 
 CFLOW_TUNE=off (or 0/no/false): no search and no cached choice, the kernels' defaults; `cflow tune FILE`
@@ -70,8 +71,9 @@ def kernel_key(layout, gate_up: bool) -> str:
 def space(layout, isa: str | None = None) -> dict[str, tuple]:
     """The values each knob may take for this kernel shape: prefetch distances in units of the kernel's block
     unit (so they scale with the dtype and tile), the prefetch density (every line, or one line per unit: a hint
-    that keeps the hardware prefetchers ahead without an instruction per line); on an AVX-512 VNNI host (isa)
-    also the 256-bit kernel and, for Q4, the other nibble-unpack sequence."""
+    that keeps the hardware prefetchers ahead without an instruction per line; in a group loop one line per
+    group), the unit loop or the group loop; on an AVX-512 VNNI host (isa) also the 256-bit kernel and, for Q4,
+    the other nibble-unpack sequence."""
     from ..layout.tile import DType
     from .target import ISA
 
@@ -115,10 +117,14 @@ def candidates(layout, isa: str | None = None) -> list[dict]:
 
 
 def label(knobs: dict) -> str:
-    extra = ((" v256" if knobs.get("vector_bits") == 256 else "") + (" shift" if knobs.get("unpack") else "")
-             + (" gloop" if knobs.get("group_loop") else ""))
+    """A variant's short name: "u2 pf2304 L3 g8" (units per iteration, prefetch distance[/stride], locality,
+    groups per pass), "gloop pf9216 L3" for a group loop (one row group per iteration: no u or g), then v256 /
+    shift for the 256-bit dot and the shift unpack."""
+    extra = (" v256" if knobs.get("vector_bits") == 256 else "") + (" shift" if knobs.get("unpack") else "")
     st = knobs.get("prefetch_stride", 64)
     pf = f"pf{knobs['prefetch']}" + (f"/{st}" if knobs["prefetch"] and st != 64 else "")
+    if knobs.get("group_loop"):
+        return f"gloop {pf} L{knobs['prefetch_locality']}{extra}"
     return f"u{knobs['unroll']} {pf} L{knobs['prefetch_locality']} g{knobs['max_groups']}{extra}"
 
 
@@ -163,7 +169,8 @@ def _valid_choice(c) -> dict | None:
         return None
     if not (1 <= c["unroll"] <= 8 and 0 <= c["prefetch"] <= 1 << 17 and c["prefetch_locality"] in (0, 1, 2, 3)
             and 64 <= c["prefetch_stride"] <= 1 << 16 and c["prefetch_stride"] % 64 == 0
-            and 1 <= c["max_groups"] <= 32 and c["vector_bits"] in (0, 256) and c["unpack"] in (0, 1)):
+            and 1 <= c["max_groups"] <= 32 and c["vector_bits"] in (0, 256) and c["unpack"] in (0, 1)
+            and c["group_loop"] in (0, 1)):
         return None
     return c
 

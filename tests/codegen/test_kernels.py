@@ -141,7 +141,10 @@ def test_group_loop_is_bit_identical(rng, isa, dtype, tile, gate_up):
     L = T.gate_up_layout(rows, cols, dtype, tile) if gate_up else T.TileLayout(dtype, rows, cols, tile)
     buf = T.pack_gate_up(w, w2, dtype, tile) if gate_up else T.pack(w, dtype, tile)
     ys = []
-    for knobs in (dict(), dict(group_loop=1), dict(group_loop=1, prefetch=0)):
+    knob_sets = [dict(), dict(group_loop=1), dict(group_loop=1, prefetch=0)]
+    if isa == "avx512vnni" and dtype in ("q4", "q8"):  # with the 256-bit dot and (Q4) the shift unpack
+        knob_sets += [dict(group_loop=1, vector_bits=256)] + ([dict(group_loop=1, unpack=1)] if dtype == "q4" else [])
+    for knobs in knob_sets:
         mv = K.MatVec(L, target=target, cache=False, gate_up=gate_up, **knobs)
         y = np.full(L.rows_p, np.nan, np.float32)
         mv(buf, mv.activation(x), y, 1, L.n_tile_rows)

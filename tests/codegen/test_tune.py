@@ -104,6 +104,20 @@ def test_neighbours_are_one_knob_away_and_unique():
     assert any(c["prefetch_stride"] == L.unit_nbytes for c in tune.candidates(L, "avx512vnni"))
 
 
+def test_group_loop_neighbours_have_one_spelling():
+    """From a group-loop choice, changing unroll or groups per pass names the same kernel: never a candidate; the
+    unit loop is one step back; the label says gloop, not u/g; a cached group_loop other than 0/1 is rejected."""
+    L = TileLayout(DType.Q4, 256, 512, (128, 256))
+    cur = tune._normal({**tune.DEFAULT, "group_loop": 1, "prefetch": 9216})
+    nb = tune.neighbours(cur, L, "avx512vnni")
+    assert nb[0] == cur and len({tuple(c[k] for k in tune.KNOBS) for c in nb}) == len(nb)
+    assert all(c["unroll"] == tune.DEFAULT["unroll"] and c["max_groups"] == tune.DEFAULT["max_groups"]
+               for c in nb if c["group_loop"])
+    assert {**cur, "group_loop": 0} in nb
+    assert tune.label(cur) == "gloop pf9216 L3" and tune.label({**cur, "unpack": 1}) == "gloop pf9216 L3 shift"
+    assert tune._valid_choice(cur) == cur and tune._valid_choice({**cur, "group_loop": 2}) is None
+
+
 def _vnni():
     import attrs
 
