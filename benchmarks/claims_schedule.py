@@ -3,6 +3,7 @@ tok/s of arch1 against arch2_4_combined at equal bytes per token, with a per-sta
 
     python benchmarks/claims_schedule.py --static                      # the tables only (no timing, seconds)
     python benchmarks/claims_schedule.py --size 114m --threads 1,2 --rounds 5 --json docs/results/claims_schedule.json
+    python benchmarks/claims_schedule.py --size 114m --scale 2 ...    # every width doubled: 4x the bytes per token
 
 Static part (analytic, per preset at --size, Q4): stages per token (build_schedule: one barrier after each
 stage, codegen/step.py), the critical-path reduction (passes/analysis.py, as docs/analysis.md), and the weight
@@ -10,7 +11,13 @@ bytes per token with the router's top-k experts against reading every expert (co
 
 Timed part: both presets compiled to Q4 .vflow (out/bench/), each measurement a fresh greedy decode of
 --tokens steps after a 4-token prompt, best of 3 sequences; the two presets alternate within every round,
-so their ratio is a same-run figure; medians over rounds. Then one profiling build of each (per-stage cycle
+so their ratio is a same-run figure; medians over rounds. Each round first measures the read bandwidth
+(benchmarks/bandwidth.py's loop over --gib), and each preset's bytes/token x tok/s is printed against it: a
+token whose weights fit in the last-level cache (114m: 28.4 MB against Zen 5's 32 MiB L3) streams above the
+DRAM read rate, so how much of it stays cached, which depends on the experts the generated tokens route to,
+moves the comparison. --scale K multiplies d_model, the head counts (head_dim kept), the FFN and the expert
+widths by K (K^2 the bytes per token, random weights from benchmarks/decode.py, the same for both presets)
+to compare them where every token comes from DRAM. Then one profiling build of each (per-stage cycle
 stamps, benchmarks/decode.py::profile) at each thread count, grouped by what the stages do.
 """
 
@@ -26,7 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from decode import time_decode  # noqa: E402
+import attrs  # noqa: E402
+from bandwidth import measure_read_bandwidth  # noqa: E402
+from decode import random_weights, time_decode  # noqa: E402
 
 from cflow.codegen.target import cpu_model  # noqa: E402
 from cflow.ir import build_graph  # noqa: E402
@@ -41,10 +50,30 @@ PROMPT = [1, 2, 3, 4]
 
 
 
-def static(size: str) -> list[dict]:
+def config(name: str, size: str, scale: int = 1):
+    """Preset `name` at `size`, every width times `scale` (head_dim, layers, vocab and experts kept)."""
+    c = get_preset(name, size)
+    if scale == 1:
+        return c
+    return attrs.evolve(c, d_model=c.d_model * scale, n_heads=c.n_heads * scale, n_kv_heads=c.n_kv_heads * scale,
+                        ffn_dim=c.ffn_dim * scale, expert_dim=c.expert_dim * scale)
+
+
+def last_level_cache() -> str:
+    """The L3 (or last) cache size as the kernel reports it for cpu 0, e.g. '32768K'; '?' where not exposed."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        idx = sorted(d for d in os.listdir(base) if d.startswith("index"))
+        with open(os.path.join(base, idx[-1], "size")) as f:
+            return f.read().strip()
+    except (OSError, IndexError):
+        return "?"
+
+
+def static(size: str, scale: int = 1) -> list[dict]:
     rows = []
     for name in PRESETS:
-        c = get_preset(name, size)
+        c = config(name, size, scale)
         g = build_graph(c)
         a = analyze(g, "q4", DEFAULT_TILE)
         sched = lower(g, "q4", DEFAULT_TILE).schedule  # the lowering passes (quantised sizes), no weights touched
@@ -61,14 +90,20 @@ def static(size: str) -> list[dict]:
     return rows
 
 
-def compiled(name: str, size: str) -> str:
-    path = os.path.join(OUT, f"claims_{name}_{size}_q4.vflow")
+def compiled(name: str, size: str, scale: int = 1) -> str:
+    tag = size if scale == 1 else f"{size}x{scale}"
+    path = os.path.join(OUT, f"claims_{name}_{tag}_q4.vflow")
     if not os.path.exists(path):
         from cflow.compiler import compile_file
         from cflow.frontend.load import load_graph
 
         os.makedirs(OUT, exist_ok=True)
-        compile_file(load_graph(f"preset:{name}@{size}"), path, "q4")
+        if scale == 1:  # the preset's own (torch-initialised) weights, as cflowc preset:NAME@SIZE
+            g = load_graph(f"preset:{name}@{size}")
+        else:  # shapes depend on the geometry only: both presets get the same weights
+            c = config(name, size, scale)
+            g = build_graph(c, random_weights(c), name=f"{name}_{tag}")
+        compile_file(g, path, "q4")  # writes to a temporary name and renames: never a half-written file
     return path
 
 
@@ -79,6 +114,8 @@ def tok_s(m, tokens: int) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="114m")
+    ap.add_argument("--scale", type=int, default=1, help="every width times this (bytes per token times its square)")
+    ap.add_argument("--gib", type=float, default=1.0, help="read-bandwidth buffer per round")
     ap.add_argument("--static", action="store_true", help="print the analytic table only")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=5)
@@ -86,8 +123,11 @@ def main(argv=None) -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
-    table = static(args.size)
-    print(f"# {args.size}, Q4, tile {DEFAULT_TILE[0]}x{DEFAULT_TILE[1]}")
+    if args.scale < 1:
+        ap.error("--scale must be >= 1")
+    table = static(args.size, args.scale)
+    geo = args.size if args.scale == 1 else f"{args.size} with every width x{args.scale}"
+    print(f"# {geo}, Q4, tile {DEFAULT_TILE[0]}x{DEFAULT_TILE[1]}; last-level cache {last_level_cache()}")
     print("| preset | stages = barriers/token | critical-path reduction | MB/token (top-k experts) | "
           "MB/token (all experts) | all / top-k |")
     print("|---|---|---|---|---|---|")
@@ -95,7 +135,8 @@ def main(argv=None) -> None:
         print(f"| {r['preset']} | {r['stages']} | {r['critical_path_reduction']:.2f}x | "
               f"{r['bytes_per_token_topk'] / 1e6:.2f} | {r['bytes_per_token_all_experts'] / 1e6:.2f} | "
               f"{r['bytes_per_token_all_experts'] / r['bytes_per_token_topk']:.2f}x |")
-    out = {"size": args.size, "cpu": cpu_model(), "static": table, "argv": sys.argv[1:]}
+    out = {"size": args.size, "scale": args.scale, "cpu": cpu_model(), "last_level_cache": last_level_cache(),
+           "static": table, "argv": sys.argv[1:]}
     if not args.static:
         from decode import profile
         from load import _ticks  # CPU time of other processes meanwhile (0..1 of all cores)
@@ -103,22 +144,23 @@ def main(argv=None) -> None:
         import cflow
 
         names = ("arch1", "arch2_4_combined")
-        paths = {n: compiled(n, args.size) for n in names}
+        paths = {n: compiled(n, args.size, args.scale) for n in names}
         threads = [int(t) for t in args.threads.split(",")]
         models = {(n, t): cflow.load(paths[n], threads=t) for n in names for t in threads}
         for m in models.values():
             tok_s(m, 4)  # warm-up: pages, workers
         bpt = {n: models[(n, threads[0])].bytes_per_token for n in names}
-        rec = []
+        rec, reads = [], {t: [] for t in threads}
         for rnd in range(args.rounds):
             for t in threads:
+                reads[t].append(measure_read_bandwidth(t, int(args.gib * (1 << 30))))
                 order = names if rnd % 2 == 0 else names[::-1]
                 for n in order:
                     a = _ticks([])
                     v = tok_s(models[(n, t)], args.tokens)
                     z = _ticks([])
                     total, idle, mine = (z[i] - a[i] for i in range(3))
-                    rec.append({"round": rnd, "preset": n, "threads": t, "tok_s": v,
+                    rec.append({"round": rnd, "preset": n, "threads": t, "tok_s": v, "read_gbps": reads[t][-1],
                                 "other_load": max(0.0, (total - idle - mine) / max(total, 1))})
         for m in models.values():
             m.close()
@@ -133,10 +175,18 @@ def main(argv=None) -> None:
                          / next(r["tok_s"] for r in rec if r["round"] == k and r["threads"] == t
                                 and r["preset"] == "arch1") for k in range(args.rounds)]
             other = max(r["other_load"] for r in rec if r["threads"] == t)
+            read = statistics.median(reads[t])
+            # each preset's streamed bytes per second over the same round's read bandwidth (median of rounds);
+            # above 100% part of each token came from the cache
+            frac = {n: statistics.median(bpt[n] * r["tok_s"] / 1e9 / r["read_gbps"] for r in rec
+                                         if r["preset"] == n and r["threads"] == t) for n in names}
             summary[t] = {**med, "ratio_median_of_rounds": statistics.median(per_round),
-                          "ratio_min": min(per_round), "ratio_max": max(per_round), "other_load_max": other}
-            print(f"threads={t}: arch1 {med['arch1']:8.1f} tok/s   arch2_4_combined {med['arch2_4_combined']:8.1f} "
-                  f"tok/s   arch2_4 / arch1 = {summary[t]['ratio_median_of_rounds']:.3f} (median of per-round ratios, "
+                          "ratio_min": min(per_round), "ratio_max": max(per_round), "other_load_max": other,
+                          "read_gbps": read, "fraction_of_read": frac}
+            print(f"threads={t}: read {read:.2f} GB/s; arch1 {med['arch1']:8.1f} tok/s ({100 * frac['arch1']:.1f}% of "
+                  f"read)   arch2_4_combined {med['arch2_4_combined']:8.1f} tok/s "
+                  f"({100 * frac['arch2_4_combined']:.1f}%)   arch2_4 / arch1 = "
+                  f"{summary[t]['ratio_median_of_rounds']:.3f} (median of per-round ratios, "
                   f"range {min(per_round):.2f}..{max(per_round):.2f}; other load up to {other:.0%})")
         out.update(bytes_per_token=bpt, records=rec, summary=summary)
         if not args.no_profile:

@@ -1,0 +1,109 @@
+"""Why arch1 vs arch2_4_combined at 114m depends on the text: the experts each greedy token routes to, and how
+much of a token's stream a last-level cache of a given size could hold (an LRU model, not a measurement).
+
+    python benchmarks/claims_routes.py --tokens 128
+
+The tokens are the compiled Q4 model's own greedy decode (the files claims_schedule.py times, same 4-token
+prompt); the routes are the Q4 interpreter's, teacher-forced on those tokens. At 114m a token streams 28.4 MB,
+less than a 32 MiB L3: a token whose experts are the previous token's is served largely from the cache, so a
+preset whose random-weight text repeats itself decodes faster. The LRU model streams each token's weights in
+64 KiB pieces (the non-expert weights, then the chosen experts layer by layer) through an LRU of --cache-mb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from claims_schedule import PROMPT, compiled  # noqa: E402
+
+import cflow  # noqa: E402
+from cflow.compiler import lower  # noqa: E402
+from cflow.frontend.load import load_graph  # noqa: E402
+from cflow.ir import Interpreter  # noqa: E402
+from cflow.ir.nodes import Router  # noqa: E402
+
+PIECE = 1 << 16
+
+
+def routes_of(name: str, size: str, tokens: int):
+    m = cflow.load(compiled(name, size), threads=1)
+    toks = m.generate(PROMPT, max_new_tokens=tokens, stop=False)
+    sched = m.session.run_state.schedule
+    m.close()
+    it = Interpreter(lower(load_graph(f"preset:{name}@{size}"), "q4").graph, act_quant="q8", cache_weights=False)
+    cur: dict[str, tuple[int, ...]] = {}
+    run = it._exec
+
+    def recording(n, v):  # the interpreter's own op, with the router's choice for the last token noted
+        out = run(n, v)
+        if isinstance(n, Router):
+            cur[n.name] = tuple(sorted(int(i) for i in out[1][-1]))
+        return out
+
+    it._exec = recording
+    it.prefill(PROMPT)
+    routes = []
+    for t in toks:
+        cur.clear()
+        it.step(t)
+        routes.append(dict(cur))
+    return toks, routes, sched
+
+
+def lru_miss(routes, fixed: int, expert: int, cap: int) -> float:
+    lru: collections.OrderedDict = collections.OrderedDict()
+    miss = total = 0
+    layers = sorted(routes[0])
+    for r in routes:
+        for key, nb in [("fixed", fixed)] + [((layer, e), expert) for layer in layers for e in r[layer]]:
+            for k in range(0, nb, PIECE):
+                sz = min(PIECE, nb - k)
+                total += sz
+                if (key, k) in lru:
+                    lru.move_to_end((key, k))
+                else:
+                    miss += sz
+                    lru[(key, k)] = sz
+                    while len(lru) * PIECE > cap:
+                        lru.popitem(last=False)
+    return miss / total
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="114m")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--cache-mb", default="16,24,28,32")
+    args = ap.parse_args(argv)
+    for name in ("arch1", "arch2_4_combined"):
+        toks, routes, sched = routes_of(name, args.size, args.tokens)
+        expert_steps = [s for s in sched.steps() if s.op.startswith("moe.")]
+        # one expert's bytes: the bank's streamed bytes over top-k, summed over its up and down steps per layer
+        per_layer = collections.Counter()
+        for s in expert_steps:
+            per_layer[s.op] += s.nbytes
+        top_k = len(next(iter(routes[0].values())))
+        expert = next(iter(per_layer.values())) // top_k
+        total = sum(s.nbytes for s in sched.steps())
+        fixed = total - sum(per_layer.values())
+        layers = sorted(routes[0])
+        same = sum(routes[i][lay] == routes[i - 1][lay] for i in range(1, len(routes)) for lay in layers)
+        print(f"{name}: {len(toks)} greedy tokens, {len(set(toks))} distinct; first 16: {toks[:16]}")
+        print(f"  same experts as the previous token in {100 * same / ((len(routes) - 1) * len(layers)):.0f}% of "
+              f"(token, layer); distinct experts per layer over the run: "
+              f"{[len({e for r in routes for e in r[lay]}) for lay in layers]}")
+        print(f"  {total / 1e6:.2f} MB per token ({fixed / 1e6:.2f} MB non-expert, {expert / 1e6:.3f} MB per expert)")
+        for mb in (int(x) for x in args.cache_mb.split(",")):
+            miss = lru_miss(routes, fixed, expert, mb << 20)
+            print(f"  LRU of {mb} MiB: {100 * miss:.1f}% of the streamed bytes miss")
+
+
+if __name__ == "__main__":
+    main()
