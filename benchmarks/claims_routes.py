@@ -32,29 +32,35 @@ from cflow.ir.nodes import Router  # noqa: E402
 PIECE = 1 << 16
 
 
-def routes_of(name: str, size: str, tokens: int):
-    m = cflow.load(compiled(name, size), threads=1)
-    toks = m.generate(PROMPT, max_new_tokens=tokens, stop=False)
-    sched = m.session.run_state.schedule
-    m.close()
-    it = Interpreter(lower(load_graph(f"preset:{name}@{size}"), "q4").graph, act_quant="q8", cache_weights=False)
-    cur: dict[str, tuple[int, ...]] = {}
-    run = it._exec
+class RouteRecorder(Interpreter):
+    """The interpreter, noting each router's choice for the last token it ran."""
 
-    def recording(n, v):  # the interpreter's own op, with the router's choice for the last token noted
-        out = run(n, v)
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.chosen: dict[str, tuple[int, ...]] = {}
+
+    def _exec(self, n, v):
+        out = super()._exec(n, v)
         if isinstance(n, Router):
-            cur[n.name] = tuple(sorted(int(i) for i in out[1][-1]))
+            self.chosen[n.name] = tuple(sorted(int(i) for i in out[1][-1]))
         return out
 
-    it._exec = recording
+
+def routes_of(name: str, size: str, tokens: int):
+    """(greedy tokens, per token {router: experts}, bytes of one expert, bytes streamed per token)."""
+    m = cflow.load(compiled(name, size), threads=1)
+    toks = m.generate(PROMPT, max_new_tokens=tokens, stop=False)
+    # one expert's bytes from the file's own tensors: expert 0 of the first bank (every bank has the same shapes)
+    expert = sum(t.nbytes for t in m.session.compiled.tensors.values() if t.expert == 0 and t.block == 0)
+    per_token = m.bytes_per_token
+    m.close()
+    it = RouteRecorder(lower(load_graph(f"preset:{name}@{size}"), "q4").graph, act_quant="q8", cache_weights=False)
     it.prefill(PROMPT)
     routes = []
     for t in toks:
-        cur.clear()
         it.step(t)
-        routes.append(dict(cur))
-    return toks, routes, sched
+        routes.append(dict(it.chosen))
+    return toks, routes, expert, per_token
 
 
 def lru_miss(routes, fixed: int, expert: int, cap: int) -> float:
@@ -70,7 +76,7 @@ def lru_miss(routes, fixed: int, expert: int, cap: int) -> float:
                     lru.move_to_end((key, k))
                 else:
                     miss += sz
-                    lru[(key, k)] = sz
+                    lru[(key, k)] = None
                     while len(lru) * PIECE > cap:
                         lru.popitem(last=False)
     return miss / total
@@ -83,17 +89,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cache-mb", default="16,24,28,32")
     args = ap.parse_args(argv)
     for name in ("arch1", "arch2_4_combined"):
-        toks, routes, sched = routes_of(name, args.size, args.tokens)
-        expert_steps = [s for s in sched.steps() if s.op.startswith("moe.")]
-        # one expert's bytes: the bank's streamed bytes over top-k, summed over its up and down steps per layer
-        per_layer = collections.Counter()
-        for s in expert_steps:
-            per_layer[s.op] += s.nbytes
-        top_k = len(next(iter(routes[0].values())))
-        expert = next(iter(per_layer.values())) // top_k
-        total = sum(s.nbytes for s in sched.steps())
-        fixed = total - sum(per_layer.values())
+        toks, routes, expert, total = routes_of(name, args.size, args.tokens)
         layers = sorted(routes[0])
+        fixed = total - expert * sum(len(e) for e in routes[0].values())  # the weights every token streams
         same = sum(routes[i][lay] == routes[i - 1][lay] for i in range(1, len(routes)) for lay in layers)
         print(f"{name}: {len(toks)} greedy tokens, {len(set(toks))} distinct; first 16: {toks[:16]}")
         print(f"  same experts as the previous token in {100 * same / ((len(routes) - 1) * len(layers)):.0f}% of "
