@@ -37,7 +37,7 @@ import attrs  # noqa: E402
 from bandwidth import measure_read_bandwidth  # noqa: E402
 from decode import random_weights, time_decode  # noqa: E402
 
-from cflow.codegen.target import cpu_model  # noqa: E402
+from cflow.codegen.target import cpu_model, last_level_cache  # noqa: E402
 from cflow.ir import build_graph  # noqa: E402
 from cflow.layout import DEFAULT_TILE  # noqa: E402
 from cflow.layout.quant import DType  # noqa: E402
@@ -59,15 +59,10 @@ def config(name: str, size: str, scale: int = 1):
                         ffn_dim=c.ffn_dim * scale, expert_dim=c.expert_dim * scale)
 
 
-def last_level_cache() -> str:
-    """The L3 (or last) cache size as the kernel reports it for cpu 0, e.g. '32768K'; '?' where not exposed."""
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        idx = sorted(d for d in os.listdir(base) if d.startswith("index"))
-        with open(os.path.join(base, idx[-1], "size")) as f:
-            return f.read().strip()
-    except (OSError, IndexError):
-        return "?"
+def last_level_cache_text() -> str:
+    """The last-level cache as the kernel reports it for cpu 0, e.g. 'L3 32.0 MiB'; '?' where not exposed."""
+    level, size = last_level_cache()
+    return f"{level} {size / 2**20:.1f} MiB" if size else "?"
 
 
 def static(size: str, scale: int = 1) -> list[dict]:
@@ -127,7 +122,7 @@ def main(argv=None) -> None:
         ap.error("--scale must be >= 1")
     table = static(args.size, args.scale)
     geo = args.size if args.scale == 1 else f"{args.size} with every width x{args.scale}"
-    print(f"# {geo}, Q4, tile {DEFAULT_TILE[0]}x{DEFAULT_TILE[1]}; last-level cache {last_level_cache()}")
+    print(f"# {geo}, Q4, tile {DEFAULT_TILE[0]}x{DEFAULT_TILE[1]}; last-level cache {last_level_cache_text()}")
     print("| preset | stages = barriers/token | critical-path reduction | MB/token (top-k experts) | "
           "MB/token (all experts) | all / top-k |")
     print("|---|---|---|---|---|---|")
@@ -135,7 +130,7 @@ def main(argv=None) -> None:
         print(f"| {r['preset']} | {r['stages']} | {r['critical_path_reduction']:.2f}x | "
               f"{r['bytes_per_token_topk'] / 1e6:.2f} | {r['bytes_per_token_all_experts'] / 1e6:.2f} | "
               f"{r['bytes_per_token_all_experts'] / r['bytes_per_token_topk']:.2f}x |")
-    out = {"size": args.size, "scale": args.scale, "cpu": cpu_model(), "last_level_cache": last_level_cache(),
+    out = {"size": args.size, "scale": args.scale, "cpu": cpu_model(), "last_level_cache": last_level_cache_text(),
            "static": table, "argv": sys.argv[1:]}
     if not args.static:
         from decode import profile

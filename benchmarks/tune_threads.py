@@ -67,7 +67,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backing", choices=("anon", "file"), default="anon",
                     help="anon: the weights in anonymous memory (transparent huge pages where the kernel gives them); "
                          "file: written to a file and np.memmap-ed, as a loaded model's weights are (page-cache pages)")
-    ap.add_argument("--mb", type=int, default=256, help="MiB of packed weights per call (default 256)")
+    ap.add_argument("--phase", type=int, default=0,
+                    help="bytes past a page boundary where the weights start (default 0: as a loaded file's tensors)")
+    ap.add_argument("--mb", type=int, default=0,
+                    help="MiB of packed weights per call (default: 256 or twice the last-level cache, the larger)")
     ap.add_argument("--knobs", action="append", default=[], metavar="K=V[,K=V...]",
                     help="also time the choice with these knobs changed (repeatable)")
     args = ap.parse_args(argv)
@@ -99,13 +102,16 @@ def main(argv=None) -> int:
         c = tune._normal(c)
         if c not in cands:
             cands.append(c)
-    bench = tune.Candidates(layout, gate_up, cands, target, args.mb * 2**20)
+    args.mb = args.mb or tune.stream_span(256 << 20) >> 20  # past the last-level cache, like decode
+    if not 0 <= args.phase < tune.PAGE or args.phase % 64:
+        ap.error(f"--phase {args.phase}: a multiple of 64 below {tune.PAGE}")
+    bench = tune.Candidates(layout, gate_up, cands, target, args.mb * 2**20, phase=args.phase)
     if args.backing == "file":
         import tempfile
 
         with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR", "/tmp"), delete=False) as f:
-            f.write(np.ascontiguousarray(bench.weights).tobytes())
-        bench.weights = np.memmap(f.name, dtype=np.uint8, mode="r")
+            f.write(bytes(args.phase) + np.ascontiguousarray(bench.weights).tobytes())
+        bench.weights = np.memmap(f.name, dtype=np.uint8, mode="r")[args.phase:]
         os.unlink(f.name)  # the mapping keeps the pages; nothing left behind
     n_tile_rows = bench.layout.n_tile_rows
     y = np.zeros(bench.layout.rows_p, np.float32)
@@ -128,7 +134,8 @@ def main(argv=None) -> int:
     print(f"{cpu_model()} ({isa}); {key}; {args.mb} MiB per call; medians of {args.rounds} interleaved rounds; "
           f"choice from {'this host cache' if rec else 'the recorded descent (docs/results/tune_descent.json)'}; "
           f"{'contiguous shares' if not args.chunk else f'chunks of {args.chunk} tile-rows round robin'}; "
-          f"weights in {'anonymous memory' if args.backing == 'anon' else 'a memory-mapped file'}")
+          f"weights in {'anonymous memory' if args.backing == 'anon' else 'a memory-mapped file'}, "
+          f"{args.phase} B past a page boundary")
     print(f"read loop: 1 thread {np.median(read[1]):.2f} GB/s, {args.threads} threads "
           f"{np.median(read[args.threads]):.2f} GB/s")
     print(f"  {'variant':<30} {'1 thread':>9} {str(args.threads) + ' threads':>10} {'scaling':>8} "

@@ -41,7 +41,9 @@ def run(args) -> int:
     with FileReader(args.file) as r:
         tensors = plan_from_header(r.header, r.path).tensors.values()
     target = host_target()
-    print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call, median of "
+    span = tune.stream_span(args.mb * 2**20)
+    print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call (page-aligned, the next "
+          f"window of a {span / 2**20:.0f} MiB set each call, past the last-level cache), median of "
           f"{args.rounds} rounds; coordinate descent from the default, <= {args.passes} passes (pass N: the choice so "
           f"far and each one-knob change; a variant must beat it by {tune.MARGIN:.0%}), then the choice against the "
           f"default ('final')")

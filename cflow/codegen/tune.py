@@ -7,7 +7,8 @@ faster on Zen 5), 256- vs 512-bit integer dots, the Q4 unpack sequence), and the
 interact (on Zen 4 the 256-bit kernel only pays once the software prefetch is off), so the search is a
 coordinate descent: the first time a kernel shape (dtype, columns, tile, gate_up) is met on a CPU, the current
 choice and every one-knob change of it (SPACE) are JIT-compiled in one library and timed on >= 64 MiB of real
-packed weights (past the L2/L3, so it streams from DRAM), candidates interleaved round by round, the median
+packed weights per call, each call the next window of a set at least twice the last-level cache (so it streams
+from DRAM, as decode does: stream_span), candidates interleaved round by round, the median
 kept; the best becomes the current choice if it beats it by more than MARGIN (so noise does not flip the
 choice; ties keep the earlier candidate), and the next pass starts from it, up to PASSES passes. A choice
 other than the default is then confirmed against the default head to head (CONFIRM_ROUNDS), so a chain of
@@ -46,7 +47,8 @@ from . import kernels as K
 from .cache import default_cache_dir
 
 MARGIN = 0.03  # a candidate must beat the current choice's median by 3% to replace it
-MIN_BYTES = 64 * 2**20  # weights streamed per timed call: past L3, like decode
+MIN_BYTES = 64 * 2**20  # weights streamed per timed call (milliseconds of DRAM traffic)
+MAX_SPAN = 4 * 2**30  # the most memory the rotating set may take (stream_span)
 PASSES = 3  # coordinate-descent passes at most (each: the current choice and its one-knob neighbours)
 ROUNDS = 9  # timed rounds per candidate (each call streams MIN_BYTES: milliseconds; the JIT costs more)
 CONFIRM_ROUNDS = 15  # rounds of the final head-to-head of a non-default choice against the default
@@ -176,8 +178,26 @@ def _valid_choice(c) -> dict | None:
 
 
 # --- the measurement ------------------------------------------------------------------------------
-def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0):
-    """Real packed weights of one tile-row (random normal values), repeated to >= nbytes: (buffer, layout)."""
+def stream_span(nbytes: int) -> int:
+    """Bytes of distinct weights the timed calls cycle through, each call reading the next `nbytes` window: at
+    least twice the last-level cache, so a window has left the cache before it is read again, as decode's
+    weights have. A fixed 64 MiB set streamed from DRAM on the Zen hosts (32 MiB L3) but stayed in the AMX Xeon
+    VM's 480 MiB L3, where the search then timed L3 speed (26-27 GB/s against 18.5 from DRAM)."""
+    from .target import last_level_cache
+
+    return max(nbytes, min(2 * last_level_cache()[1], MAX_SPAN))
+
+
+PAGE = 4096  # a loaded file's tensors start on a page boundary (FORMAT: data sections aligned for direct I/O)
+
+
+def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
+    """Real packed weights of one tile-row (random normal values), repeated to >= nbytes: (buffer, layout).
+
+    The buffer starts `phase` bytes past a page boundary; 0 is where a loaded file's tensors start. The phase
+    matters: on the AMX Xeon VM the group loop streamed 1.23x faster 64 bytes past a page boundary than on it
+    (docs/performance.md, "The weights' phase"), and a set timed at NumPy's allocation offset chose a kernel that
+    decode, reading page-aligned tensors, ran 15% slower."""
     from ..layout.tile import TileLayout, aligned_empty, pack, pack_gate_up
 
     rng = np.random.default_rng(seed)
@@ -186,24 +206,33 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0):
     row = pack_gate_up(w, w[::-1].copy(), layout.dtype.label, one.tile) if gate_up else pack(
         w, layout.dtype.label, one.tile)
     n = max(1, -(-nbytes // row.nbytes))
-    buf = aligned_empty(n * row.nbytes)
+    buf = aligned_empty(n * row.nbytes + phase, PAGE)[phase:]
     buf.reshape(n, row.nbytes)[:] = np.asarray(row, np.uint8).reshape(1, -1)
     return buf, TileLayout(layout.dtype, layout.tr * n, layout.cols, one.tile)
 
 
 class Candidates:
-    """Kernel variants `cands` of one shape JIT-compiled in one library, with real packed weights of >= nbytes
+    """Kernel variants `cands` of one shape JIT-compiled in one library, with real packed weights of >= span bytes
     (`weights`, over `layout`: the shape's tile-row repeated) and a quantised random activation: what a timing of
     the variants needs (measure() here, benchmarks/tune_threads.py on several threads). call(i, y, lo, hi)
     runs variant i over tile-rows [lo, hi) (default: all) into y; `weights` may be replaced by a copy of itself
-    (e.g. a memory-mapped one): every call passes its pointer."""
+    (e.g. a memory-mapped one): every call passes its pointer. The weights are cut into windows of >= nbytes
+    (`window` tile-rows each, `n_windows` of them); window(w) is the tile-row range of window w."""
 
-    def __init__(self, layout, gate_up: bool, cands: list[dict], target, nbytes: int):
+    def __init__(self, layout, gate_up: bool, cands: list[dict], target, nbytes: int, span: int | None = None,
+                 phase: int = 0):
+        from ..layout.tile import TileLayout
         from .library import Library
 
         isa = K._check_isa(target.isa)
-        self.weights, self.layout = _weights(layout, gate_up, nbytes)
+        # bytes of one tile-row (gate_up: both halves); the set is a whole number of windows
+        per_row = TileLayout(layout.dtype, layout.tr, layout.cols, (layout.tr, layout.tc)).nbytes * (1 + gate_up)
+        self.window = -(-nbytes // per_row)
+        self.n_windows = max(1, -(-(span or 0) // (self.window * per_row)))
+        self.window_bytes = self.window * per_row
+        self.weights, self.layout = _weights(layout, gate_up, self.n_windows * self.window_bytes, phase=phase)
         big = self.layout
+        assert big.n_tile_rows == self.n_windows * self.window
         self.streamed = big.nbytes * (2 if gate_up else 1)  # bytes one whole call reads (gate_up: both halves)
         mod = ir.Module(name="cflow_tune")
         K.emit_quantize_act(mod, "quantize_act", big.cols, big.cols_p)
@@ -225,6 +254,10 @@ class Candidates:
         hi = self.layout.n_tile_rows if hi is None else hi
         self.fns[i](K._p(self.weights), *self._args, K._p(y), lo, hi)
 
+    def window_rows(self, w: int) -> tuple[int, int]:
+        lo = (w % self.n_windows) * self.window
+        return lo, lo + self.window
+
 
 def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, target=None, rounds: int = ROUNDS,
             nbytes: int | None = None, check: bool = True) -> list[dict]:
@@ -237,20 +270,26 @@ def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, targ
 
     target = target if target is not None else host_target()
     cands = cands if cands is not None else candidates(layout, K._check_isa(target.isa))
-    bench = Candidates(layout, gate_up, cands, target, nbytes or MIN_BYTES)
+    nbytes = nbytes or MIN_BYTES
+    bench = Candidates(layout, gate_up, cands, target, nbytes, span=stream_span(nbytes))
     ys = [np.zeros(bench.layout.rows_p, np.float32) for _ in cands]
+    n_calls = 0
 
-    def call(i):
-        bench.call(i, ys[i])
+    def call(i):  # each call reads the next window, so its bytes come from DRAM (stream_span)
+        nonlocal n_calls
+        bench.call(i, ys[i], *bench.window_rows(n_calls))
+        n_calls += 1
 
-    for i in range(len(cands)):  # warm-up (page faults, code) and the bit-identity check
-        call(i)
+    for i in range(len(cands)):  # warm-up (page faults, code) and the bit-identity check, all on window 0
+        bench.call(i, ys[i], *bench.window_rows(0))
     if check:
         for i in range(1, len(cands)):
             if not np.array_equal(ys[0], ys[i]):
                 raise CflowError(f"tuning: candidate {label(cands[i])} changes the mat-vec's numbers "
                                  f"(kernel {kernel_key(layout, gate_up)})")
-    streamed = bench.streamed
+    for w in range(1, bench.n_windows):  # fault in the rest of the set before any timing
+        bench.call(0, ys[0], *bench.window_rows(w))
+    streamed = bench.window_bytes
     samples: list[list[float]] = [[] for _ in cands]
     for r in range(rounds):
         order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))  # no position favoured

@@ -19,6 +19,13 @@ from cflow.layout.tile import TileLayout
 MB = 2**20
 
 
+@pytest.fixture(autouse=True)
+def small_span(monkeypatch):
+    """The timed set is the window itself here (the real one is twice the last-level cache: 960 MiB on a 480 MiB
+    L3); test_the_timed_set_is_past_the_last_level_cache checks the real rule."""
+    monkeypatch.setattr(tune, "stream_span", lambda nbytes: nbytes)
+
+
 @pytest.fixture
 def tuning_on(monkeypatch, tmp_path):
     monkeypatch.setenv("CFLOW_TUNE", "on")
@@ -43,6 +50,45 @@ def test_candidates_are_bit_identical(dtype, gate_up):
         assert any(r["knobs"]["vector_bits"] == 256 for r in res)
         assert any(r["knobs"]["unpack"] == 1 for r in res) == (dtype == "q4")
     assert all(r["gbps"] > 0 for r in res)
+
+
+def test_the_timed_set_is_past_the_last_level_cache(monkeypatch):
+    from cflow.codegen import target as T
+
+    monkeypatch.undo()  # the real stream_span
+    for llc in (0, 32 * MB, 480 * MB, 64 * 2**30):
+        monkeypatch.setattr(T, "last_level_cache", lambda cpu=0, llc=llc: ("L3", llc))
+        span = tune.stream_span(64 * MB)
+        assert span >= 64 * MB and (span >= 2 * llc or span == tune.MAX_SPAN)
+    level, size = T.last_level_cache()
+    assert (level, size) == ("?", 0) or (level.startswith("L") and size > 0)
+
+
+def test_timed_calls_cycle_through_windows(monkeypatch):
+    """With a set of several windows, successive timed calls read successive windows (each from DRAM, not the
+    cache the previous call filled), and every window gives the same numbers (the same tile-row repeated)."""
+    monkeypatch.setattr(tune, "stream_span", lambda nbytes: 4 * nbytes)
+    L = TileLayout(DType.Q4, 256, 512, (128, 256))
+    cands = tune.candidates(L, host_target().isa)[:2]
+    bench = tune.Candidates(L, False, cands, host_target(), MB, span=tune.stream_span(MB))
+    assert bench.n_windows == 4 and bench.window_bytes >= MB
+    assert bench.weights.ctypes.data % tune.PAGE == 0  # where a loaded file's tensors start
+    shifted = tune.Candidates(L, False, cands[:1], host_target(), MB, phase=64)
+    assert shifted.weights.ctypes.data % tune.PAGE == 64
+    y0, y1 = np.zeros(bench.layout.rows_p, np.float32), np.zeros(shifted.layout.rows_p, np.float32)
+    bench.call(0, y0, 0, 1)
+    shifted.call(0, y1, 0, 1)
+    np.testing.assert_array_equal(y0[:L.tile[0]], y1[:L.tile[0]])
+    assert [bench.window_rows(w) for w in range(5)] == [(w % 4 * bench.window, (w % 4 + 1) * bench.window)
+                                                       for w in range(5)]
+    ys = [np.zeros(bench.layout.rows_p, np.float32) for _ in range(4)]
+    for w in range(4):
+        bench.call(0, ys[w], *bench.window_rows(w))
+    rows = bench.window * L.tile[0]
+    for w in range(1, 4):
+        np.testing.assert_array_equal(ys[w][w * rows:(w + 1) * rows], ys[0][:rows])
+    res = tune.measure(L, False, cands=cands, rounds=3, nbytes=MB)
+    assert len(res) == 2 and all(len(r["samples"]) == 3 for r in res)
 
 
 def test_choice_needs_a_margin_and_ties_keep_the_earlier():
