@@ -234,10 +234,6 @@ VARIANTS = {
     "kv-f32": ({}, {"kv": "f32"}),
     "kv-f16": ({}, {"kv": "f16"}),
     "kv-bf16": ({}, {"kv": "bf16"}),
-    "warm-off": ({"CFLOW_STAGE_WARM": "0"}, {}),  # no prefetch of the next stage's weights before a barrier
-    "warm-8k": ({"CFLOW_STAGE_WARM": "8192"}, {}),
-    "warm-32k": ({"CFLOW_STAGE_WARM": "32768"}, {}),
-    "warm-128k": ({"CFLOW_STAGE_WARM": "131072"}, {}),
 }
 
 
@@ -307,7 +303,7 @@ def compare_variants(path: str, c, prompt, names: list[str], threads_list: list[
                             "fraction_per_round": round(per_round, 4),
                             "ratio_to_first": round(float(np.median(ratios)), 4),
                             "other_load": round(max(loads[n]), 3), "kv": m.kv, "model": c.graph.config.name,
-                            "cpu": cpu_model(), "isa": m.session.program.isa, "stage_warm": m.session.warm})
+                            "cpu": cpu_model(), "isa": m.session.program.isa})
         for m in models.values():
             m.close()
     return records

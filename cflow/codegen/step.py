@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import attrs
 from llvmlite import ir
@@ -92,9 +91,8 @@ class StepProgram:
 
 class _Emitter:
     def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False,
-                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None, warm: int = 0, bf16_hw: bool = False):
+                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None, bf16_hw: bool = False):
         self.profile = profile
-        self.warm = warm  # bytes of the next stage's weights each thread prefetches before a barrier (0: none)
         self.tuning = tuning or {}  # {codegen.tune.kernel_key: mat-vec knobs}: this host's measured choices
         self.kv = kv
         self.bf16_hw = bf16_hw and kv == "bf16"  # kv='bf16' with AVX512_BF16's dot-product instruction
@@ -291,7 +289,7 @@ class _Emitter:
     # differ (no sharing), never a wrong program. The body then walks constant tables (function, descriptor
     # offset) with the barrier and the per-stage hooks (profiling stamps, the segmented stage range) indexed
     # by the loop counter.
-    def emit_stage(self, name: str, stage, ahead=None) -> tuple[ir.Function, list[int]]:
+    def emit_stage(self, name: str, stage) -> tuple[ir.Function, list[int]]:
         """One stage as an internal function; returns it and its descriptor (the values of its self.k loads)."""
         fn = ir.Function(self.m, ir.FunctionType(void, list(STAGE_ARGS)), name)
         fn.linkage = "internal"
@@ -310,56 +308,11 @@ class _Emitter:
                       Phase.UP: self.step_up, Phase.DOWN: self.step_down, Phase.HEAD: self.step_head}
         for step in stage:
             emit_phase[step.phase](b, step)
-        if ahead is not None:
-            self.warm_stream(b, *ahead)
         b.ret_void()
         self.desc_b.position_at_end(entry)
         self.desc_b.branch(body)
         desc, self.desc, self.desc_b, self.desc_arg = self.desc, None, None, None
         return fn, desc
-
-    # --- warming the next stage's weights ---------------------------------------------------------
-    # A thread that finishes its share of a stage early waits at the barrier, and every thread then starts
-    # the next matrix with cold misses until the hardware prefetcher has found the stream. So a stage ends by
-    # prefetching (into L2) the first `warm` bytes of this thread's tile-rows of the next weight stream, the
-    # range the next stage's call_mv will read first: the wait turns into useful reads. Schedule only: which
-    # bytes are read and how they are summed do not change.
-    def first_stream(self, stage):
-        """(tensor name, layout, bytes per tile-row) of the first dense matrix `stage` streams, or None (no weights,
-        or experts: which ones is known only once the router ran)."""
-        for step in stage:
-            n = self.g[step.op]
-            if step.phase == Phase.QKV:
-                t = self.tensors[step.tensors[0]]
-                return t.name, t.concat.layout, t.concat.layout.tile_row_nbytes
-            if step.phase in (Phase.O, Phase.HEAD) or (step.phase in (Phase.UP, Phase.DOWN)
-                                                       and isinstance(n, DenseFFN)):
-                t = self.tensors[step.tensors[0]]
-                gate_up = step.phase == Phase.UP
-                return t.name, t.layout, t.layout.tile_row_nbytes * (2 if gate_up else 1)
-            if step.nbytes:
-                return None  # experts, the router: not a dense stream known in advance
-        return None
-
-    def stream_ahead(self, stages, i: int):
-        """The stream of the next stage after stage i that reads weights, looking past weight-free stages (the
-        attention core) only: what stage i's threads warm before its barrier."""
-        for st in stages[i + 1:]:
-            found = self.first_stream(st)
-            if found is not None or any(x.nbytes for x in st):
-                return found
-        return None
-
-    def warm_stream(self, b, name: str, L, row_bytes: int) -> None:
-        lo, hi = self.rows(b, L.n_tile_rows)
-        w = self.pointer(b, tensor_key(name), i8)
-        start = b.mul(lo, c64(row_bytes))
-        span = b.mul(b.sub(hi, lo), c64(row_bytes))
-        n = b.select(b.icmp_unsigned("<", span, c64(self.warm)), span, c64(self.warm))
-        pf = intrinsic(self.m, "llvm.prefetch.p0", void, [P(i8), i32, i32, i32])
-        with Loop(b, c64(0), b.udiv(n, c64(64)), "warm") as line:  # one prefetcht1 per 64-byte line
-            b.call(pf, [b.gep(w, [b.add(start, b.mul(line, c64(64)))]),
-                        ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
 
     def open_function(self, b, args) -> None:
         """The values every step reads: this thread's scratch, the token and position (multi: the call's)."""
@@ -382,11 +335,9 @@ class _Emitter:
         kept: dict[str, ir.Function] = {}  # normalised IR text -> the stage function kept for it
         fns, offsets, descs = [], [], []
         stages = list(self.sched.stages)
-        for si, stage in enumerate(stages):
+        for stage in stages:
             name_k = f"{prefix}_{len(kept)}"
-            # (not in segmented programs: the disk tiers fill pointer slots per call, the next stage's may be unset)
-            warm = self.warm and not self.segmented
-            fn, desc = self.emit_stage(name_k, stage, self.stream_ahead(stages, si) if warm else None)
+            fn, desc = self.emit_stage(name_k, stage)
             text = str(fn).replace(f'@"{name_k}"', "@STAGE", 1)
             if text in kept:
                 _drop_function(self.m, fn)
@@ -893,28 +844,8 @@ def copy_rows(m: ir.Module):
     return internal_function(m, ("copy_rows",), (P(f32), P(f32), i64, i64), build)
 
 
-# Off: on the Zen 5 host it measured no gain (docs/performance.md, "Barrier waits, and warming the next stage's
-# weights"); kept as a knob so another host can be measured (`benchmarks/decode.py --variants warm-off,warm-32k`).
-DEFAULT_STAGE_WARM = 0
-
-
-def stage_warm_bytes() -> int:
-    """How many bytes of the next stage's weights each thread prefetches before a barrier: CFLOW_STAGE_WARM
-    (a byte count, a multiple of 64; 0 turns it off), else DEFAULT_STAGE_WARM."""
-    text = os.environ.get("CFLOW_STAGE_WARM", "").strip()
-    if not text:
-        return DEFAULT_STAGE_WARM
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0 or n % 64 or n > 1 << 24:
-        raise CodegenError(f"CFLOW_STAGE_WARM={text!r}: give a byte count, a multiple of 64 up to 16 MiB (0: off)")
-    return n
-
-
 def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,
-               tmax: int = 1, kv: str = "f32", tuning: dict | None = None, warm: int = 0,
+               tmax: int = 1, kv: str = "f32", tuning: dict | None = None,
                bf16_hw: bool = False) -> StepProgram:
     """Build the decode-step module for a lowered state (see module docstring).
 
@@ -925,7 +856,6 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
     kv: the KV cache's element type, 'f32', 'f16' or 'bf16' (ops.attention).
     bf16_hw: kv='bf16' uses AVX512_BF16's dot-product instruction (the target has it; an FMA emulation otherwise).
     tuning: {kernel key: knobs} from codegen.tune (schedule knobs of the mat-vec kernels; numerics unchanged).
-    warm: bytes of the next stage's weights each thread prefetches before a barrier (_Emitter.warm_stream; 0: off).
     """
     if kv not in KV_BYTES:
         raise CodegenError(f"KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
@@ -933,7 +863,7 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
     if tmax < 1:
         raise CodegenError(f"tokens per call must be >= 1, got {tmax}")
-    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, warm, bf16_hw)
+    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, bf16_hw)
     # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
     for n in state.graph.nodes():
         if isinstance(n, ExpertBank):

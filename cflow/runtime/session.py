@@ -326,7 +326,7 @@ class Session:
     def _build(self, cache) -> None:
         from ..codegen import program_cache, tune
         from ..codegen.library import Library
-        from ..codegen.step import StepProgram, build_step, stage_warm_bytes
+        from ..codegen.step import StepProgram, build_step
         from ..codegen.target import host_target
 
         target = host_target()
@@ -334,10 +334,9 @@ class Session:
         # This host's measured mat-vec knobs (a short search the first time a kernel shape is met on this CPU,
         # then read from the cache; CFLOW_TUNE=off: the defaults). Schedule-only: the numbers do not change.
         self.tuning = tune.choices(self.run_state.tensors.values(), target)
-        self.warm = stage_warm_bytes()
         bf16_hw = self.kv_dtype == "bf16" and target.has_avx512_bf16
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
-                                        self.profile, segmented, self.tmax, self.kv_dtype, self.tuning, self.warm,
+                                        self.profile, segmented, self.tmax, self.kv_dtype, self.tuning,
                                         bf16_hw)
               if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
@@ -350,7 +349,7 @@ class Session:
         if self.program is None:
             self.program = build_step(self.run_state, target.isa, self.max_seq, profile=self.profile,
                                       segmented=segmented, tmax=self.tmax, kv=self.kv_dtype, tuning=self.tuning,
-                                      warm=self.warm, bf16_hw=bf16_hw)
+                                      bf16_hw=bf16_hw)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())

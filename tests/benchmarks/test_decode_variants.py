@@ -19,10 +19,10 @@ def test_compare_variants_records(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CFLOW_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "arch1.vflow"
     c = compile_file(load_graph("preset:arch1@tiny"), path, "q4")
-    recs = decode.compare_variants(str(path), c, [1, 2, 3], ["default", "warm-32k"], [1, 2], rounds=2, tokens=4,
+    recs = decode.compare_variants(str(path), c, [1, 2, 3], ["default", "kv-f32"], [1, 2], rounds=2, tokens=4,
                                    gib=1 / 64)
-    assert [(r["variant"], r["threads"]) for r in recs] == [("default", 1), ("warm-32k", 1), ("default", 2),
-                                                            ("warm-32k", 2)]
+    assert [(r["variant"], r["threads"]) for r in recs] == [("default", 1), ("kv-f32", 1), ("default", 2),
+                                                            ("kv-f32", 2)]
     for r in recs:
         assert len(r["tok_s_rounds"]) == 2 and len(r["read_rounds"]) == 2 and r["tok_s"] > 0
         assert 0 < r["fraction_per_round"] and r["bytes_per_token"] > 0 and r["cpu"]
