@@ -211,6 +211,10 @@ def cpu_model() -> str:
     extra = [llvm.get_host_cpu_name()]
     if "cpu family" in fields and "model" in fields:
         extra.append(f"family {fields['cpu family']} model {fields['model']}")
+    # LLVM names the core from the family/model, which a hypervisor may mask: the AMX Xeon VM reports model 167
+    # ("rocketlake", a core without AMX). The tile unit tells a Sapphire Rapids-class or later Intel core apart.
+    if "amx_tile" in fields.get("flags", "").split():
+        extra.append("AMX")
     return f"{cpu_name()} ({', '.join(extra)})"
 
 

@@ -37,3 +37,15 @@ def test_env_overrides(monkeypatch):
 def test_generic_target():
     g = generic_target()
     assert g.cpu == "generic" and g.isa == "generic"
+
+
+def test_cpu_model_names_what_a_masked_model_hides(monkeypatch):
+    # a hypervisor may report a family/model LLVM maps to the wrong core (the AMX Xeon VM: model 167, "rocketlake")
+    from cflow.codegen import target as T
+
+    info = {"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "167", "flags": "fpu avx2"}
+    monkeypatch.setattr(T, "_cpuinfo", lambda: info)
+    plain = T.cpu_model()
+    assert plain.startswith("Intel(R) Xeon(R) Processor (") and "family 6 model 167" in plain and "AMX" not in plain
+    info["flags"] += " amx_bf16 amx_tile amx_int8"
+    assert T.cpu_model() == plain[:-1] + ", AMX)"
