@@ -44,9 +44,10 @@ def run(args) -> int:
     span = tune.stream_span(args.mb * 2**20)
     print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call (page-aligned, the next "
           f"window of a {span / 2**20:.0f} MiB set each call, past the last-level cache), median of "
-          f"{args.rounds} rounds; coordinate descent from the default, <= {args.passes} passes (pass N: the choice so "
-          f"far and each one-knob change; a variant must beat it by {tune.MARGIN:.0%}), then the choice against the "
-          f"default ('final')")
+          f"{args.rounds} rounds; coordinate descent from the default unit loop (passes u1, u2, ...) and from "
+          f"the group loop (g1, ...), <= {args.passes} passes each (pass N: the choice so far and each one-knob "
+          f"change; a variant must beat it by {tune.MARGIN:.0%}), then the default against each descent's end "
+          f"('final')")
     if not tune.enabled():
         print("note: CFLOW_TUNE=off: cflow.load uses the defaults and ignores this table while it is set")
     records = {}
@@ -54,11 +55,11 @@ def run(args) -> int:
     def show(key, rec):
         records[key] = rec
         print(f"\n{key}")
-        print(f"  {'pass':>4}  {'variant':<32} {'GB/s':>7}")
+        print(f"  {'pass':>5} {'variant':<32} {'GB/s':>7}")
         results = rec.get("results", ())
         final = max((i for i, v in enumerate(results) if v["knobs"] == rec["choice"]), default=-1)
         for i, v in enumerate(results):
-            step = "final" if v.get("pass") == 0 else str(v.get("pass", 1))
+            step = "final" if v.get("pass") == 0 else f"{'ug'[v.get('seed', 0)]}{v.get('pass', 1)}"
             mark = "  <- chosen" if i == final else ""
             print(f"  {step:>5} {v['variant']:<32} {v['gbps']:>7.2f}{mark}")
 

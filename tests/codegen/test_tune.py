@@ -116,8 +116,27 @@ def test_search_finds_knobs_that_only_pay_together(monkeypatch):
     L = TileLayout(DType.Q4, 256, 512, (128, 256))
     choice, log = tune.search(L, False, host_target() if host_target().isa == "avx512vnni" else _vnni())
     assert choice == {**tune.DEFAULT, "prefetch": 0, "vector_bits": 256}
-    assert [r["pass"] for r in log].count(0) == 2 and max(r["pass"] for r in log) >= 2
+    assert [r["pass"] for r in log].count(0) >= 2 and max(r["pass"] for r in log) >= 2
     assert set(choice) == set(tune.KNOBS) and tune._valid_choice(choice) == choice
+
+
+def test_search_descends_from_each_loop_kind(monkeypatch):
+    """The AMX Xeon VM's case: the group loop is slower than the unit loop at the unit loop's prefetch distance and
+    faster one line further, which no single knob change from the default shows; the descent from the group loop
+    finds it, and it beats the default head to head."""
+    L = TileLayout(DType.Q4, 256, 512, (128, 256))
+    far = L.unit_nbytes + 64
+    assert far in tune.space(L, "avx512vnni")["prefetch"]
+
+    def score(c):
+        if c["group_loop"]:
+            return 15.6 if c["prefetch"] == far else 13.0
+        return 14.3 if c["prefetch"] == tune.DEFAULT["prefetch"] else 14.0
+
+    monkeypatch.setattr(tune, "measure", _fake_measure(score))
+    choice, log = tune.search(L, False, host_target())
+    assert choice == tune._normal({**tune.DEFAULT, "group_loop": 1, "prefetch": far})
+    assert {r["seed"] for r in log if r["pass"]} == {0, 1}
 
 
 def test_search_drift_is_caught_by_the_final_check(monkeypatch):
@@ -126,16 +145,16 @@ def test_search_drift_is_caught_by_the_final_check(monkeypatch):
 
     def measure(layout, gate_up=False, cands=None, target=None, rounds=5, nbytes=None, check=True):
         calls.append(len(cands))
-        if len(cands) == 2:  # the final head-to-head
+        if len(cands) <= len(tune.SEEDS) + 1:  # the final head-to-head
             return [{"knobs": c, "gbps": 10.0, "samples": []} for c in cands]
         return [{"knobs": c, "gbps": 10.0 + (1.0 if i == 1 else 0.0), "samples": []} for i, c in enumerate(cands)]
 
     monkeypatch.setattr(tune, "measure", measure)
     choice, log = tune.search(TileLayout(DType.Q8, 256, 512, (128, 256)), False, host_target())
-    assert choice == tune.DEFAULT and len(calls) == tune.PASSES + 1
-    calls.clear()  # passes=1 (`cflow tune --passes 1`): one pass, and still the head-to-head
+    assert choice == tune.DEFAULT and len(calls) == len(tune.SEEDS) * tune.PASSES + 1
+    calls.clear()  # passes=1 (`cflow tune --passes 1`): one pass per seed, and still the head-to-head
     tune.search(TileLayout(DType.Q8, 256, 512, (128, 256)), False, host_target(), passes=1)
-    assert calls[1:] == [2] and len(calls) == 2
+    assert len(calls) == len(tune.SEEDS) + 1 and calls[-1] <= len(tune.SEEDS) + 1
 
 
 def test_neighbours_are_one_knob_away_and_unique():

@@ -50,6 +50,23 @@ def _as_bytes(data, name: str) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+def drop_cached(path) -> None:
+    """Drop a just-written file's pages from the page cache (they are clean after the commit's fsync). Written
+    pages sit in small folios that a mapping cannot map with huge pages; read back through FileReader's
+    MADV_HUGEPAGE mapping they come in 2 MiB folios (reader.advise_huge_pages). Best effort: a file system or
+    platform without the advice keeps its cache."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+    finally:
+        os.close(fd)
+
+
 class FileWriter:
     """Write a container: header at open, tensors as they arrive, tables and preamble at close.
 
@@ -210,6 +227,7 @@ class FileWriter:
             self._file.close()
             self._atomic.commit()  # fsync, rename onto path, fsync the directory
             self._state = _State.DONE
+            drop_cached(self.path)
         except BaseException:
             self.abort()
             raise

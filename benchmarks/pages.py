@@ -1,0 +1,120 @@
+"""Decode from the same weights in small page-cache folios vs 2 MiB folios, in alternating rounds of one run.
+
+    python benchmarks/pages.py [--threads 1,2] [--rounds 5] [--tokens 32] [--json out.json]
+
+cflow maps a model file with MADV_HUGEPAGE (runtime/format/reader.py: advise_huge_pages), so pages read from disk
+come in 2 MiB folios where the file system keeps large folios (ext4 since Linux 6.16), and FileWriter drops what it
+wrote from the page cache; pages already cached keep their folio size. This script makes two copies of the
+TinyLlama-geometry Q4 file (benchmarks/decode.py builds it): `small`, written with 128 KiB writes and left in the
+cache (small folios, as a file just copied or written by another tool), and `huge`, dropped from the cache and
+read back through cflow's mapping. It prints how much of each mapping the kernel maps with PMDs (FilePmdMapped
+in /proc/self/smaps), then tok/s of both in alternating rounds with the read bandwidth of each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bandwidth import busy_fraction, measure_read_bandwidth  # noqa: E402
+from decode import MODELS, OUT, compiled_model, time_decode  # noqa: E402
+
+import cflow  # noqa: E402
+from cflow.codegen.target import cpu_model  # noqa: E402
+
+
+def pmd_mapped_kib(path: str) -> tuple[int, int]:
+    """(Rss, FilePmdMapped) in KiB of this process's mapping of `path` (0, 0 when not mapped)."""
+    with open("/proc/self/smaps") as f:
+        text = f.read()
+    at = text.find(os.path.realpath(path))
+    if at < 0:
+        return 0, 0
+    block = text[at:].split("VmFlags", 1)[0]
+
+    def field(name):
+        m = re.search(name + r":\s+(\d+) kB", block)
+        return int(m.group(1)) if m else 0
+
+    return field("Rss"), field("FilePmdMapped")
+
+
+def copies(src: str) -> dict[str, str]:
+    """{'small': path, 'huge': path}: the two copies of src described in the module docstring."""
+    out = {}
+    for kind in ("small", "huge"):
+        dst = os.path.join(OUT, f"pages_{kind}.vflow")
+        with open(src, "rb") as a, open(dst, "wb") as b:
+            shutil.copyfileobj(a, b, 128 << 10)
+            b.flush()
+            os.fsync(b.fileno())
+        if kind == "huge":
+            fd = os.open(dst, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean after the fsync: dropped
+            os.close(fd)
+        out[kind] = dst
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--gib", type=float, default=1.0, help="read-bandwidth buffer")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    config = MODELS["tinyllama"]
+    path, _ = compiled_model("tinyllama", "q4")
+    files = copies(path)
+    prompt = list(range(1, 9))
+    records = []
+    print(f"# {cpu_model()}; {config.name} q4; {args.rounds} alternating rounds of {args.tokens} tokens (best of 2)")
+    for threads in (int(t) for t in args.threads.split(",")):
+        models = {k: cflow.load(p, threads=threads) for k, p in files.items()}
+        for m in models.values():
+            time_decode(m, prompt, 4, 1)  # faults every page in (2 MiB folios where the cache allows)
+        cover = {k: pmd_mapped_kib(p) for k, p in files.items()}
+        tps = {k: [] for k in files}
+        reads, loads = [], []
+        for r in range(args.rounds):
+            reads.append(measure_read_bandwidth(threads, int(args.gib * 2**30)))
+            for k in (files if r % 2 == 0 else reversed(list(files))):
+                t, busy = busy_fraction(lambda m=models[k]: time_decode(m, prompt, args.tokens, 2))
+                tps[k].append(t)
+                loads.append(busy)
+        read = float(np.median(reads))
+        bpt = models["huge"].bytes_per_token
+        ratios = [h / s for h, s in zip(tps["huge"], tps["small"])]
+        print(f"threads={threads}  read {read:.2f} GB/s (median of {args.rounds})  other load {100 * max(loads):.0f}%"
+              " max")
+        for k in files:
+            rss, pmd = cover[k]
+            t = float(np.median(tps[k]))
+            print(f"  {k:<6} PMD-mapped {pmd / 1024:7.1f} of {rss / 1024:7.1f} MiB   {t:7.2f} tok/s  "
+                  f"{100 * t * bpt / 1e9 / read:5.1f}% of read")
+            records.append({"pages": k, "threads": threads, "tok_s": round(t, 3), "tok_s_rounds": tps[k],
+                            "read_gbps": round(read, 3), "read_rounds": reads, "bytes_per_token": bpt,
+                            "rss_kib": rss, "pmd_mapped_kib": pmd, "other_load": round(max(loads), 3),
+                            "cpu": cpu_model(), "tuning": models[k].session.tuning})
+        print(f"  huge / small: median of per-round ratios {np.median(ratios):.3f} "
+              f"(rounds {', '.join(f'{x:.2f}' for x in ratios)})")
+        for m in models.values():
+            m.close()
+    for p in files.values():
+        os.unlink(p)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
