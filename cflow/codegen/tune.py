@@ -205,7 +205,7 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
 
     The buffer starts `phase` bytes past a page boundary; 0 is where a loaded file's tensors start. The phase
     matters: on the AMX Xeon VM the group loop streamed 1.23x faster 64 bytes past a page boundary than on it
-    (docs/performance.md, "The weights' phase"), and a set timed at NumPy's allocation offset chose a kernel that
+    (docs/performance.md, "A third host kind"), and a set timed at NumPy's allocation offset chose a kernel that
     decode, reading page-aligned tensors, ran 15% slower."""
     from ..layout.tile import TileLayout, aligned_empty, pack, pack_gate_up
 
@@ -226,7 +226,7 @@ class Candidates:
     the variants needs (measure() here, benchmarks/tune_threads.py on several threads). call(i, y, lo, hi)
     runs variant i over tile-rows [lo, hi) (default: all) into y; `weights` may be replaced by a copy of itself
     (e.g. a memory-mapped one): every call passes its pointer. The weights are cut into windows of >= nbytes
-    (`window` tile-rows each, `n_windows` of them); window(w) is the tile-row range of window w."""
+    (`window` tile-rows each, `n_windows` of them); window_rows(w) is the tile-row range of window w."""
 
     def __init__(self, layout, gate_up: bool, cands: list[dict], target, nbytes: int, span: int | None = None,
                  phase: int = 0):

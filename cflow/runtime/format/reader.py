@@ -60,8 +60,8 @@ _TEN_AT = _field_offsets(F.TENSOR_FIELDS, F.TENSOR_ENTRY.format)
 def advise_huge_pages(mm: mmap.mmap) -> bool:
     """Ask for transparent huge pages on a file mapping (MADV_HUGEPAGE): where the file system keeps large folios
     (ext4 since Linux 6.16, XFS), pages faulted in from disk then come in 2 MiB folios mapped by one TLB entry each.
-    On the AMX Xeon VM the tuned Q4 kernel (group loop) decoded 1.2x faster from a fully PMD-mapped file than from
-    4 KiB pages (docs/performance.md, "Huge pages for the weights"); on Zen 5 page size measured no difference.
+    On the AMX Xeon VM TinyLlama Q4 decoded 1.07-1.08x faster from a fully PMD-mapped file than from small folios
+    (benchmarks/pages.py; docs/performance.md, "A third host kind"); on Zen 5 page size measured no difference.
     Pages already cached keep their folio size: FileWriter drops what it wrote from the cache for that reason.
     Returns whether the kernel took the advice (False on systems without it, which is harmless)."""
     try:
