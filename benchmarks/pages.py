@@ -29,6 +29,7 @@ from decode import MODELS, OUT, compiled_model, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.codegen.target import cpu_model  # noqa: E402
+from cflow.runtime.format.writer import drop_cached  # noqa: E402
 
 
 def pmd_mapped_kib(path: str) -> tuple[int, int]:
@@ -57,9 +58,7 @@ def copies(src: str) -> dict[str, str]:
             b.flush()
             os.fsync(b.fileno())
         if kind == "huge":
-            fd = os.open(dst, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean after the fsync: dropped
-            os.close(fd)
+            drop_cached(dst)  # as FileWriter does after its commit
         out[kind] = dst
     return out
 

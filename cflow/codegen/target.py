@@ -226,22 +226,19 @@ def last_level_cache(cpu: int = 0) -> tuple[str, int]:
     not exposed. Hosts differ by an order of magnitude here (32 MiB on the Zen hosts, 480 MiB on the AMX Xeon
     VM), and a set meant to stream from DRAM must be larger than it (tune.stream_span)."""
     base = f"/sys/devices/system/cpu/cpu{cpu}/cache"
-    best = ("?", 0)
+    caches = []  # (level, bytes)
     try:
-        for d in sorted(os.listdir(base)):
-            if not d.startswith("index"):
-                continue
-            with open(os.path.join(base, d, "level")) as f:
-                level = int(f.read())
-            with open(os.path.join(base, d, "size")) as f:
-                text = f.read().strip().upper()
-            num = text.rstrip("KMG")
-            size = int(num) * _SIZE_UNITS[text[len(num):]] if num.isdigit() else 0
-            if size and level >= int(best[0][1:] or 0):
-                best = (f"L{level}", size)
+        for d in os.listdir(base):
+            if d.startswith("index"):
+                with open(os.path.join(base, d, "level")) as f:
+                    level = int(f.read())
+                with open(os.path.join(base, d, "size")) as f:
+                    text = f.read().strip().upper()  # e.g. '491520K'
+                caches.append((level, int(text.rstrip("KMG")) * _SIZE_UNITS[text.lstrip("0123456789")]))
     except (OSError, ValueError, KeyError):
-        return best
-    return best
+        return "?", 0
+    level, size = max(caches, default=(0, 0))
+    return (f"L{level}", size) if size else ("?", 0)
 
 
 def generic_target() -> Target:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import os
 import time
 import warnings
@@ -220,28 +221,50 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
     return buf, TileLayout(layout.dtype, layout.tr * n, layout.cols, one.tile)
 
 
-class Candidates:
-    """Kernel variants `cands` of one shape JIT-compiled in one library, with real packed weights of >= span bytes
-    (`weights`, over `layout`: the shape's tile-row repeated) and a quantised random activation: what a timing of
-    the variants needs (measure() here, benchmarks/tune_threads.py on several threads). call(i, y, lo, hi)
-    runs variant i over tile-rows [lo, hi) (default: all) into y; `weights` may be replaced by a copy of itself
-    (e.g. a memory-mapped one): every call passes its pointer. The weights are cut into windows of >= nbytes
-    (`window` tile-rows each, `n_windows` of them); window_rows(w) is the tile-row range of window w."""
+class WeightSet:
+    """Real packed weights of one kernel shape (`weights`, over `layout`: its tile-row repeated), cut into windows
+    of >= nbytes (`window` tile-rows, `window_bytes` each, `n_windows` of them, >= span bytes in all), starting
+    `phase` bytes past a page boundary. Filling a 960 MiB set takes seconds, so a search builds one per shape and
+    every pass times on it."""
 
-    def __init__(self, layout, gate_up: bool, cands: list[dict], target, nbytes: int, span: int | None = None,
-                 phase: int = 0):
+    def __init__(self, layout, gate_up: bool, nbytes: int, span: int | None = None, phase: int = 0):
         from ..layout.tile import TileLayout
-        from .library import Library
 
-        isa = K._check_isa(target.isa)
         # bytes of one tile-row (gate_up: both halves); the set is a whole number of windows
         per_row = TileLayout(layout.dtype, layout.tr, layout.cols, (layout.tr, layout.tc)).nbytes * (1 + gate_up)
         self.window = -(-nbytes // per_row)
         self.n_windows = max(1, -(-(span or 0) // (self.window * per_row)))
         self.window_bytes = self.window * per_row
         self.weights, self.layout = _weights(layout, gate_up, self.n_windows * self.window_bytes, phase=phase)
+        assert self.layout.n_tile_rows == self.n_windows * self.window
+        self.cursor = 0  # the next window a timed call reads; it runs on across measure() calls on this set
+
+    def window_rows(self, w: int) -> tuple[int, int]:
+        """The tile-row range of window w (cyclic)."""
+        lo = (w % self.n_windows) * self.window
+        return lo, lo + self.window
+
+    def take(self) -> tuple[int, int]:
+        """The next window's tile-row range: consecutive calls never read the same window while it is cached."""
+        self.cursor += 1
+        return self.window_rows(self.cursor - 1)
+
+
+class Candidates:
+    """Kernel variants `cands` of one shape JIT-compiled in one library, with real packed weights (a WeightSet:
+    `wset`, built here unless given; `weights` and `layout` are its) and a quantised random activation: what a
+    timing of the variants needs (measure() here, benchmarks/tune_threads.py on several threads). call(i, y, lo,
+    hi) runs variant i over tile-rows [lo, hi) (default: all) into y; `weights` may be replaced by a copy of itself
+    (e.g. a memory-mapped one): every call passes its pointer."""
+
+    def __init__(self, layout, gate_up: bool, cands: list[dict], target, nbytes: int, span: int | None = None,
+                 phase: int = 0, wset: WeightSet | None = None):
+        from .library import Library
+
+        isa = K._check_isa(target.isa)
+        self.wset = wset if wset is not None else WeightSet(layout, gate_up, nbytes, span, phase)
+        self.weights, self.layout = self.wset.weights, self.wset.layout
         big = self.layout
-        assert big.n_tile_rows == self.n_windows * self.window
         self.streamed = big.nbytes * (2 if gate_up else 1)  # bytes one whole call reads (gate_up: both halves)
         mod = ir.Module(name="cflow_tune")
         K.emit_quantize_act(mod, "quantize_act", big.cols, big.cols_p)
@@ -263,44 +286,44 @@ class Candidates:
         hi = self.layout.n_tile_rows if hi is None else hi
         self.fns[i](K._p(self.weights), *self._args, K._p(y), lo, hi)
 
-    def window_rows(self, w: int) -> tuple[int, int]:
-        lo = (w % self.n_windows) * self.window
-        return lo, lo + self.window
-
 
 def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, target=None, rounds: int = ROUNDS,
-            nbytes: int | None = None, check: bool = True) -> list[dict]:
+            nbytes: int | None = None, check: bool = True, wset: WeightSet | None = None) -> list[dict]:
     """Time each candidate on the same weights, interleaved round by round (one thread).
 
     Returns [{"knobs", "gbps" (median), "samples"}] in candidate order. check: every candidate's output
-    must be bit-identical to the first's (the knobs are schedule-only).
+    must be bit-identical to the first's (the knobs are schedule-only). wset: the weights to time on (search()
+    passes one set to all its passes); by default a set of nbytes windows past the last-level cache.
     """
     from .target import host_target
 
     target = target if target is not None else host_target()
     cands = cands if cands is not None else candidates(layout, K._check_isa(target.isa))
-    nbytes = nbytes or MIN_BYTES
-    bench = Candidates(layout, gate_up, cands, target, nbytes, span=stream_span(nbytes))
+    if wset is None:
+        wset = WeightSet(layout, gate_up, nbytes or MIN_BYTES, span=stream_span(nbytes or MIN_BYTES))
+    bench = Candidates(layout, gate_up, cands, target, 0, wset=wset)
     ys = [np.zeros(bench.layout.rows_p, np.float32) for _ in cands]
-    n_calls = 0
+    # Each timed call reads the next window, so its bytes come from DRAM (stream_span). A round is len(cands)
+    # calls; `skip` windows more per round make that stride prime to the window count, so over the rounds every
+    # candidate reads different windows (with a stride sharing a factor with it, a candidate read the same few
+    # windows in every round, and a slower or faster region of the set biased it).
+    skip = next(k for k in range(wset.n_windows) if math.gcd(len(cands) + k, wset.n_windows) == 1)
 
-    def call(i):  # each call reads the next window, so its bytes come from DRAM (stream_span)
-        nonlocal n_calls
-        bench.call(i, ys[i], *bench.window_rows(n_calls))
-        n_calls += 1
+    def call(i):
+        bench.call(i, ys[i], *wset.take())
 
-    for i in range(len(cands)):  # warm-up (page faults, code) and the bit-identity check, all on window 0
-        bench.call(i, ys[i], *bench.window_rows(0))
+    warm = wset.take()
+    for i in range(len(cands)):  # warm-up (code) and the bit-identity check, all on one window (untimed)
+        bench.call(i, ys[i], *warm)
     if check:
         for i in range(1, len(cands)):
             if not np.array_equal(ys[0], ys[i]):
                 raise CflowError(f"tuning: candidate {label(cands[i])} changes the mat-vec's numbers "
                                  f"(kernel {kernel_key(layout, gate_up)})")
-    for w in range(1, bench.n_windows):  # fault in the rest of the set before any timing
-        bench.call(0, ys[0], *bench.window_rows(w))
-    streamed = bench.window_bytes
+    streamed = wset.window_bytes
     samples: list[list[float]] = [[] for _ in cands]
     for r in range(rounds):
+        wset.cursor += skip
         order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))  # no position favoured
         for i in order:
             t0 = time.perf_counter()
@@ -335,13 +358,15 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
            passes: int = PASSES) -> tuple[dict, list[dict]]:
     """The coordinate descent (module docstring), once from each of SEEDS: (choice, [{"pass", "seed", "knobs",
     "gbps"}] of every timing). Pass numbers count from 1; the final head to head of the default and every descent's
-    end is pass 0."""
+    end is pass 0. Every timing reads the same WeightSet, built once here."""
+    nbytes = nbytes or MIN_BYTES
+    wset = WeightSet(layout, gate_up, nbytes, span=stream_span(nbytes))
     log, ends = [], []
     for s, seed in enumerate(SEEDS):
         cur = _normal(dict(seed))
         for p in range(1, passes + 1):
             res = measure(layout, gate_up, cands=neighbours(cur, layout, target.isa), target=target, rounds=rounds,
-                          nbytes=nbytes)
+                          wset=wset)
             log += [{"pass": p, "seed": s, **r} for r in res]
             best = choose(res)
             if best == cur:
@@ -352,7 +377,7 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
     cur = finalists[0]
     if len(finalists) > 1:  # head to head with the default, so noisy steps cannot add up to a slower kernel
         res = measure(layout, gate_up, cands=finalists, target=target, rounds=max(rounds, CONFIRM_ROUNDS),
-                      nbytes=nbytes)
+                      wset=wset)
         log += [{"pass": 0, **r} for r in res]
         cur = choose(res)
     return cur, log

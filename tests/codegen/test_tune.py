@@ -71,7 +71,8 @@ def test_timed_calls_cycle_through_windows(monkeypatch):
     L = TileLayout(DType.Q4, 256, 512, (128, 256))
     cands = tune.candidates(L, host_target().isa)[:2]
     bench = tune.Candidates(L, False, cands, host_target(), MB, span=tune.stream_span(MB))
-    assert bench.n_windows == 4 and bench.window_bytes >= MB
+    ws = bench.wset
+    assert ws.n_windows == 4 and ws.window_bytes >= MB
     assert bench.weights.ctypes.data % tune.PAGE == 0  # where a loaded file's tensors start
     shifted = tune.Candidates(L, False, cands[:1], host_target(), MB, phase=64)
     assert shifted.weights.ctypes.data % tune.PAGE == 64
@@ -79,12 +80,11 @@ def test_timed_calls_cycle_through_windows(monkeypatch):
     bench.call(0, y0, 0, 1)
     shifted.call(0, y1, 0, 1)
     np.testing.assert_array_equal(y0[:L.tile[0]], y1[:L.tile[0]])
-    assert [bench.window_rows(w) for w in range(5)] == [(w % 4 * bench.window, (w % 4 + 1) * bench.window)
-                                                       for w in range(5)]
+    assert [ws.window_rows(w) for w in range(5)] == [(w % 4 * ws.window, (w % 4 + 1) * ws.window) for w in range(5)]
     ys = [np.zeros(bench.layout.rows_p, np.float32) for _ in range(4)]
     for w in range(4):
-        bench.call(0, ys[w], *bench.window_rows(w))
-    rows = bench.window * L.tile[0]
+        bench.call(0, ys[w], *ws.window_rows(w))
+    rows = ws.window * L.tile[0]
     for w in range(1, 4):
         np.testing.assert_array_equal(ys[w][w * rows:(w + 1) * rows], ys[0][:rows])
     res = tune.measure(L, False, cands=cands, rounds=3, nbytes=MB)
@@ -100,7 +100,7 @@ def test_choice_needs_a_margin_and_ties_keep_the_earlier():
 
 
 def _fake_measure(score):
-    def measure(layout, gate_up=False, cands=None, target=None, rounds=5, nbytes=None, check=True):
+    def measure(layout, gate_up=False, cands=None, target=None, rounds=5, nbytes=None, check=True, wset=None):
         return [{"knobs": c, "gbps": score(c), "samples": []} for c in cands]
     return measure
 
@@ -143,7 +143,7 @@ def test_search_drift_is_caught_by_the_final_check(monkeypatch):
     """Every pass sees a 'better' neighbour (noise), but head to head the default is as fast: keep the default."""
     calls = []
 
-    def measure(layout, gate_up=False, cands=None, target=None, rounds=5, nbytes=None, check=True):
+    def measure(layout, gate_up=False, cands=None, target=None, rounds=5, nbytes=None, check=True, wset=None):
         calls.append(len(cands))
         if len(cands) <= len(tune.SEEDS) + 1:  # the final head-to-head
             return [{"knobs": c, "gbps": 10.0, "samples": []} for c in cands]

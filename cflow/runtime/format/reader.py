@@ -7,6 +7,7 @@ Every offset is checked against the mapped length first; any lie is a FormatErro
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import json
 import mmap
@@ -57,18 +58,15 @@ _PRE_AT = _field_offsets(F.PREAMBLE_FIELDS, F.PREAMBLE.format)
 _TEN_AT = _field_offsets(F.TENSOR_FIELDS, F.TENSOR_ENTRY.format)
 
 
-def advise_huge_pages(mm: mmap.mmap) -> bool:
+def advise_huge_pages(mm: mmap.mmap) -> None:
     """Ask for transparent huge pages on a file mapping (MADV_HUGEPAGE): where the file system keeps large folios
     (ext4 since Linux 6.16, XFS), pages faulted in from disk then come in 2 MiB folios mapped by one TLB entry each.
     On the AMX Xeon VM TinyLlama Q4 decoded 1.07-1.08x faster from a fully PMD-mapped file than from small folios
     (benchmarks/pages.py; docs/performance.md, "A third host kind"); on Zen 5 page size measured no difference.
     Pages already cached keep their folio size: FileWriter drops what it wrote from the cache for that reason.
-    Returns whether the kernel took the advice (False on systems without it, which is harmless)."""
-    try:
+    Systems without the advice (no THP, not Linux) keep ordinary pages, which is harmless."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
         mm.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError, ValueError):
-        return False
-    return True
 
 
 class FileReader:
