@@ -127,6 +127,14 @@ def ptr(b: ir.IRBuilder, base, offset, ty=None):
     return b.bitcast(p, P(ty)) if ty is not None and p.type.pointee != ty else p
 
 
+def prefetch_lines(b: ir.IRBuilder, base, offsets, locality: int = 3) -> None:
+    """llvm.prefetch (read, `locality`, data) of base + each offset (ints or IR values, elements of base; never
+    faults, so a prefetch past the end of a buffer is harmless)."""
+    pf = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
+    for off in offsets:
+        b.call(pf, [ptr(b, base, off)] + [ir.Constant(i32, v) for v in (0, locality, 1)])
+
+
 def load(b: ir.IRBuilder, base, offset, ty, align: int = 1):
     return b.load(ptr(b, base, offset, ty), align=align)
 

@@ -42,6 +42,7 @@ from .cgutils import (
     intrinsic,
     load,
     new_function,
+    prefetch_lines,
     ptr,
     shuffle,
     splat,
@@ -274,13 +275,6 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
-def _prefetch(b, base, offsets, locality: int) -> None:
-    """llvm.prefetch (read, `locality`, data) of base + each offset (ints or IR values; never faults)."""
-    pf = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [P(i8), i32, i32, i32])
-    for off in offsets:
-        b.call(pf, [ptr(b, base, off)] + [ir.Constant(i32, v) for v in (0, locality, 1)])
-
-
 def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0) -> None:
     """One block unit for `groups` of any dtype: _q_unit (Q4/Q8) or _f_unit (F16/F32); act = (x, xq, xd, xs)."""
     x, xq, xd, xs = act
@@ -314,7 +308,7 @@ def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_l
             offs = [_goff(b, g, L.group_nbytes, prefetch + off) for off in range(0, L.group_nbytes, pf_stride)]
             if L.dtype in (DType.Q4, DType.Q8):
                 offs.append(_goff(b, g, 32, prefetch + L.scales_offset))
-            _prefetch(b, unit, offs, pf_locality)
+            prefetch_lines(b, unit, offs, pf_locality)
         sp = b.gep(arr, [c32(0), g])
         accs = {g: b.load(sp)}
         _unit(b, L, isa, unit, kb, [g], accs, act, unpack)
@@ -350,7 +344,7 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                 kb = b.add(b.mul(it, ir.Constant(i64, unroll)), ir.Constant(i64, u))
                 unit = ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
                 if prefetch:  # one per `pf_stride` bytes of the unit, `prefetch` bytes ahead
-                    _prefetch(b, unit, [prefetch + off for off in range(0, UB, pf_stride)], pf_locality)
+                    prefetch_lines(b, unit, [prefetch + off for off in range(0, UB, pf_stride)], pf_locality)
                 for a, act in enumerate(acts):
                     accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
                     _unit(b, L, isa, unit, kb, groups, accs, act, unpack)

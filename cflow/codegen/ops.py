@@ -37,6 +37,7 @@ from .cgutils import (
     internal_function,
     intrinsic,
     pause,
+    prefetch_lines,
     softcap,
     splat,
     syscall,
@@ -311,6 +312,11 @@ def sigmoid_dot(m: ir.Module, d: int):
     return internal_function(m, ("sigmoid_dot", d), (P(f32), P(f32), P(f32)), build)
 
 ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is padded by this much (abi.py)
+# How far ahead the attention core's K and V scans prefetch (bytes, into L1). Without it one scan per kv head left
+# the cache's DRAM reads to the hardware prefetchers: on the AMX Xeon VM the f16 core took 553 us per layer at 4,064
+# positions from DRAM against 301 us with the cache in L3; 4 KiB ahead, 393 us (docs/performance.md, "Long
+# contexts"). 1-8 KiB measured within the noise of each other there; on Zen 4/5 K prefetching did not change the time.
+KV_PREFETCH = 4096
 
 
 def kv_block(max_seq: int) -> int:
@@ -387,6 +393,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     nb = S // B
     SS = S + 2 * ATT_LANES  # floats per head in the scores scratch (abi.ScratchLayout.scores)
     NP = 1 if rep >= 4 else (2 if rep >= 2 else 4)  # q.k chains per head: >= 4 independent multiply-adds
+
     DU = math.gcd(hd, 8)  # dimensions per iteration of the q.k loop (unrolled)
     qo, ko, vo = offsets
     scale = 1.0 / math.sqrt(hd)
@@ -479,6 +486,12 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         if window:  # max(0, pos + 1 - window): the oldest position still inside the window
             lo = b.sub(npos, c64(window))
             start = b.select(b.icmp_signed(">", lo, c64(0)), lo, c64(0))
+        esz = KV_BYTES[kv]
+        upair = 2 if bf else 1  # entries per unit of the scans (bf16: pairs)
+        kc8, vc8 = b.bitcast(kc, P(i8)), b.bitcast(vc, P(i8))
+
+        def ahead(base8, at, nbytes):  # a line per 64 of the `nbytes` read from byte `at`, KV_PREFETCH bytes on
+            prefetch_lines(b, base8, [b.add(at, c64(KV_PREFETCH + 64 * i)) for i in range(max(1, nbytes // 64))])
         RB = 32  # positions per block of the weighted sum (their V rows stay in L1 across the head groups)
         # The weighted sum reads each V row whole (all nc chunks), front to back, for a group of heads whose
         # rep x nc accumulators fit the registers; the next group re-reads the block from L1. Reading chunk by
@@ -546,6 +559,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
             def v_step(vv, p, acc):
                 return madd(p, vv, acc)
 
+        kstep, vstep = QU * B * upair * esz, hd * upair * esz  # bytes per q.k step / per V unit
+
         with Loop(b, g0, g1, "g") as g:
             goff = b.mul(g, c64(hd))
             kbase = b.mul(g, c64(nb * hd * B))  # this kv head's K blocks
@@ -602,6 +617,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                         b.store(const_vec(f32, B, 0.0), a_)
                 with Loop(b, c64(0), c64(qk_units // QU), "kd") as dd:
                     u0 = b.mul(dd, c64(QU))
+                    kp = b.mul(b.add(blk, b.mul(u0, c64(B * upair))), c64(esz))
+                    ahead(kc8, kp, kstep)
                     chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
                     for u in range(QU):
                         uu = b.add(u0, c64(u))
@@ -665,6 +682,9 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                 u_hi = b.select(b.icmp_signed("<", u_end, v_hi), u_end, v_hi)
                 for k, heads in enumerate(head_groups):
                     with Loop(b, u_lo, u_hi, f"pv{k}") as u:
+                        if k == 0:  # the first head group reads the rows from memory, the others from L1
+                            vp = b.mul(b.add(vbase, b.mul(u, c64(hd * upair))), c64(esz))
+                            ahead(vc8, vp, vstep)
                         vvs = v_chunks(vbase, u)
                         for r in heads:
                             p = weight(r, u)
@@ -740,3 +760,4 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     b.atomic_rmw("add", go_p, ir.Constant(i32, 1), "acq_rel")
     _futex(b, go_p, FUTEX_WAKE_PRIVATE, c64(1 << 30))
     b.ret_void()
+
