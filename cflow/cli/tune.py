@@ -1,7 +1,9 @@
-"""cflow tune FILE: measure this host's mat-vec kernel variants for a compiled model's kernel shapes, cache the
-choices (the same search `cflow.load` runs the first time it meets a shape on this CPU) and print the table."""
+"""cflow tune FILE: measure this host's mat-vec kernel variants for a compiled model's kernel shapes and the
+attention core's prefetch distance for its attention geometry, cache the choices (the same searches `cflow.load`
+runs the first time it meets a shape on this CPU) and print the tables."""
 
-HELP = "measure and cache this CPU's fastest mat-vec kernel variant for each kernel shape of a compiled model"
+HELP = ("measure and cache this CPU's fastest mat-vec kernel variant for each kernel shape of a compiled model, "
+        "and the attention core's prefetch distance")
 
 
 def add_args(p):
@@ -19,13 +21,15 @@ def add_args(p):
                         "1: only one-knob changes of the default, a quicker and rougher search)")
     p.add_argument("--mb", type=whole(1, 4096), default=64,
                    help="MiB of packed weights each timed call streams, past the caches (default: 64)")
+    p.add_argument("--kv", choices=("auto", "f32", "f16", "bf16"), default="auto",
+                   help="the KV cache type whose attention core is measured (default: auto, as cflow run)")
     p.add_argument("--json", metavar="PATH", help="also write the records as JSON (default: none)")
 
 
 def run(args) -> int:
     import json
 
-    from ..codegen import tune
+    from ..codegen import attn_tune, tune
     from ..codegen.target import cpu_model, host_target
     from ..passes.pipeline import plan_from_header
     from ..runtime.format import FileReader
@@ -38,8 +42,12 @@ def run(args) -> int:
 
     if args.json:
         check_output_path(args.json, "--json")
+    from ..runtime.session import resolve_kv
+
     with FileReader(args.file) as r:
-        tensors = plan_from_header(r.header, r.path).tensors.values()
+        plan = plan_from_header(r.header, r.path)
+        tensors = plan.tensors.values()
+        kv = resolve_kv(args.kv, r.header["quant"])
     target = host_target()
     span = tune.stream_span(args.mb * 2**20)
     print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call (page-aligned, the next "
@@ -66,6 +74,17 @@ def run(args) -> int:
     # cached choices are shown as stored, missing ones measured and cached (also under CFLOW_TUNE=off)
     tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20,
                  passes=args.passes, on_result=show, ignore_env=True)
+
+    def show_attention(key, rec):
+        records[key] = rec
+        print(f"\n{key} (the attention core at position {rec.get('position', '?')}, {attn_tune.LAYERS} layers' "
+              f"{kv} caches per call; GB/s of K/V read)")
+        for v in rec.get("results", ()):
+            mark = "  <- chosen" if v["knobs"] == rec["choice"] else ""
+            print(f"  {v['variant']:<32} {v['gbps']:>7.2f}{mark}")
+
+    attn_tune.choices(attn_tune.geometries(plan.graph.nodes()), kv, target, force=args.force, rounds=args.rounds,
+                      on_result=show_attention, ignore_env=True)
     if args.json:
         atomic_write_text(args.json, json.dumps({"cpu": cpu_model(), "isa": target.isa, "kernels": records},
                                                 indent=1))

@@ -312,10 +312,10 @@ def sigmoid_dot(m: ir.Module, d: int):
     return internal_function(m, ("sigmoid_dot", d), (P(f32), P(f32), P(f32)), build)
 
 ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is padded by this much (abi.py)
-# How far ahead the attention core's K and V scans prefetch (bytes, into L1). Without it one scan per kv head left
-# the cache's DRAM reads to the hardware prefetchers: on the AMX Xeon VM the f16 core took 553 us per layer at 4,064
-# positions from DRAM against 301 us with the cache in L3; 4 KiB ahead, 393 us (docs/performance.md, "Long
-# contexts"). 1-8 KiB measured within the noise of each other there; on Zen 4/5 K prefetching did not change the time.
+# How far ahead the attention core's K and V scans prefetch by default (bytes, into L1; each host measures its own:
+# codegen/attn_tune.py). Without it one scan per kv head left the cache's DRAM reads to the hardware prefetchers:
+# on the AMX Xeon VM the f16 core took 553 us per layer at 4,064 positions from DRAM against 301 us with the cache
+# in L3; 4 KiB ahead, 393 us (docs/performance.md, "Long contexts"). On Zen 5 prefetching V ahead was slower.
 KV_PREFETCH = 4096
 
 
@@ -357,7 +357,7 @@ def kv_layout(max_seq: int, n_kv_heads: int, head_dim: int, kv: str = "f32"):
 
 
 def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: str, kv: str = "f32",
-              max_seq: int = 0, bf16_hw: bool = False):
+              max_seq: int = 0, bf16_hw: bool = False, kv_prefetch: int = KV_PREFETCH):
     """Single-token GQA over the cache for kv heads [g0, g1): bias, q/k norms, RoPE, cache write, softmax(qK)V.
 
     q/k norms (n.qk_norm) are RMSNorms of (projection + bias) before RoPE, weights qn/kn: 'head' normalises each
@@ -384,6 +384,9 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     weights. With bf16_hw (the target's AVX512_BF16) each VDPBF16PS does two multiply-adds per lane: half the
     instructions per cache byte of f16, whose multiply-adds bound the core (docs/performance.md); elsewhere an FMA
     emulation in the same order (bit-identical, and slower than f16: two FMAs and four integer ops per pair).
+
+    kv_prefetch: how far ahead (bytes) the K and V scans prefetch, 0 for none; a schedule knob (this host's choice:
+    codegen/attn_tune.py), the numbers do not change.
     """
     H, KV, hd = n.n_heads, n.n_kv_heads, n.head_dim
     rep, half = H // KV, hd // 2
@@ -490,8 +493,9 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         upair = 2 if bf else 1  # entries per unit of the scans (bf16: pairs)
         kc8, vc8 = b.bitcast(kc, P(i8)), b.bitcast(vc, P(i8))
 
-        def ahead(base8, at, nbytes):  # a line per 64 of the `nbytes` read from byte `at`, KV_PREFETCH bytes on
-            prefetch_lines(b, base8, [b.add(at, c64(KV_PREFETCH + 64 * i)) for i in range(max(1, nbytes // 64))])
+        def ahead(base8, at, nbytes):  # a line per 64 of the `nbytes` read from byte `at`, kv_prefetch bytes on
+            if kv_prefetch:
+                prefetch_lines(b, base8, [b.add(at, c64(kv_prefetch + 64 * i)) for i in range(max(1, nbytes // 64))])
         RB = 32  # positions per block of the weighted sum (their V rows stay in L1 across the head groups)
         # The weighted sum reads each V row whole (all nc chunks), front to back, for a group of heads whose
         # rep x nc accumulators fit the registers; the next group re-reads the block from L1. Reading chunk by
@@ -697,7 +701,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                     b.store(b.fmul(b.load(accs[r][c]), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
         b.ret_void()
 
-    key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul", kv, f"S{S}") + (
+    key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul", kv, f"S{S}", f"pf{kv_prefetch}") + (
         ("bfhw",) if bf and bf16_hw else ()) + (
         (qk_norm, _flt(n.eps)) if qk_norm else ()) + (
         (f"cap{_flt(n.softcap)}",) if n.softcap else ()) + ((f"win{window}",) if window else ())

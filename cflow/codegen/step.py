@@ -45,6 +45,7 @@ from .abi import (
     kv_floats_per_layer,
     scratch_layout,
 )
+from .attn_tune import attention_key
 from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i16, i32, i64, internal_function, intrinsic, softcap, void
 from .target import ISA
 from .tune import kernel_key
@@ -93,7 +94,9 @@ class _Emitter:
     def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False,
                  tmax: int = 1, kv: str = "f32", tuning: dict | None = None, bf16_hw: bool = False):
         self.profile = profile
-        self.tuning = tuning or {}  # {codegen.tune.kernel_key: mat-vec knobs}: this host's measured choices
+        # this host's measured choices: {codegen.tune.kernel_key: mat-vec knobs, attn_tune.attention_key: the
+        # attention core's {"kv_prefetch": bytes}}
+        self.tuning = tuning or {}
         self.kv = kv
         self.bf16_hw = bf16_hw and kv == "bf16"  # kv='bf16' with AVX512_BF16's dot-product instruction
         self.tmax = tmax  # tokens per prefill call (1: a decode-only program)
@@ -507,7 +510,9 @@ class _Emitter:
                 pos = b.load(b.gep(self.positions, [self.t]))
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
                 kc, vc = b.gep(kv, [b.add(slot_off, k_off)]), b.gep(kv, [b.add(slot_off, v_off)])
-            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_hw),
+            pf = self.tuning.get(attention_key(n.n_heads, n.n_kv_heads, n.head_dim, self.kv), {}).get(
+                "kv_prefetch", O.KV_PREFETCH)
+            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_hw, pf),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
                     cos, sin, self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])
@@ -855,7 +860,8 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
     tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
     kv: the KV cache's element type, 'f32', 'f16' or 'bf16' (ops.attention).
     bf16_hw: kv='bf16' uses AVX512_BF16's dot-product instruction (the target has it; an FMA emulation otherwise).
-    tuning: {kernel key: knobs} from codegen.tune (schedule knobs of the mat-vec kernels; numerics unchanged).
+    tuning: {kernel key: knobs} from codegen.tune (schedule knobs of the mat-vec kernels) and codegen.attn_tune (the
+    attention core's prefetch distance); numerics unchanged.
     """
     if kv not in KV_BYTES:
         raise CodegenError(f"KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")

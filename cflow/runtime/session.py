@@ -324,7 +324,7 @@ class Session:
 
     # --- native code ----------------------------------------------------------------------------
     def _build(self, cache) -> None:
-        from ..codegen import program_cache, tune
+        from ..codegen import attn_tune, program_cache, tune
         from ..codegen.library import Library
         from ..codegen.step import StepProgram, build_step
         from ..codegen.target import host_target
@@ -334,6 +334,9 @@ class Session:
         # This host's measured mat-vec knobs (a short search the first time a kernel shape is met on this CPU,
         # then read from the cache; CFLOW_TUNE=off: the defaults). Schedule-only: the numbers do not change.
         self.tuning = tune.choices(self.run_state.tensors.values(), target)
+        # and the attention core's prefetch distance, measured the same way
+        self.tuning.update(attn_tune.choices(attn_tune.geometries(self.compiled.graph.nodes()), self.kv_dtype,
+                                             target))
         bf16_hw = self.kv_dtype == "bf16" and target.has_avx512_bf16
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
                                         self.profile, segmented, self.tmax, self.kv_dtype, self.tuning,

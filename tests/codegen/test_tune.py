@@ -264,8 +264,12 @@ def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_fi
     target = host_target()
     odd = {"unroll": 1, "prefetch": 4096, "prefetch_locality": 2, "prefetch_stride": 1024, "max_groups": 4,
            "vector_bits": 256, "unpack": 1, "group_loop": 0}
+    from cflow.codegen import attn_tune
+
+    attn = {attn_tune.attention_key(*g, ref.session.kv_dtype): {"choice": {"kv_prefetch": attn_tune.KV_PREFETCH}}
+            for g in attn_tune.geometries(ref.session.compiled.graph.nodes())}  # cached: no attention search
     for choice in (odd, {**tune.DEFAULT, "prefetch": 4096, "group_loop": 1}):
-        tune._write_table(target, {k: {"choice": choice} for k in shapes})
+        tune._write_table(target, {**{k: {"choice": choice} for k in shapes}, **attn})
         m = cflow.load(model_file)
         assert m.session.tuning == {k: choice for k in shapes}
         ir_text = m.session.program.module if isinstance(m.session.program.module, str) else str(
@@ -283,9 +287,56 @@ def test_cli_tune(tuning_on, model_file):
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "<- chosen" in r.stdout and "gate_up" in r.stdout and "GB/s" in r.stdout
+    assert "kv_prefetch" in r.stdout and "attn:" in r.stdout  # the attention core's table too
     rec = json.loads((tuning_on / "t.json").read_text())
     assert rec["kernels"] and all("choice" in v for v in rec["kernels"].values())
+    assert any(k.startswith("attn:") for k in rec["kernels"])
     r = subprocess.run(cmd[:5] + ["--rounds", "0"], capture_output=True, text=True)
     assert r.returncode == 1 and "--rounds" in r.stderr
     r = subprocess.run(cmd[:5] + ["--passes", "0"], capture_output=True, text=True)
     assert r.returncode == 1 and "--passes" in r.stderr
+
+
+# --- the attention core's prefetch distance (codegen/attn_tune.py) --------------------------------------------
+@pytest.mark.parametrize("kv", ["f32", "f16", "bf16"])
+def test_attention_prefetch_distances_are_bit_identical(kv):
+    from cflow.codegen import attn_tune
+
+    res = attn_tune.measure((4, 2, 16), kv, host_target(), rounds=1)  # raises if any distance's output differs
+    assert [r["knobs"]["kv_prefetch"] for r in res] == list(attn_tune.DISTANCES)
+    assert all(r["gbps"] > 0 for r in res)
+
+
+def test_attention_choice_is_cached_reaches_the_program_and_keeps_the_numbers(tuning_on, monkeypatch, model_file):
+    from cflow.codegen import attn_tune, ops
+
+    ids = [5, 17, 3, 99, 1, 2]
+    monkeypatch.setenv("CFLOW_TUNE", "off")
+    ref = cflow.load(model_file, kv="f16")
+    ref_logits = ref.session.prefill(ids)
+    monkeypatch.setenv("CFLOW_TUNE", "on")
+    geoms = attn_tune.geometries(ref.session.compiled.graph.nodes())
+    assert len(geoms) == 1
+    key = attn_tune.attention_key(*next(iter(geoms)), "f16")
+    target = host_target()
+    # the mat-vec shapes at their defaults (no search), the attention core with no prefetch
+    from cflow.passes.pipeline import plan_from_header
+    from cflow.runtime.format import FileReader
+
+    with FileReader(model_file) as r:
+        shapes = tune.kernel_shapes(plan_from_header(r.header, r.path).tensors.values())
+    table = {k: {"choice": dict(tune.DEFAULT)} for k in shapes}
+    tune._write_table(target, {**table, key: {"choice": {"kv_prefetch": 0}}})
+    m = cflow.load(model_file, kv="f16")
+    assert m.session.tuning == {key: {"kv_prefetch": 0}}
+    assert "pf0" in str(m.session.program.module) and f"pf{ops.KV_PREFETCH}" in str(ref.session.program.module)
+    np.testing.assert_array_equal(m.session.prefill(ids), ref_logits)
+    # a bad record is measured again, not used
+    tune._write_table(target, {**table, key: {"choice": {"kv_prefetch": -5}}})
+    seen = []
+    got = attn_tune.choices(geoms, "f16", target, rounds=1, on_result=lambda k, rec: seen.append(rec))
+    assert seen and seen[0]["choice"]["kv_prefetch"] in attn_tune.DISTANCES
+    assert tune.read_table(target)[key]["choice"] == seen[0]["choice"]
+    assert got == ({} if seen[0]["choice"]["kv_prefetch"] == ops.KV_PREFETCH else {key: seen[0]["choice"]})
+    monkeypatch.setenv("CFLOW_TUNE", "off")
+    assert attn_tune.choices(geoms, "f16", target) == {}

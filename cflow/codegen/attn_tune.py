@@ -1,0 +1,193 @@
+"""Per-host tuning of the attention core's prefetch distance (ops.attention's kv_prefetch), in tune.py's table.
+
+Stage: codegen (used by the runtime before it emits a step, next to tune.choices). The K and V scans of the
+attention core prefetch kv_prefetch bytes ahead. On the AMX Xeon VM 4 KiB ahead took the f16 core from 553 to
+~400 us per layer at 4,064 positions from DRAM; on Zen 5 prefetching V ahead was measured slower
+(docs/performance.md, "Long contexts"). So each host measures it, as the mat-vec knobs: the first time an attention
+geometry (query heads, kv heads, head_dim, cache type) is met on a CPU, every distance in DISTANCES is compiled in
+one library and timed on a 4,096-position cache at position 4,063 (the prefetch only matters at long contexts),
+each timed call running LAYERS layers' caches in turn, the next ones of a set at least twice the last-level
+cache (tune.stream_span: from DRAM, as decode reads them), candidates interleaved round by round. The default
+(ops.KV_PREFETCH) stays unless another distance beats it by tune.MARGIN in the median per-round ratio
+(tune.choose). The choice is schedule-only: every candidate's output is checked bit-identical to the first's.
+Cached in tune.py's table under attention_key(); CFLOW_TUNE=off uses the default.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import time
+from types import SimpleNamespace
+
+import numpy as np
+from llvmlite import ir
+
+from ..errors import CflowError
+from . import tune
+from .abi import KV_BYTES
+from .ops import KV_PREFETCH
+
+DISTANCES = (KV_PREFETCH, 0, 1024, 16384)  # bytes ahead; the first is the default
+TUNE_SEQ = 4096  # cache positions the timing runs at (position TUNE_SEQ - 33, a block short of the end)
+LAYERS = 22  # layers' caches per timed call (TinyLlama's count: ~90 MB of f16 K/V, milliseconds)
+ROUNDS = 9
+
+
+def attention_key(n_heads: int, n_kv_heads: int, head_dim: int, kv: str) -> str:
+    return f"attn:{n_heads}x{n_kv_heads}x{head_dim}:{kv}"
+
+
+def geometries(nodes) -> set[tuple[int, int, int]]:
+    """The (query heads, kv heads, head_dim) of a graph's attention nodes."""
+    return {(n.n_heads, n.n_kv_heads, n.head_dim) for n in nodes if n.kind == "attention"}
+
+
+class AttentionBench:
+    """The attention core at each prefetch distance, JIT-compiled in one library, and `n_caches` layer caches of
+    max_seq positions in one page-aligned buffer (random K/V, one layer's worth repeated: the timing does not
+    depend on the values). call(i, c, pos) runs variant i on cache c (cyclic) at position pos for every kv head
+    on one thread, as a decode step's attention stage does. Also benchmarks/attention.py's harness."""
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, kv: str, max_seq: int, target,
+                 distances=DISTANCES, n_caches: int = 1, seed: int = 0):
+        from ..ir import Attention
+        from ..layout.quant import bf16_bits
+        from ..layout.tile import aligned_empty
+        from . import ops as O
+        from .abi import kv_floats_per_layer
+        from .cgutils import P, f32, i16, i64
+        from .library import Library
+
+        H, KV, hd, S = n_heads, n_kv_heads, head_dim, max_seq
+        self.kv, self.n_kv_heads, self.head_dim, self.max_seq = kv, KV, hd, S
+        self.distances = tuple(distances)
+        n = Attention(name="attn.1", inputs=("x",), prefix="layers.1.attn", dim=H * hd, n_heads=H, n_kv_heads=KV,
+                      head_dim=hd, rope_theta=10000.0)
+        m = ir.Module(name="cflow_attn_tune")
+        offs = (0, H * hd, H * hd + KV * hd)
+        kvp = P(i16) if KV_BYTES[kv] == 2 else P(f32)
+        args = [P(f32)] * 6 + [kvp, kvp] + [P(f32)] * 4 + [i64, i64, i64]
+        bf16_hw = kv == "bf16" and target.has_avx512_bf16
+        for i, d in enumerate(self.distances):
+            fn = O.attention(m, n, offs, target.isa, kv, S, bf16_hw, d)
+            w = ir.Function(m, ir.FunctionType(ir.VoidType(), args), f"attn{i}")
+            b = ir.IRBuilder(w.append_basic_block("entry"))
+            b.call(fn, list(w.args))
+            b.ret_void()
+        self.lib = Library(name="cflow_attn_tune", target=target, cache=None)  # kept: the functions live in it
+        self.lib.add_ir(m)
+        self.lib.finalize()
+        vp = ctypes.c_void_p
+        self.fns = [self.lib.get_cfunc(f"attn{i}", None, *([vp] * 12), ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64) for i in range(len(self.distances))]
+        rng = np.random.default_rng(seed)
+        ang = rng.random((S, hd // 2)).astype(np.float32)  # any angles: the timing does not depend on them
+        self.cos, self.sin = np.cos(ang), np.sin(ang)
+        self.qkv = rng.standard_normal((H + 2 * KV) * hd).astype(np.float32)
+        self.att = np.zeros(H * hd, np.float32)
+        self.scores = np.zeros((H // KV) * (S + 32), np.float32)  # abi.ScratchLayout.scores: rep x (S + 2 x 16)
+        self.per = kv_floats_per_layer(SimpleNamespace(n_kv_heads=KV, head_dim=hd), S)  # K (or V) entries per layer
+        one = rng.standard_normal(2 * self.per).astype(np.float32)
+        one = one.astype(np.float16).view(np.int16) if kv == "f16" else bf16_bits(one) if kv == "bf16" else one
+        self.cache_bytes = one.nbytes
+        self.n_caches = max(1, n_caches)
+        buf = aligned_empty(self.n_caches * one.nbytes, tune.PAGE)
+        self.caches = buf.view(one.dtype).reshape(self.n_caches, one.size)
+        self.caches[:] = one  # one layer's K/V repeated: distinct addresses, so the set streams from DRAM
+        self.cursor = 0
+
+    def kv_bytes(self, pos: int) -> int:
+        """K and V bytes one call reads at position pos (every kv head)."""
+        return 2 * (pos + 1) * self.n_kv_heads * self.head_dim * KV_BYTES[self.kv]
+
+    def call(self, i: int, c: int, pos: int) -> None:
+        cache = self.caches[c % self.n_caches]
+        p = cache.ctypes.data
+        self.fns[i](self.qkv.ctypes.data, None, None, None, None, None, p, p + self.per * cache.itemsize,
+                    self.cos.ctypes.data, self.sin.ctypes.data, self.att.ctypes.data, self.scores.ctypes.data,
+                    pos, 0, self.n_kv_heads)
+
+
+def measure(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS, distances=DISTANCES,
+            check: bool = True) -> list[dict]:
+    """Time each distance (module docstring): [{"knobs": {"kv_prefetch": d}, "gbps" (median K/V read rate),
+    "samples"}] in `distances` order."""
+    H, KV, hd = geom
+    cache_bytes = 2 * (TUNE_SEQ + TUNE_SEQ % 2) * KV * hd * KV_BYTES[kv]  # one layer's K and V
+    span = tune.stream_span(LAYERS * cache_bytes)
+    bench = AttentionBench(H, KV, hd, kv, TUNE_SEQ, target, distances, n_caches=-(-span // cache_bytes))
+    pos = TUNE_SEQ - 33
+    nd = len(distances)
+    outs = []
+    for i in range(nd):  # warm-up (code) and the bit-identity check, on one cache (untimed)
+        bench.call(i, 0, pos)
+        outs.append(bench.att.copy())
+    if check:
+        for i in range(1, nd):
+            if not np.array_equal(outs[0], outs[i]):
+                raise CflowError(f"tuning: attention prefetch {distances[i]} changes the core's numbers "
+                                 f"({attention_key(H, KV, hd, kv)})")
+    # as tune.measure: every call reads the next LAYERS caches; a stride prime to the set's size between rounds
+    n_calls = max(1, bench.n_caches // LAYERS)
+    skip = next(k for k in range(n_calls) if math.gcd(nd + k, n_calls) == 1)
+    samples: list[list[float]] = [[] for _ in distances]
+    call_no = 0
+    for r in range(rounds):
+        call_no += skip
+        for i in (range(nd) if r % 2 == 0 else reversed(range(nd))):
+            first = (call_no % n_calls) * LAYERS
+            call_no += 1
+            t0 = time.perf_counter()
+            for c in range(first, first + LAYERS):
+                bench.call(i, c, pos)
+            samples[i].append(LAYERS * bench.kv_bytes(pos) / (time.perf_counter() - t0) / 1e9)
+    return [{"knobs": {"kv_prefetch": d}, "gbps": float(np.median(s)), "samples": [round(x, 3) for x in s]}
+            for d, s in zip(distances, samples)]
+
+
+def _valid(c) -> dict | None:
+    if isinstance(c, dict) and set(c) == {"kv_prefetch"}:
+        d = c["kv_prefetch"]
+        if isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 1 << 17 and d % 64 == 0:
+            return c
+    return None
+
+
+def choices(geoms, kv: str, target, search: bool = True, force: bool = False, rounds: int = ROUNDS,
+            on_result=None, ignore_env: bool = False) -> dict[str, dict]:
+    """{attention_key: {"kv_prefetch": d}} for these geometries and cache type on this host (tune.choices' rules:
+    cached choices, a search for missing ones, {} under CFLOW_TUNE=off unless ignore_env; the default's entries
+    are left out). on_result(key, record) sees each record."""
+    from .target import cpu_model
+
+    if not (tune.enabled() or force or ignore_env):
+        return {}
+    table = tune.read_table(target)
+    keys = {attention_key(*g, kv): g for g in sorted(geoms)}
+    cached = {k: _valid(table[k].get("choice")) if isinstance(table.get(k), dict) else None for k in keys}
+    todo = [k for k in keys if force or (search and cached[k] is None)]
+    if todo and on_result is None:
+        import warnings
+
+        warnings.warn(f"measuring this CPU's attention prefetch distance for {len(todo)} geometr"
+                      f"{'ies' if len(todo) != 1 else 'y'} (once per CPU model; CFLOW_TUNE=off uses the default)",
+                      stacklevel=2)
+    out = {}
+    for key, g in keys.items():
+        rec, c = table.get(key), cached[key]
+        if key in todo:
+            res = measure(g, kv, target, rounds=rounds)
+            c = tune.choose(res)
+            rec = {"choice": c, "cpu": cpu_model(), "isa": target.isa, "rounds": rounds, "position": TUNE_SEQ - 33,
+                   "results": [{"variant": f"kv_prefetch {r['knobs']['kv_prefetch']}", "knobs": r["knobs"],
+                                "gbps": round(r["gbps"], 3)} for r in res]}
+            table[key] = rec
+        if c is not None:
+            if on_result is not None:
+                on_result(key, rec)
+            if c["kv_prefetch"] != KV_PREFETCH:
+                out[key] = c
+    if todo:
+        tune._write_table(target, table)
+    return out
