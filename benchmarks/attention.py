@@ -7,8 +7,8 @@ function runs for every kv head on one thread at position P, over a cache filled
 (best of --reps calls after a warm-up; --layers N calls N caches in turn, so that with TinyLlama's 22 they stream
 from DRAM as in decode, and reports the time per call). Reported: microseconds per call (one layer of one token),
 the K/V bytes the call reads and the rate it reads them at, next to the read bandwidth measured in the same run,
-and the call's arithmetic floor: its multiply-adds at the FMA rate one core reaches on registers (fma_rate; for
-bf16, whose dot-product instruction does two multiply-adds per lane, half that time). bf16 uses VDPBF16PS where
+and the call's arithmetic floor: its multiply-adds at the rate one core reaches on registers with the instruction
+the core uses (fma_rate; for bf16 on an AVX512_BF16 host, VDPBF16PS's rate: bf16_rate). bf16 uses VDPBF16PS where
 the host has AVX512_BF16; CFLOW_FEATURES=-avx512bf16 times its FMA emulation instead. --prefetch times the K/V
 scans at other prefetch distances (codegen/attn_tune.py, whose harness this is).
 """
@@ -34,19 +34,18 @@ from cflow.codegen.ops import KV_PREFETCH  # noqa: E402
 from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 
 
-def fma_rate(reps: int = 5) -> float:
-    """Multiply-adds per second one core issues on registers: 12 independent <16 x float> FMA chains in a loop
-    (no memory), best of reps. The arithmetic floor of a call is its multiply-adds / this rate."""
+def _peak(name: str, step, reps: int) -> float:
+    """Instructions per second one core issues on registers: 12 independent <16 x float> chains of step(b, acc, x,
+    y) in a loop (no memory), best of reps."""
     from llvmlite import ir
 
-    from cflow.codegen.cgutils import Loop, V, c64, const_vec, intrinsic
+    from cflow.codegen.cgutils import Loop, V, c64, const_vec
 
     t = host_target()
-    m = ir.Module(name="fma_peak")
+    m = ir.Module(name=name)
     vt = V(f32, 16)
-    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [P(f32), i64]), "fma_peak")
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [P(f32), i64]), name)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    fma = intrinsic(m, "llvm.fma.v16f32", vt, [vt, vt, vt])
     x = b.load(b.bitcast(fn.args[0], P(vt)), align=4)
     y = b.fadd(x, const_vec(f32, 16, 1e-7))
     accs = [b.alloca(vt) for _ in range(12)]
@@ -54,16 +53,16 @@ def fma_rate(reps: int = 5) -> float:
         b.store(const_vec(f32, 16, float(k)), a)
     with Loop(b, c64(0), fn.args[1], "i"):
         for a in accs:
-            b.store(b.call(fma, [b.load(a), x, y]), a)
+            b.store(step(b, b.load(a), x, y), a)
     tot = b.load(accs[0])
     for a in accs[1:]:
         tot = b.fadd(tot, b.load(a))
     b.store(tot, b.bitcast(fn.args[0], P(vt)), align=4)
     b.ret_void()
-    lib = Library(name="fma_peak", target=t, cache=None)
+    lib = Library(name=name, target=t, cache=None)
     lib.add_ir(m)
     lib.finalize()
-    f = lib.get_cfunc("fma_peak", None, ctypes.c_void_p, ctypes.c_int64)
+    f = lib.get_cfunc(name, None, ctypes.c_void_p, ctypes.c_int64)
     buf = np.ones(16, np.float32) * 0.999
     n = 2_000_000
     best = float("inf")
@@ -71,7 +70,31 @@ def fma_rate(reps: int = 5) -> float:
         t0 = time.perf_counter()
         f(buf.ctypes.data, n)
         best = min(best, time.perf_counter() - t0)
-    return 12 * 16 * n / best
+    return 12 * n / best
+
+
+def fma_rate(reps: int = 5) -> float:
+    """Multiply-adds per second one core issues on registers (f32 FMA, 16 lanes). The arithmetic floor of a call is
+    its multiply-adds / this rate."""
+    from cflow.codegen.cgutils import V, intrinsic
+
+    vt = V(f32, 16)
+
+    def fma(b, acc, x, y):
+        return b.call(intrinsic(b.module, "llvm.fma.v16f32", vt, [vt] * 3), [x, y, acc])
+
+    return 16 * _peak("fma_peak", fma, reps)
+
+
+def bf16_rate(reps: int = 5) -> float:
+    """Multiply-adds per second of VDPBF16PS on registers (two per lane, 16 lanes; cgutils.bf16_dot). On the AMX
+    Xeon VM this was half the f32 FMA rate, not twice it (docs/performance.md, "Long contexts")."""
+    from cflow.codegen.cgutils import V, bf16_dot, i32
+
+    def dot(b, acc, x, y):
+        return bf16_dot(b, acc, b.bitcast(x, V(i32, 16)), b.bitcast(y, V(i32, 16)), True)
+
+    return 32 * _peak("bf16_peak", dot, reps)
 
 
 def main(argv=None) -> None:
@@ -92,8 +115,10 @@ def main(argv=None) -> None:
     H, KV, hd, S = a.heads, a.kv_heads, a.head_dim, a.max_seq
     bw = measure_read_bandwidth(1, 1 << 30)
     peak = fma_rate()
+    bf_peak = bf16_rate() if host_target().has_avx512_bf16 else 0.0
+    bf = f", {bf_peak / 1e9:.1f} G with VDPBF16PS (bf16's floor)" if bf_peak else ""
     print(f"# {cpu_model()}, 1 thread, read bandwidth {bw:.2f} GB/s, {peak / 1e9:.1f} G multiply-adds/s (f32 FMA on "
-          f"registers); H={H} KV={KV} hd={hd} max_seq={S}")
+          f"registers){bf}; H={H} KV={KV} hd={hd} max_seq={S}")
     print(f"  {'kv':<4} {'pf':>6} {'P':>5} {'us/call':>9} {'K/V MB':>7} {'GB/s':>6} {'% read':>7} {'FMA floor us':>12} "
           f"{'% of FMA peak':>13}")
     recs = []
@@ -111,13 +136,14 @@ def main(argv=None) -> None:
                     best = min(best, (time.perf_counter() - t0) / a.layers)
                 nbytes = bench.kv_bytes(pos)
                 rate = nbytes / best / 1e9
-                floor = 2 * H * hd * (pos + 1) / peak  # q.k and p.v: one multiply-add per query head, dim, position
-                floor /= 2 if kv == "bf16" else 1  # two per lane per instruction
+                # q.k and p.v: one multiply-add per query head, dim, position, at the rate of the instruction used
+                floor = 2 * H * hd * (pos + 1) / (bf_peak if kv == "bf16" and bf_peak else peak)
                 print(f"  {kv:<4} {pf:>6} {pos:>5} {1e6 * best:9.1f} {nbytes / 1e6:7.2f} {rate:6.2f} "
                       f"{100 * rate / bw:6.1f}% {1e6 * floor:12.1f} {100 * floor / best:12.1f}%", flush=True)
                 recs.append({"kv": kv, "kv_prefetch": pf, "pos": pos, "us": round(1e6 * best, 2), "kv_bytes": nbytes,
                              "gbps": round(rate, 3), "layers": a.layers, "read_gbps": round(bw, 3),
-                             "fma_per_s": round(peak), "fma_floor_us": round(1e6 * floor, 2),
+                             "fma_per_s": round(peak), "bf16_dot_per_s": round(bf_peak),
+                             "fma_floor_us": round(1e6 * floor, 2),
                              "cpu": cpu_model(), "heads": H, "kv_heads": KV, "head_dim": hd})
             del bench
     if a.json:
