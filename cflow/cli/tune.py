@@ -64,8 +64,8 @@ def run(args) -> int:
         records[key] = rec
         print(f"\n{key}")
         print(f"  {'pass':>5} {'variant':<32} {'GB/s':>7}")
-        results = rec.get("results", ())
-        final = max((i for i, v in enumerate(results) if v["knobs"] == rec["choice"]), default=-1)
+        results = _shown(rec)
+        final = max((i for i, v in enumerate(results) if v["knobs"] == rec.get("choice")), default=-1)
         for i, v in enumerate(results):
             step = "final" if v.get("pass") == 0 else f"{'ug'[v.get('seed', 0)]}{v.get('pass', 1)}"
             mark = "  <- chosen" if i == final else ""
@@ -79,8 +79,8 @@ def run(args) -> int:
         records[key] = rec
         print(f"\n{key} (the attention core at position {rec.get('position', '?')}, {attn_tune.LAYERS} layers' "
               f"{kv} caches per call; GB/s of K/V read)")
-        for v in rec.get("results", ()):
-            mark = "  <- chosen" if v["knobs"] == rec["choice"] else ""
+        for v in _shown(rec):
+            mark = "  <- chosen" if v["knobs"] == rec.get("choice") else ""
             print(f"  {v['variant']:<32} {v['gbps']:>7.2f}{mark}")
 
     attn_tune.choices(attn_tune.geometries(plan.graph.nodes()), kv, target, force=args.force, rounds=args.rounds,
@@ -89,3 +89,11 @@ def run(args) -> int:
         atomic_write_text(args.json, json.dumps({"cpu": cpu_model(), "isa": target.isa, "kernels": records},
                                                 indent=1))
     return 0
+
+
+def _shown(rec: dict) -> list[dict]:
+    """The printable timings of a cached record (a hand-edited or foreign table's malformed entries skipped: the
+    choice itself was validated where it is used)."""
+    res = rec.get("results")
+    return [v for v in res if isinstance(v, dict) and {"knobs", "variant", "gbps"} <= set(v)
+            and isinstance(v["variant"], str) and isinstance(v["gbps"], (int, float))] if isinstance(res, list) else []

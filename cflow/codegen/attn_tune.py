@@ -90,18 +90,18 @@ class AttentionBench:
         self.per = kv_floats_per_layer(SimpleNamespace(n_kv_heads=KV, head_dim=hd), S)  # K (or V) entries per layer
         one = rng.standard_normal(2 * self.per).astype(np.float32)
         one = one.astype(np.float16).view(np.int16) if kv == "f16" else bf16_bits(one) if kv == "bf16" else one
-        self.cache_bytes = one.nbytes
         self.n_caches = max(1, n_caches)
         buf = aligned_empty(self.n_caches * one.nbytes, tune.PAGE)
         self.caches = buf.view(one.dtype).reshape(self.n_caches, one.size)
         self.caches[:] = one  # one layer's K/V repeated: distinct addresses, so the set streams from DRAM
-        self.cursor = 0
 
     def kv_bytes(self, pos: int) -> int:
         """K and V bytes one call reads at position pos (every kv head)."""
         return 2 * (pos + 1) * self.n_kv_heads * self.head_dim * KV_BYTES[self.kv]
 
     def call(self, i: int, c: int, pos: int) -> None:
+        if not 0 <= pos < self.max_seq:  # the core writes K/V at pos: past the cache would corrupt memory
+            raise ValueError(f"position {pos} outside the cache's 0..{self.max_seq - 1}")
         cache = self.caches[c % self.n_caches]
         p = cache.ctypes.data
         self.fns[i](self.qkv.ctypes.data, None, None, None, None, None, p, p + self.per * cache.itemsize,
@@ -109,39 +109,51 @@ class AttentionBench:
                     pos, 0, self.n_kv_heads)
 
 
+def timed_set(geom: tuple[int, int, int], kv: str) -> tuple[int, int, int]:
+    """(bytes of one layer's cache, layers per timed call, calls in the rotation) for a search: up to LAYERS layers
+    per call but about tune.MIN_BYTES at most (one large model's layer cache is 64 MiB), and enough calls that the
+    set is tune.stream_span (twice the last-level cache) before a cache is read again."""
+    H, KV, hd = geom
+    cache_bytes = 2 * (TUNE_SEQ + TUNE_SEQ % 2) * KV * hd * KV_BYTES[kv]  # one layer's K and V
+    layers = max(1, min(LAYERS, -(-tune.MIN_BYTES // cache_bytes)))
+    calls = max(2, -(-tune.stream_span(layers * cache_bytes) // (layers * cache_bytes)))
+    return cache_bytes, layers, calls
+
+
 def measure(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS, distances=DISTANCES,
             check: bool = True) -> list[dict]:
     """Time each distance (module docstring): [{"knobs": {"kv_prefetch": d}, "gbps" (median K/V read rate),
     "samples"}] in `distances` order."""
     H, KV, hd = geom
-    cache_bytes = 2 * (TUNE_SEQ + TUNE_SEQ % 2) * KV * hd * KV_BYTES[kv]  # one layer's K and V
-    span = tune.stream_span(LAYERS * cache_bytes)
-    bench = AttentionBench(H, KV, hd, kv, TUNE_SEQ, target, distances, n_caches=-(-span // cache_bytes))
+    _, layers, n_calls = timed_set(geom, kv)
+    bench = AttentionBench(H, KV, hd, kv, TUNE_SEQ, target, distances, n_caches=layers * n_calls)
     pos = TUNE_SEQ - 33
     nd = len(distances)
+
+    def call(i: int, c: int) -> None:  # variant i over the layers of rotation slot c
+        for layer in range(c % n_calls * layers, (c % n_calls + 1) * layers):
+            bench.call(i, layer, pos)
+
     outs = []
-    for i in range(nd):  # warm-up (code) and the bit-identity check, on one cache (untimed)
-        bench.call(i, 0, pos)
+    for i in range(nd):  # warm-up (code) and the bit-identity check, on slot 0 (untimed; the rounds start at 1)
+        call(i, 0)
         outs.append(bench.att.copy())
     if check:
         for i in range(1, nd):
             if not np.array_equal(outs[0], outs[i]):
                 raise CflowError(f"tuning: attention prefetch {distances[i]} changes the core's numbers "
                                  f"({attention_key(H, KV, hd, kv)})")
-    # as tune.measure: every call reads the next LAYERS caches; a stride prime to the set's size between rounds
-    n_calls = max(1, bench.n_caches // LAYERS)
+    # as tune.measure: every call reads the next slot; `skip` more per round make the stride prime to the slots
     skip = next(k for k in range(n_calls) if math.gcd(nd + k, n_calls) == 1)
     samples: list[list[float]] = [[] for _ in distances]
-    call_no = 0
+    slot = 1
     for r in range(rounds):
-        call_no += skip
         for i in (range(nd) if r % 2 == 0 else reversed(range(nd))):
-            first = (call_no % n_calls) * LAYERS
-            call_no += 1
             t0 = time.perf_counter()
-            for c in range(first, first + LAYERS):
-                bench.call(i, c, pos)
-            samples[i].append(LAYERS * bench.kv_bytes(pos) / (time.perf_counter() - t0) / 1e9)
+            call(i, slot)
+            samples[i].append(layers * bench.kv_bytes(pos) / (time.perf_counter() - t0) / 1e9)
+            slot += 1
+        slot += skip
     return [{"knobs": {"kv_prefetch": d}, "gbps": float(np.median(s)), "samples": [round(x, 3) for x in s]}
             for d, s in zip(distances, samples)]
 
@@ -154,40 +166,26 @@ def _valid(c) -> dict | None:
     return None
 
 
-def choices(geoms, kv: str, target, search: bool = True, force: bool = False, rounds: int = ROUNDS,
-            on_result=None, ignore_env: bool = False) -> dict[str, dict]:
-    """{attention_key: {"kv_prefetch": d}} for these geometries and cache type on this host (tune.choices' rules:
-    cached choices, a search for missing ones, {} under CFLOW_TUNE=off unless ignore_env; the default's entries
-    are left out). on_result(key, record) sees each record."""
+def tune_attention(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS) -> dict:
+    """Search and return the record stored in the table for one attention geometry and cache type."""
     from .target import cpu_model
 
+    res = measure(geom, kv, target, rounds=rounds)
+    return {"choice": tune.choose(res), "cpu": cpu_model(), "isa": target.isa, "rounds": rounds,
+            "position": TUNE_SEQ - 33,
+            "results": [{"variant": f"kv_prefetch {r['knobs']['kv_prefetch']}", "knobs": r["knobs"],
+                         "gbps": round(r["gbps"], 3)} for r in res]}
+
+
+def choices(geoms, kv: str, target, search: bool = True, force: bool = False, rounds: int = ROUNDS,
+            on_result=None, ignore_env: bool = False) -> dict[str, dict]:
+    """{attention_key: {"kv_prefetch": d}} for these geometries and cache type on this host, by tune.choices'
+    rules (tune.cached_choices: cached choices, a search for missing ones, {} under CFLOW_TUNE=off unless
+    ignore_env; the default's entries left out). on_result(key, record) sees each record."""
     if not (tune.enabled() or force or ignore_env):
         return {}
-    table = tune.read_table(target)
     keys = {attention_key(*g, kv): g for g in sorted(geoms)}
-    cached = {k: _valid(table[k].get("choice")) if isinstance(table.get(k), dict) else None for k in keys}
-    todo = [k for k in keys if force or (search and cached[k] is None)]
-    if todo and on_result is None:
-        import warnings
-
-        warnings.warn(f"measuring this CPU's attention prefetch distance for {len(todo)} geometr"
-                      f"{'ies' if len(todo) != 1 else 'y'} (once per CPU model; CFLOW_TUNE=off uses the default)",
-                      stacklevel=2)
-    out = {}
-    for key, g in keys.items():
-        rec, c = table.get(key), cached[key]
-        if key in todo:
-            res = measure(g, kv, target, rounds=rounds)
-            c = tune.choose(res)
-            rec = {"choice": c, "cpu": cpu_model(), "isa": target.isa, "rounds": rounds, "position": TUNE_SEQ - 33,
-                   "results": [{"variant": f"kv_prefetch {r['knobs']['kv_prefetch']}", "knobs": r["knobs"],
-                                "gbps": round(r["gbps"], 3)} for r in res]}
-            table[key] = rec
-        if c is not None:
-            if on_result is not None:
-                on_result(key, rec)
-            if c["kv_prefetch"] != KV_PREFETCH:
-                out[key] = c
-    if todo:
-        tune._write_table(target, table)
-    return out
+    return tune.cached_choices(
+        target, keys, _valid, {"kv_prefetch": KV_PREFETCH}, lambda g: tune_attention(g, kv, target, rounds),
+        lambda n: f"attention prefetch distance for {n} attention geometr{'ies' if n != 1 else 'y'}",
+        search=search, force=force, on_result=on_result)

@@ -314,8 +314,9 @@ def sigmoid_dot(m: ir.Module, d: int):
 ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is padded by this much (abi.py)
 # How far ahead the attention core's K and V scans prefetch by default (bytes, into L1; each host measures its own:
 # codegen/attn_tune.py). Without it one scan per kv head left the cache's DRAM reads to the hardware prefetchers:
-# on the AMX Xeon VM the f16 core took 553 us per layer at 4,064 positions from DRAM against 301 us with the cache
-# in L3; 4 KiB ahead, 393 us (docs/performance.md, "Long contexts"). On Zen 5 prefetching V ahead was slower.
+# on the AMX Xeon VM the f16 core took 474 us per layer at 4,064 positions from DRAM, 374 us 4 KiB ahead
+# (docs/results/attention_core_prefetch_intel.json; docs/performance.md, "Long contexts"). On Zen 5 prefetching V
+# ahead was measured slower (before this code: the default there is unmeasured, the tuner decides).
 KV_PREFETCH = 4096
 
 
@@ -382,8 +383,9 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     to bf16 and q.k taken as bf16 pair dot products (cgutils.bf16_dot: exact products, f32 sums), and the
     weighted V sum takes bf16(exp(score - max)) in pairs of positions, divided by the f32 sum of the unrounded
     weights. With bf16_hw (the target's AVX512_BF16) each VDPBF16PS does two multiply-adds per lane: half the
-    instructions per cache byte of f16, whose multiply-adds bound the core (docs/performance.md); elsewhere an FMA
-    emulation in the same order (bit-identical, and slower than f16: two FMAs and four integer ops per pair).
+    instructions per cache byte of f16 (faster where the instruction issues as fast as an FMA; on the AMX Xeon VM
+    it issues at a quarter of the FMA rate, so bf16 is the slower cache there: docs/performance.md); elsewhere an
+    FMA emulation in the same order (bit-identical, and slower than f16: two FMAs and four integer ops per pair).
 
     kv_prefetch: how far ahead (bytes) the K and V scans prefetch, 0 for none; a schedule knob (this host's choice:
     codegen/attn_tune.py), the numbers do not change.
@@ -396,7 +398,6 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     nb = S // B
     SS = S + 2 * ATT_LANES  # floats per head in the scores scratch (abi.ScratchLayout.scores)
     NP = 1 if rep >= 4 else (2 if rep >= 2 else 4)  # q.k chains per head: >= 4 independent multiply-adds
-
     DU = math.gcd(hd, 8)  # dimensions per iteration of the q.k loop (unrolled)
     qo, ko, vo = offsets
     scale = 1.0 / math.sqrt(hd)
@@ -493,9 +494,9 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         upair = 2 if bf else 1  # entries per unit of the scans (bf16: pairs)
         kc8, vc8 = b.bitcast(kc, P(i8)), b.bitcast(vc, P(i8))
 
-        def ahead(base8, at, nbytes):  # a line per 64 of the `nbytes` read from byte `at`, kv_prefetch bytes on
+        def ahead(base8, at, nbytes):  # every line of the `nbytes` read from byte `at`, kv_prefetch bytes on
             if kv_prefetch:
-                prefetch_lines(b, base8, [b.add(at, c64(kv_prefetch + 64 * i)) for i in range(max(1, nbytes // 64))])
+                prefetch_lines(b, base8, [b.add(at, c64(kv_prefetch + 64 * i)) for i in range(-(-nbytes // 64))])
         RB = 32  # positions per block of the weighted sum (their V rows stay in L1 across the head groups)
         # The weighted sum reads each V row whole (all nc chunks), front to back, for a group of heads whose
         # rep x nc accumulators fit the registers; the next group re-reads the block from L1. Reading chunk by
@@ -764,4 +765,3 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     b.atomic_rmw("add", go_p, ir.Constant(i32, 1), "acq_rel")
     _futex(b, go_p, FUTEX_WAKE_PRIVATE, c64(1 << 30))
     b.ret_void()
-

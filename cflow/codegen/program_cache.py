@@ -35,7 +35,8 @@ def fingerprint(header: dict, schedule: dict, isa: str, max_seq: int, profile: b
                 bf16_hw: bool = False) -> str:
     """schedule: the one the step runs (the header's, or the disk tier's late one); segmented: stage-range calls;
     tmax: tokens per multi-token call (1: decode only); kv: the KV cache's element type; tuning: this host's
-    mat-vec knobs (codegen.tune), which change the emitted text;
+    tuned choices (codegen.tune's mat-vec knobs, codegen.attn_tune's attention prefetch), which change the emitted
+    text;
     bf16_hw: kv='bf16' emitted with the AVX512_BF16 instruction (the emulation's text differs)."""
     plan = {k: header.get(k) for k in ("config", "packing", "tile", "quant")}
     blob = json.dumps([plan, schedule, isa, max_seq, profile, segmented, tmax, kv, tuning or {}, bf16_hw,

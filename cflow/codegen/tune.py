@@ -415,24 +415,36 @@ def choices(tensors, target, search: bool = True, force: bool = False, rounds: i
     search is about to run, since it takes seconds per shape."""
     if not (enabled() or force or ignore_env):
         return {}
+    return cached_choices(
+        target, kernel_shapes(tensors), _valid_choice, DEFAULT,
+        lambda shape: tune_kernel(shape[0], shape[1], target, rounds=rounds, nbytes=nbytes, passes=passes),
+        lambda n: f"mat-vec kernel variants for {n} kernel shape{'s' * (n != 1)}",
+        search=search, force=force, on_result=on_result)
+
+
+def cached_choices(target, keys: dict, valid, default: dict, measure, what, search: bool = True,
+                   force: bool = False, on_result=None) -> dict[str, dict]:
+    """The table logic every tuned choice shares (choices() here, attn_tune.choices): {key: choice} for `keys`
+    ({key: what measure() takes}) on this host. A cached record whose choice passes valid() is reused; the others
+    (all with force) are measured (measure(arg) -> record with "choice") when search is set, stored, and the
+    table written once. Choices equal to `default` are left out. on_result(key, record) sees each record; without
+    one a warning says that a search is about to run (what(n): what is measured, for n keys)."""
     table = read_table(target)
-    shapes = kernel_shapes(tensors)
-    cached = {k: _valid_choice(table[k].get("choice")) if isinstance(table.get(k), dict) else None for k in shapes}
-    todo = [k for k in shapes if force or (search and cached[k] is None)]
+    cached = {k: valid(table[k].get("choice")) if isinstance(table.get(k), dict) else None for k in keys}
+    todo = [k for k in keys if force or (search and cached[k] is None)]
     if todo and on_result is None:
-        warnings.warn(f"measuring this CPU's mat-vec kernel variants for {len(todo)} kernel shape"
-                      f"{'s' * (len(todo) != 1)} (once per CPU model; cached in {_path(target)}; "
-                      "CFLOW_TUNE=off uses the defaults)", stacklevel=2)
+        warnings.warn(f"measuring this CPU's {what(len(todo))} (once per CPU model; cached in {_path(target)}; "
+                      "CFLOW_TUNE=off uses the defaults)", stacklevel=3)
     out = {}
-    for key, (layout, gate_up) in shapes.items():
+    for key, arg in keys.items():
         rec, c = table.get(key), cached[key]
         if key in todo:
-            rec = tune_kernel(layout, gate_up, target, rounds=rounds, nbytes=nbytes, passes=passes)
+            rec = measure(arg)
             table[key], c = rec, rec["choice"]
         if c is not None:
             if on_result is not None:
                 on_result(key, rec)
-            if c != DEFAULT:
+            if c != default:
                 out[key] = c
     if todo:
         _write_table(target, table)

@@ -11,7 +11,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 attention = pytest.importorskip("attention")
 
 
-def test_records_per_kv_prefetch_and_position(tmp_path, capsys):
+def test_records_per_kv_prefetch_and_position(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(attention, "measure_read_bandwidth", lambda threads, nbytes: 10.0)  # not what is tested
+    monkeypatch.setattr(attention, "fma_rate", lambda reps=5: 1e11)
+    monkeypatch.setattr(attention, "bf16_rate", lambda reps=5: 5e10)
     out = tmp_path / "a.json"
     attention.main(["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--max-seq", "64", "--contexts", "8,40",
                     "--kv", "f16,bf16", "--prefetch", "0,4096", "--reps", "1", "--layers", "3", "--json", str(out)])

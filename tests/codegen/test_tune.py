@@ -282,7 +282,9 @@ def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_fi
 
 
 def test_cli_tune(tuning_on, model_file):
-    cmd = [sys.executable, "-c", "import sys; from cflow.cli import cflow_main; sys.exit(cflow_main(sys.argv[1:]))",
+    # the timed sets of both searches cut to one window (as small_span does in this process)
+    cmd = [sys.executable, "-c", "import sys; from cflow.codegen import tune; tune.stream_span = lambda n: n; "
+           "from cflow.cli import cflow_main; sys.exit(cflow_main(sys.argv[1:]))",
            "tune", str(model_file), "--mb", "1", "--rounds", "1", "--passes", "1", "--json", str(tuning_on / "t.json")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -340,3 +342,46 @@ def test_attention_choice_is_cached_reaches_the_program_and_keeps_the_numbers(tu
     assert got == ({} if seen[0]["choice"]["kv_prefetch"] == ops.KV_PREFETCH else {key: seen[0]["choice"]})
     monkeypatch.setenv("CFLOW_TUNE", "off")
     assert attn_tune.choices(geoms, "f16", target) == {}
+
+
+def test_attention_timed_set_is_past_the_last_level_cache_and_bounded_per_call(monkeypatch):
+    from cflow.codegen import attn_tune
+    from cflow.codegen import target as T
+
+    monkeypatch.undo()  # the real stream_span
+    for llc in (32 * MB, 480 * MB):
+        monkeypatch.setattr(T, "last_level_cache", lambda cpu=0, llc=llc: ("L3", llc))
+        for geom in ((32, 4, 64), (32, 32, 128), (4, 1, 16)):
+            for kv in ("f16", "f32"):
+                cache, layers, calls = attn_tune.timed_set(geom, kv)
+                assert 1 <= layers <= attn_tune.LAYERS and calls >= 2
+                assert layers * cache <= max(cache, 2 * tune.MIN_BYTES)  # a large model's call: one layer
+                assert layers * calls * cache >= 2 * llc  # a slot has left the cache before it is read again
+    assert attn_tune.timed_set((32, 32, 128), "f16")[1] == 1 and attn_tune.timed_set((32, 4, 64), "f16")[1] == 16
+
+
+def test_attention_prefetch_knob_reaches_the_code():
+    from llvmlite import ir
+
+    from cflow.codegen import ops
+    from cflow.ir import Attention
+
+    n = Attention(name="a", inputs=("x",), prefix="p", dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                  rope_theta=1e4)
+    for kv in ("f32", "f16", "bf16"):
+        texts = {}
+        for d in (0, 4096):
+            m = ir.Module()
+            ops.attention(m, n, (0, 64, 96), host_target().isa, kv, 64, False, d)
+            texts[d] = str(m)
+        assert "llvm.prefetch" not in texts[0] and "llvm.prefetch" in texts[4096]
+        assert "4096" in texts[4096]
+
+
+def test_attention_bad_records_are_ignored():
+    from cflow.codegen import attn_tune
+
+    for bad in ({"kv_prefetch": True}, {"kv_prefetch": 1.5}, {"kv_prefetch": "4096"}, {"kv_prefetch": -64},
+                {"kv_prefetch": 100}, {"kv_prefetch": 4096, "x": 1}, [], None, "4096"):
+        assert attn_tune._valid(bad) is None
+    assert attn_tune._valid({"kv_prefetch": 0}) == {"kv_prefetch": 0}
