@@ -77,8 +77,8 @@ def run(args) -> int:
 
     def show_attention(key, rec):
         records[key] = rec
-        print(f"\n{key} (the attention core at position {rec.get('position', '?')}, {attn_tune.LAYERS} layers' "
-              f"{kv} caches per call; GB/s of K/V read)")
+        print(f"\n{key} (the attention core at position {rec.get('position', '?')}, "
+              f"{rec.get('layers_per_call', '?')} layers' {kv} caches per call; GB/s of K/V read)")
         for v in _shown(rec):
             mark = "  <- chosen" if v["knobs"] == rec.get("choice") else ""
             print(f"  {v['variant']:<32} {v['gbps']:>7.2f}{mark}")

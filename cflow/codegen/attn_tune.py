@@ -172,7 +172,7 @@ def tune_attention(geom: tuple[int, int, int], kv: str, target, rounds: int = RO
 
     res = measure(geom, kv, target, rounds=rounds)
     return {"choice": tune.choose(res), "cpu": cpu_model(), "isa": target.isa, "rounds": rounds,
-            "position": TUNE_SEQ - 33,
+            "position": TUNE_SEQ - 33, "layers_per_call": timed_set(geom, kv)[1],
             "results": [{"variant": f"kv_prefetch {r['knobs']['kv_prefetch']}", "knobs": r["knobs"],
                          "gbps": round(r["gbps"], 3)} for r in res]}
 
