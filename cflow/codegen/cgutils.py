@@ -260,8 +260,11 @@ def softcap(b: ir.IRBuilder, x, cap: float):
     return b.fmul(cf(cap), b.fsub(cf(1.0), b.fdiv(cf(2.0), b.fadd(e, cf(1.0)))))
 
 
-def exp_vec(b: ir.IRBuilder, x):
-    """exp(x) for a <n x float>, in plain IEEE ops (no libm call, no FMA: the same bits on every ISA).
+def exp_vec(b: ir.IRBuilder, x, fma: bool = False):
+    """exp(x) for a <n x float>, in plain IEEE ops (no libm call). fma: the reduction and the polynomial's
+    multiply-adds as FMA (one rounding each; only on an ISA with the instruction, as the attention core's own
+    multiply-adds): ~40% fewer vector ops, the core 4-7% faster at 4,064 positions on the AMX Xeon VM; without it
+    separate multiplies and adds, the same bits on every ISA.
 
     Cody-Waite: x = k ln2 + r, |r| <= ln2/2, k rounded to nearest by the 1.5 * 2^23 trick; exp(r) by Cephes'
     polynomial for expf (max error ~1 ulp on [-ln2/2, ln2/2]); 2^k built in the exponent field. Accurate for
@@ -277,13 +280,22 @@ def exp_vec(b: ir.IRBuilder, x):
     xc = b.select(b.fcmp_ordered(">", x, k(88.72283)), k(88.72283), x)
     xc = b.select(b.fcmp_ordered("<", xc, k(-87.33654)), k(-87.33654), xc)
     magic = k(12582912.0)  # 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits
-    kf = b.fsub(b.fadd(b.fmul(xc, k(1.44269504088896341)), magic), magic)
-    r = b.fsub(b.fsub(xc, b.fmul(kf, k(0.693359375))), b.fmul(kf, k(-2.12194440e-4)))
+    if fma:
+        f = intrinsic(b.module, f"llvm.fma.v{n}f32", fv, [fv] * 3)
+
+        def madd(u, v, a):
+            return b.call(f, [u, v, a])
+    else:
+        def madd(u, v, a):
+            return b.fadd(b.fmul(u, v), a)
+    kf = b.fsub(madd(xc, k(1.44269504088896341), magic), magic)
+    r = madd(kf, k(2.12194440e-4), madd(kf, k(-0.693359375), xc)) if fma else b.fsub(
+        b.fsub(xc, b.fmul(kf, k(0.693359375))), b.fmul(kf, k(-2.12194440e-4)))
     z = b.fmul(r, r)
     p = k(1.9875691500e-4)
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        p = b.fadd(b.fmul(p, r), k(c))
-    y = b.fadd(b.fadd(b.fmul(p, z), r), k(1.0))
+        p = madd(p, r, k(c))
+    y = b.fadd(madd(p, z, r), k(1.0))
     scale = b.bitcast(b.shl(b.add(b.fptosi(kf, iv), const_vec(i32, n, 127)), const_vec(i32, n, 23)), fv)
     y = b.fmul(y, scale)
     y = b.select(b.fcmp_ordered("<", x, k(-87.33654)), k(0.0), y)

@@ -375,7 +375,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     (cgutils.exp_vec), their sum lane-wise then by the halving tree; the weighted V sum in W = gcd(head_dim,
     16)-lane accumulators, one position after another. The rep query heads of a kv group go together: each K
     and V entry is loaded (and widened) once per group. FMA where the ISA has it (one rounding per
-    multiply-add), separate multiply and add on the generic path.
+    multiply-add, the exponential's polynomial included), separate multiply and add on the generic path.
 
     kv: the cache's element type, 'f32', 'f16' or 'bf16'. 'f16' (IEEE half, rounded to nearest even as numpy's
     astype does; the interpreter's kv='f16' rounds the same way): K and V rounded once when written, widened on read.
@@ -663,7 +663,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                     live = b.icmp_signed("<", b.add(splat(b, s0, L), ir.Constant(V(i64, L), list(range(L)))),
                                          splat(b, npos, L))
                     x = b.select(live, b.fsub(b.load(sp, align=4), m_v), const_vec(f32, L, -math.inf))
-                    p = exp_vec(b, x)
+                    p = exp_vec(b, x, fma)
                     if bf:  # bf16(p) at i16 index s of the head's scratch: below the floats not yet read
                         b.store(float_to_bf16(b, p), b.bitcast(b.gep(sbf, [b.add(c64(2 * r * SS), s0)]),
                                                                P(V(i16, L))), align=2)

@@ -14,7 +14,7 @@ from cflow.codegen.target import generic_target, host_target
 TARGETS = {"host": host_target(env=False), "generic": generic_target()}
 
 
-def _kernel(target, n=16):
+def _kernel(target, n=16, fma=False):
     """f(x, y, count): y[i*n:(i+1)*n] = exp_vec(x[...]) over count vectors; returns the last vector's hsum too."""
     m = ir.Module(name="cg")
     m.triple = target.triple
@@ -28,7 +28,7 @@ def _kernel(target, n=16):
     i.add_incoming(ir.Constant(i64, 0), fn.entry_basic_block)
     off = b.mul(i, ir.Constant(i64, n))
     v = b.load(b.bitcast(b.gep(x, [off]), P(V(f32, n))), align=4)
-    b.store(exp_vec(b, v), b.bitcast(b.gep(y, [off]), P(V(f32, n))), align=4)
+    b.store(exp_vec(b, v, fma), b.bitcast(b.gep(y, [off]), P(V(f32, n))), align=4)
     s = hsum(b, v)
     nxt = b.add(i, ir.Constant(i64, 1))
     i.add_incoming(nxt, loop)
@@ -39,9 +39,12 @@ def _kernel(target, n=16):
     return lib, lib.get_cfunc("f", ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 
-@pytest.mark.parametrize("name", TARGETS)
+CASES = {"host": ("host", False), "generic": ("generic", False), "host-fma": ("host", True)}  # FMA: not on generic
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_exp_vec_matches_numpy(name):
-    lib, f = _kernel(TARGETS[name])
+    lib, f = _kernel(TARGETS[CASES[name][0]], fma=CASES[name][1])
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.uniform(-87.3, 88.0, 16 * 4000), np.linspace(-20, 0, 16 * 100)]).astype(np.float32)
     y = np.empty_like(x)
@@ -51,9 +54,9 @@ def test_exp_vec_matches_numpy(name):
     assert rel.max() < 3e-7  # ~2 ulp of f32
 
 
-@pytest.mark.parametrize("name", TARGETS)
+@pytest.mark.parametrize("name", CASES)
 def test_exp_vec_edges(name):
-    lib, f = _kernel(TARGETS[name])
+    lib, f = _kernel(TARGETS[CASES[name][0]], fma=CASES[name][1])
     x = np.array([-np.inf, -1e30, -87.34, -87.33, 0.0, -0.0, 1.0, 88.0, 89.0, np.inf, np.nan, -np.nan,
                   -1e-30, 1e-30, -0.5, 0.5], np.float32)
     y = np.empty_like(x)
