@@ -312,6 +312,7 @@ def compare_variants(path: str, c, prompt, names: list[str], threads_list: list[
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tinyllama", choices=list(MODELS))
+    ap.add_argument("--quant", default="q4", choices=("q4", "q8"), help="weight type (default q4)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
@@ -331,7 +332,7 @@ def main(argv=None) -> None:
     if bad:
         ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
 
-    path, c = compiled_model(args.model)
+    path, c = compiled_model(args.model, args.quant)
     if args.context + args.tokens > c.graph.config.max_seq_len:
         ap.error(f"--context {args.context} + --tokens {args.tokens} exceed {args.model}'s "
                  f"{c.graph.config.max_seq_len}-token context")
@@ -358,7 +359,7 @@ def main(argv=None) -> None:
         eff = bpt * tps / 1e9
         rec = {"threads": threads, "read_gbps": round(read, 3), "bytes_per_token": bpt, "tok_s": round(tps, 3),
                "effective_gbps": round(eff, 3), "fraction": round(eff / read, 4), "model": c.graph.config.name,
-               "quant": "q4", "isa": m.session.program.isa}
+               "quant": args.quant, "isa": m.session.program.isa}
         records.append(rec)
         print(f"threads={threads}  read {read:6.2f} GB/s | cflow {tps:6.2f} tok/s x {bpt / 1e6:7.1f} MB/token = "
               f"{eff:6.2f} GB/s = {100 * eff / read:5.1f}% of read bandwidth", flush=True)

@@ -64,9 +64,9 @@ DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
 # descent from the unit loop alone never changes both knobs at once.
 SEEDS = (DEFAULT, {**DEFAULT, "group_loop": 1})
 # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent; 4: group_loop; 5: a descent per loop
-# kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache
-# (older tables: searched again)
-SCHEMA = 5
+# kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache;
+# 6: a quarter and half a unit (older tables: searched again)
+SCHEMA = 6
 
 
 def enabled() -> bool:
@@ -80,8 +80,9 @@ def kernel_key(layout, gate_up: bool) -> str:
 
 def space(layout, isa: str | None = None) -> dict[str, tuple]:
     """The values each knob may take for this kernel shape: prefetch distances in units of the kernel's block unit (so
-    they scale with the dtype and tile), 1 or 2 units also one 64-byte line further (the group loop's best on the
-    AMX Xeon VM: each iteration's prefetches then straddle two 256-byte blocks), the prefetch density (every line,
+    they scale with the dtype and tile), 1/4, 1/2, 1 or 2 units also one 64-byte line further (the group loop's best
+    on the AMX Xeon VM: each iteration's prefetches then straddle two 256-byte blocks; a quarter unit: Q8's best
+    there, 4,352-byte units), the prefetch density (every line,
     or one line per unit: a hint that keeps the hardware prefetchers ahead without an instruction per line; in a
     group loop one line per group), the unit loop or the group loop; on an AVX-512 VNNI host (isa) also the 256-bit
     kernel and, for Q4, the other nibble-unpack sequence."""
@@ -89,7 +90,8 @@ def space(layout, isa: str | None = None) -> dict[str, tuple]:
     from .target import ISA
 
     unit = layout.unit_nbytes
-    dist = (0, unit, unit + 64, 2 * unit, 2 * unit + 64, 4 * unit, 8 * unit, 16 * unit)
+    q, h = unit // 4 // 64 * 64, unit // 2 // 64 * 64  # a quarter and half a unit, whole lines
+    dist = (0, q, q + 64, h, h + 64, unit, unit + 64, 2 * unit, 2 * unit + 64, 4 * unit, 8 * unit, 16 * unit)
     sp = {"prefetch": tuple(dict.fromkeys(min(d, 1 << 17) for d in dist)),
           "prefetch_stride": (64, unit) if unit > 64 else (64,),
           "prefetch_locality": (3, 2, 0), "unroll": (1, 2, 4), "max_groups": (8, 4),
