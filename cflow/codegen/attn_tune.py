@@ -1,13 +1,14 @@
 """Per-host tuning of the attention core's prefetch distance (ops.attention's kv_prefetch), in tune.py's table.
 
 Stage: codegen (used by the runtime before it emits a step, next to tune.choices). The K and V scans of the
-attention core prefetch kv_prefetch bytes ahead. On the AMX Xeon VM 4 KiB ahead took the f16 core from 553 to
-~400 us per layer at 4,064 positions from DRAM; on Zen 5 prefetching V ahead was measured slower
-(docs/performance.md, "Long contexts"). So each host measures it, as the mat-vec knobs: the first time an attention
-geometry (query heads, kv heads, head_dim, cache type) is met on a CPU, every distance in DISTANCES is compiled in
-one library and timed on a 4,096-position cache at position 4,063 (the prefetch only matters at long contexts),
-each timed call running LAYERS layers' caches in turn, the next ones of a set at least twice the last-level
-cache (tune.stream_span: from DRAM, as decode reads them), candidates interleaved round by round. The default
+attention core prefetch kv_prefetch bytes ahead. On the AMX Xeon VM 4 KiB ahead took the f16 core from 474 to
+374 us per layer at 4,064 positions from DRAM (docs/results/attention_core_prefetch_intel.json); on Zen 5
+prefetching V ahead was measured slower (docs/performance.md, "Long contexts"). So each host measures it, as the
+mat-vec knobs: the first time an attention geometry (query heads, kv heads, head_dim, cache type) is met on a CPU,
+every distance in DISTANCES is compiled in one library and timed on 4,096-position caches at position 4,063 (the
+prefetch only matters at long contexts), each timed call running up to LAYERS layers' caches in turn (timed_set),
+the next ones of a set at least twice the last-level cache (tune.stream_span: from DRAM, as decode reads them),
+candidates interleaved round by round. The default
 (ops.KV_PREFETCH) stays unless another distance beats it by tune.MARGIN in the median per-round ratio
 (tune.choose). The choice is schedule-only: every candidate's output is checked bit-identical to the first's.
 Cached in tune.py's table under attention_key(); CFLOW_TUNE=off uses the default.
@@ -16,7 +17,6 @@ Cached in tune.py's table under attention_key(); CFLOW_TUNE=off uses the default
 from __future__ import annotations
 
 import ctypes
-import math
 import time
 from types import SimpleNamespace
 
@@ -25,13 +25,13 @@ from llvmlite import ir
 
 from ..errors import CflowError
 from . import tune
-from .abi import KV_BYTES
+from .abi import KV_BYTES, kv_floats_per_layer
 from .ops import KV_PREFETCH
 
 DISTANCES = (KV_PREFETCH, 0, 1024, 16384)  # bytes ahead; the first is the default
 TUNE_SEQ = 4096  # cache positions the timing runs at (position TUNE_SEQ - 33, a block short of the end)
 LAYERS = 22  # layers' caches per timed call (TinyLlama's count: ~90 MB of f16 K/V, milliseconds)
-ROUNDS = 9
+ROUNDS = tune.ROUNDS
 
 
 def attention_key(n_heads: int, n_kv_heads: int, head_dim: int, kv: str) -> str:
@@ -55,13 +55,11 @@ class AttentionBench:
         from ..layout.quant import bf16_bits
         from ..layout.tile import aligned_empty
         from . import ops as O
-        from .abi import kv_floats_per_layer
         from .cgutils import P, f32, i16, i64
         from .library import Library
 
         H, KV, hd, S = n_heads, n_kv_heads, head_dim, max_seq
         self.kv, self.n_kv_heads, self.head_dim, self.max_seq = kv, KV, hd, S
-        self.distances = tuple(distances)
         n = Attention(name="attn.1", inputs=("x",), prefix="layers.1.attn", dim=H * hd, n_heads=H, n_kv_heads=KV,
                       head_dim=hd, rope_theta=10000.0)
         m = ir.Module(name="cflow_attn_tune")
@@ -69,7 +67,7 @@ class AttentionBench:
         kvp = P(i16) if KV_BYTES[kv] == 2 else P(f32)
         args = [P(f32)] * 6 + [kvp, kvp] + [P(f32)] * 4 + [i64, i64, i64]
         bf16_hw = kv == "bf16" and target.has_avx512_bf16
-        for i, d in enumerate(self.distances):
+        for i, d in enumerate(distances):
             fn = O.attention(m, n, offs, target.isa, kv, S, bf16_hw, d)
             w = ir.Function(m, ir.FunctionType(ir.VoidType(), args), f"attn{i}")
             b = ir.IRBuilder(w.append_basic_block("entry"))
@@ -80,7 +78,7 @@ class AttentionBench:
         self.lib.finalize()
         vp = ctypes.c_void_p
         self.fns = [self.lib.get_cfunc(f"attn{i}", None, *([vp] * 12), ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_int64) for i in range(len(self.distances))]
+                                       ctypes.c_int64) for i in range(len(distances))]
         rng = np.random.default_rng(seed)
         ang = rng.random((S, hd // 2)).astype(np.float32)  # any angles: the timing does not depend on them
         self.cos, self.sin = np.cos(ang), np.sin(ang)
@@ -113,8 +111,8 @@ def timed_set(geom: tuple[int, int, int], kv: str) -> tuple[int, int, int]:
     """(bytes of one layer's cache, layers per timed call, calls in the rotation) for a search: up to LAYERS layers
     per call but about tune.MIN_BYTES at most (one large model's layer cache is 64 MiB), and enough calls that the
     set is tune.stream_span (twice the last-level cache) before a cache is read again."""
-    H, KV, hd = geom
-    cache_bytes = 2 * (TUNE_SEQ + TUNE_SEQ % 2) * KV * hd * KV_BYTES[kv]  # one layer's K and V
+    _, KV, hd = geom
+    cache_bytes = 2 * kv_floats_per_layer(SimpleNamespace(n_kv_heads=KV, head_dim=hd), TUNE_SEQ) * KV_BYTES[kv]
     layers = max(1, min(LAYERS, -(-tune.MIN_BYTES // cache_bytes)))
     calls = max(2, -(-tune.stream_span(layers * cache_bytes) // (layers * cache_bytes)))
     return cache_bytes, layers, calls
@@ -144,7 +142,7 @@ def measure(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS, d
                 raise CflowError(f"tuning: attention prefetch {distances[i]} changes the core's numbers "
                                  f"({attention_key(H, KV, hd, kv)})")
     # as tune.measure: every call reads the next slot; `skip` more per round make the stride prime to the slots
-    skip = next(k for k in range(n_calls) if math.gcd(nd + k, n_calls) == 1)
+    skip = tune.round_skip(nd, n_calls)
     samples: list[list[float]] = [[] for _ in distances]
     slot = 1
     for r in range(rounds):

@@ -135,6 +135,16 @@ def prefetch_lines(b: ir.IRBuilder, base, offsets, locality: int = 3) -> None:
         b.call(pf, [ptr(b, base, off)] + [ir.Constant(i32, v) for v in (0, locality, 1)])
 
 
+def muladd(b: ir.IRBuilder, x, y, acc, fma: bool):
+    """acc + x * y for <n x float> (or float) values: llvm.fma (one rounding) where fma is set, i.e. on an ISA with
+    the instruction; otherwise a multiply then an add (two roundings, the same bits on every ISA)."""
+    if not fma:
+        return b.fadd(b.fmul(x, y), acc)
+    n = _lanes(x)
+    ty = V(f32, n) if n else f32
+    return b.call(intrinsic(b.module, f"llvm.fma.v{n}f32" if n else "llvm.fma.f32", ty, [ty] * 3), [x, y, acc])
+
+
 def load(b: ir.IRBuilder, base, offset, ty, align: int = 1):
     return b.load(ptr(b, base, offset, ty), align=align)
 
@@ -241,14 +251,8 @@ def bf16_dot(b: ir.IRBuilder, acc, x, y, hw: bool, fma: bool = True):
         return b.call(fn, [acc, b.bitcast(x, V(bf16, 2 * n)), b.bitcast(y, V(bf16, 2 * n))])
     hi_m, sh = const_vec(i32, n, -65536), const_vec(i32, n, 16)
     fty = V(f32, n)
-
-    def madd(u, v, a):
-        if fma:
-            return b.call(intrinsic(b.module, f"llvm.fma.v{n}f32", fty, [fty] * 3), [u, v, a])
-        return b.fadd(b.fmul(u, v), a)
-
-    acc = madd(b.bitcast(b.and_(x, hi_m), fty), b.bitcast(b.and_(y, hi_m), fty), acc)
-    return madd(b.bitcast(b.shl(x, sh), fty), b.bitcast(b.shl(y, sh), fty), acc)
+    acc = muladd(b, b.bitcast(b.and_(x, hi_m), fty), b.bitcast(b.and_(y, hi_m), fty), acc, fma)
+    return muladd(b, b.bitcast(b.shl(x, sh), fty), b.bitcast(b.shl(y, sh), fty), acc, fma)
 
 
 # -- math ------------------------------------------------------------------------------------------
@@ -280,22 +284,15 @@ def exp_vec(b: ir.IRBuilder, x, fma: bool = False):
     xc = b.select(b.fcmp_ordered(">", x, k(88.72283)), k(88.72283), x)
     xc = b.select(b.fcmp_ordered("<", xc, k(-87.33654)), k(-87.33654), xc)
     magic = k(12582912.0)  # 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits
-    if fma:
-        f = intrinsic(b.module, f"llvm.fma.v{n}f32", fv, [fv] * 3)
-
-        def madd(u, v, a):
-            return b.call(f, [u, v, a])
-    else:
-        def madd(u, v, a):
-            return b.fadd(b.fmul(u, v), a)
-    kf = b.fsub(madd(xc, k(1.44269504088896341), magic), magic)
-    r = madd(kf, k(2.12194440e-4), madd(kf, k(-0.693359375), xc)) if fma else b.fsub(
-        b.fsub(xc, b.fmul(kf, k(0.693359375))), b.fmul(kf, k(-2.12194440e-4)))
+    kf = b.fsub(muladd(b, xc, k(1.44269504088896341), magic, fma), magic)
+    # r = xc - kf ln2 in two parts (Cody-Waite); without FMA the same bits as (xc - kf C1) - kf (-C2): negating a
+    # constant negates the rounded product exactly
+    r = muladd(b, kf, k(2.12194440e-4), muladd(b, kf, k(-0.693359375), xc, fma), fma)
     z = b.fmul(r, r)
     p = k(1.9875691500e-4)
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        p = madd(p, r, k(c))
-    y = b.fadd(madd(p, z, r), k(1.0))
+        p = muladd(b, p, r, k(c), fma)
+    y = b.fadd(muladd(b, p, z, r, fma), k(1.0))
     scale = b.bitcast(b.shl(b.add(b.fptosi(kf, iv), const_vec(i32, n, 127)), const_vec(i32, n, 23)), fv)
     y = b.fmul(y, scale)
     y = b.select(b.fcmp_ordered("<", x, k(-87.33654)), k(0.0), y)

@@ -41,6 +41,7 @@ from .cgutils import (
     i64,
     intrinsic,
     load,
+    muladd,
     new_function,
     prefetch_lines,
     ptr,
@@ -60,10 +61,7 @@ def _llvm_major() -> int:
 
 
 def _fma(b, x, y, acc, isa):
-    if isa == ISA.GENERIC:
-        return b.fadd(b.fmul(x, y), acc)
-    fn = intrinsic(b.module, "llvm.fma.v16f32", V(f32, 16), [V(f32, 16)] * 3)
-    return b.call(fn, [x, y, acc])
+    return muladd(b, x, y, acc, isa != ISA.GENERIC)
 
 
 # -- activation quantiser -----------------------------------------------------------------

@@ -36,6 +36,7 @@ from .cgutils import (
     i64,
     internal_function,
     intrinsic,
+    muladd,
     pause,
     prefetch_lines,
     softcap,
@@ -415,16 +416,11 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
 
     def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):
         sqrt = intrinsic(m, "llvm.sqrt.f32", f32, [f32])
-        vfma = intrinsic(m, f"llvm.fma.v{W}f32", vt, [vt, vt, vt])
         kr = b.bitcast(alloca_once(b, ir.ArrayType(f32, hd)), P(f32))
         row = b.mul(pos, c64(half))
 
         def madd(x, y, acc):  # acc + x * y
-            if not fma:
-                return b.fadd(b.fmul(x, y), acc)
-            n_ = x.type.count
-            f = vfma if n_ == W else intrinsic(m, f"llvm.fma.v{n_}f32", V(f32, n_), [V(f32, n_)] * 3)
-            return b.call(f, [x, y, acc])
+            return muladd(b, x, y, acc, fma)
 
         def vload(base, i):
             return b.load(b.bitcast(b.gep(base, [i]), P(vt)), align=4)

@@ -289,6 +289,12 @@ class Candidates:
         self.fns[i](K._p(self.weights), *self._args, K._p(y), lo, hi)
 
 
+def round_skip(per_round: int, n_windows: int) -> int:
+    """Windows to skip after each round of `per_round` timed calls so that the stride between rounds is prime to
+    the window count (measure() here, attn_tune.measure): every candidate then reads different windows."""
+    return next(k for k in range(n_windows) if math.gcd(per_round + k, n_windows) == 1)
+
+
 def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, target=None, rounds: int = ROUNDS,
             nbytes: int | None = None, check: bool = True, wset: WeightSet | None = None) -> list[dict]:
     """Time each candidate on the same weights, interleaved round by round (one thread).
@@ -309,7 +315,7 @@ def measure(layout, gate_up: bool = False, cands: list[dict] | None = None, targ
     # calls; `skip` windows more per round make that stride prime to the window count, so over the rounds every
     # candidate reads different windows (with a stride sharing a factor with it, a candidate read the same few
     # windows in every round, and a slower or faster region of the set biased it).
-    skip = next(k for k in range(wset.n_windows) if math.gcd(len(cands) + k, wset.n_windows) == 1)
+    skip = round_skip(len(cands), wset.n_windows)
 
     def call(i):
         bench.call(i, ys[i], *wset.take())
