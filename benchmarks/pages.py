@@ -1,6 +1,7 @@
 """Decode from the same weights in small page-cache folios vs 2 MiB folios, in alternating rounds of one run.
 
     python benchmarks/pages.py [--threads 1,2] [--rounds 5] [--tokens 32] [--json out.json]
+    python benchmarks/pages.py --report FILE [FILE ...]    # how much of each file maps in 2 MiB folios now
 
 cflow maps a model file with MADV_HUGEPAGE (runtime/format/reader.py: advise_huge_pages), so pages read from disk
 come in 2 MiB folios where the file system keeps large folios (ext4 since Linux 6.16), and FileWriter drops what it
@@ -48,6 +49,22 @@ def pmd_mapped_kib(path: str) -> tuple[int, int]:
     return field("Rss"), field("FilePmdMapped")
 
 
+def report(paths: list[str]) -> None:
+    """Map each file as cflow.load does (FileReader: MADV_HUGEPAGE), touch every page, print how much of it the
+    kernel maps with PMDs: pages cached earlier in small folios (written by another tool, or reclaimed and read
+    back) stay small, whatever the advice."""
+    from cflow.runtime.format import FileReader
+
+    print(f"# {cpu_model()}")
+    for p in paths:
+        with FileReader(p) as r:
+            buf = np.frombuffer(r._buf, np.uint8)
+            int(buf[::4096].sum())  # fault every page in
+            rss, pmd = pmd_mapped_kib(p)
+            del buf
+        print(f"{p}: PMD-mapped {pmd / 1024:.1f} of {rss / 1024:.1f} MiB resident ({100 * pmd / max(rss, 1):.0f}%)")
+
+
 def copies(src: str) -> dict[str, str]:
     """{'small': path, 'huge': path}: the two copies of src described in the module docstring."""
     out = {}
@@ -70,7 +87,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--gib", type=float, default=1.0, help="read-bandwidth buffer")
     ap.add_argument("--json")
+    ap.add_argument("--report", nargs="+", metavar="FILE", help="only print how much of these files maps in 2 MiB "
+                    "folios (no decode)")
     args = ap.parse_args()
+    if args.report:
+        report(args.report)
+        return
     config = MODELS["tinyllama"]
     path, _ = compiled_model("tinyllama", "q4")
     files = copies(path)
