@@ -3,13 +3,15 @@
     python benchmarks/pages.py [--threads 1,2] [--rounds 5] [--tokens 32] [--json out.json]
     python benchmarks/pages.py --report FILE [FILE ...]    # how much of each file maps in 2 MiB folios now
 
-cflow maps a model file with MADV_HUGEPAGE (runtime/format/reader.py: advise_huge_pages), so pages read from disk
-come in 2 MiB folios where the file system keeps large folios (ext4 since Linux 6.16), and FileWriter drops what it
-wrote from the page cache; pages already cached keep their folio size. This script makes two copies of the
-TinyLlama-geometry Q4 file (benchmarks/decode.py builds it): `small`, written with 128 KiB writes and left in the
-cache (small folios, as a file just copied or written by another tool), and `huge`, dropped from the cache and
-read back through cflow's mapping. It prints how much of each mapping the kernel maps with PMDs (FilePmdMapped
-in /proc/self/smaps), then tok/s of both in alternating rounds with the read bandwidth of each round.
+cflow maps a model file with MADV_HUGEPAGE (runtime/format/folios.py), so pages read from disk come in 2 MiB folios
+where the file system keeps large folios (ext4 since Linux 6.16); FileWriter drops what it wrote from the page
+cache, and a load drops the parts of a file cached in small folios (folios.mend), to be read back in 2 MiB ones.
+This script makes three copies of the TinyLlama-geometry Q4 file (benchmarks/decode.py builds it), two of them
+written with 128 KiB writes and left in the cache (small folios, as a file just copied or written by another
+tool): `small` is loaded with CFLOW_FOLIOS=keep (the cache as it was), `mended` loaded as cflow.load does by
+default; `huge` is dropped from the cache and read back through cflow's mapping. It prints what each load's
+survey found, how much of each mapping the kernel maps with PMDs (FilePmdMapped in /proc/self/smaps), then tok/s
+of all three in alternating rounds with the read bandwidth of each round.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from decode import MODELS, OUT, compiled_model, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.codegen.target import cpu_model  # noqa: E402
-from cflow.runtime.format.writer import drop_cached  # noqa: E402
+from cflow.runtime.format.folios import drop_cached  # noqa: E402
 
 
 def pmd_mapped_kib(path: str) -> tuple[int, int]:
@@ -66,9 +68,9 @@ def report(paths: list[str]) -> None:
 
 
 def copies(src: str) -> dict[str, str]:
-    """{'small': path, 'huge': path}: the two copies of src described in the module docstring."""
+    """{'small': path, 'mended': path, 'huge': path}: the copies of src described in the module docstring."""
     out = {}
-    for kind in ("small", "huge"):
+    for kind in ("small", "mended", "huge"):
         dst = os.path.join(OUT, f"pages_{kind}.vflow")
         with open(src, "rb") as a, open(dst, "wb") as b:
             shutil.copyfileobj(a, b, 128 << 10)
@@ -100,7 +102,12 @@ def main() -> None:
     records = []
     print(f"# {cpu_model()}; {config.name} q4; {args.rounds} alternating rounds of {args.tokens} tokens (best of 2)")
     for threads in (int(t) for t in args.threads.split(",")):
-        models = {k: cflow.load(p, threads=threads) for k, p in files.items()}
+        models = {}
+        for k, p in files.items():
+            os.environ["CFLOW_FOLIOS"] = "keep" if k == "small" else "mend"
+            models[k] = cflow.load(p, threads=threads)
+            print(f"  {k:<6} load: {models[k].session.folios}")
+        os.environ.pop("CFLOW_FOLIOS")
         for m in models.values():
             time_decode(m, prompt, 4, 1)  # faults every page in (2 MiB folios where the cache allows)
         cover = {k: pmd_mapped_kib(p) for k, p in files.items()}
@@ -114,7 +121,7 @@ def main() -> None:
                 loads.append(busy)
         read = float(np.median(reads))
         bpt = models["huge"].bytes_per_token
-        ratios = [h / s for h, s in zip(tps["huge"], tps["small"])]
+        ratios = {k: [h / s for h, s in zip(tps[k], tps["small"])] for k in ("mended", "huge")}
         print(f"threads={threads}  read {read:.2f} GB/s (median of {args.rounds})  other load {100 * max(loads):.0f}%"
               " max")
         for k in files:
@@ -125,9 +132,11 @@ def main() -> None:
             records.append({"pages": k, "threads": threads, "tok_s": round(t, 3), "tok_s_rounds": tps[k],
                             "read_gbps": round(read, 3), "read_rounds": reads, "bytes_per_token": bpt,
                             "rss_kib": rss, "pmd_mapped_kib": pmd, "other_load": round(max(loads), 3),
-                            "cpu": cpu_model(), "tuning": models[k].session.tuning})
-        print(f"  huge / small: median of per-round ratios {np.median(ratios):.3f} "
-              f"(rounds {', '.join(f'{x:.2f}' for x in ratios)})")
+                            "cpu": cpu_model(), "tuning": models[k].session.tuning,
+                            "load_survey": str(models[k].session.folios)})
+        for k, rs in ratios.items():
+            print(f"  {k} / small: median of per-round ratios {np.median(rs):.3f} "
+                  f"(rounds {', '.join(f'{x:.2f}' for x in rs)})")
         for m in models.values():
             m.close()
     for p in files.values():

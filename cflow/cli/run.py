@@ -105,6 +105,9 @@ def run(args) -> int:
             raise CflowError(f"-n {n}: the prompt is {len(ids)} tokens and the context {m.session.max_seq}, so at "
                              f"most {room} new tokens fit (give -n {room} or a shorter prompt)")
         _describe_tiers(m, args)
+        mended = m.session.folios
+        if mended is not None and mended.dropped:
+            print(f"note: {mended}", file=sys.stderr)
         text = m.tokenizer is not None
         sys.stdout.write(args.prompt if text else " ".join(map(str, ids)))
         sys.stdout.flush()

@@ -40,6 +40,7 @@ from ..layout.tile import aligned_empty
 from ..passes.pipeline import plan_from_header
 from ..passes.schedule import Phase, Pool, build_schedule
 from .format import FileReader
+from .format.folios import mend_folios_enabled
 from .format.header import check_header, check_plan, stale_file_error
 from .format.spec import pad
 
@@ -262,6 +263,9 @@ class Session:
             self._open_tier(expert_cache_mb)
         if weights == "disk":
             self._open_streamer()
+        # Decode reads the mapped file whole every token: parts cached in small folios go back to disk once, to
+        # come back in 2 MiB ones (format/folios.py; CFLOW_FOLIOS=keep leaves the page cache as it is).
+        self.folios = self.reader.mend_folios() if not self.segmented and mend_folios_enabled() else None
         self._alloc()
         self._pool = (_Workers(self.library, self._args, self.threads, keep=(self.ptrs, self.params, self.barrier))
                       if self.threads > 1 else None)

@@ -3,6 +3,7 @@
     spec     constants, on-disk structs, size rules (MAGIC, VERSION, ALIGN, expected_nbytes, ...)
     writer   FileWriter: streams tensors into a container, publishes it atomically
     reader   FileReader: maps a container, validates it, hands out zero-copy views
+    folios   the page cache under a mapping: 2 MiB folios asked for, a file cached in small ones mended at load
     summary  the text `cflow inspect` prints
     header   the header's schema: every field checked and bounded, the plan's size against the file, versions
     gguf     export_gguf: a graph's weights, bit-identical, as a GGUF file for llama.cpp

@@ -7,7 +7,6 @@ Every offset is checked against the mapped length first; any lie is a FormatErro
 from __future__ import annotations
 
 import bisect
-import contextlib
 import itertools
 import json
 import mmap
@@ -22,6 +21,7 @@ import numpy as np
 from cflow.errors import FormatError
 
 from . import spec as F
+from .folios import Mended, advise_huge_pages, mend
 from .spec import DType
 from .summary import summarize
 
@@ -58,17 +58,6 @@ _PRE_AT = _field_offsets(F.PREAMBLE_FIELDS, F.PREAMBLE.format)
 _TEN_AT = _field_offsets(F.TENSOR_FIELDS, F.TENSOR_ENTRY.format)
 
 
-def advise_huge_pages(mm: mmap.mmap) -> None:
-    """Ask for transparent huge pages on a file mapping (MADV_HUGEPAGE): where the file system keeps large folios
-    (ext4 since Linux 6.16, XFS), pages faulted in from disk then come in 2 MiB folios mapped by one TLB entry each.
-    On the AMX Xeon VM TinyLlama Q4 decoded 1.07-1.08x faster from a fully PMD-mapped file than from small folios
-    (benchmarks/pages.py; docs/performance.md, "A third host kind"); on Zen 5 page size measured no difference.
-    Pages already cached keep their folio size: FileWriter drops what it wrote from the cache for that reason.
-    Systems without the advice (no THP, not Linux) keep ordinary pages, which is harmless."""
-    with contextlib.suppress(AttributeError, OSError, ValueError):
-        mm.madvise(mmap.MADV_HUGEPAGE)
-
-
 class FileReader:
     """Read-only view of a container. Opening validates everything but data checksums (verify())."""
 
@@ -89,6 +78,7 @@ class FileReader:
         except (OSError, ValueError) as e:
             raise FormatError(f"{self.path}: cannot map: {e}") from None
         advise_huge_pages(mm)
+        self._mm = mm
         # Plain ndarray views keep the mapping alive after close(); nothing is read yet.
         self._buf: np.ndarray | None = np.frombuffer(mm, np.uint8)
         self.file_size = len(self._buf)
@@ -403,10 +393,18 @@ class FileReader:
         """Text for `cflow inspect`: layout, header, sizes per dtype/stage/layer, experts, checksums."""
         return summarize(self, table=table)
 
+    def mend_folios(self) -> Mended:
+        """Drop the parts of the file the page cache holds in small folios, to be read back in 2 MiB ones
+        (folios.mend). For a file decode maps and reads whole; Session calls it at load."""
+        if self._buf is None:
+            raise FormatError(f"{self.path}: reader is closed")
+        return mend(self._mm, self.path)
+
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Drop the mapping; views handed out earlier stay valid until they are freed."""
         self._buf = None
+        self._mm = None
 
     def __enter__(self) -> Self:
         return self

@@ -22,6 +22,7 @@ from cflow.layout.tile import DEFAULT_TILE
 from cflow.util import atomic_path
 
 from . import spec as F
+from .folios import drop_cached
 from .spec import DType
 
 
@@ -48,23 +49,6 @@ def _as_bytes(data, name: str) -> memoryview:
     if not arr.flags.c_contiguous:
         raise FormatError(f"tensor {name!r}: data must be C-contiguous")
     return memoryview(arr.reshape(-1).view(np.uint8))
-
-
-def drop_cached(path) -> None:
-    """Drop a just-written file's pages from the page cache (they are clean after the commit's fsync). Written
-    pages sit in small folios that a mapping cannot map with huge pages; read back through FileReader's
-    MADV_HUGEPAGE mapping they come in 2 MiB folios (reader.advise_huge_pages). Best effort: a file system or
-    platform without the advice keeps its cache."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except (AttributeError, OSError):
-        pass
-    finally:
-        os.close(fd)
 
 
 class FileWriter:

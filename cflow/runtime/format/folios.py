@@ -1,0 +1,227 @@
+"""The page cache under a mapped model file: 2 MiB folios, and mending a file cached in small ones.
+
+A file's cached pages come in 2 MiB folios when a mapping with MADV_HUGEPAGE faults them in from disk (ext4 keeps
+large folios since Linux 6.16, XFS earlier), and such a folio is mapped by one PMD entry: one TLB entry per 2 MiB.
+Pages cached any other way keep small folios for as long as they stay cached: pages written by a process (a copy,
+or FileWriter before its drop), and, after memory pressure reclaimed part of a file, every page read back into
+the holes (a 2 MiB folio needs its whole aligned range free). On the AMX Xeon VM TinyLlama Q4 decoded 1.07-1.08x
+faster from a PMD-mapped file (benchmarks/pages.py) and a peers run fell from ~80% to 69-70% of the read bandwidth
+with a quarter of its file back in small folios (docs/performance.md, "A third host kind").
+
+    advise_huge_pages(mm)   ask for 2 MiB folios on a mapping (FileReader does, for every file)
+    drop_cached(path)       drop a file from the page cache (FileWriter does, after its commit)
+    survey(mm)              which 2 MiB chunks of a mapping are cached, and in which folio size
+    mend(mm, path)          drop the chunks cached in small folios, once a probe shows they come back large
+                            (Session does at load, unless CFLOW_FOLIOS=keep)
+
+The survey reads only what the kernel already holds: mincore(2) says which pages are cached, and one byte touched
+in each cached chunk maps a 2 MiB folio whole (a PMD) but a small one only around the touched page (fault-around,
+64 KiB), so /proc/self/pagemap's present bit on the chunk's last page tells the two apart. No disk reads, a few
+milliseconds per GB. MADV_COLLAPSE, which would rebuild the folios in place, returned EINVAL for a regular file
+on that host, hence dropping and reading back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import mmap
+import os
+
+import attrs
+import numpy as np
+
+HUGE = 2 << 20  # a PMD-mapped folio, x86-64
+PAGE = mmap.PAGESIZE
+_PRESENT = 1 << 63  # /proc/PID/pagemap entry: the page is mapped (readable without privileges)
+
+
+def advise_huge_pages(mm: mmap.mmap) -> None:
+    """Ask for transparent huge pages on a file mapping (MADV_HUGEPAGE): where the file system keeps large folios,
+    pages faulted in from disk then come in 2 MiB folios. Pages already cached keep their folio size (mend).
+    Systems without the advice (no THP, not Linux) keep ordinary pages, which is harmless."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+
+
+def drop_cached(path, offset: int = 0, length: int = 0) -> None:
+    """Drop a file's clean, unmapped pages from the page cache (all of it by default). Best effort: a file system
+    or platform without the advice keeps its cache."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+    finally:
+        os.close(fd)
+
+
+@attrs.frozen
+class Survey:
+    """Whole 2 MiB chunks of a mapping (the tail past the last whole chunk cannot be one folio) by cache state."""
+
+    chunks: int
+    huge: tuple[int, ...]  # cached, in one 2 MiB folio (PMD-mapped)
+    small: tuple[int, ...]  # cached in part, or whole in small folios
+
+    @property
+    def share_huge(self) -> float:
+        cached = len(self.huge) + len(self.small)
+        return len(self.huge) / cached if cached else 1.0
+
+    def __str__(self) -> str:
+        mib = HUGE >> 20
+        return (f"{len(self.huge) * mib} MiB in 2 MiB folios, {len(self.small) * mib} MiB in small folios, "
+                f"{(self.chunks - len(self.huge) - len(self.small)) * mib} MiB not cached")
+
+
+@attrs.frozen
+class Mended:
+    """What mend() found and did."""
+
+    before: Survey | None  # None: the survey is not possible here (not Linux, no pagemap, unaligned mapping)
+    dropped: int = 0  # chunks dropped from the page cache, to be read back in 2 MiB folios
+    reason: str = ""  # why nothing was dropped, when something was small
+
+    def __str__(self) -> str:
+        if self.before is None:
+            return f"page cache not surveyed ({self.reason})"
+        s = f"page cache: {self.before}"
+        if self.dropped:
+            s += f"; dropped {self.dropped * (HUGE >> 20)} MiB to read back in 2 MiB folios"
+        elif self.reason:
+            s += f"; kept ({self.reason})"
+        return s
+
+
+def mend_folios_enabled() -> bool:
+    """False when CFLOW_FOLIOS=keep: loads leave the page cache as they find it (benchmarks/pages.py needs that)."""
+    return os.environ.get("CFLOW_FOLIOS", "mend").strip().lower() != "keep"
+
+
+def _mincore():
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    f = getattr(libc, "mincore", None)
+    if f is not None:
+        f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        f.restype = ctypes.c_int
+    return f
+
+
+def _address(mm: mmap.mmap) -> int:
+    return np.frombuffer(mm, np.uint8).ctypes.data
+
+
+def cached_pages(mm: mmap.mmap) -> np.ndarray | None:
+    """bool per page of the mapping: in the page cache now (mincore). None where mincore is unavailable."""
+    f = _mincore()
+    if f is None or len(mm) == 0:
+        return None
+    n = -(-len(mm) // PAGE)
+    vec = np.zeros(n, np.uint8)
+    if f(_address(mm), len(mm), vec.ctypes.data) != 0:
+        return None
+    return (vec & 1).astype(bool)
+
+
+def _pagemap_present(fd: int, addr: int) -> bool:
+    raw = os.pread(fd, 8, (addr // PAGE) * 8)
+    return len(raw) == 8 and bool(int.from_bytes(raw, "little") & _PRESENT)
+
+
+def _zap(mm: mmap.mmap, start: int, length: int) -> None:
+    # MADV_DONTNEED on a shared file mapping only removes this process's page-table entries; the page cache keeps
+    # the pages (dropping them needs them unmapped, so drop_cached can take them).
+    mm.madvise(mmap.MADV_DONTNEED, start, length)
+
+
+def survey(mm: mmap.mmap) -> Survey | None:
+    """Which whole 2 MiB chunks of a file mapping are cached in 2 MiB folios, which in small ones; reads nothing
+    from disk (only cached chunks are touched). None where the kernel's views are unavailable or the mapping is not
+    2 MiB-aligned (then no folio could be PMD-mapped anyway). Leaves the huge chunks mapped, the others unmapped."""
+    addr = _address(mm)
+    chunks = len(mm) // HUGE
+    if chunks == 0 or addr % HUGE:
+        return None
+    cached = cached_pages(mm)
+    if cached is None:
+        return None
+    per_chunk = cached[: chunks * (HUGE // PAGE)].reshape(chunks, HUGE // PAGE)
+    whole, some = per_chunk.all(axis=1), per_chunk.any(axis=1)
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return None
+    huge, small = [], [int(c) for c in np.flatnonzero(some & ~whole)]  # a 2 MiB folio is cached whole or not
+    buf = np.frombuffer(mm, np.uint8)
+    try:
+        with contextlib.suppress(OSError, ValueError):
+            _zap(mm, 0, chunks * HUGE)  # earlier faults (the header's) must not count as present
+        for c in np.flatnonzero(whole):
+            c = int(c)
+            int(buf[c * HUGE])  # cached: a minor fault, no I/O
+            (huge if _pagemap_present(fd, addr + (c + 1) * HUGE - PAGE) else small).append(c)
+        for c in small:
+            _zap(mm, c * HUGE, HUGE)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        del buf
+    return Survey(chunks=chunks, huge=tuple(huge), small=tuple(sorted(small)))
+
+
+def _runs(chunks: tuple[int, ...]):
+    """(first, count) of each run of consecutive chunk numbers."""
+    start = prev = None
+    for c in chunks:
+        if start is None:
+            start = prev = c
+        elif c == prev + 1:
+            prev = c
+        else:
+            yield start, prev - start + 1
+            start = prev = c
+    if start is not None:
+        yield start, prev - start + 1
+
+
+def mend(mm: mmap.mmap, path) -> Mended:
+    """Drop the chunks of `path` that the page cache holds in small folios, so that the mapping (MADV_HUGEPAGE)
+    reads them back in 2 MiB ones when decode first touches them. One chunk is dropped and read back first: if it
+    does not come back as a 2 MiB folio (no THP for files, a file system without large folios, no free 2 MiB of
+    memory, another process mapping it), nothing else is dropped, so a host where small folios are all there is
+    never re-reads its files. Costs the small chunks' bytes read again from disk (~0.4 s for 700 MB here)."""
+    before = survey(mm)
+    if before is None:
+        return Mended(None, reason="mincore, /proc/self/pagemap or a 2 MiB-aligned mapping unavailable")
+    if not before.small:
+        return Mended(before)
+    addr, probe = _address(mm), before.small[0]
+    drop_cached(path, probe * HUGE, HUGE)
+    buf = np.frombuffer(mm, np.uint8)
+    try:
+        int(buf[probe * HUGE])  # read back through the MADV_HUGEPAGE mapping
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+        try:
+            came_back_huge = _pagemap_present(fd, addr + (probe + 1) * HUGE - PAGE)
+        finally:
+            os.close(fd)
+    except OSError:
+        came_back_huge = False
+    finally:
+        del buf
+    if not came_back_huge:
+        with contextlib.suppress(OSError, ValueError):
+            _zap(mm, probe * HUGE, HUGE)
+        return Mended(before, dropped=1, reason="a dropped chunk came back in small folios: kept the rest")
+    for first, count in _runs(before.small[1:]):
+        drop_cached(path, first * HUGE, count * HUGE)
+    return Mended(before, dropped=len(before.small))
