@@ -31,7 +31,9 @@ runs the search explicitly (``force=True`` re-measures) and prints the table.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import json
 import math
@@ -164,6 +166,26 @@ def read_table(target) -> dict:
         return {}
     kernels = d.get("kernels")
     return kernels if isinstance(kernels, dict) else {}
+
+
+@contextlib.contextmanager
+def _table_lock(target):
+    """Held from reading the table to writing it when something is measured: a second process loading on the same
+    host waits for the first's search (timing both at once on the same cores would mislead both), then finds the
+    records cached; nor can one process's write drop the other's records. A cache without write access: no lock
+    (the search just runs)."""
+    p = _path(target).with_suffix(".lock")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _write_table(target, table: dict) -> None:
@@ -437,24 +459,33 @@ def cached_choices(target, keys: dict, valid, default: dict, measure, what, sear
     ({key: what measure() takes}) on this host. A cached record whose choice passes valid() is reused; the others
     (all with force) are measured (measure(arg) -> record with "choice") when search is set, stored, and the
     table written once. Choices equal to `default` are left out. on_result(key, record) sees each record; without
-    one a warning says that a search is about to run (what(n): what is measured, for n keys)."""
+    one a warning says that a search is about to run (what(n): what is measured, for n keys). A search holds the
+    table's lock (_table_lock) from its read to its write."""
+
+    def missing(table):
+        cached = {k: valid(table[k].get("choice")) if isinstance(table.get(k), dict) else None for k in keys}
+        return cached, [k for k in keys if force or (search and cached[k] is None)]
+
     table = read_table(target)
-    cached = {k: valid(table[k].get("choice")) if isinstance(table.get(k), dict) else None for k in keys}
-    todo = [k for k in keys if force or (search and cached[k] is None)]
-    if todo and on_result is None:
-        warnings.warn(f"measuring this CPU's {what(len(todo))} (once per CPU model; cached in {_path(target)}; "
-                      "CFLOW_TUNE=off uses the defaults)", stacklevel=3)
-    out = {}
-    for key, arg in keys.items():
-        rec, c = table.get(key), cached[key]
-        if key in todo:
-            rec = measure(arg)
-            table[key], c = rec, rec["choice"]
-        if c is not None:
-            if on_result is not None:
-                on_result(key, rec)
-            if c != default:
-                out[key] = c
-    if todo:
-        _write_table(target, table)
+    cached, todo = missing(table)
+    with _table_lock(target) if todo else contextlib.nullcontext():
+        if todo:  # another process may have measured while this one waited for the lock
+            table = read_table(target)
+            cached, todo = missing(table)
+        if todo and on_result is None:
+            warnings.warn(f"measuring this CPU's {what(len(todo))} (once per CPU model; cached in {_path(target)}; "
+                          "CFLOW_TUNE=off uses the defaults)", stacklevel=3)
+        out = {}
+        for key, arg in keys.items():
+            rec, c = table.get(key), cached[key]
+            if key in todo:
+                rec = measure(arg)
+                table[key], c = rec, rec["choice"]
+            if c is not None:
+                if on_result is not None:
+                    on_result(key, rec)
+                if c != default:
+                    out[key] = c
+        if todo:  # merged into the table as it is now: a writer that took no lock keeps its records
+            _write_table(target, {**read_table(target), **{k: table[k] for k in todo}})
     return out

@@ -385,3 +385,54 @@ def test_attention_bad_records_are_ignored():
                 {"kv_prefetch": 100}, {"kv_prefetch": 4096, "x": 1}, [], None, "4096"):
         assert attn_tune._valid(bad) is None
     assert attn_tune._valid({"kv_prefetch": 0}) == {"kv_prefetch": 0}
+
+
+def test_a_search_holds_the_table_lock_and_keeps_other_records(tuning_on):
+    """Two processes loading at once: the second waits for the first's search and then finds its records (timing
+    both on the same cores would mislead both), and one's write never drops the other's records."""
+    import fcntl
+    import os
+
+    target = host_target()
+    lock = tune._path(target).with_suffix(".lock")
+    held = []
+
+    def measure(arg):
+        fd = os.open(lock, os.O_RDWR)
+        try:  # another open file description must not get the lock while this search runs
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        # meanwhile another process stored its own record
+        tune._write_table(target, {**tune.read_table(target), "other": {"choice": {"x": arg}}})
+        return {"choice": {"v": arg}}
+
+    got = tune.cached_choices(target, {"a": 1}, valid=lambda c: c if isinstance(c, dict) else None,
+                              default={}, measure=measure, what=str, on_result=lambda k, r: None)
+    assert got == {"a": {"v": 1}} and held == [True]
+    table = tune.read_table(target)
+    assert set(table) == {"a", "other"}
+
+
+def test_records_written_while_waiting_are_not_measured_again(tuning_on, monkeypatch):
+    target = host_target()
+    reads = []
+    real = tune.read_table
+
+    def read_table(t):  # the first read finds nothing; by the time the lock is held another process wrote "a"
+        reads.append(1)
+        if len(reads) == 2:
+            tune._write_table(t, {"a": {"choice": {"v": 7}}})
+        return real(t) if len(reads) > 1 else {}
+
+    monkeypatch.setattr(tune, "read_table", read_table)
+
+    def measure(arg):
+        raise AssertionError("measured although another process had just stored the record")
+
+    got = tune.cached_choices(target, {"a": 1}, valid=lambda c: c if isinstance(c, dict) else None,
+                              default={}, measure=measure, what=str, on_result=lambda k, r: None)
+    assert got == {"a": {"v": 7}} and len(reads) == 2
