@@ -628,6 +628,7 @@ def main(argv=None) -> None:
         rows = []  # (engine, quant, tok/s, bytes per token, other load, attempts)
         for q in quants:
             m = cflow.load(plans[q][0], threads=threads)
+            print(f"# cflow {q} load, {threads} threads: {m.session.folios}", flush=True)
             tps, busy, n = measure_quiet(lambda m=m: time_decode(m, prompt, args.tokens, args.reps), **quiet)
             bpt = active_bytes_per_token(plans[q][1].graph, q) if moe else m.bytes_per_token
             if moe and threads == int(args.threads.split(",")[0]) and q == quants[0]:
