@@ -32,7 +32,7 @@ from decode import MODELS, OUT, compiled_model, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.codegen.target import cpu_model  # noqa: E402
-from cflow.runtime.format.folios import drop_cached  # noqa: E402
+from cflow.runtime.format.folios import drop_cached, survey  # noqa: E402
 
 
 def pmd_mapped_kib(path: str) -> tuple[int, int]:
@@ -60,11 +60,13 @@ def report(paths: list[str]) -> None:
     print(f"# {cpu_model()}")
     for p in paths:
         with FileReader(p) as r:
+            found = survey(r._mm)  # what a load's survey sees (cached chunks only), before anything is faulted in
             buf = np.frombuffer(r._buf, np.uint8)
-            int(buf[::4096].sum())  # fault every page in
+            int(buf[::4096].sum())  # fault every page in: the kernel's own count (smaps) as a cross-check
             rss, pmd = pmd_mapped_kib(p)
             del buf
-        print(f"{p}: PMD-mapped {pmd / 1024:.1f} of {rss / 1024:.1f} MiB resident ({100 * pmd / max(rss, 1):.0f}%)")
+        print(f"{p}: PMD-mapped {pmd / 1024:.1f} of {rss / 1024:.1f} MiB resident ({100 * pmd / max(rss, 1):.0f}%); "
+              f"survey before: {found if found is not None else 'not possible here'}")
 
 
 def copies(src: str) -> dict[str, str]:
@@ -103,11 +105,17 @@ def main() -> None:
     print(f"# {cpu_model()}; {config.name} q4; {args.rounds} alternating rounds of {args.tokens} tokens (best of 2)")
     for threads in (int(t) for t in args.threads.split(",")):
         models = {}
-        for k, p in files.items():
-            os.environ["CFLOW_FOLIOS"] = "keep" if k == "small" else "mend"
-            models[k] = cflow.load(p, threads=threads)
-            print(f"  {k:<6} load: {models[k].session.folios}")
-        os.environ.pop("CFLOW_FOLIOS")
+        saved = os.environ.get("CFLOW_FOLIOS")
+        try:
+            for k, p in files.items():
+                os.environ["CFLOW_FOLIOS"] = "keep" if k == "small" else "mend"
+                models[k] = cflow.load(p, threads=threads)
+                print(f"  {k:<6} load: {models[k].session.folios}")
+        finally:
+            if saved is None:
+                os.environ.pop("CFLOW_FOLIOS", None)
+            else:
+                os.environ["CFLOW_FOLIOS"] = saved
         for m in models.values():
             time_decode(m, prompt, 4, 1)  # faults every page in (2 MiB folios where the cache allows)
         cover = {k: pmd_mapped_kib(p) for k, p in files.items()}

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import hashlib
 import json
 import math
@@ -172,20 +171,38 @@ def read_table(target) -> dict:
 def _table_lock(target):
     """Held from reading the table to writing it when something is measured: a second process loading on the same
     host waits for the first's search (timing both at once on the same cores would mislead both), then finds the
-    records cached; nor can one process's write drop the other's records. A cache without write access: no lock
-    (the search just runs)."""
+    records cached; nor can one process's write drop the other's records. Where no lock can be had (no fcntl, a
+    cache without write access to the lock file, a file system without locks) the search runs unlocked, as before."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        fcntl = None
     p = _path(target).with_suffix(".lock")
+    fd = None
+    if fcntl is not None:
+        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # flock works on a read-only descriptor too
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(p, flags, 0o644)
+                break
+            except OSError:
+                continue
+    locked = False
+    if fd is not None:
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                warnings.warn(f"waiting for another process's kernel search on this CPU ({p})", stacklevel=4)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError:  # ENOLCK and the like: search unlocked
+            pass
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield locked
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _write_table(target, table: dict) -> None:

@@ -436,3 +436,17 @@ def test_records_written_while_waiting_are_not_measured_again(tuning_on, monkeyp
     got = tune.cached_choices(target, {"a": 1}, valid=lambda c: c if isinstance(c, dict) else None,
                               default={}, measure=measure, what=str, on_result=lambda k, r: None)
     assert got == {"a": {"v": 7}} and len(reads) == 2
+
+
+def test_a_file_system_without_locks_still_searches(tuning_on, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    got = tune.cached_choices(host_target(), {"a": 1}, valid=lambda c: c if isinstance(c, dict) else None,
+                              default={}, measure=lambda arg: {"choice": {"v": arg}}, what=str,
+                              on_result=lambda k, r: None)
+    assert got == {"a": {"v": 1}} and tune.read_table(host_target())["a"]["choice"] == {"v": 1}

@@ -11,7 +11,7 @@ with a quarter of its file back in small folios (docs/performance.md, "A third h
     advise_huge_pages(mm)   ask for 2 MiB folios on a mapping (FileReader does, for every file)
     drop_cached(path)       drop a file from the page cache (FileWriter does, after its commit)
     survey(mm)              which 2 MiB chunks of a mapping are cached, and in which folio size
-    mend(mm, path)          drop the chunks cached in small folios, once a probe shows they come back large
+    mend(mm, path, ident)   drop the chunks cached in small folios, once a probe shows they come back large
                             (Session does at load, unless CFLOW_FOLIOS=keep)
 
 The survey reads only what the kernel already holds: mincore(2) says which pages are cached, and one byte touched
@@ -26,14 +26,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 
 import attrs
 import numpy as np
 
-HUGE = 2 << 20  # a PMD-mapped folio, x86-64
+HUGE = 2 << 20  # a PMD-mapped folio, x86-64 with 4 KiB pages (other sizes: not surveyed)
 PAGE = mmap.PAGESIZE
+THP = "/sys/kernel/mm/transparent_hugepage"
+_no_large: set[int] = set()  # devices whose probe came back small: not probed again by this process
 _PRESENT = 1 << 63  # /proc/PID/pagemap entry: the page is mapped (readable without privileges)
 
 
@@ -45,15 +48,18 @@ def advise_huge_pages(mm: mmap.mmap) -> None:
         mm.madvise(mmap.MADV_HUGEPAGE)
 
 
-def drop_cached(path, offset: int = 0, length: int = 0) -> None:
-    """Drop a file's clean, unmapped pages from the page cache (all of it by default). Best effort: a file system
-    or platform without the advice keeps its cache."""
+def drop_cached(path, offset: int = 0, length: int = 0, ident: tuple[int, int] | None = None) -> None:
+    """Drop a file's clean, unmapped pages from the page cache (all of it by default). With ident (st_dev,
+    st_ino), only if `path` is still that file (a file replaced since it was mapped keeps its cache). Best effort:
+    a file system or platform without the advice keeps its cache."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        st = os.fstat(fd)
+        if ident is None or (st.st_dev, st.st_ino) == tuple(ident):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except (AttributeError, OSError):
         pass
     finally:
@@ -68,11 +74,6 @@ class Survey:
     huge: tuple[int, ...]  # cached, in one 2 MiB folio (PMD-mapped)
     small: tuple[int, ...]  # cached in part, or whole in small folios
 
-    @property
-    def share_huge(self) -> float:
-        cached = len(self.huge) + len(self.small)
-        return len(self.huge) / cached if cached else 1.0
-
     def __str__(self) -> str:
         mib = HUGE >> 20
         return (f"{len(self.huge) * mib} MiB in 2 MiB folios, {len(self.small) * mib} MiB in small folios, "
@@ -83,9 +84,9 @@ class Survey:
 class Mended:
     """What mend() found and did."""
 
-    before: Survey | None  # None: the survey is not possible here (not Linux, no pagemap, unaligned mapping)
-    dropped: int = 0  # chunks dropped from the page cache, to be read back in 2 MiB folios
-    reason: str = ""  # why nothing was dropped, when something was small
+    before: Survey | None  # None: not surveyed (reason says why)
+    dropped: int = 0  # chunks that left the page cache, to be read back in 2 MiB folios
+    reason: str = ""  # why small chunks were kept, or why nothing was surveyed
 
     def __str__(self) -> str:
         if self.before is None:
@@ -93,16 +94,18 @@ class Mended:
         s = f"page cache: {self.before}"
         if self.dropped:
             s += f"; dropped {self.dropped * (HUGE >> 20)} MiB to read back in 2 MiB folios"
-        elif self.reason:
-            s += f"; kept ({self.reason})"
+        if self.reason:
+            s += f"; {self.reason}"
         return s
 
 
 def mend_folios_enabled() -> bool:
-    """False when CFLOW_FOLIOS=keep: loads leave the page cache as they find it (benchmarks/pages.py needs that)."""
-    return os.environ.get("CFLOW_FOLIOS", "mend").strip().lower() != "keep"
+    """False when CFLOW_FOLIOS is keep (or off, 0, no, false): loads leave the page cache as they find it
+    (benchmarks/pages.py times such a file)."""
+    return os.environ.get("CFLOW_FOLIOS", "mend").strip().lower() not in ("keep", "off", "0", "no", "false")
 
 
+@functools.cache
 def _mincore():
     name = ctypes.util.find_library("c")
     if name is None:
@@ -113,6 +116,26 @@ def _mincore():
         f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         f.restype = ctypes.c_int
     return f
+
+
+def _unsupported(mm: mmap.mmap) -> str:
+    """Why no chunk of this mapping could be a PMD-mapped 2 MiB folio ('' when one could)."""
+    if len(mm) < HUGE:
+        return "file shorter than one 2 MiB chunk"
+    if PAGE != 4096:
+        return f"{PAGE}-byte pages"
+    try:
+        with open(f"{THP}/enabled") as f:
+            if "[never]" in f.read():
+                return "transparent huge pages off"
+        with open(f"{THP}/hpage_pmd_size") as f:
+            if int(f.read()) != HUGE:
+                return "huge pages not 2 MiB"
+    except (OSError, ValueError):
+        return "no transparent huge pages"
+    if _address(mm) % HUGE:
+        return "mapping not 2 MiB-aligned"
+    return ""
 
 
 def _address(mm: mmap.mmap) -> int:
@@ -144,12 +167,12 @@ def _zap(mm: mmap.mmap, start: int, length: int) -> None:
 
 def survey(mm: mmap.mmap) -> Survey | None:
     """Which whole 2 MiB chunks of a file mapping are cached in 2 MiB folios, which in small ones; reads nothing
-    from disk (only cached chunks are touched). None where the kernel's views are unavailable or the mapping is not
-    2 MiB-aligned (then no folio could be PMD-mapped anyway). Leaves the huge chunks mapped, the others unmapped."""
+    from disk (only cached chunks are touched). None where no chunk could be PMD-mapped (_unsupported) or the
+    kernel's views (mincore, /proc/self/pagemap) are unavailable. Leaves the huge chunks mapped, the others not."""
+    if _unsupported(mm):
+        return None
     addr = _address(mm)
     chunks = len(mm) // HUGE
-    if chunks == 0 or addr % HUGE:
-        return None
     cached = cached_pages(mm)
     if cached is None:
         return None
@@ -193,35 +216,60 @@ def _runs(chunks: tuple[int, ...]):
         yield start, prev - start + 1
 
 
-def mend(mm: mmap.mmap, path) -> Mended:
-    """Drop the chunks of `path` that the page cache holds in small folios, so that the mapping (MADV_HUGEPAGE)
-    reads them back in 2 MiB ones when decode first touches them. One chunk is dropped and read back first: if it
-    does not come back as a 2 MiB folio (no THP for files, a file system without large folios, no free 2 MiB of
-    memory, another process mapping it), nothing else is dropped, so a host where small folios are all there is
-    never re-reads its files. Costs the small chunks' bytes read again from disk (~0.4 s for 700 MB here)."""
-    before = survey(mm)
+def mend(mm: mmap.mmap, path, ident: tuple[int, int] | None = None) -> Mended:
+    """Drop the chunks of `path` (the mapped file: ident = its (st_dev, st_ino)) that the page cache holds in small
+    folios, so that the mapping (MADV_HUGEPAGE) reads them back in 2 MiB ones when decode first touches them.
+    Where no chunk of the file is cached in a 2 MiB folio yet, one small chunk is dropped and read back first: if
+    it does not come back as a 2 MiB folio (a file system without large folios, no free 2 MiB of memory, another
+    process mapping it), the rest is kept and this process does not probe that device again; such a host re-reads
+    at most that one chunk per process. Costs the dropped bytes read again from disk when first touched."""
+    why = _unsupported(mm)
+    before = None if why else survey(mm)
     if before is None:
-        return Mended(None, reason="mincore, /proc/self/pagemap or a 2 MiB-aligned mapping unavailable")
+        return Mended(None, reason=why or "mincore or /proc/self/pagemap unavailable")
     if not before.small:
         return Mended(before)
-    addr, probe = _address(mm), before.small[0]
-    drop_cached(path, probe * HUGE, HUGE)
-    buf = np.frombuffer(mm, np.uint8)
-    try:
-        int(buf[probe * HUGE])  # read back through the MADV_HUGEPAGE mapping
-        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    dev = ident[0] if ident is not None else None
+    if not before.huge:  # nothing shows this file system makes 2 MiB folios: probe one chunk
+        if dev in _no_large:
+            return Mended(before, reason="kept: this file system gave small folios to a dropped chunk before")
+        probe = before.small[0]
+        drop_cached(path, probe * HUGE, HUGE, ident)
+        cached = cached_pages(mm)
+        if cached is None or cached[probe * (HUGE // PAGE) : (probe + 1) * (HUGE // PAGE)].any():
+            return Mended(before, reason="kept: the page cache did not let a chunk go (mapped elsewhere, or the "
+                                         "file replaced)")
+        buf = np.frombuffer(mm, np.uint8)
         try:
-            came_back_huge = _pagemap_present(fd, addr + (probe + 1) * HUGE - PAGE)
+            int(buf[probe * HUGE])  # read back through the MADV_HUGEPAGE mapping
+            came_back_huge = _chunk_mapped_whole(mm, probe)
         finally:
-            os.close(fd)
+            del buf
+        if not came_back_huge:
+            with contextlib.suppress(OSError, ValueError):
+                _zap(mm, probe * HUGE, HUGE)
+            if dev is not None:
+                _no_large.add(dev)
+            return Mended(before, reason="kept: a dropped chunk came back in small folios")
+    rest = [c for c in before.small if before.huge or c != before.small[0]]
+    for first, count in _runs(tuple(rest)):
+        drop_cached(path, first * HUGE, count * HUGE, ident)
+    cached = cached_pages(mm)
+    per = HUGE // PAGE
+    left = [c for c in rest if cached is not None and cached[c * per : (c + 1) * per].any()]
+    dropped = len(before.small) - len(left)
+    return Mended(before, dropped=dropped,
+                  reason=f"{len(left) * (HUGE >> 20)} MiB stayed cached (mapped elsewhere or dirty)" if left else "")
+
+
+def _chunk_mapped_whole(mm: mmap.mmap, c: int) -> bool:
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
-        came_back_huge = False
+        return False
+    try:
+        return _pagemap_present(fd, _address(mm) + (c + 1) * HUGE - PAGE)
+    except OSError:
+        return False
     finally:
-        del buf
-    if not came_back_huge:
-        with contextlib.suppress(OSError, ValueError):
-            _zap(mm, probe * HUGE, HUGE)
-        return Mended(before, dropped=1, reason="a dropped chunk came back in small folios: kept the rest")
-    for first, count in _runs(before.small[1:]):
-        drop_cached(path, first * HUGE, count * HUGE)
-    return Mended(before, dropped=len(before.small))
+        os.close(fd)

@@ -75,10 +75,11 @@ class FileReader:
         try:
             with open(self.path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                st = os.fstat(f.fileno())
         except (OSError, ValueError) as e:
             raise FormatError(f"{self.path}: cannot map: {e}") from None
         advise_huge_pages(mm)
-        self._mm = mm
+        self._mm, self._ident = mm, (st.st_dev, st.st_ino)  # the file mapped, whatever `path` names later
         # Plain ndarray views keep the mapping alive after close(); nothing is read yet.
         self._buf: np.ndarray | None = np.frombuffer(mm, np.uint8)
         self.file_size = len(self._buf)
@@ -398,7 +399,7 @@ class FileReader:
         (folios.mend). For a file decode maps and reads whole; Session calls it at load."""
         if self._buf is None:
             raise FormatError(f"{self.path}: reader is closed")
-        return mend(self._mm, self.path)
+        return mend(self._mm, self.path, self._ident)
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
