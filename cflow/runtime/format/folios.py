@@ -237,8 +237,8 @@ def mend(mm: mmap.mmap, path, ident: tuple[int, int] | None = None) -> Mended:
         drop_cached(path, probe * HUGE, HUGE, ident)
         cached = cached_pages(mm)
         if cached is None or cached[probe * (HUGE // PAGE) : (probe + 1) * (HUGE // PAGE)].any():
-            return Mended(before, reason="kept: the page cache did not let a chunk go (mapped elsewhere, or the "
-                                         "file replaced)")
+            return Mended(before, reason="kept: the page cache did not let a chunk go (not yet written back, "
+                                         "mapped elsewhere, or the file replaced)")
         buf = np.frombuffer(mm, np.uint8)
         try:
             int(buf[probe * HUGE])  # read back through the MADV_HUGEPAGE mapping
