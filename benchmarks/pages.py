@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import numpy as np
 
@@ -60,13 +61,15 @@ def report(paths: list[str]) -> None:
     print(f"# {cpu_model()}")
     for p in paths:
         with FileReader(p) as r:
+            t0 = time.perf_counter()
             found = survey(r._mm)  # what a load's survey sees (cached chunks only), before anything is faulted in
+            took = time.perf_counter() - t0
             buf = np.frombuffer(r._buf, np.uint8)
             int(buf[::4096].sum())  # fault every page in: the kernel's own count (smaps) as a cross-check
             rss, pmd = pmd_mapped_kib(p)
             del buf
         print(f"{p}: PMD-mapped {pmd / 1024:.1f} of {rss / 1024:.1f} MiB resident ({100 * pmd / max(rss, 1):.0f}%); "
-              f"survey before: {found if found is not None else 'not possible here'}")
+              f"survey before: {found if found is not None else 'not possible here'} ({1e3 * took:.1f} ms)")
 
 
 def copies(src: str) -> dict[str, str]:

@@ -235,6 +235,15 @@ def _fsync_dir(d: Path) -> None:
         pass
 
 
+# --- switches --------------------------------------------------------------------------------------
+OFF_WORDS = ("off", "0", "no", "false")
+
+
+def switched_off(name: str, *also: str) -> bool:
+    """An environment switch (CFLOW_TUNE, CFLOW_FOLIOS) set to off, 0, no or false (or one of `also`), any case."""
+    return os.environ.get(name, "").strip().lower() in OFF_WORDS + also
+
+
 # --- memory ----------------------------------------------------------------------------------------
 def available_memory() -> int | None:
     """Bytes this process may still allocate: the least of the kernel's MemAvailable, the cgroup's limit minus
@@ -248,7 +257,7 @@ def available_memory() -> int | None:
     v1 = "/sys/fs/cgroup/memory/memory."
     for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                          (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
-        lim, use = _read_int(limit), _read_int(usage)
+        lim, use = read_int(limit), read_int(usage)
         if lim is not None and use is not None and lim < 2**60:  # "max" / a huge number: no limit
             found.append(max(0, lim - use))
             break
@@ -268,7 +277,8 @@ def format_bytes(n: int | float) -> str:
     return f"{n} B"  # unreachable
 
 
-def _read_int(path: str) -> int | None:
+def read_int(path: str) -> int | None:
+    """A file holding one integer (sysfs, cgroup files); None if it cannot be read as one."""
     try:
         with open(path) as f:
             return int(f.read().strip())

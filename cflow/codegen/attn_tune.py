@@ -29,7 +29,8 @@ from .abi import KV_BYTES, kv_floats_per_layer
 from .ops import KV_PREFETCH
 
 DISTANCES = (KV_PREFETCH, 0, 1024, 16384)  # bytes ahead; the first is the default
-TUNE_SEQ = 4096  # cache positions the timing runs at (position TUNE_SEQ - 33, a block short of the end)
+TUNE_SEQ = 4096  # cache positions the timing runs at
+POSITION = TUNE_SEQ - 33  # the position timed: a block short of the end
 LAYERS = 22  # layers' caches per timed call (TinyLlama's count: ~90 MB of f16 K/V, milliseconds)
 ROUNDS = tune.ROUNDS
 
@@ -125,7 +126,7 @@ def measure(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS, d
     H, KV, hd = geom
     _, layers, n_calls = timed_set(geom, kv)
     bench = AttentionBench(H, KV, hd, kv, TUNE_SEQ, target, distances, n_caches=layers * n_calls)
-    pos = TUNE_SEQ - 33
+    pos = POSITION
     nd = len(distances)
 
     def call(i: int, c: int) -> None:  # variant i over the layers of rotation slot c
@@ -170,7 +171,7 @@ def tune_attention(geom: tuple[int, int, int], kv: str, target, rounds: int = RO
 
     res = measure(geom, kv, target, rounds=rounds)
     return {"choice": tune.choose(res), "cpu": cpu_model(), "isa": target.isa, "rounds": rounds,
-            "position": TUNE_SEQ - 33, "layers_per_call": timed_set(geom, kv)[1],
+            "position": POSITION, "layers_per_call": timed_set(geom, kv)[1],
             "results": [{"variant": f"kv_prefetch {r['knobs']['kv_prefetch']}", "knobs": r["knobs"],
                          "gbps": round(r["gbps"], 3)} for r in res]}
 

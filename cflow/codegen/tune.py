@@ -45,7 +45,7 @@ import numpy as np
 from llvmlite import ir
 
 from ..errors import CflowError
-from ..util import atomic_write_text
+from ..util import atomic_write_text, switched_off
 from . import kernels as K
 from .cache import default_cache_dir
 
@@ -71,7 +71,7 @@ SCHEMA = 6
 
 
 def enabled() -> bool:
-    return os.environ.get("CFLOW_TUNE", "on").strip().lower() not in ("off", "0", "no", "false")
+    return not switched_off("CFLOW_TUNE")
 
 
 def kernel_key(layout, gate_up: bool) -> str:
@@ -179,27 +179,23 @@ def _table_lock(target):
         fcntl = None
     p = _path(target).with_suffix(".lock")
     fd = None
-    if fcntl is not None:
-        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # flock works on a read-only descriptor too
-            try:
-                p.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(p, flags, 0o644)
-                break
-            except OSError:
-                continue
-    locked = False
-    if fd is not None:
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY) if fcntl else ():  # flock works read-only too
         try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(p, flags, 0o644)
+            break
+        except OSError:
+            continue
+    try:
+        if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                warnings.warn(f"waiting for another process's kernel search on this CPU ({p})", stacklevel=4)
+            except BlockingIOError:  # stacklevel: this, contextlib, cached_choices, choices, its caller
+                warnings.warn(f"waiting for another process's kernel search on this CPU ({p})", stacklevel=5)
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            locked = True
-        except OSError:  # ENOLCK and the like: search unlocked
-            pass
-    try:
-        yield locked
+            except OSError:  # ENOLCK and the like: search unlocked
+                pass
+        yield
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock

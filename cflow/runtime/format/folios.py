@@ -16,9 +16,9 @@ with a quarter of its file back in small folios (docs/performance.md, "A third h
 
 The survey reads only what the kernel already holds: mincore(2) says which pages are cached, and one byte touched
 in each cached chunk maps a 2 MiB folio whole (a PMD) but a small one only around the touched page (fault-around,
-64 KiB), so /proc/self/pagemap's present bit on the chunk's last page tells the two apart. No disk reads, a few
-milliseconds per GB. MADV_COLLAPSE, which would rebuild the folios in place, returned EINVAL for a regular file
-on that host, hence dropping and reading back.
+64 KiB), so /proc/self/pagemap's present bit on the chunk's last page tells the two apart. No disk reads:
+7-13 ms for a 680 MiB file here (benchmarks/pages.py --report). MADV_COLLAPSE, which would rebuild the folios in
+place, returned EINVAL for a regular file on that host, hence dropping and reading back.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import itertools
 import mmap
 import os
 
 import attrs
 import numpy as np
+
+from cflow.util import read_int, switched_off
 
 HUGE = 2 << 20  # a PMD-mapped folio, x86-64 with 4 KiB pages (other sizes: not surveyed)
 PAGE = mmap.PAGESIZE
@@ -102,7 +105,7 @@ class Mended:
 def mend_folios_enabled() -> bool:
     """False when CFLOW_FOLIOS is keep (or off, 0, no, false): loads leave the page cache as they find it
     (benchmarks/pages.py times such a file)."""
-    return os.environ.get("CFLOW_FOLIOS", "mend").strip().lower() not in ("keep", "off", "0", "no", "false")
+    return not switched_off("CFLOW_FOLIOS", "keep")
 
 
 @functools.cache
@@ -128,11 +131,10 @@ def _unsupported(mm: mmap.mmap) -> str:
         with open(f"{THP}/enabled") as f:
             if "[never]" in f.read():
                 return "transparent huge pages off"
-        with open(f"{THP}/hpage_pmd_size") as f:
-            if int(f.read()) != HUGE:
-                return "huge pages not 2 MiB"
-    except (OSError, ValueError):
+    except OSError:
         return "no transparent huge pages"
+    if read_int(f"{THP}/hpage_pmd_size") != HUGE:
+        return "huge pages not 2 MiB"
     if _address(mm) % HUGE:
         return "mapping not 2 MiB-aligned"
     return ""
@@ -154,8 +156,19 @@ def cached_pages(mm: mmap.mmap) -> np.ndarray | None:
     return (vec & 1).astype(bool)
 
 
-def _pagemap_present(fd: int, addr: int) -> bool:
-    raw = os.pread(fd, 8, (addr // PAGE) * 8)
+def _cached_chunks(mm: mmap.mmap) -> tuple[np.ndarray, np.ndarray] | None:
+    """(whole, some): per whole 2 MiB chunk of the mapping, every page / any page in the page cache (mincore)."""
+    cached = cached_pages(mm)
+    if cached is None:
+        return None
+    per_chunk = cached[: len(mm) // HUGE * (HUGE // PAGE)].reshape(-1, HUGE // PAGE)
+    return per_chunk.all(axis=1), per_chunk.any(axis=1)
+
+
+def _mapped_whole(fd: int, mm: mmap.mmap, c: int) -> bool:
+    """Chunk c's last page is mapped (pagemap `fd`) after a touch of its first: the chunk is one PMD-mapped folio
+    (a small folio is mapped only around the touched page)."""
+    raw = os.pread(fd, 8, ((_address(mm) + (c + 1) * HUGE - PAGE) // PAGE) * 8)
     return len(raw) == 8 and bool(int.from_bytes(raw, "little") & _PRESENT)
 
 
@@ -171,13 +184,10 @@ def survey(mm: mmap.mmap) -> Survey | None:
     kernel's views (mincore, /proc/self/pagemap) are unavailable. Leaves the huge chunks mapped, the others not."""
     if _unsupported(mm):
         return None
-    addr = _address(mm)
-    chunks = len(mm) // HUGE
-    cached = cached_pages(mm)
-    if cached is None:
+    chunks = _cached_chunks(mm)
+    if chunks is None:
         return None
-    per_chunk = cached[: chunks * (HUGE // PAGE)].reshape(chunks, HUGE // PAGE)
-    whole, some = per_chunk.all(axis=1), per_chunk.any(axis=1)
+    whole, some = chunks
     try:
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
@@ -186,11 +196,11 @@ def survey(mm: mmap.mmap) -> Survey | None:
     buf = np.frombuffer(mm, np.uint8)
     try:
         with contextlib.suppress(OSError, ValueError):
-            _zap(mm, 0, chunks * HUGE)  # earlier faults (the header's) must not count as present
+            _zap(mm, 0, len(whole) * HUGE)  # earlier faults (the header's) must not count as present
         for c in np.flatnonzero(whole):
             c = int(c)
             int(buf[c * HUGE])  # cached: a minor fault, no I/O
-            (huge if _pagemap_present(fd, addr + (c + 1) * HUGE - PAGE) else small).append(c)
+            (huge if _mapped_whole(fd, mm, c) else small).append(c)
         for c in small:
             _zap(mm, c * HUGE, HUGE)
     except OSError:
@@ -198,22 +208,14 @@ def survey(mm: mmap.mmap) -> Survey | None:
     finally:
         os.close(fd)
         del buf
-    return Survey(chunks=chunks, huge=tuple(huge), small=tuple(sorted(small)))
+    return Survey(chunks=len(whole), huge=tuple(huge), small=tuple(sorted(small)))
 
 
-def _runs(chunks: tuple[int, ...]):
-    """(first, count) of each run of consecutive chunk numbers."""
-    start = prev = None
-    for c in chunks:
-        if start is None:
-            start = prev = c
-        elif c == prev + 1:
-            prev = c
-        else:
-            yield start, prev - start + 1
-            start = prev = c
-    if start is not None:
-        yield start, prev - start + 1
+def _runs(chunks):
+    """(first, count) of each run of consecutive chunk numbers (sorted)."""
+    for _, run in itertools.groupby(enumerate(chunks), lambda ic: ic[1] - ic[0]):
+        run = [c for _, c in run]
+        yield run[0], len(run)
 
 
 def mend(mm: mmap.mmap, path, ident: tuple[int, int] | None = None) -> Mended:
@@ -223,53 +225,47 @@ def mend(mm: mmap.mmap, path, ident: tuple[int, int] | None = None) -> Mended:
     it does not come back as a 2 MiB folio (a file system without large folios, no free 2 MiB of memory, another
     process mapping it), the rest is kept and this process does not probe that device again; such a host re-reads
     at most that one chunk per process. Costs the dropped bytes read again from disk when first touched."""
-    why = _unsupported(mm)
-    before = None if why else survey(mm)
+    before = survey(mm)
     if before is None:
-        return Mended(None, reason=why or "mincore or /proc/self/pagemap unavailable")
+        return Mended(None, reason=_unsupported(mm) or "mincore or /proc/self/pagemap unavailable")
     if not before.small:
         return Mended(before)
     dev = ident[0] if ident is not None else None
+    rest = before.small
     if not before.huge:  # nothing shows this file system makes 2 MiB folios: probe one chunk
         if dev in _no_large:
             return Mended(before, reason="kept: this file system gave small folios to a dropped chunk before")
-        probe = before.small[0]
+        probe, rest = before.small[0], before.small[1:]
         drop_cached(path, probe * HUGE, HUGE, ident)
-        cached = cached_pages(mm)
-        if cached is None or cached[probe * (HUGE // PAGE) : (probe + 1) * (HUGE // PAGE)].any():
+        chunks = _cached_chunks(mm)
+        if chunks is None or chunks[1][probe]:
             return Mended(before, reason="kept: the page cache did not let a chunk go (not yet written back, "
                                          "mapped elsewhere, or the file replaced)")
-        buf = np.frombuffer(mm, np.uint8)
-        try:
-            int(buf[probe * HUGE])  # read back through the MADV_HUGEPAGE mapping
-            came_back_huge = _chunk_mapped_whole(mm, probe)
-        finally:
-            del buf
-        if not came_back_huge:
+        if not _read_back_whole(mm, probe):
             with contextlib.suppress(OSError, ValueError):
                 _zap(mm, probe * HUGE, HUGE)
             if dev is not None:
                 _no_large.add(dev)
             return Mended(before, reason="kept: a dropped chunk came back in small folios")
-    rest = [c for c in before.small if before.huge or c != before.small[0]]
-    for first, count in _runs(tuple(rest)):
+    for first, count in _runs(rest):
         drop_cached(path, first * HUGE, count * HUGE, ident)
-    cached = cached_pages(mm)
-    per = HUGE // PAGE
-    left = [c for c in rest if cached is not None and cached[c * per : (c + 1) * per].any()]
-    dropped = len(before.small) - len(left)
-    return Mended(before, dropped=dropped,
+    chunks = _cached_chunks(mm)
+    left = [c for c in rest if chunks is not None and chunks[1][c]]
+    return Mended(before, dropped=len(before.small) - len(left),
                   reason=f"{len(left) * (HUGE >> 20)} MiB stayed cached (mapped elsewhere or dirty)" if left else "")
 
 
-def _chunk_mapped_whole(mm: mmap.mmap, c: int) -> bool:
+def _read_back_whole(mm: mmap.mmap, c: int) -> bool:
+    """Touch chunk c (read from disk through the MADV_HUGEPAGE mapping): did it come back as one 2 MiB folio?"""
+    buf = np.frombuffer(mm, np.uint8)
     try:
+        int(buf[c * HUGE])
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        return _pagemap_present(fd, _address(mm) + (c + 1) * HUGE - PAGE)
+        try:
+            return _mapped_whole(fd, mm, c)
+        finally:
+            os.close(fd)
     except OSError:
         return False
     finally:
-        os.close(fd)
+        del buf
