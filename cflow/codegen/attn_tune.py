@@ -35,8 +35,13 @@ LAYERS = 22  # layers' caches per timed call (TinyLlama's count: ~90 MB of f16 K
 ROUNDS = tune.ROUNDS
 
 
-def attention_key(n_heads: int, n_kv_heads: int, head_dim: int, kv: str) -> str:
-    return f"attn:{n_heads}x{n_kv_heads}x{head_dim}:{kv}"
+def attention_key(n_heads: int, n_kv_heads: int, head_dim: int, kv: str, bf16_unit: str = "") -> str:
+    """The table key of one attention geometry and cache type; a bf16 core on the tile unit (a memory-bound loop
+    where the vector one is not) has its own entry."""
+    from .ops import amx_fits
+
+    amx = kv == "bf16" and bf16_unit == "amx" and amx_fits(n_heads // n_kv_heads, head_dim, 16)
+    return f"attn:{n_heads}x{n_kv_heads}x{head_dim}:{kv}" + (":amx" if amx else "")
 
 
 def geometries(nodes) -> set[tuple[int, int, int]]:
@@ -67,9 +72,9 @@ class AttentionBench:
         offs = (0, H * hd, H * hd + KV * hd)
         kvp = P(i16) if KV_BYTES[kv] == 2 else P(f32)
         args = [P(f32)] * 6 + [kvp, kvp] + [P(f32)] * 4 + [i64, i64, i64]
-        bf16_hw = kv == "bf16" and target.has_avx512_bf16
+        bf16_unit = target.bf16_unit if kv == "bf16" else ""
         for i, d in enumerate(distances):
-            fn = O.attention(m, n, offs, target.isa, kv, S, bf16_hw, d)
+            fn = O.attention(m, n, offs, target.isa, kv, S, bf16_unit, d)
             w = ir.Function(m, ir.FunctionType(ir.VoidType(), args), f"attn{i}")
             b = ir.IRBuilder(w.append_basic_block("entry"))
             b.call(fn, list(w.args))
@@ -183,7 +188,8 @@ def choices(geoms, kv: str, target, search: bool = True, force: bool = False, ro
     ignore_env; the default's entries left out). on_result(key, record) sees each record."""
     if not (tune.enabled() or force or ignore_env):
         return {}
-    keys = {attention_key(*g, kv): g for g in sorted(geoms)}
+    unit = target.bf16_unit if kv == "bf16" else ""
+    keys = {attention_key(*g, kv, unit): g for g in sorted(geoms)}
     return tune.cached_choices(
         target, keys, _valid, {"kv_prefetch": KV_PREFETCH}, lambda g: tune_attention(g, kv, target, rounds),
         lambda n: f"attention prefetch distance for {n} attention geometr{'ies' if n != 1 else 'y'}",

@@ -358,8 +358,46 @@ def kv_layout(max_seq: int, n_kv_heads: int, head_dim: int, kv: str = "f32"):
     return k_at, v_at
 
 
+# The tile unit for kv='bf16' attention (bf16_unit 'amx'). Tiles: the queries (then the softmax weights) as A,
+# one K or V tile as B, a block's scores, and one output accumulator per 16 dimensions.
+T_Q, T_B, T_S, T_O = 0, 2, 3, 4
+
+
+def amx_fits(rep: int, head_dim: int, kv_block: int) -> bool:
+    """The geometries _amx_core takes: K blocks of 16 positions (one B tile row per dimension pair, 64 bytes),
+    at most 16 query heads per kv head (the tiles' rows), head_dim 32 or 64 (one or two A tiles of queries and
+    head_dim / 16 output tiles next to the other three: 8 tiles in all)."""
+    return kv_block == 16 and 1 <= rep <= 16 and head_dim in (32, 64)
+
+
+def _tile(b: ir.IRBuilder, op: str, *args) -> None:
+    """llvm.x86.<op> of the tile unit: tile numbers (immediates), then a byte pointer and a stride in bytes."""
+    sig = {"ldtilecfg": "p", "tilerelease": "", "tileloadd64": "tpl", "tilestored64": "tpl", "tilezero": "t",
+           "tdpbf16ps": "ttt"}[op]
+    tys = {"t": i8, "p": P(i8), "l": i64}
+    vals = [b.bitcast(a, P(i8)) if k == "p" else a if isinstance(a, ir.Value) else ir.Constant(tys[k], a)
+            for k, a in zip(sig, args)]
+    b.call(intrinsic(b.module, "llvm.x86." + op, ir.VoidType(), [tys[k] for k in sig]), vals)
+
+
+def _amx_config(b: ir.IRBuilder, rep: int, head_dim: int) -> None:
+    """LDTILECFG (palette 1) for _amx_core's tiles: queries / weights rep x 64 bytes (two query tiles where
+    head_dim is 64), the B operand 16 x 64, the scores and the head_dim / 16 outputs rep x 64."""
+    shapes = {T_Q: rep, T_B: 16, T_S: rep} | {T_O + c: rep for c in range(head_dim // 16)}
+    if head_dim == 64:
+        shapes[T_Q + 1] = rep
+    cfg = [0] * 64
+    cfg[0] = 1
+    for t, rows in shapes.items():
+        cfg[16 + 2 * t], cfg[48 + t] = 64, rows  # bytes per row (u16, < 256), rows
+    at = alloca_once(b, ir.ArrayType(i8, 64))
+    at.align = 64
+    b.store(ir.Constant(ir.ArrayType(i8, 64), cfg), at)
+    _tile(b, "ldtilecfg", at)
+
+
 def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: str, kv: str = "f32",
-              max_seq: int = 0, bf16_hw: bool = False, kv_prefetch: int = KV_PREFETCH):
+              max_seq: int = 0, bf16_unit: str = "", kv_prefetch: int = KV_PREFETCH):
     """Single-token GQA over the cache for kv heads [g0, g1): bias, q/k norms, RoPE, cache write, softmax(qK)V.
 
     q/k norms (n.qk_norm) are RMSNorms of (projection + bias) before RoPE, weights qn/kn: 'head' normalises each
@@ -383,10 +421,12 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     'bf16' (rounded to nearest even, layout.quant.round_bf16) is also the arithmetic's type: the query is rounded
     to bf16 and q.k taken as bf16 pair dot products (cgutils.bf16_dot: exact products, f32 sums), and the
     weighted V sum takes bf16(exp(score - max)) in pairs of positions, divided by the f32 sum of the unrounded
-    weights. With bf16_hw (the target's AVX512_BF16) each VDPBF16PS does two multiply-adds per lane: half the
-    instructions per cache byte of f16 (faster where the instruction issues as fast as an FMA; on the AMX Xeon VM
-    it issues at a quarter of the FMA rate, so bf16 is the slower cache there: docs/performance.md); elsewhere an
-    FMA emulation in the same order (bit-identical, and slower than f16: two FMAs and four integer ops per pair).
+    weights. bf16_unit (Target.bf16_unit) says what takes the dot products: 'dpbf16', AVX512_BF16's VDPBF16PS, two
+    multiply-adds per lane (half the instructions per cache byte of f16; on the AMX Xeon VM it issues at a quarter
+    of the FMA rate, so there it is slower than f16: docs/performance.md); '', an FMA emulation in the same order
+    (bit-identical, and slower than f16: two FMAs and four integer ops per pair); 'amx', the tile unit (_amx_core:
+    the same exact products and f32 sums, taken in the tile unit's order, so not bit-identical to the other two),
+    where the geometry fits it (amx_fits), else 'dpbf16'.
 
     kv_prefetch: how far ahead (bytes) the K and V scans prefetch, 0 for none; a schedule knob (this host's choice:
     codegen/attn_tune.py), the numbers do not change.
@@ -412,12 +452,18 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     if kv not in KV_BYTES:
         raise ValueError(f"KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
     half_kv, bf = kv == "f16", kv == "bf16"
+    amx = bf and bf16_unit == "amx" and amx_fits(rep, hd, B)
+    bf16_hw = bf and bf16_unit in ("dpbf16", "amx")
     S2 = S + S % 2 if bf else S  # positions per kv head in the V region (pairs of positions in bf16)
 
     def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):
         sqrt = intrinsic(m, "llvm.sqrt.f32", f32, [f32])
         kr = b.bitcast(alloca_once(b, ir.ArrayType(f32, hd)), P(f32))
         row = b.mul(pos, c64(half))
+        if amx:
+            _amx_config(b, rep, hd)
+            vtail = alloca_once(b, ir.ArrayType(i8, 16 * 4 * hd))  # the last V pair-rows, zero-padded to 16
+            vtail.align = 64
 
         def madd(x, y, acc):  # acc + x * y
             return muladd(b, x, y, acc, fma)
@@ -562,6 +608,53 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
 
         kstep, vstep = QU * B * upair * esz, hd * upair * esz  # bytes per q.k step / per V unit
 
+        def amx_weighted_sum(g):
+            """out_r = (sum_s p_r(s) v_s) / sum_s p_r(s) on the tile unit: per 16 pair-rows (32 positions) of V,
+            A = the heads' bf16 weights of those positions, B = 16 dimensions of the rows, one output tile per 16
+            dimensions accumulating over the whole scan. The last rows (fewer than 16) are copied into a zeroed
+            buffer first: the tile always loads 16 rows, and those past the scan are another head's or outside
+            the cache (their weights are 0, but 0 x a stale inf is NaN)."""
+            vbase = b.mul(g, c64(S2 * hd))
+            v_lo, v_hi = b.udiv(start, c64(2)), b.udiv(b.add(npos, c64(1)), c64(2))
+            nu = b.sub(v_hi, v_lo)
+            nfull = b.udiv(nu, c64(16))
+            sbf8, row_b = b.bitcast(sbf, P(i8)), 4 * hd  # bytes per V pair-row
+            for c in range(hd // 16):
+                _tile(b, "tilezero", T_O + c)
+
+            def chunk(u0, vsrc):  # 16 pair-rows from u0, B read from vsrc (bytes)
+                _tile(b, "tileloadd64", T_Q, b.gep(sbf8, [b.mul(u0, c64(4))]), c64(4 * SS))
+                for c in range(hd // 16):
+                    _tile(b, "tileloadd64", T_B, b.gep(vsrc, [c64(64 * c)]), c64(row_b))
+                    _tile(b, "tdpbf16ps", T_O + c, T_Q, T_B)
+
+            with Loop(b, c64(0), nfull, "pv") as j:
+                u0 = b.add(v_lo, b.mul(j, c64(16)))
+                vp = b.mul(b.add(vbase, b.mul(u0, c64(2 * hd))), c64(esz))
+                ahead(vc8, vp, 16 * row_b)
+                chunk(u0, b.gep(vc8, [vp]))
+            u0 = b.add(v_lo, b.mul(nfull, c64(16)))
+            rest = b.sub(nu, b.mul(nfull, c64(16)))
+            with b.if_then(b.icmp_unsigned(">", rest, c64(0))):
+                tb = b.bitcast(vtail, P(V(i32, 16)))
+                for k in range(16 * row_b // 64):
+                    b.store(const_vec(i32, 16, 0), b.gep(tb, [c64(k)]), align=64)
+                src = b.gep(vc8, [b.mul(b.add(vbase, b.mul(u0, c64(2 * hd))), c64(esz))])
+                with Loop(b, c64(0), rest, "vt") as i:
+                    for k in range(row_b // 64):
+                        at = b.add(b.mul(i, c64(row_b)), c64(64 * k))
+                        v = b.load(b.bitcast(b.gep(src, [at]), P(V(i32, 16))), align=1)
+                        b.store(v, b.bitcast(b.gep(b.bitcast(vtail, P(i8)), [at]), P(V(i32, 16))), align=64)
+                chunk(u0, b.bitcast(vtail, P(i8)))
+            out0 = b.gep(att, [b.mul(b.mul(g, c64(rep)), c64(hd))])  # the group's heads, hd floats apart
+            for c in range(hd // 16):
+                _tile(b, "tilestored64", T_O + c, b.gep(out0, [c64(16 * c)]), c64(4 * hd))
+            for r in range(rep):
+                iv = splat(b, inv[r], 16)
+                for c in range(hd // 16):
+                    at = b.bitcast(b.gep(out0, [c64(r * hd + 16 * c)]), P(V(f32, 16)))
+                    b.store(b.fmul(b.load(at, align=4), iv), at, align=4)
+
         with Loop(b, g0, g1, "g") as g:
             goff = b.mul(g, c64(hd))
             kbase = b.mul(g, c64(nb * hd * B))  # this kv head's K blocks
@@ -608,32 +701,46 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                 with Loop(b, c64(0), c64(rep * hd // W), "qbf") as i:
                     b.store(float_to_bf16(b, vload(qr, b.mul(i, c64(W)))),
                             b.bitcast(b.gep(qbf, [b.mul(i, c64(W))]), P(V(i16, W))), align=2)
+            if amx:  # the A tiles: head r's dimensions 32t .. 32t + 31 in row r of tile T_Q + t
+                for t in range(hd // 32):
+                    _tile(b, "tileloadd64", T_Q + t, b.gep(b.bitcast(qbf, P(i8)), [c64(64 * t)]), c64(2 * hd))
             for r in range(rep):
                 b.store(ninf_b, mx[r])
             # scores[r][s] = q_r.k_s * scale for the blocks holding [start, pos]; lanes outside it -inf
             with Loop(b, b.udiv(start, c64(B)), b.add(pos_blk, c64(1)), "kb") as j:
                 blk = b.add(kbase, b.mul(j, c64(hd * B)))
-                for r in range(rep):
-                    for a_ in qk[r]:
-                        b.store(const_vec(f32, B, 0.0), a_)
-                with Loop(b, c64(0), c64(qk_units // QU), "kd") as dd:
-                    u0 = b.mul(dd, c64(QU))
-                    kp = b.mul(b.add(blk, b.mul(u0, c64(B * upair))), c64(esz))
-                    ahead(kc8, kp, kstep)
-                    chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
-                    for u in range(QU):
-                        uu = b.add(u0, c64(u))
-                        kd = k_unit(blk, uu)
-                        for r in range(rep):
-                            chains[r][u % NP] = qk_step(kd, q_unit(r, uu), chains[r][u % NP])
+                if amx:  # the block's 16 scores of every head: row r of T_S, stored where the scores go
+                    ahead(kc8, b.mul(blk, c64(esz)), hd * B * esz)
+                    _tile(b, "tilezero", T_S)
+                    for t in range(hd // 32):  # B: dimension pairs 16t .. 16t + 15 of the 16 positions
+                        _tile(b, "tileloadd64", T_B, b.gep(kc8, [b.mul(b.add(blk, c64(32 * t * B)), c64(esz))]),
+                              c64(64))
+                        _tile(b, "tdpbf16ps", T_S, T_Q + t, T_B)
+                    _tile(b, "tilestored64", T_S, b.gep(scores, [b.mul(j, c64(B))]), c64(4 * SS))
+                else:  # q.k as multiply-add chains over the units
                     for r in range(rep):
-                        for a_, x in zip(qk[r], chains[r]):
-                            b.store(x, a_)
+                        for a_ in qk[r]:
+                            b.store(const_vec(f32, B, 0.0), a_)
+                    with Loop(b, c64(0), c64(qk_units // QU), "kd") as dd:
+                        u0 = b.mul(dd, c64(QU))
+                        kp = b.mul(b.add(blk, b.mul(u0, c64(B * upair))), c64(esz))
+                        ahead(kc8, kp, kstep)
+                        chains = [[b.load(a_) for a_ in qk[r]] for r in range(rep)]
+                        for u in range(QU):
+                            uu = b.add(u0, c64(u))
+                            kd = k_unit(blk, uu)
+                            for r in range(rep):
+                                chains[r][u % NP] = qk_step(kd, q_unit(r, uu), chains[r][u % NP])
+                        for r in range(rep):
+                            for a_, x in zip(qk[r], chains[r]):
+                                b.store(x, a_)
                 s_ids = b.add(splat(b, b.mul(j, c64(B)), B), lane_ids)
                 live = b.and_(b.icmp_signed(">=", s_ids, splat(b, start, B)),
                               b.icmp_signed("<", s_ids, splat(b, npos, B)))
                 for r in range(rep):
-                    sc = b.fmul(tree([b.load(a_) for a_ in qk[r]]), const_vec(f32, B, scale))
+                    at_r = b.bitcast(b.gep(scores, [b.add(c64(r * SS), b.mul(j, c64(B)))]), P(bt))
+                    raw = b.load(at_r, align=4) if amx else tree([b.load(a_) for a_ in qk[r]])
+                    sc = b.fmul(raw, const_vec(f32, B, scale))
                     if n.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax (per lane)
                         for t in range(B):
                             sc = b.insert_element(sc, softcap(b, b.extract_element(sc, c32(t)), n.softcap), c32(t))
@@ -671,35 +778,43 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                     odd_start = b.icmp_unsigned("!=", b.urem(start, c64(2)), c64(0))
                     for at in (npos, b.select(odd_start, b.sub(start, c64(1)), npos)):
                         b.store(ir.Constant(i16, 0), b.gep(sbf, [b.add(c64(2 * r * SS), at)]))
-            for ar in accs:
-                for a in ar:
-                    b.store(const_vec(f32, W, 0.0), a)
-            # out_r += p_r(u) v_u over the V units [v_lo, v_hi) (positions; bf16: pairs of them), VB at a time
-            v_lo, v_hi = (b.udiv(start, c64(2)), b.udiv(b.add(npos, c64(1)), c64(2))) if bf else (start, npos)
-            VB = RB // 2 if bf else RB
-            with Loop(b, c64(0), b.udiv(b.add(b.sub(v_hi, v_lo), c64(VB - 1)), c64(VB)), "pb") as j:
-                u_lo = b.add(v_lo, b.mul(j, c64(VB)))
-                u_end = b.add(u_lo, c64(VB))
-                u_hi = b.select(b.icmp_signed("<", u_end, v_hi), u_end, v_hi)
-                for k, heads in enumerate(head_groups):
-                    with Loop(b, u_lo, u_hi, f"pv{k}") as u:
-                        if k == 0:  # the first head group reads the rows from memory, the others from L1
-                            vp = b.mul(b.add(vbase, b.mul(u, c64(hd * upair))), c64(esz))
-                            ahead(vc8, vp, vstep)
-                        vvs = v_chunks(vbase, u)
-                        for r in heads:
-                            p = weight(r, u)
-                            for c, vv in enumerate(vvs):
-                                b.store(v_step(vv, p, b.load(accs[r][c])), accs[r][c])
-            for r in range(rep):
-                out = b.gep(att, [b.mul(b.add(b.mul(g, c64(rep)), c64(r)), c64(hd))])
-                iv = splat(b, inv[r], W)
-                for c in range(nc):
-                    b.store(b.fmul(b.load(accs[r][c]), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
+                if amx:  # the tile reads 32 weights at a time: those past pos are 0 (the slots hold older floats)
+                    b.store(const_vec(i16, 32, 0), b.bitcast(b.gep(sbf, [b.add(c64(2 * r * SS), npos)]),
+                                                             P(V(i16, 32))), align=2)
+            if amx:
+                amx_weighted_sum(g)
+            else:
+                for ar in accs:
+                    for a in ar:
+                        b.store(const_vec(f32, W, 0.0), a)
+                # out_r += p_r(u) v_u over the V units [v_lo, v_hi) (positions; bf16: pairs of them), VB at a time
+                v_lo, v_hi = (b.udiv(start, c64(2)), b.udiv(b.add(npos, c64(1)), c64(2))) if bf else (start, npos)
+                VB = RB // 2 if bf else RB
+                with Loop(b, c64(0), b.udiv(b.add(b.sub(v_hi, v_lo), c64(VB - 1)), c64(VB)), "pb") as j:
+                    u_lo = b.add(v_lo, b.mul(j, c64(VB)))
+                    u_end = b.add(u_lo, c64(VB))
+                    u_hi = b.select(b.icmp_signed("<", u_end, v_hi), u_end, v_hi)
+                    for k, heads in enumerate(head_groups):
+                        with Loop(b, u_lo, u_hi, f"pv{k}") as u:
+                            if k == 0:  # the first head group reads the rows from memory, the others from L1
+                                vp = b.mul(b.add(vbase, b.mul(u, c64(hd * upair))), c64(esz))
+                                ahead(vc8, vp, vstep)
+                            vvs = v_chunks(vbase, u)
+                            for r in heads:
+                                p = weight(r, u)
+                                for c, vv in enumerate(vvs):
+                                    b.store(v_step(vv, p, b.load(accs[r][c])), accs[r][c])
+                for r in range(rep):
+                    out = b.gep(att, [b.mul(b.add(b.mul(g, c64(rep)), c64(r)), c64(hd))])
+                    iv = splat(b, inv[r], W)
+                    for c in range(nc):
+                        b.store(b.fmul(b.load(accs[r][c]), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
+        if amx:
+            _tile(b, "tilerelease")
         b.ret_void()
 
     key = ("attn", H, KV, hd, qo, ko, vo, int(bias), "fma" if fma else "mul", kv, f"S{S}", f"pf{kv_prefetch}") + (
-        ("bfhw",) if bf and bf16_hw else ()) + (
+        ("amx" if amx else "bfhw",) if bf16_hw else ()) + (
         (qk_norm, _flt(n.eps)) if qk_norm else ()) + (
         (f"cap{_flt(n.softcap)}",) if n.softcap else ()) + ((f"win{window}",) if window else ())
     kvp = P(i16) if KV_BYTES[kv] == 2 else P(f32)

@@ -92,13 +92,13 @@ class StepProgram:
 
 class _Emitter:
     def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False,
-                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None, bf16_hw: bool = False):
+                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None, bf16_unit: str = ""):
         self.profile = profile
         # this host's measured choices: {codegen.tune.kernel_key: mat-vec knobs, attn_tune.attention_key: the
         # attention core's {"kv_prefetch": bytes}}
         self.tuning = tuning or {}
         self.kv = kv
-        self.bf16_hw = bf16_hw and kv == "bf16"  # kv='bf16' with AVX512_BF16's dot-product instruction
+        self.bf16_unit = bf16_unit if kv == "bf16" else ""  # kv='bf16': the dot products' unit (Target.bf16_unit)
         self.tmax = tmax  # tokens per prefill call (1: a decode-only program)
         self.multi = False  # emitting the multi-token body (prefill) rather than the decode step
         self.t = None  # the token index inside a multi-token loop (an IR value), else None: token 0
@@ -510,9 +510,9 @@ class _Emitter:
                 pos = b.load(b.gep(self.positions, [self.t]))
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
                 kc, vc = b.gep(kv, [b.add(slot_off, k_off)]), b.gep(kv, [b.add(slot_off, v_off)])
-            pf = self.tuning.get(attention_key(n.n_heads, n.n_kv_heads, n.head_dim, self.kv), {}).get(
+            pf = self.tuning.get(attention_key(n.n_heads, n.n_kv_heads, n.head_dim, self.kv, self.bf16_unit), {}).get(
                 "kv_prefetch", O.KV_PREFETCH)
-            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_hw, pf),
+            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_unit, pf),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
                     cos, sin, self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])
@@ -851,7 +851,7 @@ def copy_rows(m: ir.Module):
 
 def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,
                tmax: int = 1, kv: str = "f32", tuning: dict | None = None,
-               bf16_hw: bool = False) -> StepProgram:
+               bf16_unit: str = "") -> StepProgram:
     """Build the decode-step module for a lowered state (see module docstring).
 
     profile: also record cycle-counter stamps (binding PROF: i64[threads + 1][n_stages + 1]): worker 0's after
@@ -859,7 +859,8 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
     segmented: each call runs only stages [params[STAGE_LO], params[STAGE_HI]) (the disk expert tier).
     tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
     kv: the KV cache's element type, 'f32', 'f16' or 'bf16' (ops.attention).
-    bf16_hw: kv='bf16' uses AVX512_BF16's dot-product instruction (the target has it; an FMA emulation otherwise).
+    bf16_unit: kv='bf16' attention's dot products on the tile unit ('amx'), AVX512_BF16's VDPBF16PS ('dpbf16') or
+        an FMA emulation of it ('') (Target.bf16_unit).
     tuning: {kernel key: knobs} from codegen.tune (schedule knobs of the mat-vec kernels) and codegen.attn_tune (the
     attention core's prefetch distance); numerics unchanged.
     """
@@ -869,7 +870,7 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
     if tmax < 1:
         raise CodegenError(f"tokens per call must be >= 1, got {tmax}")
-    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, bf16_hw)
+    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, bf16_unit)
     # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
     for n in state.graph.nodes():
         if isinstance(n, ExpertBank):

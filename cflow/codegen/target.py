@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import functools
 import os
+import sys
 import threading
 
 import attrs
@@ -127,6 +128,17 @@ class Target:
         return self.has_avx512 and self.has("avx512vl") and self.has("avx512bf16")
 
     @property
+    def bf16_unit(self) -> str:
+        """What kv='bf16' attention's dot products run on (ops.attention): 'amx' (the tile unit's TDPBF16PS, where
+        the CPU has AMX-BF16 and the kernel lets this process use the tile state: amx_permitted), 'dpbf16'
+        (AVX512_BF16's VDPBF16PS) or '' (an FMA emulation of VDPBF16PS)."""
+        if not self.has_avx512_bf16:
+            return ""
+        if self.has("amx-tile") and self.has("amx-bf16") and amx_permitted():
+            return "amx"
+        return "dpbf16"
+
+    @property
     def has_avx512_vnni(self) -> bool:
         return self.has_avx512 and self.has("avx512vnni")
 
@@ -192,6 +204,27 @@ def _cpuinfo() -> dict[str, str]:
     except OSError:
         pass
     return fields
+
+
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86-64 (asm/prctl.h)
+
+
+@functools.lru_cache(maxsize=1)
+def amx_permitted() -> bool:
+    """Ask Linux for this process's use of the AMX tile data (arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)):
+    without it the first tile instruction kills the process (SIGILL). Process-wide, so once; False where the
+    kernel refuses (before 5.16, a signal stack too small for the 8 KiB tile state) or this is not x86-64 Linux."""
+    import ctypes
+    import platform
+
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM),
+                            ctypes.c_long(XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def cpu_name() -> str:

@@ -341,10 +341,10 @@ class Session:
         # and the attention core's prefetch distance, measured the same way
         self.tuning.update(attn_tune.choices(attn_tune.geometries(self.compiled.graph.nodes()), self.kv_dtype,
                                              target))
-        bf16_hw = self.kv_dtype == "bf16" and target.has_avx512_bf16
+        bf16_unit = target.bf16_unit if self.kv_dtype == "bf16" else ""
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
                                         self.profile, segmented, self.tmax, self.kv_dtype, self.tuning,
-                                        bf16_hw)
+                                        bf16_unit)
               if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
         self.program = None
@@ -356,7 +356,7 @@ class Session:
         if self.program is None:
             self.program = build_step(self.run_state, target.isa, self.max_seq, profile=self.profile,
                                       segmented=segmented, tmax=self.tmax, kv=self.kv_dtype, tuning=self.tuning,
-                                      bf16_hw=bf16_hw)
+                                      bf16_unit=bf16_unit)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())
