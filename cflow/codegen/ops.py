@@ -767,8 +767,9 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                                          splat(b, npos, L))
                     x = b.select(live, b.fsub(b.load(sp, align=4), m_v), const_vec(f32, L, -math.inf))
                     p = exp_vec(b, x, fma)
-                    if bf:  # bf16(p) at i16 index s of the head's scratch: below the floats not yet read
-                        b.store(float_to_bf16(b, p), b.bitcast(b.gep(sbf, [b.add(c64(2 * r * SS), s0)]),
+                    if bf:  # bf16(p) at i16 index s of the head's scratch: below the floats not yet read (p is 0
+                        # or normal: exp_vec gives exactly 0 below -87.33, so the instruction's flush changes nothing)
+                        b.store(float_to_bf16(b, p, bf16_hw), b.bitcast(b.gep(sbf, [b.add(c64(2 * r * SS), s0)]),
                                                                P(V(i16, L))), align=2)
                     else:
                         b.store(p, sp, align=4)

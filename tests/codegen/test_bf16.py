@@ -14,12 +14,12 @@ from cflow.codegen.target import host_target
 from cflow.layout.quant import bf16_bits, bf16_to_f32, round_bf16
 
 
-def _convert_fn():
-    m = ir.Module(name="bf")
+def _convert_fn(hw=False, n=16):
+    m = ir.Module(name=f"bf{n}{hw}")
     fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [P(f32), P(i16)]), "conv")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     x, y = fn.args
-    b.store(float_to_bf16(b, b.load(b.bitcast(x, P(V(f32, 16))), align=4)), b.bitcast(y, P(V(i16, 16))), align=2)
+    b.store(float_to_bf16(b, b.load(b.bitcast(x, P(V(f32, n))), align=4), hw), b.bitcast(y, P(V(i16, n))), align=2)
     b.ret_void()
     lib = compile_ir(m, target=host_target(env=False), cache=False)
     return lib, lib.get_cfunc("conv", None, ctypes.c_void_p, ctypes.c_void_p)
@@ -36,6 +36,27 @@ def test_float_to_bf16_equals_numpy():
         f(chunk.ctypes.data, out.ctypes.data)
         np.testing.assert_array_equal(out, bf16_bits(chunk))
     np.testing.assert_array_equal(round_bf16(special[:4]), [0.0, -0.0, 1.0, 1.0])  # 1 + 2^-8 ties to even
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_float_to_bf16_instruction_equals_numpy_on_normal_floats(n):
+    """VCVTNEPS2BF16 (hw=True, what the attention core rounds its softmax weights with): the twin's bits for zeros,
+    normal floats, infinities and ties; subnormals flushed to zero (the documented difference)."""
+    if not host_target(env=False).has_avx512_bf16:
+        pytest.skip("no AVX512_BF16 on this host")
+    lib, f = _convert_fn(hw=True, n=n)
+    special = np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, -1.01171875, np.inf, -np.inf, 3.4e38, -3.4e38,
+                        1.1754944e-38, 65504.0, 0.1, 0.5, 0.99999994, 2.0 ** -126], np.float32)
+    rnd = np.random.default_rng(1).standard_normal(16 * 64).astype(np.float32) * 10.0 ** np.repeat(
+        np.arange(-8, 8), 64).astype(np.float32)
+    for chunk in [*special.reshape(-1, n), *rnd.reshape(-1, n)]:
+        out = np.zeros(n, np.uint16)
+        f(chunk.ctypes.data, out.ctypes.data)
+        np.testing.assert_array_equal(out, bf16_bits(chunk))
+    sub = np.full(n, 1e-40, np.float32)
+    out = np.ones(n, np.uint16)
+    f(sub.ctypes.data, out.ctypes.data)
+    np.testing.assert_array_equal(out, 0)
 
 
 def _dot_fn(n, hw):
