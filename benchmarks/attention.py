@@ -119,8 +119,8 @@ def main(argv=None) -> None:
     bf = f", {bf_peak / 1e9:.1f} G with VDPBF16PS (bf16's floor)" if bf_peak else ""
     print(f"# {cpu_model()}, 1 thread, read bandwidth {bw:.2f} GB/s, {peak / 1e9:.1f} G multiply-adds/s (f32 FMA on "
           f"registers){bf}; H={H} KV={KV} hd={hd} max_seq={S}")
-    print(f"  {'kv':<4} {'pf':>6} {'P':>5} {'us/call':>9} {'K/V MB':>7} {'GB/s':>6} {'% read':>7} {'FMA floor us':>12} "
-          f"{'% of FMA peak':>13}")
+    print(f"  {'kv / unit':<11} {'pf':>6} {'P':>5} {'us/call':>9} {'K/V MB':>7} {'GB/s':>6} {'% read':>7} "
+          f"{'FMA floor us':>12} {'% of FMA peak':>13}")
     recs = []
     for kv in a.kv.split(","):
         for pf in (int(x) for x in a.prefetch.split(",")):
@@ -137,10 +137,13 @@ def main(argv=None) -> None:
                 nbytes = bench.kv_bytes(pos)
                 rate = nbytes / best / 1e9
                 # q.k and p.v: one multiply-add per query head, dim, position, at the rate of the instruction used
+                # (the tile unit's own rate is not measured: for bf16/amx this is VDPBF16PS's floor, a reference)
                 floor = 2 * H * hd * (pos + 1) / (bf_peak if kv == "bf16" and bf_peak else peak)
-                print(f"  {kv:<4} {pf:>6} {pos:>5} {1e6 * best:9.1f} {nbytes / 1e6:7.2f} {rate:6.2f} "
+                label = kv + (f"/{bench.unit}" if bench.unit else "")  # bf16: amx, dpbf16 or the emulation
+                print(f"  {label:<11} {pf:>6} {pos:>5} {1e6 * best:9.1f} {nbytes / 1e6:7.2f} {rate:6.2f} "
                       f"{100 * rate / bw:6.1f}% {1e6 * floor:12.1f} {100 * floor / best:12.1f}%", flush=True)
-                recs.append({"kv": kv, "kv_prefetch": pf, "pos": pos, "us": round(1e6 * best, 2), "kv_bytes": nbytes,
+                recs.append({"kv": kv, "bf16_unit": bench.unit,
+                             "kv_prefetch": pf, "pos": pos, "us": round(1e6 * best, 2), "kv_bytes": nbytes,
                              "gbps": round(rate, 3), "layers": a.layers, "read_gbps": round(bw, 3),
                              "fma_per_s": round(peak), "bf16_dot_per_s": round(bf_peak),
                              "fma_floor_us": round(1e6 * floor, 2),

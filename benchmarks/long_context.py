@@ -33,7 +33,8 @@ from decode import compiled_model, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.codegen.abi import KV_BYTES  # noqa: E402
-from cflow.codegen.target import cpu_model  # noqa: E402
+from cflow.codegen.ops import core_unit  # noqa: E402
+from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 
 
 def kv_bytes_read(cfg, first_pos: int, steps: int, kv: str) -> float:
@@ -73,21 +74,26 @@ def main(argv=None) -> None:
         for kv in args.kv.split(","):
             with cflow.load(path, threads=threads, kv=kv) as m:
                 weights = m.bytes_per_token
+                # what the bf16 core's dot products ran on (amx, dpbf16 or the emulation; '' for f16 / f32)
+                unit = core_unit(kv, host_target().bf16_unit, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim,
+                                 m.session.max_seq)
                 for p in contexts:
                     logits = []
                     tps = time_decode(m, prompts[p], args.tokens, args.reps, prompt_logits=logits)
                     first_logits.setdefault((kv, p), logits[0])
-                    rows.append((kv, p, tps, weights + kv_bytes_read(cfg, p, args.tokens, kv)))
+                    rows.append((kv, p, tps, weights + kv_bytes_read(cfg, p, args.tokens, kv), unit))
         read = max(bw, measure_read_bandwidth(threads, int(args.gib * (1 << 30))))
         print(f"## {threads} thread(s): read bandwidth {read:.2f} GB/s; weights {weights / 1e6:.0f} MB per token",
               flush=True)
-        for kv, p, tps, nbytes in rows:
+        for kv, p, tps, nbytes, unit in rows:
             bound = read * 1e9 / nbytes
-            rec = {"engine": "cflow", "geometry": cfg.name, "quant": "q4", "kv": kv, "threads": threads, "context": p,
+            rec = {"engine": "cflow", "geometry": cfg.name, "quant": "q4", "kv": kv, "bf16_unit": unit,
+                   "threads": threads, "context": p,
                    "tok_s": round(tps, 3), "bytes_per_token": int(nbytes), "read_gbps": round(read, 3),
                    "bound_tok_s": round(bound, 3), "fraction": round(tps / bound, 4)}
             records.append(rec)
-            print(f"   kv {kv}  context {p:5d}: {tps:7.2f} tok/s, {nbytes / 1e6:7.1f} MB/token read -> bound "
+            label = kv + (f"/{unit}" if unit else "")
+            print(f"   kv {label}  context {p:5d}: {tps:7.2f} tok/s, {nbytes / 1e6:7.1f} MB/token read -> bound "
                   f"{bound:6.2f} tok/s: {100 * tps / bound:5.1f}%", flush=True)
     quality = {}  # {kv: {context: ...}} against the f32 cache, for every other type measured
     for kv in (k for k in args.kv.split(",") if k != "f32"):

@@ -48,6 +48,7 @@ def run(args) -> int:
         plan = plan_from_header(r.header, r.path)
         tensors = plan.tensors.values()
         kv = resolve_kv(args.kv, r.header["quant"])
+        context = plan.graph.config.max_seq_len  # a default load's cache positions
     target = host_target()
     span = tune.stream_span(args.mb * 2**20)
     print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call (page-aligned, the next "
@@ -84,7 +85,7 @@ def run(args) -> int:
             print(f"  {v['variant']:<32} {v['gbps']:>7.2f}{mark}")
 
     attn_tune.choices(attn_tune.geometries(plan.graph.nodes()), kv, target, force=args.force, rounds=args.rounds,
-                      on_result=show_attention, ignore_env=True)
+                      on_result=show_attention, ignore_env=True, max_seq=context)
     if args.json:
         atomic_write_text(args.json, json.dumps({"cpu": cpu_model(), "isa": target.isa, "kernels": records},
                                                 indent=1))

@@ -35,13 +35,19 @@ LAYERS = 22  # layers' caches per timed call (TinyLlama's count: ~90 MB of f16 K
 ROUNDS = tune.ROUNDS
 
 
-def attention_key(n_heads: int, n_kv_heads: int, head_dim: int, kv: str, bf16_unit: str = "") -> str:
-    """The table key of one attention geometry and cache type; a bf16 core on the tile unit (a memory-bound loop
-    where the vector one is not) has its own entry."""
-    from .ops import amx_fits
+def attention_key(n_heads: int, n_kv_heads: int, head_dim: int, kv: str, unit: str = "") -> str:
+    """The table key of one attention geometry and cache type; unit: what the core's bf16 dot products run on
+    (ops.core_unit, resolved for the cache's max_seq): a core on the tile unit ('amx'; a different loop) has its
+    own entry."""
+    return f"attn:{n_heads}x{n_kv_heads}x{head_dim}:{kv}" + (":amx" if kv == "bf16" and unit == "amx" else "")
 
-    amx = kv == "bf16" and bf16_unit == "amx" and amx_fits(n_heads // n_kv_heads, head_dim, 16)
-    return f"attn:{n_heads}x{n_kv_heads}x{head_dim}:{kv}" + (":amx" if amx else "")
+
+def core_unit(geom: tuple[int, int, int], kv: str, target, max_seq: int) -> str:
+    """ops.core_unit for one geometry on this host."""
+    from .ops import core_unit as unit_of
+
+    H, KV, hd = geom
+    return unit_of(kv, target.bf16_unit if kv == "bf16" else "", H // KV, hd, max_seq)
 
 
 def geometries(nodes) -> set[tuple[int, int, int]]:
@@ -56,7 +62,7 @@ class AttentionBench:
     on one thread, as a decode step's attention stage does. Also benchmarks/attention.py's harness."""
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, kv: str, max_seq: int, target,
-                 distances=DISTANCES, n_caches: int = 1, seed: int = 0):
+                 distances=DISTANCES, n_caches: int = 1, seed: int = 0, bf16_unit: str | None = None):
         from ..ir import Attention
         from ..layout.quant import bf16_bits
         from ..layout.tile import aligned_empty
@@ -72,9 +78,10 @@ class AttentionBench:
         offs = (0, H * hd, H * hd + KV * hd)
         kvp = P(i16) if KV_BYTES[kv] == 2 else P(f32)
         args = [P(f32)] * 6 + [kvp, kvp] + [P(f32)] * 4 + [i64, i64, i64]
-        bf16_unit = target.bf16_unit if kv == "bf16" else ""
+        # bf16_unit: the unit to emit for (None: the host's, as a session of this max_seq would: core_unit)
+        self.unit = core_unit((H, KV, hd), kv, target, S) if bf16_unit is None else bf16_unit
         for i, d in enumerate(distances):
-            fn = O.attention(m, n, offs, target.isa, kv, S, bf16_unit, d)
+            fn = O.attention(m, n, offs, target.isa, kv, S, self.unit, d)
             w = ir.Function(m, ir.FunctionType(ir.VoidType(), args), f"attn{i}")
             b = ir.IRBuilder(w.append_basic_block("entry"))
             b.call(fn, list(w.args))
@@ -125,12 +132,12 @@ def timed_set(geom: tuple[int, int, int], kv: str) -> tuple[int, int, int]:
 
 
 def measure(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS, distances=DISTANCES,
-            check: bool = True) -> list[dict]:
+            check: bool = True, unit: str | None = None) -> list[dict]:
     """Time each distance (module docstring): [{"knobs": {"kv_prefetch": d}, "gbps" (median K/V read rate),
-    "samples"}] in `distances` order."""
+    "samples"}] in `distances` order. unit: the bf16 core's unit to time (None: the host's; ops.core_unit)."""
     H, KV, hd = geom
     _, layers, n_calls = timed_set(geom, kv)
-    bench = AttentionBench(H, KV, hd, kv, TUNE_SEQ, target, distances, n_caches=layers * n_calls)
+    bench = AttentionBench(H, KV, hd, kv, TUNE_SEQ, target, distances, n_caches=layers * n_calls, bf16_unit=unit)
     pos = POSITION
     nd = len(distances)
 
@@ -146,7 +153,7 @@ def measure(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS, d
         for i in range(1, nd):
             if not np.array_equal(outs[0], outs[i]):
                 raise CflowError(f"tuning: attention prefetch {distances[i]} changes the core's numbers "
-                                 f"({attention_key(H, KV, hd, kv)})")
+                                 f"({attention_key(H, KV, hd, kv, bench.unit)})")
     # as tune.measure: every call reads the next slot; `skip` more per round make the stride prime to the slots
     skip = tune.round_skip(nd, n_calls)
     samples: list[list[float]] = [[] for _ in distances]
@@ -170,11 +177,12 @@ def _valid(c) -> dict | None:
     return None
 
 
-def tune_attention(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS) -> dict:
-    """Search and return the record stored in the table for one attention geometry and cache type."""
+def tune_attention(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS, unit: str | None = None) -> dict:
+    """Search and return the record stored in the table for one attention geometry and cache type (unit: the
+    bf16 core's, as measure)."""
     from .target import cpu_model
 
-    res = measure(geom, kv, target, rounds=rounds)
+    res = measure(geom, kv, target, rounds=rounds, unit=unit)
     return {"choice": tune.choose(res), "cpu": cpu_model(), "isa": target.isa, "rounds": rounds,
             "position": POSITION, "layers_per_call": timed_set(geom, kv)[1],
             "results": [{"variant": f"kv_prefetch {r['knobs']['kv_prefetch']}", "knobs": r["knobs"],
@@ -182,15 +190,16 @@ def tune_attention(geom: tuple[int, int, int], kv: str, target, rounds: int = RO
 
 
 def choices(geoms, kv: str, target, search: bool = True, force: bool = False, rounds: int = ROUNDS,
-            on_result=None, ignore_env: bool = False) -> dict[str, dict]:
+            on_result=None, ignore_env: bool = False, max_seq: int = TUNE_SEQ) -> dict[str, dict]:
     """{attention_key: {"kv_prefetch": d}} for these geometries and cache type on this host, by tune.choices'
     rules (tune.cached_choices: cached choices, a search for missing ones, {} under CFLOW_TUNE=off unless
-    ignore_env; the default's entries left out). on_result(key, record) sees each record."""
+    ignore_env; the default's entries left out). on_result(key, record) sees each record. max_seq: the sessions'
+    cache positions, which decide whether a bf16 core runs on the tile unit (ops.core_unit)."""
     if not (tune.enabled() or force or ignore_env):
         return {}
-    unit = target.bf16_unit if kv == "bf16" else ""
-    keys = {attention_key(*g, kv, unit): g for g in sorted(geoms)}
+    units = {g: core_unit(g, kv, target, max_seq) for g in geoms}  # the core a session of max_seq runs
+    keys = {attention_key(*g, kv, units[g]): g for g in sorted(geoms)}
     return tune.cached_choices(
-        target, keys, _valid, {"kv_prefetch": KV_PREFETCH}, lambda g: tune_attention(g, kv, target, rounds),
+        target, keys, _valid, {"kv_prefetch": KV_PREFETCH}, lambda g: tune_attention(g, kv, target, rounds, units[g]),
         lambda n: f"attention prefetch distance for {n} attention geometr{'ies' if n != 1 else 'y'}",
         search=search, force=force, on_result=on_result)

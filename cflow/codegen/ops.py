@@ -364,10 +364,21 @@ T_Q, T_B, T_S, T_O = 0, 2, 3, 4
 
 
 def amx_fits(rep: int, head_dim: int, kv_block: int) -> bool:
-    """The geometries _amx_core takes: K blocks of 16 positions (one B tile row per dimension pair, 64 bytes),
-    at most 16 query heads per kv head (the tiles' rows), head_dim 32 or 64 (one or two A tiles of queries and
-    head_dim / 16 output tiles next to the other three: 8 tiles in all)."""
+    """The geometries the tile core takes: K blocks of 16 positions (a B tile row is one dimension pair of the 16
+    positions, 64 bytes), at most 16 query heads per kv head (the tiles' rows), head_dim 32 or 64 (one or two A
+    tiles of queries and head_dim / 16 output tiles next to the other three: 8 tiles in all)."""
     return kv_block == 16 and 1 <= rep <= 16 and head_dim in (32, 64)
+
+
+def core_unit(kv: str, bf16_unit: str, rep: int, head_dim: int, max_seq: int) -> str:
+    """What one attention core's bf16 dot products run on, given the host's unit (Target.bf16_unit): 'amx' only
+    where the geometry and cache fit the tiles (amx_fits), else VDPBF16PS ('dpbf16') where the host has it, else
+    '' (the FMA emulation; also every kv other than 'bf16'). The one rule attention() and the tuning key share."""
+    if kv != "bf16" or not bf16_unit:
+        return ""
+    if bf16_unit == "amx" and not amx_fits(rep, head_dim, kv_block(max_seq)):
+        return "dpbf16"
+    return bf16_unit
 
 
 def _tile(b: ir.IRBuilder, op: str, *args) -> None:
@@ -381,7 +392,7 @@ def _tile(b: ir.IRBuilder, op: str, *args) -> None:
 
 
 def _amx_config(b: ir.IRBuilder, rep: int, head_dim: int) -> None:
-    """LDTILECFG (palette 1) for _amx_core's tiles: queries / weights rep x 64 bytes (two query tiles where
+    """LDTILECFG (palette 1) for the tile core's tiles: queries / weights rep x 64 bytes (two query tiles where
     head_dim is 64), the B operand 16 x 64, the scores and the head_dim / 16 outputs rep x 64."""
     shapes = {T_Q: rep, T_B: 16, T_S: rep} | {T_O + c: rep for c in range(head_dim // 16)}
     if head_dim == 64:
@@ -424,9 +435,9 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     weights. bf16_unit (Target.bf16_unit) says what takes the dot products: 'dpbf16', AVX512_BF16's VDPBF16PS, two
     multiply-adds per lane (half the instructions per cache byte of f16; on the AMX Xeon VM it issues at a quarter
     of the FMA rate, so there it is slower than f16: docs/performance.md); '', an FMA emulation in the same order
-    (bit-identical, and slower than f16: two FMAs and four integer ops per pair); 'amx', the tile unit (_amx_core:
-    the same exact products and f32 sums, taken in the tile unit's order, so not bit-identical to the other two),
-    where the geometry fits it (amx_fits), else 'dpbf16'.
+    (bit-identical, and slower than f16: two FMAs and four integer ops per pair); 'amx', the tile unit (TDPBF16PS
+    for q.k and the weighted V sum: the same exact products and f32 sums, taken in the tile unit's order, so not
+    bit-identical to the other two), where the geometry fits it (core_unit, amx_fits), else 'dpbf16'.
 
     kv_prefetch: how far ahead (bytes) the K and V scans prefetch, 0 for none; a schedule knob (this host's choice:
     codegen/attn_tune.py), the numbers do not change.
@@ -452,8 +463,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     if kv not in KV_BYTES:
         raise ValueError(f"KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
     half_kv, bf = kv == "f16", kv == "bf16"
-    amx = bf and bf16_unit == "amx" and amx_fits(rep, hd, B)
-    bf16_hw = bf and bf16_unit in ("dpbf16", "amx")
+    unit = core_unit(kv, bf16_unit, rep, hd, S)
+    amx, bf16_hw = unit == "amx", unit in ("dpbf16", "amx")
     S2 = S + S % 2 if bf else S  # positions per kv head in the V region (pairs of positions in bf16)
 
     def build(b, qkv, bq, bk, bv, qn, kn, kc, vc, cos, sin, att, scores, pos, g0, g1):

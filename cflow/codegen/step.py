@@ -510,7 +510,8 @@ class _Emitter:
                 pos = b.load(b.gep(self.positions, [self.t]))
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
                 kc, vc = b.gep(kv, [b.add(slot_off, k_off)]), b.gep(kv, [b.add(slot_off, v_off)])
-            pf = self.tuning.get(attention_key(n.n_heads, n.n_kv_heads, n.head_dim, self.kv, self.bf16_unit), {}).get(
+            unit = O.core_unit(self.kv, self.bf16_unit, n.n_heads // n.n_kv_heads, n.head_dim, self.max_seq)
+            pf = self.tuning.get(attention_key(n.n_heads, n.n_kv_heads, n.head_dim, self.kv, unit), {}).get(
                 "kv_prefetch", O.KV_PREFETCH)
             b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_unit, pf),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,

@@ -340,7 +340,7 @@ class Session:
         self.tuning = tune.choices(self.run_state.tensors.values(), target)
         # and the attention core's prefetch distance, measured the same way
         self.tuning.update(attn_tune.choices(attn_tune.geometries(self.compiled.graph.nodes()), self.kv_dtype,
-                                             target))
+                                             target, max_seq=self.max_seq))
         bf16_unit = target.bf16_unit if self.kv_dtype == "bf16" else ""
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
                                         self.profile, segmented, self.tmax, self.kv_dtype, self.tuning,

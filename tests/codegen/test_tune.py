@@ -372,7 +372,7 @@ def test_attention_prefetch_knob_reaches_the_code():
         texts = {}
         for d in (0, 4096):
             m = ir.Module()
-            ops.attention(m, n, (0, 64, 96), host_target().isa, kv, 64, False, d)
+            ops.attention(m, n, (0, 64, 96), host_target().isa, kv, 64, "", d)
             texts[d] = str(m)
         assert "llvm.prefetch" not in texts[0] and "llvm.prefetch" in texts[4096]
         assert "4096" in texts[4096]

@@ -116,15 +116,38 @@ def test_tile_core_is_bit_identical_across_blocks_threads_and_decode(model):
         assert all(np.array_equal(a, b) for a, b in zip(got, want)), (block, threads)
 
 
-@needs_amx
-def test_nan_past_the_position_never_reaches_the_tile_core(model):
+def test_nan_past_the_position_never_reaches_the_core(model):
+    """On every host (the tile core on an AMX host, else VDPBF16PS or its emulation): NaN in the cache past the
+    position and in the whole scratch (the scores, the tile core's weights past the scan) changes nothing."""
     ids = list(np.random.default_rng(7).integers(0, 96, 33))
     with Session(str(model), threads=2, prefill_block=8, kv="bf16") as s:
         want = [s.prefill(ids).copy()] + [s.step(3).copy() for _ in range(3)]
-        s.kv.view(np.uint16)[:] = 0xFFFF  # NaN everywhere, scores scratch untouched
+        s.kv.view(np.uint16)[:] = 0xFFFF  # NaN everywhere
+        s.scratch.view(np.uint32)[:] = 0x7FC00000  # a quiet NaN in every float of the scratch
         s.reset()
         got = [s.prefill(ids).copy()] + [s.step(3).copy() for _ in range(3)]
     assert all(np.isfinite(g).all() and np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("max_seq, unit", [(64, "amx"), (4096, "amx"), (24, "dpbf16"), (8, "dpbf16")])
+def test_the_core_and_its_tuning_key_agree_on_the_unit(max_seq, unit):
+    """One rule (ops.core_unit) for the emitted core and the tuning key: a cache whose K blocks are not 16
+    positions (max_seq not a multiple of 16) runs VDPBF16PS on an AMX host, and looks up that core's entry."""
+    from types import SimpleNamespace
+
+    from cflow.codegen import attn_tune
+
+    amx_host = SimpleNamespace(bf16_unit="amx")
+    assert O.core_unit("bf16", "amx", 8, 64, max_seq) == unit
+    assert attn_tune.core_unit((32, 4, 64), "bf16", amx_host, max_seq) == unit
+    assert attn_tune.core_unit((32, 4, 64), "f16", amx_host, max_seq) == ""
+    assert attn_tune.attention_key(32, 4, 64, "bf16", unit).endswith(":amx") == (unit == "amx")
+    assert O.core_unit("bf16", "dpbf16", 8, 64, max_seq) == "dpbf16" and O.core_unit("bf16", "", 8, 64, 64) == ""
+    n = Attention(name="attn.1", inputs=("x",), prefix="layers.1.attn", dim=8 * 64, n_heads=8, n_kv_heads=1,
+                  head_dim=64, rope_theta=10000.0)
+    m = ir.Module(name="t")
+    O.attention(m, n, (0, 512, 576), "avx512vnni", "bf16", max_seq, "amx")
+    assert ("llvm.x86.tdpbf16ps" in str(m)) == (unit == "amx")
 
 
 @needs_amx
