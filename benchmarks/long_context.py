@@ -33,7 +33,7 @@ from decode import compiled_model, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.codegen.abi import KV_BYTES  # noqa: E402
-from cflow.codegen.ops import core_unit  # noqa: E402
+from cflow.codegen.attn_tune import host_unit  # noqa: E402
 from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 
 
@@ -75,8 +75,7 @@ def main(argv=None) -> None:
             with cflow.load(path, threads=threads, kv=kv) as m:
                 weights = m.bytes_per_token
                 # what the bf16 core's dot products ran on (amx, dpbf16 or the emulation; '' for f16 / f32)
-                unit = core_unit(kv, host_target().bf16_unit, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim,
-                                 m.session.max_seq)
+                unit = host_unit((cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), kv, host_target(), m.session.max_seq)
                 for p in contexts:
                     logits = []
                     tps = time_decode(m, prompts[p], args.tokens, args.reps, prompt_logits=logits)

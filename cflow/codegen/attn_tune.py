@@ -42,12 +42,13 @@ def attention_key(n_heads: int, n_kv_heads: int, head_dim: int, kv: str, unit: s
     return f"attn:{n_heads}x{n_kv_heads}x{head_dim}:{kv}" + (":amx" if kv == "bf16" and unit == "amx" else "")
 
 
-def core_unit(geom: tuple[int, int, int], kv: str, target, max_seq: int) -> str:
-    """ops.core_unit for one geometry on this host."""
-    from .ops import core_unit as unit_of
+def host_unit(geom: tuple[int, int, int], kv: str, target, max_seq: int) -> str:
+    """ops.core_unit for one geometry on this target. target.bf16_unit is asked for a bf16 cache only: on an AMX
+    host asking requests the tile state for the process (target.amx_permitted), which other caches never need."""
+    from .ops import core_unit
 
     H, KV, hd = geom
-    return unit_of(kv, target.bf16_unit if kv == "bf16" else "", H // KV, hd, max_seq)
+    return core_unit(kv, target.bf16_unit if kv == "bf16" else "", H // KV, hd, max_seq)
 
 
 def geometries(nodes) -> set[tuple[int, int, int]]:
@@ -78,8 +79,8 @@ class AttentionBench:
         offs = (0, H * hd, H * hd + KV * hd)
         kvp = P(i16) if KV_BYTES[kv] == 2 else P(f32)
         args = [P(f32)] * 6 + [kvp, kvp] + [P(f32)] * 4 + [i64, i64, i64]
-        # bf16_unit: the unit to emit for (None: the host's, as a session of this max_seq would: core_unit)
-        self.unit = core_unit((H, KV, hd), kv, target, S) if bf16_unit is None else bf16_unit
+        # bf16_unit: the unit to emit for (None: the host's, as a session of this max_seq would: host_unit)
+        self.unit = host_unit((H, KV, hd), kv, target, S) if bf16_unit is None else bf16_unit
         for i, d in enumerate(distances):
             fn = O.attention(m, n, offs, target.isa, kv, S, self.unit, d)
             w = ir.Function(m, ir.FunctionType(ir.VoidType(), args), f"attn{i}")
@@ -197,7 +198,7 @@ def choices(geoms, kv: str, target, search: bool = True, force: bool = False, ro
     cache positions, which decide whether a bf16 core runs on the tile unit (ops.core_unit)."""
     if not (tune.enabled() or force or ignore_env):
         return {}
-    units = {g: core_unit(g, kv, target, max_seq) for g in geoms}  # the core a session of max_seq runs
+    units = {g: host_unit(g, kv, target, max_seq) for g in geoms}  # the core a session of max_seq runs
     keys = {attention_key(*g, kv, units[g]): g for g in sorted(geoms)}
     return tune.cached_choices(
         target, keys, _valid, {"kv_prefetch": KV_PREFETCH}, lambda g: tune_attention(g, kv, target, rounds, units[g]),

@@ -225,7 +225,7 @@ def float_to_half(b: ir.IRBuilder, x, isa: str):
 def float_to_bf16(b: ir.IRBuilder, x, hw: bool = False):
     """float (or <n x float>) -> bfloat16 bits (i16 / <n x i16>): the top half of the float, rounded to nearest
     even (layout.quant.round_bf16 is the NumPy twin), NaN kept quiet. Integer ops, on every ISA; hw: AVX512_BF16's
-    VCVTNEPS2BF16 for 8 or 16 lanes (one instruction for the seven integer ops), the same bits except that it
+    VCVTNEPS2BF16 for 8 or 16 lanes (one instruction for the integer sequence's ~10 ops), the same bits except that it
     flushes subnormal inputs and results to zero (as VDPBF16PS treats them), so only for values known to be
     normal or zero where bit-equality with the twin matters."""
     n = _lanes(x)

@@ -619,14 +619,44 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
 
         kstep, vstep = QU * B * upair * esz, hd * upair * esz  # bytes per q.k step / per V unit
 
-        def amx_weighted_sum(g):
-            """out_r = (sum_s p_r(s) v_s) / sum_s p_r(s) on the tile unit: per 16 pair-rows (32 positions) of V,
+        def v_units():  # the V units [v_lo, v_hi) a scan covers: positions; bf16: pairs of them
+            return (b.udiv(start, c64(2)), b.udiv(b.add(npos, c64(1)), c64(2))) if bf else (start, npos)
+
+        def vector_weighted_sum(g, vbase, inv):
+            """out_r = (sum_s p_r(s) v_s) * inv_r in vector accumulators: VB units at a time, each V row read whole
+            by the first head group and from L1 by the others (RB above)."""
+            for ar in accs:
+                for a in ar:
+                    b.store(const_vec(f32, W, 0.0), a)
+            v_lo, v_hi = v_units()
+            VB = RB // 2 if bf else RB
+            with Loop(b, c64(0), b.udiv(b.add(b.sub(v_hi, v_lo), c64(VB - 1)), c64(VB)), "pb") as j:
+                u_lo = b.add(v_lo, b.mul(j, c64(VB)))
+                u_end = b.add(u_lo, c64(VB))
+                u_hi = b.select(b.icmp_signed("<", u_end, v_hi), u_end, v_hi)
+                for k, heads in enumerate(head_groups):
+                    with Loop(b, u_lo, u_hi, f"pv{k}") as u:
+                        if k == 0:  # the first head group reads the rows from memory, the others from L1
+                            vp = b.mul(b.add(vbase, b.mul(u, c64(hd * upair))), c64(esz))
+                            ahead(vc8, vp, vstep)
+                        vvs = v_chunks(vbase, u)
+                        for r in heads:
+                            p = weight(r, u)
+                            for c, vv in enumerate(vvs):
+                                b.store(v_step(vv, p, b.load(accs[r][c])), accs[r][c])
+            for r in range(rep):
+                out = b.gep(att, [b.mul(b.add(b.mul(g, c64(rep)), c64(r)), c64(hd))])
+                iv = splat(b, inv[r], W)
+                for c in range(nc):
+                    b.store(b.fmul(b.load(accs[r][c]), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
+
+        def amx_weighted_sum(g, vbase, inv):
+            """out_r = (sum_s p_r(s) v_s) * inv_r on the tile unit: per 16 pair-rows (32 positions) of V,
             A = the heads' bf16 weights of those positions, B = 16 dimensions of the rows, one output tile per 16
             dimensions accumulating over the whole scan. The last rows (fewer than 16) are copied into a zeroed
             buffer first: the tile always loads 16 rows, and those past the scan are another head's or outside
             the cache (their weights are 0, but 0 x a stale inf is NaN)."""
-            vbase = b.mul(g, c64(S2 * hd))
-            v_lo, v_hi = b.udiv(start, c64(2)), b.udiv(b.add(npos, c64(1)), c64(2))
+            v_lo, v_hi = v_units()
             nu = b.sub(v_hi, v_lo)
             nfull = b.udiv(nu, c64(16))
             sbf8, row_b = b.bitcast(sbf, P(i8)), 4 * hd  # bytes per V pair-row
@@ -793,34 +823,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
                 if amx:  # the tile reads 32 weights at a time: those past pos are 0 (the slots hold older floats)
                     b.store(const_vec(i16, 32, 0), b.bitcast(b.gep(sbf, [b.add(c64(2 * r * SS), npos)]),
                                                              P(V(i16, 32))), align=2)
-            if amx:
-                amx_weighted_sum(g)
-            else:
-                for ar in accs:
-                    for a in ar:
-                        b.store(const_vec(f32, W, 0.0), a)
-                # out_r += p_r(u) v_u over the V units [v_lo, v_hi) (positions; bf16: pairs of them), VB at a time
-                v_lo, v_hi = (b.udiv(start, c64(2)), b.udiv(b.add(npos, c64(1)), c64(2))) if bf else (start, npos)
-                VB = RB // 2 if bf else RB
-                with Loop(b, c64(0), b.udiv(b.add(b.sub(v_hi, v_lo), c64(VB - 1)), c64(VB)), "pb") as j:
-                    u_lo = b.add(v_lo, b.mul(j, c64(VB)))
-                    u_end = b.add(u_lo, c64(VB))
-                    u_hi = b.select(b.icmp_signed("<", u_end, v_hi), u_end, v_hi)
-                    for k, heads in enumerate(head_groups):
-                        with Loop(b, u_lo, u_hi, f"pv{k}") as u:
-                            if k == 0:  # the first head group reads the rows from memory, the others from L1
-                                vp = b.mul(b.add(vbase, b.mul(u, c64(hd * upair))), c64(esz))
-                                ahead(vc8, vp, vstep)
-                            vvs = v_chunks(vbase, u)
-                            for r in heads:
-                                p = weight(r, u)
-                                for c, vv in enumerate(vvs):
-                                    b.store(v_step(vv, p, b.load(accs[r][c])), accs[r][c])
-                for r in range(rep):
-                    out = b.gep(att, [b.mul(b.add(b.mul(g, c64(rep)), c64(r)), c64(hd))])
-                    iv = splat(b, inv[r], W)
-                    for c in range(nc):
-                        b.store(b.fmul(b.load(accs[r][c]), iv), b.bitcast(b.gep(out, [c64(c * W)]), P(vt)), align=4)
+            (amx_weighted_sum if amx else vector_weighted_sum)(g, vbase, inv)
         if amx:
             _tile(b, "tilerelease")
         b.ret_void()

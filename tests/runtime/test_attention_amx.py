@@ -1,12 +1,13 @@
 """kv='bf16' attention on the AMX tile unit (codegen/ops.py:attention with bf16_unit 'amx', Target.bf16_unit).
 
 Host-independent: which unit a target picks (CFLOW_FEATURES can take the tile unit or AVX512_BF16 away), which
-geometries the tile path takes (ops.amx_fits), and that the emitted core holds TDPBF16PS exactly then. On a host
-with AMX-BF16 (and Linux's permission for the tile state) the compiled model itself: close to the VDPBF16PS core
-and to the interpreter's kv='bf16' twin (the same exact products and f32 sums, taken in the tile unit's order),
-bit-identical across prompt blocks, thread counts and decode, at positions either side of its 16-position K
-blocks and 32-position V chunks, with a sliding window, soft-capped scores and biases, and with NaN left in the
-cache past the current position (the tile always loads whole chunks)."""
+geometries the tile path takes (ops.amx_fits, ops.core_unit, the same unit in the tuning key), that the emitted
+core holds TDPBF16PS exactly then, and that NaN in the cache past the position and in the scratch changes
+nothing (on whatever unit the host has). On a host with AMX-BF16 (and Linux's permission for the tile state) the
+compiled model itself: close to the VDPBF16PS core and to the interpreter's kv='bf16' twin (the same exact
+products and f32 sums, taken in the tile unit's order), bit-identical across prompt blocks, thread counts and
+decode, at positions either side of its 16-position K blocks and 32-position V chunks, with a sliding window,
+soft-capped scores and biases."""
 
 import numpy as np
 import pytest
@@ -139,8 +140,8 @@ def test_the_core_and_its_tuning_key_agree_on_the_unit(max_seq, unit):
 
     amx_host = SimpleNamespace(bf16_unit="amx")
     assert O.core_unit("bf16", "amx", 8, 64, max_seq) == unit
-    assert attn_tune.core_unit((32, 4, 64), "bf16", amx_host, max_seq) == unit
-    assert attn_tune.core_unit((32, 4, 64), "f16", amx_host, max_seq) == ""
+    assert attn_tune.host_unit((32, 4, 64), "bf16", amx_host, max_seq) == unit
+    assert attn_tune.host_unit((32, 4, 64), "f16", amx_host, max_seq) == ""
     assert attn_tune.attention_key(32, 4, 64, "bf16", unit).endswith(":amx") == (unit == "amx")
     assert O.core_unit("bf16", "dpbf16", 8, 64, max_seq) == "dpbf16" and O.core_unit("bf16", "", 8, 64, 64) == ""
     n = Attention(name="attn.1", inputs=("x",), prefix="layers.1.attn", dim=8 * 64, n_heads=8, n_kv_heads=1,
