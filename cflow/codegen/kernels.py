@@ -479,14 +479,14 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
     nblk = act_stride // BLOCK
 
-    def act(t):
+    def token_act(t):
         return (ptr(b, x, b.mul(t, x_stride)), ptr(b, xq, b.mul(t, ir.Constant(i64, act_stride))),
                 ptr(b, xd, b.mul(t, ir.Constant(i64, nblk))), ptr(b, xs, b.mul(t, ir.Constant(i64, nblk))))
 
     def tokens(r, t0, n, acc_slots):
         """Tile-row r for tokens t0 .. t0 + n - 1 (n a constant)."""
         ts = [b.add(t0, ir.Constant(i64, k)) for k in range(n)]
-        acts = [act(t) for t in ts]
+        acts = [token_act(t) for t in ts]
         w_row = ptr(b, w, b.mul(r, ir.Constant(i64, row_bytes)))
         _emit_tile_row(b, L, isa, w_row, acts, acc_slots, rows[:n], unroll, prefetch, prefetch_locality)
         if gate_up:
@@ -505,7 +505,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
         with Loop(b, ir.Constant(i64, 0), full, "tg") as q:
             tokens(r, b.mul(q, ir.Constant(i64, tg)), tg, slots)
         with Loop(b, b.mul(full, ir.Constant(i64, tg)), ntok, "t1") as t:
-            xt, xqt, xdt, xst = act(t)
+            xt, xqt, xdt, xst = token_act(t)
             b.call(tail, [w, xt, xqt, xdt, xst, ptr(b, y, b.mul(t, y_stride)), r, b.add(r, ir.Constant(i64, 1))])
     b.ret_void()
     return fn
@@ -523,6 +523,7 @@ def _check_act(act: str) -> None:
 def _gate_mul(b, g, u, act: str = "silu"):
     """act(g) * u, both activations as g / (1 + exp(-z)) * u: silu z = g; tanh-GELU
     0.5 g (1 + tanh(y)) = g sigmoid(2y), so z = 2 sqrt(2/pi) (g + 0.044715 g^3) (overflow gives g / inf = 0)."""
+    _check_act(act)  # NOTE: a non-string here once meant SiLU for every GELU model's prompt blocks
     vt = V(f32, 16)
     exp = intrinsic(b.module, "llvm.exp.v16f32", vt, [vt])
     one = ir.Constant(vt, [1.0] * 16)

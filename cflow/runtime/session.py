@@ -333,7 +333,7 @@ class Session:
         from ..codegen.step import StepProgram, build_step
         from ..codegen.target import host_target
 
-        target = host_target()
+        target = self.target = host_target()  # the CPU the code is built for (CFLOW_CPU / CFLOW_FEATURES apply)
         segmented = self.segmented
         # This host's measured mat-vec knobs (a short search the first time a kernel shape is met on this CPU,
         # then read from the cache; CFLOW_TUNE=off: the defaults). Schedule-only: the numbers do not change.
@@ -689,9 +689,11 @@ class Session:
         rows = self.pools[Pool.LOGITS][: n * stride].reshape(n, stride)
         return rows[:, : self.config.vocab_size].copy()
 
-    def prefill(self, ids, slot: int = 0) -> np.ndarray:
+    def prefill(self, ids, slot: int = 0, all_logits: bool = False) -> np.ndarray:
         """Feed a prompt to a slot (default 0), up to tmax tokens per native call (each tile read once per call);
-        returns a copy of the last position's logits. A block of 1 (or a disk tier) feeds it token by token."""
+        returns a copy of the last position's logits, or with all_logits every position's [len(ids), vocab] (the
+        head then runs for every token of each call: what teacher-forced scoring, cflow perplexity, needs). A
+        block of 1 (or a disk tier) feeds it token by token."""
         slot = self._check_slot(slot)
         ids = self._check_ids(ids)
         if not ids:
@@ -700,20 +702,29 @@ class Session:
         if pos + len(ids) > self.max_seq:
             raise RuntimeFault(f"prompt of {len(ids)} tokens does not fit the context "
                                f"({self.max_seq - pos} left of {self.max_seq})")
+        rows = []
         if self.tmax == 1:
+            if slot != 0:
+                raise RuntimeFault(f"slot {slot}: a decode-only program (prefill_block 1) has one slot")
             out = None
             for t in ids:
                 out = self.step(t)
-            return out.copy()
+                if all_logits:
+                    rows.append(out.copy())
+            return np.stack(rows) if all_logits else out.copy()
         for i in range(0, len(ids), self.tmax):
             chunk = ids[i : i + self.tmax]
             n = len(chunk)
             p = int(self.slot_pos[slot])
             self.tokens[:n], self.slots[:n], self.positions[:n] = chunk, slot, np.arange(p, p + n)
-            self._run_multi(n, n - 1)
+            self._run_multi(n, 0 if all_logits else n - 1)
             self.slot_pos[slot] += n
             self.slot_open[slot] = True
-        return self._logits_row(n - 1).copy()
+            if all_logits:
+                stride = self.program.pool_strides[Pool.LOGITS]
+                rows.append(self.pools[Pool.LOGITS][: n * stride].reshape(n, stride)[:, : self.config.vocab_size]
+                            .copy())
+        return np.concatenate(rows) if all_logits else self._logits_row(n - 1).copy()
 
     def close(self) -> None:
         if self._pool is not None:
