@@ -27,8 +27,8 @@ from .errors import CflowError, RuntimeFault
 from .layout.tile import DEFAULT_TILE
 
 
-def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tokenizer: str | None = None,
-            threads: int | None = None, tile=DEFAULT_TILE, layout: str = "vflow") -> CompiledModel:
+def compile(model, delays: tuple[int, int] | None = None, quant: str | None = None, tokenizer: str | None = None,
+            threads: int | None = None, tile=None, layout: str = "vflow") -> CompiledModel:
     """Compile a model to tile-native weights and a JIT-compiled decode step.
 
     Args:
@@ -36,7 +36,10 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
             Hugging Face model directory, or "preset:NAME[@SIZE]".
         delays: None keeps the model's own delays; (dd, de) rewrites the DAG (and warns: this changes
             the function unless the model was trained that way).
-        quant: q4 | q8 | f16 | f32.
+        quant: q4 | q8 | f16 | f32 | stored (a GGUF's own types, tensor by tensor). Default: stored for a GGUF,
+            q4 otherwise.
+        tile: (rows, cols); default (128, 256), or for a GGUF kept as stored columns that divide every matrix
+            width (nothing padded).
         tokenizer: path to a tokenizer.json (directories bring their own).
     """
     from .compiler import compile_file
@@ -46,19 +49,27 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str = "q4", tok
     layout = FileLayout.parse(layout)
     from .runtime.format.header import tile_problem
 
-    try:
-        tr, tc = (int(t) for t in tile)
-    except (TypeError, ValueError):
-        raise CflowError(f"tile must be (rows, cols), not {tile!r}") from None
-    problem = tile_problem((tr, tc))  # what the loader would refuse, refused before compiling
-    if problem:
-        raise CflowError(f"tile {problem}")
+    if tile is not None:
+        try:
+            tr, tc = (int(t) for t in tile)
+        except (TypeError, ValueError):
+            raise CflowError(f"tile must be (rows, cols), not {tile!r}") from None
+        problem = tile_problem((tr, tc))  # what the loader would refuse, refused before compiling
+        if problem:
+            raise CflowError(f"tile {problem}")
     g = load_graph(model)
+    from .passes.quantize import STORED, default_quant, fit_tile
+
+    quant = default_quant(g) if quant is None else quant
+    tile = (fit_tile(g) if quant == STORED else DEFAULT_TILE) if tile is None else tile
     tok = g.meta.tokenizer
     if tokenizer is not None:
         from .runtime.tokenizer import read_tokenizer_file
 
         tok = read_tokenizer_file(tokenizer)
+        from .frontend.hf_weights import read_special_tokens
+
+        g.meta.special_tokens = read_special_tokens(os.path.dirname(os.path.abspath(tokenizer)), tok)
     tmp = tempfile.mkdtemp(prefix="cflow-")
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", g.name).strip("._")[:64] or "model"  # a model name is not a path
     path = os.path.join(tmp, f"{safe}.{layout}")
@@ -127,7 +138,7 @@ class CompiledModel:
         if h.get("tokenizer"):
             from .runtime.tokenizer import Tokenizer
 
-            self.tokenizer = Tokenizer(h["tokenizer"], h.get("eos_token_ids") or ())
+            self.tokenizer = Tokenizer(h["tokenizer"], h.get("eos_token_ids") or (), h.get("special_tokens"))
         self.eos_ids = set(h.get("eos_token_ids") or ()) | (self.tokenizer.eos_ids if self.tokenizer else set())
         self._ir = None
         self._chat = None  # the ChatTemplate, compiled on first use

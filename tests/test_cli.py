@@ -96,11 +96,11 @@ def test_every_command_is_listed():
 
     names = [name for name, _ in _parsers()[2:]]
     assert names == sorted(COMMANDS)
-    assert set(COMMANDS) == {"bench", "demo", "export-onnx", "inspect", "run", "serve", "train", "tune"}
+    assert set(COMMANDS) == {"bench", "demo", "export-onnx", "inspect", "perplexity", "run", "serve", "train", "tune"}
 
 
-@pytest.mark.parametrize("argv", [["--help"]] + [[c, "--help"] for c in
-                                                 ("bench", "demo", "export-onnx", "inspect", "run", "serve", "train")])
+@pytest.mark.parametrize("argv", [["--help"]] + [[c, "--help"] for c in ("bench", "demo", "export-onnx", "inspect",
+                                                                         "perplexity", "run", "serve", "train")])
 def test_cflow_help_exits_0(argv, capsys):
     from cflow.cli import cflow_main
 

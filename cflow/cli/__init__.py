@@ -23,7 +23,7 @@ from .. import __version__
 from ..errors import CflowError
 
 # `cflow NAME` runs cflow/cli/NAME.py (dashes become underscores: export-onnx -> export_onnx.py).
-COMMANDS = ("bench", "demo", "export-onnx", "inspect", "run", "serve", "train", "tune")
+COMMANDS = ("bench", "demo", "export-onnx", "inspect", "perplexity", "run", "serve", "train", "tune")
 
 VERSION = f"cflow {__version__}"
 # --kv of run / bench / serve: "auto" and the keys of codegen.abi.KV_BYTES, spelled out here because importing

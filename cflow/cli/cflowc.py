@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import CflowError
@@ -46,10 +47,13 @@ def cflowc_parser() -> argparse.ArgumentParser:
                    "for a text --emit (default: text emits go to standard output)")
     p.add_argument("--emit", choices=EMITS, help="what to produce (default: cflow or vflow, from the suffix of -o)")
     p.add_argument("--json", action="store_true", help="machine-readable --emit analysis (default: a table)")
-    p.add_argument("--quant", default="q4", choices=("q4", "q8", "f16", "f32"), help="weight type (default q4)")
-    p.add_argument("--tile", type=_tile, default=DEFAULT_TILE, metavar="ROWSxCOLS",
+    p.add_argument("--quant", default=None, choices=("q4", "q8", "f16", "f32", "stored"),
+                   help="weight type; stored keeps a GGUF's own types, tensor by tensor (default: stored for a .gguf, "
+                   "q4 otherwise)")
+    p.add_argument("--tile", type=_tile, default=None, metavar="ROWSxCOLS",
                    help="tile shape: rows a multiple of 16 up to 512, cols a multiple of 32 up to 4096 "
-                   "(default {}x{})".format(*DEFAULT_TILE))
+                   "(default {}x{}; for a .gguf kept as stored, columns that divide every matrix width, so nothing "
+                   "is padded)".format(*DEFAULT_TILE))
     p.add_argument("--delays", type=_delays, metavar="DD,DE",
                    help="rewrite the DAG to these delays (changes the function!) (default: keep the model's own)")
     p.add_argument("--tokenizer", help="tokenizer.json to store in the compiled file "
@@ -116,6 +120,16 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
     from ..passes.state import CompileState
 
     g = load_graph(args.model, weights=binary)
+    from ..passes.quantize import STORED, default_quant, fit_tile
+
+    if args.quant is None:
+        args.quant = default_quant(g)
+    if args.tile is None:
+        args.tile = fit_tile(g) if args.quant == STORED else DEFAULT_TILE
+    if tokenizer is not None:  # --tokenizer FILE: its BOS/EOS rule too (and its directory's tokenizer_config.json)
+        from ..frontend.hf_weights import read_special_tokens
+
+        g.meta.special_tokens = read_special_tokens(os.path.dirname(os.path.abspath(args.tokenizer)), tokenizer)
     if emit in ("ir", "analysis", "dot"):
         if args.delays:
             g = Pipeline(set_delays(*args.delays), name="delays")(g, ctx)

@@ -36,6 +36,10 @@ def check_model(reader) -> str:
         from ..runtime.tokenizer import Tokenizer
 
         tok = f"tokenizer of {Tokenizer(h['tokenizer'], h.get('eos_token_ids') or ()).vocab_size} tokens"
+        sp = h.get("special_tokens") or {}
+        adds = [f"{what} {sp[k]}" for k, what in (("bos", "starting with BOS"), ("eos", "ending with EOS"))
+                if sp.get(f"add_{k}")]
+        tok += f", prompts {' and '.join(adds)}" if adds else ", prompts without BOS"
     from ..runtime.session import resolve_kv
 
     return (f"model: ok ({h.get('name')}: {cfg.n_layers} layers x d_model {cfg.d_model}, {h['quant']}, "

@@ -26,6 +26,7 @@ from llvmlite import ir
 from ..errors import CodegenError
 from ..layout.quant import BLOCK, DType
 from ..layout.tile import TileLayout, aligned_empty
+from . import blockdot
 from .cgutils import (
     Loop,
     P,
@@ -274,8 +275,14 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
 
 
 def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0) -> None:
-    """One block unit for `groups` of any dtype: _q_unit (Q4/Q8) or _f_unit (F16/F32); act = (x, xq, xd, xs)."""
+    """One unit for `groups` of any dtype: _q_unit (Q4/Q8), _f_unit (F16/F32) or a GGUF block type's
+    (blockdot.block_unit, one block of QK inputs); act = (x, xq, xd, xs)."""
     x, xq, xd, xs = act
+    if L.is_block_type:
+        ua = blockdot.UnitActivation(b, L.format, kb, xq, xd, xs)
+        for g in groups:
+            accs[g] = blockdot.block_unit(b, isa, L.format, ptr(b, unit, _goff(b, g, L.group_nbytes)), ua, accs[g])
+        return
     if L.dtype in (DType.Q4, DType.Q8):
         _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack)
     else:
@@ -294,7 +301,7 @@ def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_l
     `pf_stride` bytes of them) and its scales' line (shared by two groups, so each is asked for twice),
     `prefetch` bytes ahead."""
     ng, UB = L.groups_per_tile, L.unit_nbytes
-    nunits = L.cols_p // BLOCK
+    nunits = L.n_units
     zf = ir.Constant(V(f32, 16), [0.0] * 16)
     slot = [b.gep(arr, [c32(0), c32(g)]) for g in range(ng)]
     for s in slot:
@@ -328,7 +335,7 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
     One activation is the decode mat-vec; per output the arithmetic is the same for any number of them.
     Several activations with one group per pass run the passes as a loop (a fraction of the code to JIT)."""
     ng, UB = L.groups_per_tile, L.unit_nbytes
-    nunits = L.cols_p // BLOCK
+    nunits = L.n_units
     na = len(acts)
     gp = max(1, len(slots) // na)  # groups per pass
     zf = ir.Constant(V(f32, 16), [0.0] * 16)
@@ -406,7 +413,8 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     slots = [b.alloca(V(f32, 16), name=f"acc{g}") for g in range(min(max(1, max_groups), L.groups_per_tile))]
     tmp = b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name="rows"), P(f32))
     up = b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name="up_rows"), P(f32)) if gate_up else None
-    unroll = _pick_unroll(L.cols_p // BLOCK, unroll)
+    # a GGUF block type's unit is a whole block (256 inputs for the K-quants): one a loop iteration
+    unroll = _pick_unroll(L.n_units, 1 if L.is_block_type else unroll)
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
     arr = b.alloca(ir.ArrayType(V(f32, 16), L.groups_per_tile), name="group_sums") if group_loop else None
 
@@ -475,7 +483,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     slots = [b.alloca(V(f32, 16), name=f"acc{g}") for g in range(tg * min(per_tok, L.groups_per_tile))]
     rows = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"rows{t}"), P(f32)) for t in range(tg)]
     ups = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"up{t}"), P(f32)) for t in range(tg)] if gate_up else []
-    unroll = _pick_unroll(L.cols_p // BLOCK, unroll)
+    unroll = _pick_unroll(L.n_units, 1 if L.is_block_type else unroll)
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
     nblk = act_stride // BLOCK
 

@@ -30,6 +30,7 @@ from ..layout.tile import TileLayout
 from ..passes.manager import Pass, state_pass
 from ..passes.pack import expert_tensor, post_norm_tensor, qkv_tensor, shared_tensor
 from ..passes.schedule import Phase, Pool
+from . import blockdot
 from . import kernels as K
 from . import ops as O
 from .abi import (
@@ -242,11 +243,17 @@ class _Emitter:
         lo, hi = self.rows(b, padded(self.d, self.tr) // self.tr)
         return b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
 
-    def prologue(self, b, step, layout_cols: int, quantised: bool):
-        """Normalise (or copy) the step's input into this thread's xn, then int8-quantise it if needed."""
+    def cols_p(self, cols: int, dtype: DType) -> int:
+        """The padded input width the kernels of `dtype` read (TileLayout.cols_p: whole tiles, whole blocks)."""
+        return TileLayout(dtype, 1, cols, (self.tr, self.tc)).cols_p
+
+    def prologue(self, b, step, layout_cols: int, quantised: bool, dtype: DType | None = None, cols_p=None):
+        """Normalise (or copy) the step's input into this thread's xn, then int8-quantise it if needed (padded to
+        what `dtype`'s kernels read, or to cols_p)."""
         src = step.full_reads[0]
         xn = self.scratch_ptr(b, "xn")
-        cols_p = padded(layout_cols, self.tc)
+        if cols_p is None:
+            cols_p = self.cols_p(layout_cols, dtype) if dtype is not None else padded(layout_cols, self.tc)
         if step.norm:
             norm_w = self.pointer(b, tensor_key(step.norm))
             b.call(O.rmsnorm(self.m, self.d, max(cols_p, self.dp), self.cfg.norm_eps),
@@ -277,8 +284,8 @@ class _Emitter:
         return self.strides[self.sched.buffers[value].pool]
 
     def quantise_input(self, b, x, cols: int, dtype: DType):
-        if dtype in (DType.Q4, DType.Q8):
-            b.call(self.quant_fn(cols, padded(cols, self.tc)),
+        if dtype.quantised:
+            b.call(self.quant_fn(cols, self.cols_p(cols, dtype)),
                    [x, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
 
     # --- the body: a loop over a table of stage functions --------------------------------------
@@ -452,10 +459,12 @@ class _Emitter:
     def step_embed(self, b, step):
         t = self.tensors[step.tensors[0]]
         lo, hi = self.d_rows(b)
+        # a quantised embedding (a GGUF's, kept as stored) is a tile stream: its row is decoded from the tiles
+        fn = blockdot.emit_embed_row(self.m, t.layout, self.isa) if t.form == Form.TILED else \
+            O.embed(self.m, t.dtype, self.d)
         with self.each_token(b):
             tok = self.token if self.t is None else b.load(b.gep(self.tokens, [self.t]))
-            b.call(O.embed(self.m, t.dtype, self.d),
-                   [self.pointer(b, tensor_key(t.name), i8), tok, self.value_ptr(b, step.writes[0]), lo, hi])
+            b.call(fn, [self.pointer(b, tensor_key(t.name), i8), tok, self.value_ptr(b, step.writes[0]), lo, hi])
 
     def step_add(self, b, step):
         lo, hi = self.d_rows(b)
@@ -468,19 +477,26 @@ class _Emitter:
                    + weights + [lo, hi])
 
     def dense_mv(self, b, step, t, L, quantised: bool, gate_up: bool = False, first=None):
-        """A step that normalises its input (prologue) and multiplies one dense matrix, for every token."""
+        """A step that normalises its input (prologue) and multiplies one dense matrix, for every token. A CONCAT
+        whose parts differ in type (a GGUF's) runs each part's kernel on its rows, the input quantised once."""
+        parts = t.concat.parts if t.form == Form.CONCAT and t.concat.mixed else None
+        cols_p = max(p.cols_p for p in parts) if parts else L.cols_p
         with self.each_token(b, first):
-            x = self.prologue(b, step, L.cols, quantised)
+            x = self.prologue(b, step, L.cols, quantised, cols_p=cols_p)
         if self.multi:
             x = self.scratch_ptr(b, "xn")  # token 0's row: the mat-mat walks the rows itself
-        lo, hi = self.rows(b, L.n_tile_rows)
         out = step.writes[0]
-        self.call_mv(b, L, self.pointer(b, tensor_key(t.name), i8), x, self.value_ptr(b, out), lo, hi,
-                     gate_up=gate_up, x_stride=self.scratch.kmax, y_stride=self.out_stride(out), first=first)
+        w = self.pointer(b, tensor_key(t.name), i8)
+        for Lp, row0, byte0 in (zip(parts, t.concat.row_offsets, t.concat.byte_offsets) if parts else [(L, 0, 0)]):
+            lo, hi = self.rows(b, Lp.n_tile_rows)
+            y = self.value_ptr(b, out)
+            self.call_mv(b, Lp, b.gep(w, [c64(byte0)]) if byte0 else w, x, b.gep(y, [c64(row0)]) if row0 else y,
+                         lo, hi, gate_up=gate_up, x_stride=self.scratch.kmax, y_stride=self.out_stride(out),
+                         first=first)
 
     def step_qkv(self, b, step):
         t = self.tensors[step.tensors[0]]
-        self.dense_mv(b, step, t, t.concat.layout, t.dtype in (DType.Q4, DType.Q8))
+        self.dense_mv(b, step, t, t.concat.layout, t.dtype.quantised)
 
     def step_core(self, b, step):
         n = self.g[step.op]
@@ -535,7 +551,7 @@ class _Emitter:
         n = self.g[step.op]
         if isinstance(n, DenseFFN):
             t = self.tensors[step.tensors[0]]
-            self.dense_mv(b, step, t, t.layout, t.dtype in (DType.Q4, DType.Q8), gate_up=True)
+            self.dense_mv(b, step, t, t.layout, t.dtype.quantised, gate_up=True)
             return
         assert isinstance(n, ExpertBank)
         if self.grouped(n):
@@ -656,7 +672,7 @@ class _Emitter:
         if not (self.multi and self.t is None and self.scratch.grouped):
             return False
         # float experts read float inputs, which are not gathered: they keep the per-token mat-vecs
-        return all(self.tensors[expert_tensor(n.prefix, 0, w)].dtype in (DType.Q4, DType.Q8)
+        return all(self.tensors[expert_tensor(n.prefix, 0, w)].dtype.quantised
                    for w in ("w_gate_up", "w_down"))
 
     def route_ptr(self, b, layer: int):
@@ -693,10 +709,10 @@ class _Emitter:
             dst = b.gep(self.scratch_ptr(b, g, i8), [b.mul(k, c64(self.scratch.token_bytes(field)))])
             b.call(copy_words(self.m), [b.bitcast(dst, P(i32)), b.bitcast(src, P(i32)), c64(0), c64(words)])
 
-    def quantise_row(self, b, x, k, cols: int):
+    def quantise_row(self, b, x, k, cols: int, dtype: DType):
         """Quantise x into gathered row k (the per-token quantisation, written where the mat-mat reads it)."""
         kb = self.scratch.kmax // BLOCK
-        b.call(self.quant_fn(cols, padded(cols, self.tc)),
+        b.call(self.quant_fn(cols, self.cols_p(cols, dtype)),
                [x, b.gep(self.scratch_ptr(b, "gq", i8), [b.mul(k, c64(self.scratch.kmax))]),
                 b.gep(self.scratch_ptr(b, "gd"), [b.mul(k, c64(kb))]),
                 b.gep(self.scratch_ptr(b, "gs", i32), [b.mul(k, c64(kb))])])
@@ -758,7 +774,8 @@ class _Emitter:
                 first = b.load(used)
                 with Loop(b, c64(0), cnt, "g") as k:
                     t, j = b.load(b.gep(gtok, [k])), b.load(b.gep(gj, [k]))
-                    self.quantise_row(b, b.gep(h, [b.add(b.mul(t, c64(hs)), b.mul(j, c64(ip)))]), k, n.hidden)
+                    self.quantise_row(b, b.gep(h, [b.add(b.mul(t, c64(hs)), b.mul(j, c64(ip)))]), k, n.hidden,
+                                      t0.dtype)
                     b.store(b.add(first, k), b.gep(gpos, [b.add(b.mul(t, c64(K)), j)]))
                 self.group_matmat(b, L, self.expert_pointer(b, n, "w_down", e), cnt,
                                   b.gep(gy, [b.mul(first, c64(dp))]), dp)
@@ -788,7 +805,7 @@ class _Emitter:
         t = self.tensors[step.tensors[0]]
         first = self.logits_from if self.multi else None
         # a prompt needs the last token's logits only: the head runs for tokens [LOGITS_FROM, NTOK)
-        self.dense_mv(b, step, t, t.layout, t.dtype in (DType.Q4, DType.Q8), first=first)
+        self.dense_mv(b, step, t, t.layout, t.dtype.quantised, first=first)
         cap = self.g[step.op].softcap
         if cap:  # Gemma 2's final soft-cap, on this thread's own logit rows (no barrier: it wrote them itself)
             lo, hi = self.rows(b, t.layout.n_tile_rows)

@@ -50,8 +50,9 @@ def from_checkpoint(path) -> Graph:
     if extra:
         raise CflowError(f"{path}: {WEIGHTS} has tensor {extra[0]!r} that config.json does not describe")
     g.weights = LazyWeights(plan)
-    from .hf_weights import eos_token_ids, read_tokenizer
+    from .hf_weights import eos_token_ids, read_special_tokens, read_tokenizer
 
     g.meta.tokenizer = read_tokenizer(path)
     g.meta.eos_token_ids = eos_token_ids(path)
+    g.meta.special_tokens = read_special_tokens(path, g.meta.tokenizer)
     return verify(g)

@@ -9,13 +9,15 @@ type tables, token types and the dequantisers of every other type; its GGUFReade
 trusts the file (a lying array length loops for as long as the length says) and builds one numpy
 object per array element (18 s for a 150k-token vocabulary).
 
-Tensors. Q4_0 and Q8_0 are cflow's Q4 and Q8 block for block: they become QTensors with the same
-bytes (bit-exact when compiled at the same --quant). F32, F16 and BF16 become float32 exactly. Every
-other type (K-quants, IQ*, Q5_*, ...) is dequantised with `gguf.quants` and requantised at compile
-time, with a one-line warning of the error that adds; a type the gguf package cannot dequantise (Q8_K,
-llama.cpp's activation type, which it never stores in files) is refused by tensor name. llama.cpp's
-`llama` architecture stores q/k rows in adjacent-pair RoPE order (convert_hf_to_gguf permutes them):
-the inverse permutation is applied.
+Tensors are kept as the file stores them. Q4_0 and Q8_0 are cflow's Q4 and Q8 block for block (QTensors with the
+same bytes); Q4_1, Q5_0, Q5_1, IQ4_NL, the K-quants and IQ4_XS become BlockTensors holding the file's bytes
+(layout/blocks.py: a tile layout and kernels of their own); F32, F16 and BF16 become float32 exactly.
+graph.meta.source_dtypes says which type each weight keeps under quant "stored" (cflowc's default for a GGUF);
+any other type (IQ2_*, IQ3_*, TQ*, ...) is dequantised with `gguf.quants` and can only be compiled with --quant,
+which requantises (a type the gguf package cannot dequantise, such as Q8_K, is refused by tensor name). A folded
+multiplier (Gemma's embedding scale, Granite's) scales a quantised tensor's fp16 block scales, keeping its codes.
+llama.cpp's `llama` architecture stores q/k rows in adjacent-pair RoPE order (convert_hf_to_gguf permutes them):
+the inverse permutation is applied (rows, so block types keep their bytes).
 
 Architectures: llama (Llama 1-3, Mistral; rope_freqs / linear / yarn scaling; Mixtral: merged ffn_*_exps expert
 tensors), qwen2 (q/k/v biases), qwen2moe (shared gated expert), qwen3 (q/k norms), qwen3moe (same), gemma /
@@ -45,8 +47,10 @@ import numpy as np
 from ..errors import CflowError, UnsupportedModelError
 from ..ir import Graph, build_graph, verify, weight_shapes
 from ..ir.config import ModelConfig
+from ..ir.meta import special_tokens
 from ..ir.rope import yarn_attention_factor
-from ..layout.quant import BLOCK, DType, QTensor, bf16_to_f32, dequantize, quantize
+from ..layout.blocks import BlockTensor, is_block_type
+from ..layout.quant import BLOCK, DType, QTensor, bf16_to_f32, dequantize
 from .hf_weights import partial_rotary_permutation
 from .tensors import LazyWeights
 
@@ -312,6 +316,8 @@ def _qtensor(raw: np.ndarray, rows: int, cols: int, dt: DType) -> QTensor:
 def _permute_rows(w, perm):
     if perm is None:
         return w
+    if isinstance(w, BlockTensor):
+        return w.take_rows(perm)
     if isinstance(w, QTensor):
         return QTensor(dtype=w.dtype, rows=w.rows, cols=w.cols, scales=w.scales[perm], q=w.q[perm])
     return np.ascontiguousarray(w[perm])
@@ -353,8 +359,11 @@ class _Loader:
             r0, rows = self.rows
             start += r0 * row_bytes
         raw = f.raw(t, start, rows * row_bytes)
+        kept = stored_dtype(t.type)
         if t.type == Q.Q4_0 or t.type == Q.Q8_0:
             w = _qtensor(raw, rows, cols, DType.Q4 if t.type == Q.Q4_0 else DType.Q8)
+        elif kept is not None and is_block_type(kept):
+            w = BlockTensor(kept, rows, cols, np.array(raw).reshape(rows, -1))
         elif t.type == Q.F32:
             w = raw.view("<f4").reshape(rows, cols).astype(np.float32)
         elif t.type == Q.F16:
@@ -370,11 +379,41 @@ class _Loader:
         if len(t.dims) == 1 or (self.shape is not None and len(self.shape) == 1):
             w = dequantize(w).reshape(-1)
         if self.scale != 1.0:
-            w = (dequantize(w) * np.float32(self.scale)).astype(np.float32)
+            w = _scaled(w, self.scale, f.path, t)
         w = _permute_rows(w, self.perm)
-        if self.shape is not None and not isinstance(w, QTensor):
+        if self.shape is not None and not isinstance(w, (QTensor, BlockTensor)):
             w = w.reshape(self.shape)
         return w
+
+
+def _scaled(w, s: float, path: str, t: _Tensor):
+    """A folded multiplier: a quantised tensor keeps its type and codes, its fp16 block scales multiplied
+    (rounded to fp16: 2^-11 relative, far below the codes' step); a float one is multiplied."""
+    if isinstance(w, BlockTensor):
+        try:
+            return w.scaled(s)
+        except ValueError as e:
+            raise GGUFError(f"{path}: tensor {t.name!r} at offset {t.info_at:#x}: {e}") from None
+    if isinstance(w, QTensor):
+        sc = (w.scales.astype(np.float32) * np.float32(s)).astype(np.float16)
+        if not np.isfinite(sc).all():
+            raise GGUFError(f"{path}: tensor {t.name!r} at offset {t.info_at:#x}: scaling by {s} overflows fp16")
+        return QTensor(dtype=w.dtype, rows=w.rows, cols=w.cols, scales=sc, q=w.q)
+    return (dequantize(w) * np.float32(s)).astype(np.float32)
+
+
+def stored_dtype(ggml_type) -> DType | None:
+    """The cflow type a GGUF tensor type is kept as (None: a type cflow does not execute, e.g. IQ2_XXS)."""
+    name = getattr(ggml_type, "name", str(ggml_type))
+    if name in ("F32", "BF16"):  # bf16 widens to f32 exactly
+        return DType.F32
+    if name == "F16":
+        return DType.F16
+    try:
+        dt = DType.parse(name)
+    except ValueError:
+        return None
+    return dt if dt.quantised else None
 
 
 # --- architecture -> config ------------------------------------------------------------------------
@@ -716,27 +755,17 @@ def _check_types(f: GGUFFile, plan: dict) -> None:
                                         f"{t.type.name}, which the gguf package cannot dequantise")
 
 
-def _loss_note(f: GGUFFile, plan: dict) -> str | None:
-    """One line on what requantising the non-cflow tensor types costs, measured on the smallest such matrix."""
-    gguf = _gguf()
-    Q = gguf.GGMLQuantizationType
-    exact = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q8_0}
-    lossy = [ld for ld in plan.values() if ld.t.type not in exact]
-    if not lossy:
-        return None
-    names = sorted({ld.t.type.name for ld in lossy})
-    mats = [ld for ld in lossy if len(ld.t.dims) >= 2]
-    if not mats:
-        return None
-    probe = min(mats, key=lambda ld: ld.t.nbytes // max(1, ld.t.dims[2] if len(ld.t.dims) == 3 else 1))
-    w = np.asarray(probe(), np.float32)
-    rms = float(np.sqrt(np.mean(w.astype(np.float64) ** 2))) or 1.0
-    errs = {q: float(np.sqrt(np.mean((dequantize(quantize(w, q)) - w).astype(np.float64) ** 2))) / rms
-            for q in (DType.Q4, DType.Q8)}
-    n = len({ld.t.name for ld in lossy})
-    return (f"{f.path}: {n} tensors stored as {'/'.join(names)} (no cflow equivalent) are dequantised and "
-            f"requantised when compiled: on {probe.t.name} that adds {100 * errs[DType.Q4]:.1f}% RMS error at q4, "
-            f"{100 * errs[DType.Q8]:.2f}% at q8, none at f16/f32")
+def source_types(f: GGUFFile, plan: dict) -> tuple[dict, dict]:
+    """(IR weight -> the cflow type it is kept as, IR weight -> a note naming its tensor, offset and type): what
+    quant 'stored' keeps, and what it names when a type cannot be kept (passes/quantize.py)."""
+    kept, notes = {}, {}
+    for ir_name, ld in plan.items():
+        t = ld.t
+        notes[ir_name] = f"tensor {t.name!r} (info at offset {t.info_at:#x}) of {f.path} is stored as {t.type.name}"
+        dt = stored_dtype(t.type)
+        if dt is not None:
+            kept[ir_name] = dt
+    return kept, notes
 
 
 # --- tokenizer ---------------------------------------------------------------------------------------
@@ -752,14 +781,46 @@ _REGEX = {
     # regex, then digit runs, then digits in threes from the left (so "12345" -> "123", "45", "!!," one piece)
     "default": [r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
                 r"\p{N}+", r"[0-9][0-9][0-9]"],
+    # LLAMA_VOCAB_PRE_TYPE_STARCODER and the names llama.cpp maps to it (SmolLM among them): single digits first
+    "starcoder": [r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"],
 }
-_PRE = {"default": "default", "gpt-2": "gpt2", "gpt2": "gpt2", "llama-bpe": "llama3", "llama3": "llama3",
-        "llama-v3": "llama3", "smaug-bpe": "llama3", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2"}
+# tokenizer.ggml.pre -> the regex list above, as llama.cpp's llama_vocab::impl::load maps the names it knows
+_PRE = {"default": "default", "gpt-2": "gpt2", "gpt2": "gpt2", "phi-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2",
+        "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "smaug-bpe": "llama3", "dbrx": "llama3",
+        "falcon3": "llama3", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "stablelm2": "qwen2", "megrez": "qwen2",
+        "smollm": "starcoder", "starcoder": "starcoder", "refact": "starcoder", "command-r": "starcoder",
+        "codeshell": "starcoder", "exaone": "starcoder", "minerva-7b": "starcoder"}
+# The pre-tokenisers after which llama.cpp adds BOS by default (a BPE vocabulary otherwise adds none; a
+# SentencePiece one always does), before tokenizer.ggml.add_bos_token, which wins when present.
+_PRE_ADDS_BOS = ("llama3", "llama-v3", "llama-bpe", "falcon3", "tekken", "chameleon")
 
 
 def _added(i: int, text: str, special: bool) -> dict:
     return {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
             "normalized": not special, "special": special}
+
+
+def special_tokens_from_gguf(f: GGUFFile, model: str | None, n: int) -> dict | None:
+    """BOS / EOS and whether prompts carry them, as llama.cpp decides (llama_vocab::impl::load): a SentencePiece
+    ('llama') vocabulary adds BOS (id 1 unless the file names one), a BPE ('gpt2') one only after the pre-tokenisers
+    in _PRE_ADDS_BOS; tokenizer.ggml.add_bos_token / add_eos_token win when present."""
+    if model not in ("llama", "gpt2"):
+        return None
+    pre = f.get("tokenizer.ggml.pre", str, "default")
+    bos = f.get("tokenizer.ggml.bos_token_id", int, 1 if model == "llama" else None)
+    eos = f.get("tokenizer.ggml.eos_token_id", int, 2 if model == "llama" else None)
+    add_bos = f.get("tokenizer.ggml.add_bos_token", bool)
+    add_eos = f.get("tokenizer.ggml.add_eos_token", bool)
+    source = ("tokenizer.ggml.add_bos_token" if add_bos is not None else
+              f"llama.cpp's default for a {model!r} vocabulary" + (f" with pre-tokeniser {pre!r}" if model == "gpt2"
+                                                                  else ""))
+    if add_bos is None:
+        add_bos = model == "llama" or pre in _PRE_ADDS_BOS
+    if bos is not None and not 0 <= bos < n:
+        bos = None
+    if eos is not None and not 0 <= eos < n:
+        eos = None
+    return special_tokens(bos, eos, bool(add_bos), bool(add_eos), source=source)
 
 
 def tokenizer_from_gguf(f: GGUFFile) -> tuple[str | None, dict | None, list[int]]:
@@ -831,9 +892,11 @@ def tokenizer_from_gguf(f: GGUFFile) -> tuple[str | None, dict | None, list[int]
             merges.append(parts)
         pre = f.get("tokenizer.ggml.pre", str, "default")  # absent: llama.cpp warns and uses "default"
         regex = _PRE.get(pre)
-        if regex is None:  # llama.cpp refuses the file ("unknown pre-tokenizer type")
-            warnings.warn(f"{f.path}: tokenizer.ggml.pre={pre!r} is not known here (llama.cpp refuses it): "
-                          "pre-tokenising with llama.cpp's 'default' regexes (tokens may differ)", stacklevel=3)
+        if regex is None:
+            at = f.meta_at.get("tokenizer.ggml.pre", 0)
+            warnings.warn(f"{f.path}: tokenizer.ggml.pre={pre!r} (metadata at offset {at:#x}) is not known here: "
+                          "pre-tokenising with llama.cpp's 'default' regexes, so token ids may differ from the "
+                          "model's own; give its tokenizer.json with --tokenizer for exact ids", stacklevel=3)
             regex = "default"
         tj = {
             "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
@@ -883,11 +946,12 @@ def from_gguf(path, name: str | None = None, max_seq_len: int | None = None) -> 
     plan = _plan(f, config, arch, extra)
     _check_types(f, plan)
     tok, chat, eos = tokenizer_from_gguf(f)
-    note = _loss_note(f, plan)
-    if note:
-        warnings.warn(note, stacklevel=2)
+    specials = special_tokens_from_gguf(f, f.get("tokenizer.ggml.model", str), len(f.meta.get(
+        "tokenizer.ggml.tokens") or ())) if tok is not None else None
     g = build_graph(config, None, name=config.name)
     g.weights = LazyWeights(plan)
     g.meta.tokenizer, g.meta.chat_template, g.meta.eos_token_ids = tok, chat, eos
+    g.meta.special_tokens = specials
+    g.meta.source_dtypes, g.meta.source_notes = source_types(f, plan)
     g.meta.source = f"gguf:{arch}"
     return verify(g)

@@ -36,6 +36,7 @@ from .hf_weights import (
     hf_weight_plan,
     layer_kinds_from_names,
     read_chat_template,
+    read_special_tokens,
     read_tokenizer,
     resolve_qk_norm,
 )
@@ -553,9 +554,11 @@ class _ModuleSource:
         return np.ascontiguousarray(t.to("cpu").float().numpy())
 
 
-def from_hf_module(module, name: str | None = None, max_seq_len: int | None = None) -> Graph | None:
+def from_hf_module(module, name: str | None = None, max_seq_len: int | None = None, probe: bool = True
+                   ) -> Graph | None:
     """A transformers causal LM (any class built from Llama's parts) -> Graph; None if `module` is not a
-    transformers model at all."""
+    transformers model at all. probe: first check that the import reproduces this class's own forward
+    (frontend/probe.py)."""
     cfg = getattr(module, "config", None)
     try:
         from transformers import PreTrainedModel
@@ -580,6 +583,10 @@ def from_hf_module(module, name: str | None = None, max_seq_len: int | None = No
     g = build_graph(config, {k: load() for k, load in plan.items()}, name=name)
     g.meta.eos_token_ids = _eos_from(getattr(module, "generation_config", None), cfg)
     g.meta.source = f"transformers:{cls}"
+    if probe:
+        from .probe import probe_module_class
+
+        probe_module_class(type(module), cfg, lambda m: from_hf_module(m, probe=False), cls)
     return verify(g)
 
 
@@ -669,8 +676,10 @@ def _dir_values(cfg, kinds, where: str) -> dict:
                 norm_topk=getattr(cfg, "norm_topk_prob", None))
 
 
-def from_hf_dir(path, name: str | None = None, max_seq_len: int | None = None) -> Graph:
-    """A Hugging Face model directory -> Graph with lazily read float32 weights, tokenizer, chat template, eos ids."""
+def from_hf_dir(path, name: str | None = None, max_seq_len: int | None = None, probe: bool = True) -> Graph:
+    """A Hugging Face model directory -> Graph with lazily read float32 weights, tokenizer, chat template, eos ids.
+    probe: first check, on a small model of the directory's class saved the same way, that this import reproduces
+    the class's own forward (frontend/probe.py; skipped where transformers does not know the class)."""
     path = Path(path)
     cfg = _read_hf_config(path)
     where = f"{path / 'config.json'}"
@@ -692,8 +701,37 @@ def from_hf_dir(path, name: str | None = None, max_seq_len: int | None = None) -
     g.meta.tokenizer = read_tokenizer(path)
     g.meta.chat_template = read_chat_template(path)
     g.meta.eos_token_ids = eos_token_ids(path, cfg)
+    g.meta.special_tokens = read_special_tokens(path, g.meta.tokenizer)
     g.meta.source = f"hf-dir:{_get(cfg, 'model_type', 'unknown')}"
+    if probe:
+        _probe_dir(cfg, path)
     return verify(g)
+
+
+def _probe_dir(cfg, path: Path) -> None:
+    """The directory import checked against its class's forward (frontend/probe.py): a probe model saved with
+    save_pretrained to a temporary directory and read back by from_hf_dir, the path the user's files take."""
+    import tempfile
+
+    try:
+        import transformers
+    except ImportError:
+        return
+    archs = list(_get(cfg, "architectures", []) or [])
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None or not hasattr(cfg, "to_json_string"):
+        return  # a Llama-like config transformers does not know: nothing to compare against
+
+    def importer(module):
+        with tempfile.TemporaryDirectory(prefix="cflow-probe-") as tmp:
+            module.save_pretrained(tmp, safe_serialization=True)
+            g = from_hf_dir(tmp, probe=False)
+            g.weights = {k: g.weights[k] for k in g.meta.shapes}  # read before the directory goes
+            return g
+
+    from .probe import probe_module_class
+
+    probe_module_class(cls, cfg, importer, f"{path}: {archs[0]}")
 
 
 __all__ = ["from_hf_module", "from_hf_dir", "hf_model_config", "check_hf_config", "rope_of", "Folds",

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import CflowError, UnsupportedModelError
 from ..ir import weight_shapes
 from ..ir.config import ModelConfig
+from ..ir.meta import special_tokens
 
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _LEGACY = {  # per-expert checkpoint names -> role
@@ -334,3 +335,69 @@ def eos_token_ids(path, config=None) -> list[int]:
         ids = [int(t["id"]) for t in added if t.get("special") and t.get("content") in _EOS_NAMES]
         return ids[:1]
     return []
+
+
+def specials_from_post_processor(json_text: str, source: str = "tokenizer.json post-processor") -> dict | None:
+    """What a tokenizer.json's post-processor adds around a single sequence (BOS in front, EOS behind), found by
+    encoding one piece of text with and without it; None when it adds nothing or is not a BOS/EOS rule."""
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tk = HFTokenizer.from_str(json_text)
+        plain = tk.encode("a", add_special_tokens=False).ids
+        full = tk.encode("a", add_special_tokens=True).ids
+    except BaseException as e:  # noqa: BLE001 -- pyo3 panics on odd input
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return None
+    if full == plain or not plain:
+        return None
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+    if at is None:
+        return None
+    head, tail = full[:at], full[at + len(plain):]
+    if len(head) > 1 or len(tail) > 1:
+        return None  # not a single BOS / EOS (e.g. an encoder's pair template): left alone
+    return special_tokens(bos=head[0] if head else None, eos=tail[0] if tail else None, add_bos=bool(head),
+                          add_eos=bool(tail), source=source)
+
+
+def read_special_tokens(path, tokenizer_text: str | None) -> dict | None:
+    """BOS / EOS a model directory's prompts carry (runtime/tokenizer.py): what its tokenizer.json post-processor
+    adds around one sequence, overridden by tokenizer_config.json's add_bos_token / add_eos_token (transformers
+    rebuilds the post-processor from them), with bos_token / eos_token naming the tokens; None without a tokenizer."""
+    if not tokenizer_text:
+        return None
+    path = Path(path)
+    found = specials_from_post_processor(tokenizer_text) or special_tokens(source="tokenizer.json post-processor")
+    p = path / "tokenizer_config.json"
+    tc: dict = {}
+    if p.is_file():
+        try:
+            tc = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CflowError(f"{p}: cannot read ({e})") from None
+        if not isinstance(tc, dict):
+            raise CflowError(f"{p}: expected a JSON object")
+    if not any(k in tc for k in ("add_bos_token", "add_eos_token")):
+        return found
+    vocab = {}
+    try:
+        tj = json.loads(tokenizer_text)
+        vocab = dict((tj.get("model") or {}).get("vocab") or {})
+        vocab.update({t["content"]: int(t["id"]) for t in tj.get("added_tokens") or [] if "content" in t})
+    except (ValueError, TypeError, KeyError, AttributeError):
+        pass
+    out = dict(found)
+    for key, name in (("bos", "bos_token"), ("eos", "eos_token")):
+        flag = tc.get(f"add_{key}_token")
+        if flag is None:
+            continue
+        if not isinstance(flag, bool):
+            raise CflowError(f"{p}: add_{key}_token={flag!r}: expected true or false")
+        text = _token_text(tc.get(name))
+        tid = vocab.get(text) if text is not None else None
+        out[key] = tid if tid is not None else out[key]
+        out[f"add_{key}"] = flag
+    return special_tokens(out["bos"], out["eos"], out["add_bos"], out["add_eos"],
+                          source=f"{p.name} add_bos_token/add_eos_token")

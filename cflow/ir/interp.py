@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CflowError, VerifyError
+from ..layout.blocks import BlockTensor, matvec_twin
 from ..layout.quant import DType, QTensor, dequantize, quantize_activation_q8, round_bf16
 from .graph import INPUT, OUTPUT, Graph
 from .nodes import Add, Attention, DenseFFN, Embedding, ExpertBank, LMHead, Node, RMSNorm, Router
@@ -100,6 +101,9 @@ class Interpreter:
     def matvec(self, x: np.ndarray, name: str) -> np.ndarray:
         """x [T, in] @ W[out, in].T, emulating int8 activation blocks for Q4/Q8 weights if asked."""
         w = self.g.weight(name)
+        if self.act_quant == "q8" and isinstance(w, BlockTensor):  # a GGUF block type: its twin (layout/blocks.py)
+            cache = self._codes.setdefault(name, {}) if self.cache_weights else None
+            return matvec_twin(w, x, cache)
         if self.act_quant == "q8" and isinstance(w, QTensor):
             return self._matvec_q8(x, name, w)
         return (x @ self.weight(name).T).astype(np.float32)

@@ -1,6 +1,7 @@
 """Byte layout: how weights are stored, below every stage that reads or writes them.
 
 quant.py   weight dtypes and the GGUF-exact Q4_0/Q8_0 numerics (the NumPy oracle of every kernel)
+blocks.py  the other GGUF block types kept as stored (K-quants, Q4_1/Q5_*, IQ4): fields, NumPy twin, group layout
 tile.py    THE tile layout: the byte stream a mat-vec kernel reads, pack/unpack, fused streams
 packed.py  packed tensors (form, parts, shapes, bytes) and the file layouts (stage- or layer-major)
 

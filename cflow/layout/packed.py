@@ -14,6 +14,7 @@ import os
 import attrs
 import numpy as np
 
+from . import blocks as B
 from . import tile as T
 from .quant import DType, QTensor, dequantize
 
@@ -68,6 +69,16 @@ class PackedTensor:
     tile: tuple[int, int]
     block: int = -1  # weight block (the file's layer field); -1 for global tensors
     expert: int = -1
+    part_dtypes: tuple[DType, ...] | None = None  # per part where they differ (a CONCAT of GGUF types); else None
+
+    def part_dtype(self, i: int) -> DType:
+        return self.part_dtypes[i] if self.part_dtypes else self.dtype
+
+    @property
+    def file_dtype(self) -> DType:
+        """The type in the file's tensor table: MIXED for parts of different types (the header's packing entry
+        lists them; the reader checks such a tensor's size against this plan, not the table's formula)."""
+        return DType.MIXED if self.part_dtypes else self.dtype
 
     @property
     def layout(self) -> T.TileLayout:
@@ -78,7 +89,7 @@ class PackedTensor:
 
     @property
     def concat(self) -> T.ConcatLayout:
-        return T.concat_layout(self.part_shapes, self.dtype, self.tile)
+        return T.concat_layout(self.part_shapes, self.part_dtypes or self.dtype, self.tile)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -110,8 +121,11 @@ class PackedTensor:
 
     def to_json(self) -> dict:
         """The tensor's entry in the file header's 'packing' section."""
-        return {"form": str(self.form), "parts": list(self.parts), "part_shapes": [list(s) for s in self.part_shapes],
-                "dtype": self.dtype.label}
+        out = {"form": str(self.form), "parts": list(self.parts), "part_shapes": [list(s) for s in self.part_shapes],
+               "dtype": self.dtype.label}
+        if self.part_dtypes:
+            out["part_dtypes"] = [d.label for d in self.part_dtypes]
+        return out
 
     def materialize(self, weights) -> np.ndarray:
         """The bytes to store (uint8, or f32 for vectors), built from the graph's (quantised) weights."""
@@ -120,16 +134,17 @@ class PackedTensor:
             return np.ascontiguousarray(dequantize(ws[0]), dtype=np.float32).reshape(-1)
         if self.form == Form.ROWS:
             npdt = np.float16 if self.dtype == DType.F16 else np.float32
-            w = ws[0] if not isinstance(ws[0], QTensor) else dequantize(ws[0])
+            w = ws[0] if not isinstance(ws[0], (QTensor, B.BlockTensor)) else dequantize(ws[0])
             return np.ascontiguousarray(w, dtype=npdt).reshape(-1).view(np.uint8)
         if self.form == Form.CONCAT:
-            return T.pack_concat(ws, self.dtype, self.tile)[0]
+            return T.pack_concat(ws, self.part_dtypes or self.dtype, self.tile)[0]
         if self.form == Form.GATE_UP:
             return T.pack_gate_up(ws[0], ws[1], self.dtype, self.tile)
         return T.pack(ws[0], self.dtype, self.tile)
 
     def unpack_part(self, raw: np.ndarray, i: int):
-        """Inverse of materialize for part i: a QTensor (Q4/Q8), else a float array (f16 kept as float16)."""
+        """Inverse of materialize for part i: a QTensor (Q4/Q8), a BlockTensor (a GGUF block type), else a float
+        array (f16 kept as float16)."""
         shape = self.part_shapes[i]
         if self.form == Form.VECTOR:
             return np.array(raw, dtype=np.float32)
@@ -146,7 +161,10 @@ class PackedTensor:
             buf = np.ascontiguousarray(raw.reshape(L.n_tile_rows, 2, L.tile_row_nbytes)[:, i]).reshape(-1)
         else:
             buf = raw
-        if self.dtype in (DType.Q4, DType.Q8):
-            return T.unpack_q(buf, self.dtype, rows, cols, self.tile)
-        out = T.unpack(buf, self.dtype, rows, cols, self.tile)
-        return out.astype(np.float16) if self.dtype == DType.F16 else out
+        dt = self.part_dtype(i)
+        if B.is_block_type(dt):
+            return T.unpack_blocks(buf, dt, rows, cols, self.tile)
+        if dt in (DType.Q4, DType.Q8):
+            return T.unpack_q(buf, dt, rows, cols, self.tile)
+        out = T.unpack(buf, dt, rows, cols, self.tile)
+        return out.astype(np.float16) if dt == DType.F16 else out

@@ -25,23 +25,52 @@ BLOCK = 32  # inputs per quantisation block (Q4_0 / Q8_0)
 
 
 class DType(enum.IntEnum):
-    """Weight storage types. Values are file-format ids: never reuse a removed id."""
+    """Weight storage types. Values are file-format ids: never reuse a removed id.
+
+    F32, F16, Q4 (GGUF's Q4_0) and Q8 (Q8_0) are the types cflow quantises to (--quant); the others are GGUF block
+    types kept as a GGUF file stores them (layout/blocks.py), id 100 + the type's ggml id."""
 
     F32 = 0
     F16 = 1
     Q8 = 8
     Q4 = 4
+    Q4_1 = 103
+    Q5_0 = 106
+    Q5_1 = 107
+    Q2_K = 110
+    Q3_K = 111
+    Q4_K = 112
+    Q5_K = 113
+    Q6_K = 114
+    IQ4_NL = 120
+    IQ4_XS = 123
+    MIXED = 255  # a file's tensor-table type of a stream whose parts differ in type (its packing entry says each)
 
     @property
     def label(self) -> str:
         return self.name.lower()
 
+    @property
+    def quantised(self) -> bool:
+        """Read through int8 activation blocks (every weight type but F32 / F16)."""
+        return self not in (DType.F32, DType.F16, DType.MIXED)
+
+    @property
+    def gguf_name(self) -> str:
+        """llama.cpp's name of the type (Q4_0 for Q4, Q8_0 for Q8)."""
+        return {DType.Q4: "Q4_0", DType.Q8: "Q8_0"}.get(self, self.name)
+
     @classmethod
     def parse(cls, text: str) -> DType:
+        key = str(text).upper()
+        key = {"Q4_0": "Q4", "Q8_0": "Q8"}.get(key, key)
         try:
-            return cls[text.upper()]
+            return cls[key]
         except KeyError:
             raise ValueError(f"unknown quantisation {text!r} (expected one of q4, q8, f16, f32)") from None
+
+
+QUANT_TARGETS = (DType.Q4, DType.Q8, DType.F16, DType.F32)  # what quantize() (and cflowc --quant) produce
 
 
 # dtype -> (elements per block, bytes per block); sizes written as field sums.
@@ -51,6 +80,9 @@ BLOCK_SIZES: dict[DType, tuple[int, int]] = {
     DType.Q8: (BLOCK, 2 + BLOCK),  # fp16 d + 32 x int8
     DType.Q4: (BLOCK, 2 + BLOCK // 2),  # fp16 d + 32 x 4-bit
 }
+BLOCK_SIZES.update({DType.Q4_1: (32, 20), DType.Q5_0: (32, 22), DType.Q5_1: (32, 24), DType.IQ4_NL: (32, 18),
+                    DType.Q2_K: (256, 84), DType.Q3_K: (256, 110), DType.Q4_K: (256, 144), DType.Q5_K: (256, 176),
+                    DType.Q6_K: (256, 210), DType.IQ4_XS: (256, 136)})  # ggml-common.h's block structs
 assert BLOCK_SIZES[DType.Q4][1] == 18 and BLOCK_SIZES[DType.Q8][1] == 34
 
 
@@ -116,6 +148,9 @@ CHUNK_ELEMS = 1 << 22  # quantise ~4M weights at a time: temporaries stay ~16 MB
 def quantize(x: np.ndarray, dtype: DType | str) -> QTensor | np.ndarray:
     """Quantise a 2-D float matrix. F32/F16 return plain arrays; Q4/Q8 return a QTensor."""
     dtype = DType.parse(dtype) if isinstance(dtype, str) else DType(dtype)
+    if dtype not in QUANT_TARGETS:
+        raise ValueError(f"cflow does not quantise to {dtype.gguf_name}: a {dtype.gguf_name} tensor is kept as a GGUF "
+                         "stores it, or requantised to q4 / q8 / f16 / f32")
     if dtype == DType.F32:
         return np.ascontiguousarray(x, dtype=np.float32)
     if dtype == DType.F16:
@@ -147,8 +182,10 @@ def _quantize_rows(x: np.ndarray, dtype: DType) -> QTensor:
     return QTensor(dtype=dtype, rows=rows, cols=cols, scales=d[..., 0].astype(np.float16), q=q)
 
 
-def dequantize(t: QTensor | np.ndarray) -> np.ndarray:
-    """float32 [rows, cols] from any stored weight."""
+def dequantize(t) -> np.ndarray:
+    """float32 [rows, cols] from any stored weight (a float array, a QTensor or a blocks.BlockTensor)."""
+    if hasattr(t, "raw") and hasattr(t, "format"):  # a BlockTensor (layout/blocks.py imports this module)
+        return t.dequantize()
     if not isinstance(t, QTensor):
         return np.asarray(t, dtype=np.float32)
     codes = t.q.astype(np.float32)

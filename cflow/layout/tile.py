@@ -38,6 +38,12 @@ g = group, i = row in group (0..15), k = input in the block (0..31), offsets wit
 Every code/scale chunk is 32-byte aligned; with TR a multiple of 32 (NG even) every unit, tile
 and tile-row starts 64-byte aligned too. All multi-byte values are little-endian.
 
+GGUF block types (layout/blocks.py: Q4_1, Q5_0, Q5_1, IQ4_NL with 32-input blocks; the K-quants and IQ4_XS with
+256): a unit is one block of QK inputs for all TR rows, NG groups of 16 rows, each group its rows' GGUF block
+bytes interleaved field by field (blocks.py). A tile is then lcm(TC, QK) inputs wide (tile_cols), so a
+K-quant matrix's inputs pad to whole 256-input blocks; a GGUF stores no partial block, so with a TC that divides
+the matrix widths nothing is padded and the stream holds exactly the file's bytes.
+
 Fused streams: QKV = several matrices sharing the input, each padded to whole tile-rows and
 concatenated (the output vector holds each part at its row offset); gate+up = tile-rows
 interleaved (gate tile-row t, then up tile-row t) so one thread computes silu(gate) * up for its
@@ -46,11 +52,14 @@ rows right after producing both.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import numpy as np
 
 from ..errors import ConfigError
 from . import DEFAULT_TILE
+from . import blocks as B
 from .quant import BLOCK, BLOCK_SIZES, DType, QTensor, dequantize, padded, quantize
 
 GROUP_ROWS = 16  # rows interleaved per 64-byte vector (16 x int32 lanes)
@@ -97,9 +106,28 @@ class TileLayout:
         return padded(self.rows, self.tr)
 
     @property
+    def unit_cols(self) -> int:
+        """Inputs of one unit: 32, or a GGUF block type's QK (256 for the K-quants and IQ4_XS)."""
+        return max(BLOCK, BLOCK_SIZES[self.dtype][0])
+
+    @property
+    def tile_cols(self) -> int:
+        """Inputs of one tile: TC, widened to whole units (lcm(TC, unit_cols))."""
+        return math.lcm(self.tc, self.unit_cols)
+
+    @property
+    def is_block_type(self) -> bool:
+        return B.is_block_type(self.dtype)
+
+    @property
+    def format(self) -> B.BlockFormat:
+        """The GGUF block type's format (block types only)."""
+        return B.FORMATS[self.dtype]
+
+    @property
     def cols_p(self) -> int:
         """K': inputs padded to whole tiles."""
-        return padded(self.cols, self.tc)
+        return padded(self.cols, self.tile_cols)
 
     @property
     def n_tile_rows(self) -> int:
@@ -107,7 +135,7 @@ class TileLayout:
 
     @property
     def n_tile_cols(self) -> int:
-        return self.cols_p // self.tc
+        return self.cols_p // self.tile_cols
 
     @property
     def groups_per_tile(self) -> int:
@@ -115,8 +143,13 @@ class TileLayout:
 
     @property
     def blocks_per_tile(self) -> int:
-        """NB: 32-input blocks per tile row (Q4/Q8)."""
-        return self.tc // BLOCK
+        """NB: units per tile row (32-input blocks for Q4/Q8/F16/F32, QK-input blocks for a GGUF block type)."""
+        return self.tile_cols // self.unit_cols
+
+    @property
+    def n_units(self) -> int:
+        """Units in one tile-row."""
+        return self.cols_p // self.unit_cols
 
     @property
     def code_nbytes(self) -> int:
@@ -125,9 +158,9 @@ class TileLayout:
 
     @property
     def unit_nbytes(self) -> int:
-        """Bytes of one block unit: all TR rows x 32 inputs."""
+        """Bytes of one unit: all TR rows x unit_cols inputs."""
         n, b = BLOCK_SIZES[self.dtype]
-        return self.tr * BLOCK // n * b
+        return self.tr * (self.unit_cols // n) * b
 
     @property
     def group_nbytes(self) -> int:
@@ -160,7 +193,7 @@ class TileLayout:
         return a
 
     def unit_offset(self, tr: int, kb: int) -> int:
-        """Byte offset of the unit of tile-row tr holding inputs 32*kb .. 32*kb+31."""
+        """Byte offset of the unit of tile-row tr holding inputs unit_cols*kb .. unit_cols*(kb+1) - 1."""
         return tr * self.tile_row_nbytes + kb * self.unit_nbytes
 
     def tile_offset(self, tr: int, tc: int) -> int:
@@ -183,7 +216,15 @@ def aligned_empty(nbytes: int, align: int = ALIGN, zero: bool = False) -> np.nda
 
 
 def _as_stored(w, dtype: DType):
-    """A float matrix or QTensor -> QTensor (Q4/Q8) or a plain f32/f16 array."""
+    """A float matrix, QTensor or BlockTensor -> QTensor (Q4/Q8), BlockTensor (a GGUF block type, kept as it is:
+    nothing is quantised to one here) or a plain f32/f16 array."""
+    if B.is_block_type(dtype):
+        if isinstance(w, B.BlockTensor) and w.dtype == dtype:
+            return w
+        raise ValueError(f"a {dtype.gguf_name} stream is packed from {dtype.gguf_name} blocks, not from "
+                         f"{getattr(getattr(w, 'dtype', None), 'label', type(w).__name__)}")
+    if isinstance(w, B.BlockTensor):
+        w = w.dequantize()
     if isinstance(w, QTensor):
         if w.dtype == dtype:
             return w
@@ -211,11 +252,13 @@ def pack(w, dtype, tile=DEFAULT_TILE) -> np.ndarray:
     """
     dtype = DType.parse(dtype) if isinstance(dtype, str) else DType(dtype)
     st = _as_stored(w, dtype)
-    rows, cols = (st.rows, st.cols) if isinstance(st, QTensor) else st.shape
+    rows, cols = (st.rows, st.cols) if isinstance(st, (QTensor, B.BlockTensor)) else st.shape
     L = TileLayout(dtype, rows, cols, tile)
     nT, nC, ng, nb = L.n_tile_rows, L.n_tile_cols, L.groups_per_tile, L.blocks_per_tile
     out = aligned_empty(L.nbytes)
-    if dtype in (DType.Q4, DType.Q8):
+    if L.is_block_type:
+        out[...] = B.pack_blocks(st, L.rows_p, L.cols_p, L.tr, L.tc)
+    elif dtype in (DType.Q4, DType.Q8):
         q, s = _pad_q(st, L.rows_p, L.cols_p // BLOCK)
         # [tile-row, group, i, tile-col, block, 32] -> per block unit: codes of every group, then scales.
         q = q.reshape(nT, ng, GROUP_ROWS, nC, nb, BLOCK)
@@ -263,9 +306,21 @@ def unpack_q(buf: np.ndarray, dtype, rows: int, cols: int, tile=DEFAULT_TILE) ->
                    q=np.ascontiguousarray(q[:rows, :nblk]))
 
 
+def unpack_blocks(buf: np.ndarray, dtype, rows: int, cols: int, tile=DEFAULT_TILE) -> B.BlockTensor:
+    """Inverse of pack for a GGUF block type: the GGUF bytes as a BlockTensor (padding dropped)."""
+    dtype = DType.parse(dtype) if isinstance(dtype, str) else DType(dtype)
+    L = TileLayout(dtype, rows, cols, tile)
+    buf = np.asarray(buf, np.uint8)
+    if buf.size != L.nbytes:
+        raise ValueError(f"tile stream has {buf.size} bytes, layout needs {L.nbytes}")
+    return B.unpack_blocks(buf, dtype, rows, cols, L.rows_p, L.cols_p, L.tr)
+
+
 def unpack(buf: np.ndarray, dtype, rows: int, cols: int, tile=DEFAULT_TILE) -> np.ndarray:
     """Inverse of pack: float32 [rows, cols] (dequantised values, padding dropped)."""
     dtype = DType.parse(dtype) if isinstance(dtype, str) else DType(dtype)
+    if B.is_block_type(dtype):
+        return unpack_blocks(buf, dtype, rows, cols, tile).dequantize()
     if dtype in (DType.Q4, DType.Q8):
         return np.ascontiguousarray(dequantize(unpack_q(buf, dtype, rows, cols, tile)))
     L = TileLayout(dtype, rows, cols, tile)
@@ -296,8 +351,14 @@ class ConcatLayout:
     byte_offsets: tuple[int, ...]
 
     @property
+    def mixed(self) -> bool:
+        """Parts of different types (a GGUF's Q4_K q/k beside a Q6_K v): one kernel per part, not one for all."""
+        return len({p.dtype for p in self.parts}) > 1
+
+    @property
     def layout(self) -> TileLayout:
-        """The whole stream seen as one matrix (rows = padded total), for the mat-vec kernel."""
+        """The whole stream seen as one matrix (rows = padded total), for the mat-vec kernel; for mixed parts the
+        first part's type (its geometry only: each part has its own kernel, parts[i])."""
         p0 = self.parts[0]
         return TileLayout(p0.dtype, sum(p.rows_p for p in self.parts), p0.cols, p0.tile)
 
@@ -306,9 +367,14 @@ class ConcatLayout:
         return sum(p.nbytes for p in self.parts)
 
 
+def _per_part(dtype, n: int) -> list:
+    return list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * n
+
+
 def concat_layout(shapes, dtype, tile=DEFAULT_TILE) -> ConcatLayout:
-    """Layout of row-concatenated parts; shapes = [(rows, cols), ...] with one shared cols."""
-    parts = tuple(TileLayout(dtype, r, c, tile) for r, c in shapes)
+    """Layout of row-concatenated parts; shapes = [(rows, cols), ...] with one shared cols; dtype one for all or
+    one per part."""
+    parts = tuple(TileLayout(dt, r, c, tile) for (r, c), dt in zip(shapes, _per_part(dtype, len(shapes))))
     if len({p.cols for p in parts}) != 1:
         raise ValueError(f"concatenated parts must share their input width, got {[tuple(s) for s in shapes]}")
     rows = np.cumsum([0] + [p.rows_p for p in parts])[:-1]
@@ -321,8 +387,8 @@ def pack_concat(ws, dtype, tile=DEFAULT_TILE) -> tuple[np.ndarray, ConcatLayout]
 
     Returns (stream, layout); layout.row_offsets gives each part's first row in the output.
     """
-    streams = [pack(w, dtype, tile) for w in ws]
-    shapes = [(w.rows, w.cols) if isinstance(w, QTensor) else np.shape(w) for w in ws]
+    streams = [pack(w, dt, tile) for w, dt in zip(ws, _per_part(dtype, len(ws)))]
+    shapes = [(w.rows, w.cols) if isinstance(w, (QTensor, B.BlockTensor)) else np.shape(w) for w in ws]
     cl = concat_layout(shapes, dtype, tile)
     out = aligned_empty(cl.nbytes)
     for s, off in zip(streams, cl.byte_offsets):
@@ -340,7 +406,8 @@ def pack_gate_up(gate, up, dtype, tile=DEFAULT_TILE) -> np.ndarray:
     g, u = pack(gate, dtype, tile), pack(up, dtype, tile)
     if g.size != u.size:
         raise ValueError("gate and up must have the same shape")
-    L = TileLayout(dtype, *((gate.rows, gate.cols) if isinstance(gate, QTensor) else np.shape(gate)), tile)
+    L = TileLayout(dtype, *((gate.rows, gate.cols) if isinstance(gate, (QTensor, B.BlockTensor)) else np.shape(gate)),
+                   tile)
     out = aligned_empty(2 * g.size)
     pairs = out.reshape(L.n_tile_rows, 2, L.tile_row_nbytes)
     pairs[:, 0] = g.reshape(L.n_tile_rows, -1)

@@ -1,4 +1,5 @@
-"""Checkpoint directories: config.json + model.safetensors (+ tokenizer.json), what `cflowc DIR` compiles."""
+"""Checkpoint directories: config.json + model.safetensors (+ tokenizer.json and tokenizer_config.json), what
+`cflowc DIR` compiles."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 from ..errors import CflowError, ConfigError
 from ..ir.config import ModelConfig
 from ..util import atomic_path
+from .data import EOT
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
@@ -59,6 +62,10 @@ def write_checkpoint(model, directory: Path, tokenizer_json: str | None = None, 
     save_file(sd, str(directory / WEIGHTS), metadata={"format": "pt"})
     if tokenizer_json is not None:
         (directory / TOKENIZER).write_text(tokenizer_json)
+        if EOT in tokenizer_json:  # models trained here saw EOT before every story (data.encode_stories): prompts
+            # start with it, as transformers and the frontends read tokenizer_config.json (runtime/tokenizer.py)
+            (directory / TOKENIZER_CONFIG).write_text(json.dumps(
+                {"bos_token": EOT, "eos_token": EOT, "add_bos_token": True, "add_eos_token": False}, indent=2) + "\n")
 
 
 def load_checkpoint(path: str | os.PathLike):

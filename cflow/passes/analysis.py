@@ -16,36 +16,41 @@ multiple of the tile (d_model 128 under 256-column tiles streams twice its logic
 from __future__ import annotations
 
 import json
+import math
 
 import attrs
 
 from ..ir import Graph, Node
-from ..layout.quant import DType, matrix_bytes, padded
+from ..layout.quant import BLOCK_SIZES, DType, matrix_bytes, padded
 from .quantize import weight_dtype
 
 ROWS_SUFFIXES = (".router", ".shared_gate")  # matrices stored as plain rows (never tiled, never padded)
 
 
-def _tensor_bytes(name: str, shape: tuple[int, ...], quant: DType, tile: tuple[int, int] | None) -> int:
-    dt = weight_dtype(name, shape, quant)
+def _tensor_bytes(name: str, shape: tuple[int, ...], quant: DType | None, tile: tuple[int, int] | None,
+                  stored: dict | None = None) -> int:
+    dt = weight_dtype(name, shape, quant, (stored or {}).get(name))
     if len(shape) == 1:
         return 4 * shape[0]  # biases and norm vectors: f32
     rows, cols = shape
     if name.endswith(ROWS_SUFFIXES):
         return rows * cols * (2 if dt == DType.F16 else 4)
     if tile is not None:
-        rows, cols = padded(rows, tile[0]), padded(cols, tile[1])
+        rows, cols = padded(rows, tile[0]), padded(cols, math.lcm(tile[1], BLOCK_SIZES[dt][0]))
     return matrix_bytes(rows, cols, dt)
 
 
-def op_bytes(g: Graph, n: Node, dtype: DType, tile: tuple[int, int] | None = None) -> int:
-    """Weight bytes op `n` streams for one token (0 for ops without matrices); with `tile`, padded to it."""
+def op_bytes(g: Graph, n: Node, dtype: DType | None, tile: tuple[int, int] | None = None) -> int:
+    """Weight bytes op `n` streams for one token (0 for ops without matrices); with `tile`, padded to it. dtype None:
+    each weight at the type its source stores it in (a GGUF compiled as stored)."""
     shapes = g.meta.shapes
+    stored = g.meta.source_dtypes or g.meta.weight_dtypes  # a GGUF's graph, or a compiled file's (from its header)
     if n.kind in ("embedding", "rmsnorm", "add"):
         return 0  # one embedding row and norm vectors: negligible, not streamed as matrices
 
     def size(w: str) -> int:  # a tied head streams its own quantised copy (named lm_head once quantised)
-        return _tensor_bytes("lm_head" if n.kind == "lm_head" else w, shapes[w], dtype, tile)
+        name = "lm_head" if n.kind == "lm_head" and dtype is not None else w
+        return _tensor_bytes(name, shapes[w], dtype, tile, stored)
 
     if n.kind == "experts":
         per_expert = sum(size(w) for w in n.expert_weight_names(0))
@@ -106,7 +111,9 @@ class Analysis:
 def analyze(g: Graph, quant: str | DType = "q4", tile: tuple[int, int] | None = None) -> Analysis:
     """Sequential and critical-path weight bytes per token of graph `g` at weight dtype `quant`; with `tile`,
     every matrix padded to whole tiles (the compiled file's bytes/token), else logical bytes."""
-    dtype = DType.parse(quant) if isinstance(quant, str) else DType(quant)
+    from .quantize import STORED
+
+    dtype = None if quant == STORED else DType.parse(quant) if isinstance(quant, str) else DType(quant)
     tile = tuple(int(t) for t in tile) if tile is not None else None
     order = list(g.nodes())
     w = {n.name: op_bytes(g, n, dtype, tile) for n in order}
@@ -128,7 +135,8 @@ def analyze(g: Graph, quant: str | DType = "q4", tile: tuple[int, int] | None = 
     path.reverse()
     ops = [dict(name=n.name, layer=n.layer, kind=n.kind, bytes=w[n.name], inputs=list(n.inputs)) for n in order]
     return Analysis(
-        name=g.name, quant=dtype.label, delays=g.meta.delays, routing=g.meta.routing, ops=ops,
+        name=g.name, quant=dtype.label if dtype is not None else STORED, delays=g.meta.delays,
+        routing=g.meta.routing, ops=ops,
         sequential_bytes=sum(w.values()), critical_bytes=best[end], critical_path=[p for p in path if w[p]],
         tile=tile, logical_bytes=logical,
     )

@@ -1,12 +1,14 @@
 """The packing plan: which tensors a compiled file holds and how each is built from IR weights.
 
 Forms (layout/packed.py): TILED, CONCAT (QKV), GATE_UP, ROWS (embedding, router, shared gate), VECTOR
-(norms, biases). Tensors are per weight block, so arch5's shared blocks are stored once; `block` is
-the file's layer field.
+(norms, biases). A quantised embedding (a GGUF's, kept as stored) is TILED, and a tied head streams that same
+tensor. A CONCAT's parts may differ in type (a GGUF's Q4_K q/k beside a Q6_K v: part_dtypes). Tensors are per
+weight block, so arch5's shared blocks are stored once; `block` is the file's layer field.
 """
 
 from __future__ import annotations
 
+from ..errors import UnsupportedModelError
 from ..ir import Attention, DenseFFN, Embedding, ExpertBank, Graph, LMHead, Node, RMSNorm, Router
 from ..layout import tile as T
 from ..layout.packed import Form, PackedTensor
@@ -46,12 +48,17 @@ def node_tensors(g: Graph, n: Node, tile=T.DEFAULT_TILE) -> list[PackedTensor]:
         return dts.get(name, DType.F32)
 
     def mk(name, form, parts, expert=-1):
-        return PackedTensor(name=name, form=form, parts=tuple(parts), dtype=dt(parts[0]),
+        kinds = tuple(dt(p) for p in parts)
+        if form == Form.GATE_UP and kinds[0] != kinds[1]:
+            raise UnsupportedModelError(f"{parts[0]} is {kinds[0].gguf_name} and {parts[1]} {kinds[1].gguf_name}: the "
+                                        "fused gate+up kernel reads one type (compile with --quant q8 to requantise)")
+        return PackedTensor(name=name, form=form, parts=tuple(parts), dtype=kinds[0],
                             part_shapes=tuple(tuple(shapes[p]) for p in parts), tile=tuple(tile),
-                            block=_block(parts[0]), expert=expert)
+                            block=_block(parts[0]), expert=expert,
+                            part_dtypes=kinds if len(set(kinds)) > 1 else None)
 
-    if isinstance(n, Embedding):
-        return [mk("tok_embeddings", Form.ROWS, [n.weight])]
+    if isinstance(n, Embedding):  # a quantised embedding is a tile stream (kept as stored: a GGUF's own type)
+        return [mk("tok_embeddings", Form.TILED if dt(n.weight).quantised else Form.ROWS, [n.weight])]
     if isinstance(n, RMSNorm):
         return [mk(n.weight, Form.VECTOR, [n.weight])]
     if isinstance(n, Attention):
@@ -83,8 +90,8 @@ def node_tensors(g: Graph, n: Node, tile=T.DEFAULT_TILE) -> list[PackedTensor]:
             if n.shared_gate:
                 out.append(mk(f"{n.prefix}.shared_gate", Form.ROWS, [f"{n.prefix}.shared_gate"]))
         return out
-    if isinstance(n, LMHead):
-        return [mk("lm_head", Form.TILED, [n.weight])]
+    if isinstance(n, LMHead):  # its own stream, or the embedding's when that is a tile stream it shares
+        return [mk("lm_head" if n.weight == "lm_head" else n.weight, Form.TILED, [n.weight])]
     return []
 
 

@@ -49,13 +49,13 @@ def check_native(graph_or_config, where: str | None = None) -> None:
             "model it: `cflowc MODEL --emit ir`, cflow.ir.interpret)")
 
 
-def lowering(quant: str = "q4", delays: tuple[int, int] | None = None) -> Pipeline:
-    """The passes from a frontend's graph to a planned state."""
+def lowering(quant: str = "q4", delays: tuple[int, int] | None = None, dtypes: dict | None = None) -> Pipeline:
+    """The passes from a frontend's graph to a planned state (dtypes: a header's weight_dtypes, for "stored")."""
     passes: list[Pass] = []
     if delays is not None:
         passes += set_delays(*delays)  # before quantisation: a rewrite changes no weight
     passes += [
-        quantize_weights(quant),  # storage type per weight (lazy: quantised when written)
+        quantize_weights(quant, dtypes),  # storage type per weight (lazy: quantised when written)
         plan_packing,  # which tensors the file holds: needs the dtypes
         schedule_stages,  # stages and buffers: needs each step's tensors and bytes
         order_tensors,  # file order: needs the stage that first streams each tensor
@@ -64,10 +64,11 @@ def lowering(quant: str = "q4", delays: tuple[int, int] | None = None) -> Pipeli
 
 
 def lower(graph: Graph, quant: str = "q4", tile=DEFAULT_TILE, delays: tuple[int, int] | None = None,
-          layout: str | FileLayout = FileLayout.VFLOW, ctx: PassContext | None = None) -> CompileState:
+          layout: str | FileLayout = FileLayout.VFLOW, ctx: PassContext | None = None,
+          dtypes: dict | None = None) -> CompileState:
     """Run the lowering passes (no weights touched); the result is verified once."""
     check_native(graph)
-    state = lowering(quant, delays)(CompileState(graph=graph, tile=tile, layout=layout), ctx)
+    state = lowering(quant, delays, dtypes)(CompileState(graph=graph, tile=tile, layout=layout), ctx)
     state.verify()
     return state
 
@@ -88,7 +89,10 @@ def plan_from_header(h: dict, path: str) -> CompileState:
     try:
         g = build_graph(cfg, None, name=h.get("name", cfg.name),
                         trained_delays=tuple(h.get("trained_delays", cfg.delays)))
-        return lower(g, h["quant"], tuple(h["tile"]), None)
+        dtypes = h.get("weight_dtypes") if h["quant"] == "stored" else None
+        if h["quant"] == "stored" and not isinstance(dtypes, dict):
+            raise FormatError(f"{path}: header field weight_dtypes missing: a file compiled as stored needs it")
+        return lower(g, h["quant"], tuple(h["tile"]), None, dtypes=dtypes)
     except CflowError as e:
         raise FormatError(f"{path}: header does not describe a valid model: {e}") from None
     except (KeyError, TypeError, ValueError, OverflowError) as e:

@@ -193,7 +193,7 @@ class ChatTemplate:
         rest = text[at + len(marker):].lstrip(" ")
         if not rest:
             return set()
-        ids = tokenizer.encode(rest)
+        ids = tokenizer.encode(rest, add_special=False)
         return {ids[0]} if ids and ids[0] in special_ids(tokenizer) else set()
 
 

@@ -28,7 +28,7 @@ def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None
         "delays": list(m.delays),
         "trained_delays": list(m.trained_delays),
         "routing": m.routing,
-        "quant": m.quant.label,
+        "quant": "stored" if m.stored else m.quant.label,
         "tile": list(state.tile),
         "weight_dtypes": {n: d.label for n, d in m.weight_dtypes.items()},
         "packing": {n: t.to_json() for n, t in state.tensors.items()},
@@ -36,6 +36,7 @@ def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None
         "tokenizer": tokenizer,
         "eos_token_ids": list(eos or []),
         "chat_template": m.chat_template,  # {"template", "bos_token", "eos_token"} or None (runtime/chat.py)
+        "special_tokens": m.special_tokens,  # {"bos", "eos", "add_bos", "add_eos", "source"} or None (tokenizer.py)
     }
 
 
@@ -52,7 +53,7 @@ def emit_file(out: str | os.PathLike, tokenizer: str | None = None, eos: list[in
             for name in state.order:
                 t = state.tensors[name]
                 data = t.materialize(state.graph.weights)
-                w.add_tensor(name, t.dtype, t.shape, data, tile=t.file_tile, layer=t.block, expert=t.expert,
+                w.add_tensor(name, t.file_dtype, t.shape, data, tile=t.file_tile, layer=t.block, expert=t.expert,
                              stage=state.stage_of[name])
                 del data
                 done += t.nbytes

@@ -1,4 +1,13 @@
-"""Tokenizer carried inside a compiled file: Hugging Face `tokenizers` JSON; absent -> ids in, ids out."""
+"""Tokenizer carried inside a compiled file: Hugging Face `tokenizers` JSON; absent -> ids in, ids out.
+
+Special tokens. Whether a prompt starts with BOS (and ends with EOS) is the model's, not the tokenizer JSON's: a
+GGUF says it in tokenizer.ggml.add_bos_token (llama.cpp's default when absent: SentencePiece vocabularies and a few
+BPE pre-tokenisers add it), a Hugging Face directory in tokenizer_config.json's add_bos_token or its tokenizer.json
+post-processor. The frontends read it into graph.meta.special_tokens, the compiler stores it in the file header
+("special_tokens": {"bos", "eos", "add_bos", "add_eos", "source"}), and Tokenizer.encode(text, add_special=True)
+applies it: text is tokenised without the post-processor, then BOS is prepended unless the ids already start with it
+(a chat template that writes the BOS text itself: never two BOS), EOS appended likewise.
+"""
 
 from __future__ import annotations
 
@@ -43,7 +52,7 @@ def _first_line(e: BaseException) -> str:
 
 
 class Tokenizer:
-    def __init__(self, json_text: str, eos_ids=()):
+    def __init__(self, json_text: str, eos_ids=(), specials: dict | None = None):
         try:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError:
@@ -59,14 +68,27 @@ class Tokenizer:
             i = self.tk.token_to_id(tok)
             if i is not None and not eos_ids:
                 self.eos_ids.add(i)
+        sp = specials or {}
+        self.bos_id: int | None = sp.get("bos")
+        self.eos_id: int | None = sp.get("eos")
+        self.add_bos: bool = bool(sp.get("add_bos")) and self.bos_id is not None
+        self.add_eos: bool = bool(sp.get("add_eos")) and self.eos_id is not None
 
     @property
     def vocab_size(self) -> int:
         """Tokens the tokenizer knows, added tokens included."""
         return self.tk.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special (the default, as for Hugging Face tokenizers and llama.cpp) the
+        model's BOS in front and EOS behind where the model adds them, never doubled (module docstring)."""
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if add_special:
+            if self.add_bos and (not ids or ids[0] != self.bos_id):
+                ids = [self.bos_id] + ids
+            if self.add_eos and (not ids or ids[-1] != self.eos_id):
+                ids = ids + [self.eos_id]
+        return ids
 
     def decode(self, ids) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=True)

@@ -174,7 +174,7 @@ def test_phi3_past_its_original_context_uses_the_long_factors(tmp_path):
 
 def test_fused_phi3_rows_are_copied_bit_exactly_from_q8_0(tmp_path):
     """attn_qkv / ffn_up hold several IR weights: each is a block of whole rows, so Q8_0 rows are copied, not
-    requantised; Granite's folded multipliers make its scaled tensors requantised instead (dequantised here)."""
+    requantised; Granite's folded multipliers scale its tensors' fp16 block scales (the codes are kept)."""
     arch, family, over, ctx = HF_CASES["phi3"]
     write_hf_gguf(hf_model(family, **over), tmp_path / "m.gguf", arch, qtype=Q.Q8_0)
     back = from_gguf(tmp_path / "m.gguf", max_seq_len=ctx)
@@ -189,21 +189,35 @@ def test_fused_phi3_rows_are_copied_bit_exactly_from_q8_0(tmp_path):
     write_hf_gguf(hf_model("granite"), tmp_path / "g.gguf", "granite", qtype=Q.Q8_0)
     g = from_gguf(tmp_path / "g.gguf")
     assert isinstance(g.weights["blocks.0.attn.wk"], QTensor)  # unscaled: copied
-    assert not isinstance(g.weights["blocks.0.attn.wo"], QTensor)  # * residual_scale: f32, requantised later
+    wo = g.weights["blocks.0.attn.wo"]  # * residual_scale: the same codes, the scales multiplied (fp16-rounded)
+    src = GGUFFile(tmp_path / "g.gguf").tensors["blk.0.attn_output.weight"]
+    raw = GGUFFile(tmp_path / "g.gguf").raw(src).reshape(src.shape[0], -1)
+    assert isinstance(wo, QTensor) and np.array_equal(wo.q.view(np.uint8).reshape(src.shape[0], -1, 32),
+                                                      raw.reshape(src.shape[0], -1, 34)[..., 2:])
+    want = gguf.quants.dequantize(raw, Q.Q8_0) * np.float32(0.22)
+    assert np.abs(wo.dequantize() - want).max() <= 2**-10 * np.abs(want).max()
 
 
-def test_other_types_are_dequantised_with_a_note_and_bf16_is_exact(tmp_path):
+def test_other_types_are_kept_as_stored_and_bf16_is_exact(tmp_path):
+    """A Q5_0 file's matrices come in as BlockTensors with the file's bytes (no note on import); compiling with
+    --quant requantises them with one warning; BF16 widens to f32 exactly."""
+    from cflow.layout.blocks import BlockTensor
+    from cflow.passes.pipeline import lower
+    from cflow.passes.quantize import RequantiseWarning
+
     g = _graph(DENSE)
     write_gguf(g, tmp_path / "m.gguf", "llama", qtype=Q.Q5_0)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         back = from_gguf(tmp_path / "m.gguf")
-    note = [str(x.message) for x in w if "requantised" in str(x.message)]
-    assert len(note) == 1 and "Q5_0" in note[0] and "% RMS error at q4" in note[0] and "\n" not in note[0]
     r = GGUFFile(tmp_path / "m.gguf")
     t = r.tensors["blk.0.ffn_up.weight"]
-    want = gguf.quants.dequantize(r.raw(t).reshape(t.shape[0], -1), Q.Q5_0)
-    assert np.array_equal(back.weights["blocks.0.ffn.w_up"], want)
+    w = back.weights["blocks.0.ffn.w_up"]
+    assert isinstance(w, BlockTensor) and np.array_equal(w.raw, r.raw(t).reshape(t.shape[0], -1))
+    assert np.array_equal(w.dequantize(), gguf.quants.dequantize(r.raw(t).reshape(t.shape[0], -1), Q.Q5_0))
+    assert back.meta.source_dtypes["blocks.0.ffn.w_up"].gguf_name == "Q5_0"
+    with pytest.warns(RequantiseWarning, match="Q5_0 are requantised to q4"):
+        lower(back, "q4")
     # BF16 -> f32 exactly
     g2 = _graph(DENSE)
     emb = g2.weights["tok_embeddings"]
@@ -255,8 +269,9 @@ def test_q8_k_has_no_dequantiser_and_is_refused_by_tensor(tmp_path):
         from_gguf(tmp_path / "k.gguf")
 
 
-def test_k_quant_tensor_is_read_through_the_gguf_dequantiser(tmp_path):
-    """A Q6_K head (random but valid blocks: any codes, finite scales)."""
+def test_k_quant_tensor_is_kept_and_equals_the_gguf_dequantiser(tmp_path):
+    """A Q6_K head (random but valid blocks: any codes, finite scales) is kept as its bytes; its values are
+    gguf.quants's."""
     c = DENSE.evolve(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=256)
     g = _graph(c)
     rng = np.random.default_rng(0)
@@ -265,10 +280,10 @@ def test_k_quant_tensor_is_read_through_the_gguf_dequantiser(tmp_path):
     blocks[:, 208:210] = np.full((c.vocab_size, 1), 0.001, np.float16).view(np.uint8)  # d
     write_gguf(g, tmp_path / "k.gguf", "llama", drop=("output.weight",),
                extra_tensors={"output.weight": (blocks, Q.Q6_K)})
-    with pytest.warns(UserWarning, match="Q6_K"):
-        back = from_gguf(tmp_path / "k.gguf")
+    back = from_gguf(tmp_path / "k.gguf")
     want = gguf.quants.dequantize(blocks, Q.Q6_K).reshape(c.vocab_size, 256)
-    assert np.array_equal(back.weights["lm_head"], want)
+    assert np.array_equal(back.weights["lm_head"].raw, blocks)
+    assert np.array_equal(back.weights["lm_head"].dequantize(), want)
 
 
 # --- tokenizers and chat templates -------------------------------------------------------------------

@@ -196,7 +196,8 @@ def _read_tokenizer_json(tokenizer_json) -> dict:
     return tj
 
 
-def _write_tokenizer(w, tokenizer_json, vocab_size: int) -> None:
+def _write_tokenizer(w, tokenizer_json, vocab_size: int, specials: dict | None = None) -> None:
+    """The tokenizer.ggml.* metadata; `specials` (GraphMeta.special_tokens) decides BOS/EOS where the model says."""
     gguf = _gguf()
     TT = gguf.TokenType
     if tokenizer_json is None:
@@ -264,6 +265,11 @@ def _write_tokenizer(w, tokenizer_json, vocab_size: int) -> None:
 
     bos = special("<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>")
     eos = special("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>", "<|im_end|>")
+    add_bos, add_eos = bool(spm and bos is not None), False
+    if specials:  # the model's own rule (tokenizer_config.json, the post-processor, the source GGUF)
+        bos = specials["bos"] if specials.get("bos") is not None else bos
+        eos = specials["eos"] if specials.get("eos") is not None else eos
+        add_bos, add_eos = bool(specials.get("add_bos")), bool(specials.get("add_eos"))
     unk_id = model.get("unk_id")
     if isinstance(unk_id, int) and 0 <= unk_id < vocab_size:
         unk = unk_id
@@ -289,8 +295,8 @@ def _write_tokenizer(w, tokenizer_json, vocab_size: int) -> None:
         w.add_eos_token_id(eos)
     if unk is not None:
         w.add_unk_token_id(unk)
-    w.add_add_bos_token(bool(spm and bos is not None))
-    w.add_add_eos_token(False)
+    w.add_add_bos_token(add_bos and bos is not None)
+    w.add_add_eos_token(add_eos and eos is not None)
 
 
 # --- tensors -----------------------------------------------------------------------------------
@@ -422,7 +428,7 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
         w.add_layer_norm_rms_eps(float(c.norm_eps))
         w.add_file_type(int(_file_type(graph)))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _write_tokenizer(w, tokenizer_json, c.vocab_size)
+        _write_tokenizer(w, tokenizer_json, c.vocab_size, graph.meta.special_tokens)
         # Tensor infos first (from one pass that builds each payload), then the data one tensor at a
         # time: only one tensor's bytes are held at once (the graph's weights may be quantised lazily).
         infos = []

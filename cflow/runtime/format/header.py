@@ -27,7 +27,7 @@ from . import spec as F
 # The keys of the version stamp (FileWriter adds them to every header it writes).
 VERSION_KEYS = ("cflow_version", "format_version", "plan_version")
 
-QUANTS = ("q4", "q8", "f16", "f32")
+QUANTS = ("q4", "q8", "f16", "f32", "stored")  # stored: each weight at its GGUF's type (weight_dtypes says which)
 MAX_NAME = 1024  # characters of the model name
 MAX_TOKENIZER = 256 << 20  # characters of the tokenizer JSON
 
@@ -40,7 +40,7 @@ MAX_TOKENIZER = 256 << 20  # characters of the tokenizer JSON
 TENSORS_PER_BLOCK = 3
 TENSORS_PER_EXPERT = 2
 MAX_EXECUTED_LAYERS = 1024
-MIN_BYTES_PER_WEIGHT = 18 / 32  # Q4_0, the smallest stored type
+MIN_BYTES_PER_WEIGHT = 84 / 256  # Q2_K (2.625 bits a weight), the smallest stored type (layout/blocks.py)
 
 
 def written_by() -> dict:
@@ -111,6 +111,19 @@ def check_header(reader) -> object:
         for i in eos:
             if not _is_int(i) or not 0 <= i < cfg.vocab_size:
                 raise bad("eos_token_ids", f"{_short(i)} is not a token id in 0..{cfg.vocab_size - 1}")
+    sp = h.get("special_tokens")
+    if sp is not None:
+        if not isinstance(sp, dict) or set(sp) - {"bos", "eos", "add_bos", "add_eos", "source"}:
+            raise bad("special_tokens", f"{_short(sp)}: expected {{bos, eos, add_bos, add_eos, source}}")
+        for key in ("bos", "eos"):
+            v = sp.get(key)
+            if v is not None and (not _is_int(v) or not 0 <= v < cfg.vocab_size):
+                raise bad("special_tokens", f"{key} {_short(v)} is not a token id in 0..{cfg.vocab_size - 1}")
+        for key in ("add_bos", "add_eos"):
+            if not isinstance(sp.get(key, False), bool):
+                raise bad("special_tokens", f"{key} {_short(sp.get(key))}: expected true or false")
+        if not isinstance(sp.get("source", ""), str) or len(sp.get("source", "")) > 256:
+            raise bad("special_tokens", f"source {_short(sp.get('source'))}: expected a short string")
     tok = h.get("tokenizer")
     if tok is not None and (not isinstance(tok, str) or len(tok) > MAX_TOKENIZER):
         raise bad("tokenizer", f"{_short(tok)[:40]}: expected the text of a tokenizer.json")
@@ -198,12 +211,12 @@ def check_plan(reader, compiled) -> None:
             e = reader.entry(name)
         except (KeyError, FormatError):
             raise FormatError(f"{p}: tensor table has no entry {name!r} that the model needs") from None
-        if e.dtype != t.dtype or tuple(e.shape) != tuple(t.shape) or tuple(e.tile) != tuple(t.file_tile) \
+        if e.dtype != t.file_dtype or tuple(e.shape) != tuple(t.shape) or tuple(e.tile) != tuple(t.file_tile) \
                 or e.nbytes != t.nbytes:
             raise FormatError(
                 f"{p}: tensor table entry {e.index} ({name!r}) at file offset {e.file_offset:#x}: "
                 f"{e.dtype.label} {tuple(e.shape)} tile {tuple(e.tile)} {e.nbytes} B, expected "
-                f"{t.dtype.label} {tuple(t.shape)} tile {tuple(t.file_tile)} {t.nbytes} B")
+                f"{t.file_dtype.label} {tuple(t.shape)} tile {tuple(t.file_tile)} {t.nbytes} B")
         want = (t.block, t.expert, compiled.stage_of.get(name, e.stage))
         if (e.layer, e.expert, e.stage) != want:  # the disk tiers find experts and stages by these fields
             raise FormatError(f"{p}: tensor table entry {e.index} ({name!r}) at file offset {e.file_offset:#x}: "

@@ -13,10 +13,12 @@ from typing import NamedTuple
 
 import attrs
 
+from cflow.layout.blocks import is_block_type
+
 # dtype ids are DType's values and block sizes BLOCK_SIZES' (elems, bytes): re-exported so every
 # format constant is reachable from this one module.
 from cflow.layout.packed import FileLayout
-from cflow.layout.quant import BLOCK_SIZES, DType, matrix_bytes, padded  # noqa: F401
+from cflow.layout.quant import BLOCK, BLOCK_SIZES, DType, matrix_bytes, padded  # noqa: F401
 
 # PNG-style magic: the high-bit first byte catches 7-bit transfers, "\r\n" catches newline
 # translation. Both layouts share it; the layout is a preamble flag.
@@ -140,6 +142,11 @@ def expected_nbytes(dtype: DType, shape: tuple[int, ...], tile: tuple[int, int])
     if not (1 <= tr <= MAX_TILE and 1 <= tc <= MAX_TILE):
         raise ValueError(f"tile ({tr}, {tc}) has a dim outside 1..{MAX_TILE}")
     *lead, rows, cols = shape
+    if dtype == DType.MIXED:
+        return -1  # parts of different types: sized by the header's packing plan (check_plan), not here
+    qk = BLOCK_SIZES[dtype][0]
+    if qk > BLOCK or is_block_type(dtype):  # a GGUF block type: tiles widen to whole blocks (layout/tile.py)
+        tc = math.lcm(tc, qk)
     return math.prod(lead) * matrix_bytes(padded(rows, tr), padded(cols, tc), dtype)
 
 

@@ -166,7 +166,7 @@ class FileWriter:
         if expert >= 0 and layer < 0:
             raise FormatError(f"{where}: expert {expert} needs a layer")
         buf = _as_bytes(data, name)
-        if buf.nbytes != want:
+        if want >= 0 and buf.nbytes != want:  # -1: a MIXED tensor (its size is the packing plan's)
             raise FormatError(
                 f"{where}: {buf.nbytes} data bytes, but {dtype.label}{list(shape)} tile {tile} needs {want}")
         return name, bname, dtype, shape, tile, buf, int(layer), int(expert), int(stage)

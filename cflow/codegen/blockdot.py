@@ -1,0 +1,446 @@
+"""Mat-vec units of the GGUF block types (layout/blocks.py): one block of QK inputs for a 16-row group.
+
+Stage: codegen (called by kernels._unit for every kernel: mat-vec, mat-mat, gate+up, the embedding row lookup).
+Every type computes the same arithmetic (blocks.matvec_twin):
+
+    acc += sum over 32-input activation blocks j, sub-blocks s of j:
+               da_j * (S_s * (sum_k u_k a_k - bias_s * sum_k a_k) + M_s * sum_k a_k)
+
+with a = the int8 activation codes, da their float32 scale, u the weight codes; the integer sums are exact
+(vpdpbusd on AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2, widening multiplies in portable IR) and each sub-block's
+sum meets its float scale once. A `Decoder` per type says only where the codes and scales are in the group
+(`codes(j)`: eight <16 x i32> vectors, lane i = the codes of inputs 4c .. 4c+3 of block j for row i, one per
+byte; `scales(j)`: (S, M) per sub-block as <16 x float>). Codes are unsigned (bias subtracted through the
+activation sum, as for Q4_0) or, for the IQ4 code book, signed bytes (looked up with vpshufb).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from ..layout.blocks import IQ4_VALUES, BlockFormat
+from ..layout.quant import BLOCK, DType
+from .cgutils import (
+    V,
+    const_vec,
+    f32,
+    half_to_float,
+    i1,
+    i8,
+    i16,
+    i32,
+    i64,
+    intrinsic,
+    load,
+    muladd,
+    ptr,
+    shuffle,
+    splat,
+)
+from .target import ISA
+
+VI = V(i32, 16)
+VF = V(f32, 16)
+
+
+def _k(v: int):
+    return const_vec(i32, 16, v)
+
+
+def _kf(v: float):
+    return const_vec(f32, 16, float(v))
+
+
+class Decoder:
+    """Where one type's codes and scales sit in a 16-row group (module docstring); subclasses per type."""
+
+    def __init__(self, b: ir.IRBuilder, fmt: BlockFormat, group, isa):
+        self.b, self.fmt, self.g, self.isa = b, fmt, group, isa
+        self.offs = fmt.group_offsets()
+        self._cache: dict = {}
+
+    # field access
+    def word(self, field: str, c: int):
+        """Bytes 4c .. 4c+3 of `field` for the 16 rows: <16 x i32>."""
+        key = (field, c)
+        if key not in self._cache:
+            self._cache[key] = load(self.b, self.g, self.offs[field] + 64 * c, VI)
+        return self._cache[key]
+
+    def f16(self, field: str):
+        """A 2-byte fp16 field of the 16 rows as <16 x float>."""
+        key = (field, "f16")
+        if key not in self._cache:
+            self._cache[key] = half_to_float(self.b, load(self.b, self.g, self.offs[field], V(i16, 16)), self.isa)
+        return self._cache[key]
+
+    def u16(self, field: str):
+        return self.b.zext(load(self.b, self.g, self.offs[field], V(i16, 16)), VI)
+
+    # small idioms on <16 x i32>
+    def shr(self, v, n: int):
+        return self.b.lshr(v, _k(n)) if n else v
+
+    def mask(self, v, m: int):
+        return self.b.and_(v, _k(m))
+
+    def byte(self, w, k: int):
+        """Byte k (0..3) of each lane, zero-extended."""
+        return self.mask(self.shr(w, 8 * k), 0xFF)
+
+    def nibbles(self, field: str, word: int, high: bool):
+        return self.mask(self.shr(self.word(field, word), 4 if high else 0), 0x0F0F0F0F)
+
+    def bits_to_bytes(self, w, shift: int, value: int):
+        """Lanes whose bits shift .. shift+3 become bytes 0..3 of value or 0 (a 4-bit mask spread over 4 bytes:
+        x * 0x00204081 places bit k at bit 8k + k ... and the mask keeps bit 8k)."""
+        x = self.mask(self.shr(w, shift), 0xF)
+        spread = self.mask(self.b.mul(x, _k(0x00204081)), 0x01010101)
+        return self.b.mul(spread, _k(value))
+
+    def to_float(self, v):
+        return self.b.sitofp(v, VF)
+
+    # per type
+    def codes(self, j: int) -> list:
+        raise NotImplementedError
+
+    def scales(self, j: int) -> list:
+        """[(S, M or None)] per sub-block of activation block j (one for 32-input sub-blocks, two for 16)."""
+        raise NotImplementedError
+
+
+class _Legacy(Decoder):
+    """Q4_1, Q5_0, Q5_1, IQ4_NL: one 32-input block per unit; qs low nibbles inputs 0..15, high 16..31."""
+
+    def codes(self, j):
+        out = []
+        for c in range(8):
+            v = self.nibbles("qs", c % 4, c >= 4)
+            if "qh" in self.offs:  # Q5: bit k of qh is input k's fifth bit
+                v = self.b.or_(v, self.bits_to_bytes(self.word("qh", 0), 4 * c, 16))
+            out.append(v)
+        return out
+
+    def scales(self, j):
+        return [(self.f16("d"), self.f16("m") if "m" in self.offs else None)]
+
+
+class _Q4K(Decoder):
+    """Q4_K / Q5_K: 8 blocks of 32; qs chunk n (32 bytes) low nibbles block 2n, high block 2n+1; 6-bit scales."""
+
+    def codes(self, j):
+        n, hi = divmod(j, 2)
+        out = []
+        for c in range(8):
+            v = self.nibbles("qs", 8 * n + c, bool(hi))
+            if "qh" in self.offs:  # Q5_K: bit j of qh[l] is input l's fifth bit in block j
+                v = self.b.or_(v, self.b.shl(self.mask(self.shr(self.word("qh", c), j), 0x01010101), _k(4)))
+            out.append(v)
+        return out
+
+    def sbyte(self, k: int):
+        return self.byte(self.word("scales", k // 4), k % 4)
+
+    def scales(self, j):
+        b = self.b
+        if j < 4:
+            sc, m = self.mask(self.sbyte(j), 63), self.mask(self.sbyte(j + 4), 63)
+        else:
+            sc = b.or_(self.mask(self.sbyte(j + 4), 0xF), b.shl(self.shr(self.sbyte(j - 4), 6), _k(4)))
+            m = b.or_(self.shr(self.sbyte(j + 4), 4), b.shl(self.shr(self.sbyte(j), 6), _k(4)))
+        S = b.fmul(self.f16("d"), self.to_float(sc))
+        M = b.fmul(b.fneg(self.f16("dmin")), self.to_float(m))
+        return [(S, M)]
+
+
+class _Q6K(Decoder):
+    """Q6_K: 8 blocks of 32 in two halves of 128; low 4 bits from ql, high 2 from qh; int8 scales per 16."""
+
+    def codes(self, j):
+        n, q = divmod(j, 4)
+        return [self.b.or_(self.nibbles("ql", 16 * n + 8 * (q % 2) + c, q >= 2),
+                           self.b.shl(self.mask(self.shr(self.word("qh", 8 * n + c), 2 * q), 0x03030303), _k(4)))
+                for c in range(8)]
+
+    def scales(self, j):
+        n, q = divmod(j, 4)
+        out = []
+        for h in range(2):
+            s = 8 * n + 2 * q + h
+            v = self.byte(self.word("scales", s // 4), s % 4)
+            v = self.b.ashr(self.b.shl(v, _k(24)), _k(24))  # int8
+            out.append((self.b.fmul(self.f16("d"), self.to_float(v)), None))
+        return out
+
+
+class _Q2K(Decoder):
+    """Q2_K: 8 blocks of 32 in two halves of 128 (2-bit codes at shift 2q); a 4-bit scale and min per 16."""
+
+    def codes(self, j):
+        n, q = divmod(j, 4)
+        return [self.mask(self.shr(self.word("qs", 8 * n + c), 2 * q), 0x03030303) for c in range(8)]
+
+    def scales(self, j):
+        n, q = divmod(j, 4)
+        out = []
+        for h in range(2):
+            s = 8 * n + 2 * q + h
+            v = self.byte(self.word("scales", s // 4), s % 4)
+            S = self.b.fmul(self.f16("d"), self.to_float(self.mask(v, 0xF)))
+            M = self.b.fmul(self.b.fneg(self.f16("dmin")), self.to_float(self.shr(v, 4)))
+            out.append((S, M))
+        return out
+
+
+class _Q3K(Decoder):
+    """Q3_K: 2-bit codes as Q2_K plus a third bit from hmask (bit j of hmask[l]); 16 six-bit scales minus 32."""
+
+    def codes(self, j):
+        n, q = divmod(j, 4)
+        b = self.b
+        return [b.or_(self.mask(self.shr(self.word("qs", 8 * n + c), 2 * q), 0x03030303),
+                      b.shl(self.mask(self.shr(self.word("hmask", c), j), 0x01010101), _k(2))) for c in range(8)]
+
+    def aux(self, k: int):
+        key = ("aux", k)
+        if key not in self._cache:
+            a0, a1, a2 = (self.word("scales", i) for i in range(3))
+            b, k1, k2 = self.b, 0x03030303, 0x0F0F0F0F
+            lo = (a0, a1, self.shr(a0, 4), self.shr(a1, 4))[k]
+            self._cache[key] = b.or_(self.mask(lo, k2), b.shl(self.mask(self.shr(a2, 2 * k), k1), _k(4)))
+        return self._cache[key]
+
+    def scales(self, j):
+        n, q = divmod(j, 4)
+        out = []
+        for h in range(2):
+            s = 8 * n + 2 * q + h
+            v = self.b.sub(self.byte(self.aux(s // 4), s % 4), _k(32))
+            out.append((self.b.fmul(self.f16("d"), self.to_float(v)), None))
+        return out
+
+
+class _IQ4XS(Decoder):
+    """IQ4_XS: 8 blocks of 32, each laid out as IQ4_NL's qs; a 6-bit scale per block (4 bits in scales_l, 2 in
+    scales_h), minus 32."""
+
+    def codes(self, j):
+        return [self.nibbles("qs", 4 * j + c % 4, c >= 4) for c in range(8)]
+
+    def scales(self, j):
+        b = self.b
+        key = ("sh",)
+        if key not in self._cache:
+            self._cache[key] = self.u16("scales_h")
+        lo = self.mask(self.shr(self.word("scales_l", 0), 4 * j), 0xF)
+        hi = b.shl(self.mask(self.shr(self._cache[key], 2 * j), 3), _k(4))
+        return [(b.fmul(self.f16("d"), self.to_float(b.sub(b.or_(lo, hi), _k(32)))), None)]
+
+
+DECODERS = {DType.Q4_1: _Legacy, DType.Q5_0: _Legacy, DType.Q5_1: _Legacy, DType.IQ4_NL: _Legacy,
+            DType.Q4_K: _Q4K, DType.Q5_K: _Q4K, DType.Q6_K: _Q6K, DType.Q2_K: _Q2K, DType.Q3_K: _Q3K,
+            DType.IQ4_XS: _IQ4XS}
+
+
+# -- integer dots ---------------------------------------------------------------------------------------------
+def _act4(b, aptr, off, n_lanes):
+    a = b.load(ptr(b, aptr, off, i32), align=1)
+    return b.bitcast(splat(b, a, n_lanes), V(i8, 4 * n_lanes))
+
+
+def _vpdpbusd(b, acc, w_u8, a_s8):
+    from .kernels import _vpdpbusd as dp
+
+    return dp(b, acc, w_u8, a_s8)
+
+
+def _lookup(b, isa, codes_i8, table_values):
+    """Bytes 0..15 -> table_values[byte] (a 16-entry code book), per byte lane."""
+    vals = [int(v) for v in table_values]
+    if isa == ISA.AVX512VNNI:
+        fn = intrinsic(b.module, "llvm.x86.avx512.pshuf.b.512", V(i8, 64), [V(i8, 64), V(i8, 64)])
+        return b.call(fn, [ir.Constant(V(i8, 64), vals * 4), codes_i8])
+    if isa == ISA.AVX2:
+        fn = intrinsic(b.module, "llvm.x86.avx2.pshuf.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
+        t = ir.Constant(V(i8, 32), vals * 2)
+        halves = [b.call(fn, [t, shuffle(b, codes_i8, range(h * 32, h * 32 + 32))]) for h in range(2)]
+        return b.shuffle_vector(halves[0], halves[1], ir.Constant(V(i32, 64), list(range(64))))
+    # portable: a select tree on the four bits, in one small function the chunks call (inlined 64 times a unit, the
+    # tree made LLVM take over a minute to compile a kernel for SSE2)
+    from .cgutils import internal_function
+
+    def build(fb, codes):
+        level = [const_vec(i8, 64, v) for v in vals]
+        for bit in range(4):
+            on = fb.icmp_unsigned("!=", fb.and_(codes, const_vec(i8, 64, 1 << bit)), const_vec(i8, 64, 0))
+            level = [fb.select(on, level[2 * i + 1], level[2 * i]) for i in range(len(level) // 2)]
+        fb.ret(level[0])
+
+    key = ("lookup16",) + tuple(v & 0xFF for v in vals)
+    return b.call(internal_function(b.module, key, (V(i8, 64),), build, ret=V(i8, 64)), [codes_i8])
+
+
+def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int):
+    """sum over chunks c in cs of chunks[c] (bytes) . activation bytes 4c .. 4c+3: <16 x i32>, exact.
+    Unsigned codes on VNNI; signed codes are shifted by +128 there (the caller subtracts 128 * sum(a))."""
+    if isa == ISA.AVX512VNNI:
+        acc = const_vec(i32, 16, 0)
+        for c in cs:
+            acc = _vpdpbusd(b, acc, chunks[c], _act4(b, aptr, 4 * c, 16))
+        return acc
+    if isa == ISA.AVX2:
+        mad = intrinsic(b.module, "llvm.x86.avx2.pmadd.ub.sw", V(i16, 16), [V(i8, 32), V(i8, 32)])
+        wd = intrinsic(b.module, "llvm.x86.avx2.pmadd.wd", V(i32, 8), [V(i16, 16), V(i16, 16)])
+        ones = const_vec(i16, 16, 1)
+        if signed:
+            sign = intrinsic(b.module, "llvm.x86.avx2.psign.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
+            absb = intrinsic(b.module, "llvm.abs.v32i8", V(i8, 32), [V(i8, 32), i1])
+        # i16 pair sums stay exact while n * 2 * max|code| * 128 <= 32767
+        per = 1 if signed else max(1, 32767 // (2 * umax * 128))
+        r = [None, None]
+        for h in range(2):
+            s16, n = None, 0
+            for c in cs:
+                w = shuffle(b, chunks[c], range(h * 32, h * 32 + 32))
+                a = _act4(b, aptr, 4 * c, 8)
+                p = b.call(mad, [b.call(absb, [w, ir.Constant(i1, 0)]), b.call(sign, [a, w])]) if signed else \
+                    b.call(mad, [w, a])
+                s16 = p if s16 is None else b.add(s16, p)
+                n += 1
+                if n == per:
+                    v = b.call(wd, [s16, ones])
+                    r[h] = v if r[h] is None else b.add(r[h], v)
+                    s16, n = None, 0
+            if s16 is not None:
+                v = b.call(wd, [s16, ones])
+                r[h] = v if r[h] is None else b.add(r[h], v)
+        return b.shuffle_vector(r[0], r[1], ir.Constant(V(i32, 16), list(range(16))))
+    # portable: byte products in i16 (|u8 x s8| <= 32640: exact, and SSE2 multiplies i16 lanes natively, not i32),
+    # widened to i32 before they are summed
+    acc = None
+    for c in cs:
+        w = b.sext(chunks[c], V(i16, 64)) if signed else b.zext(chunks[c], V(i16, 64))
+        p = b.sext(b.mul(w, b.sext(_act4(b, aptr, 4 * c, 16), V(i16, 64))), V(i32, 64))
+        acc = p if acc is None else b.add(acc, p)
+    s = b.add(shuffle(b, acc, range(0, 64, 2)), shuffle(b, acc, range(1, 64, 2)))
+    return b.add(shuffle(b, s, range(0, 32, 2)), shuffle(b, s, range(1, 32, 2)))
+
+
+def _asum16(b, aptr, h: int):
+    """Sum of activation bytes 16h .. 16h+15 (i32)."""
+    v = b.sext(load(b, aptr, 16 * h, V(i8, 16)), V(i32, 16))
+    return b.call(intrinsic(b.module, "llvm.vector.reduce.add.v16i32", i32, [V(i32, 16)]), [v])
+
+
+class UnitActivation:
+    """The activation of one unit (QK inputs), shared by its groups: per 32-block its bytes, scale and sums."""
+
+    def __init__(self, b, fmt: BlockFormat, kb, xq, xd, xs):
+        per = fmt.qk // BLOCK
+        self.blocks = []
+        for j in range(per):
+            k = b.add(b.mul(kb, ir.Constant(i64, per)), ir.Constant(i64, j))
+            aptr = ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)))
+            da = b.load(ptr(b, xd, k), align=4)
+            sums = [_asum16(b, aptr, h) for h in range(2)] if fmt.sub == 16 else [b.load(ptr(b, xs, k), align=4)]
+            self.blocks.append((aptr, da, sums))
+
+
+def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, vnni_signed_bias: int = 128):
+    """acc (<16 x float>) + this group's share of W x over the unit's QK inputs (module docstring)."""
+    isa = ISA.parse(isa)
+    dec = DECODERS[fmt.dtype](b, fmt, group, isa)
+    nsub = BLOCK // fmt.sub
+    cper = 8 // nsub  # chunks per sub-block
+    fma = isa != ISA.GENERIC
+    for j, (aptr, da, sums) in enumerate(act.blocks):
+        codes = [b.bitcast(v, V(i8, 64)) for v in dec.codes(j)]
+        if fmt.signed:
+            table = [int(v) + 128 for v in IQ4_VALUES] if isa == ISA.AVX512VNNI else [int(v) for v in IQ4_VALUES]
+            codes = [_lookup(b, isa, c, [t - 256 if t > 127 else t for t in table]) for c in codes]
+        bias = fmt.bias + (vnni_signed_bias if fmt.signed and isa == ISA.AVX512VNNI else 0)
+        ds = splat(b, da, 16)
+        for h, (S, M) in enumerate(dec.scales(j)):
+            isum = _idot(b, isa, codes, aptr, range(h * cper, (h + 1) * cper), fmt.signed and isa != ISA.AVX512VNNI,
+                         fmt.umax)
+            asum = sums[h] if nsub == len(sums) else sums[0]
+            if bias:
+                isum = b.sub(isum, splat(b, b.mul(asum, ir.Constant(i32, bias)), 16))
+            acc = muladd(b, b.sitofp(isum, VF), b.fmul(S, ds), acc, fma)
+            if M is not None:
+                acc = muladd(b, M, splat(b, b.fmul(da, b.sitofp(asum, f32)), 16), acc, fma)
+    return acc
+
+
+
+# -- one row out of the tile stream (a quantised embedding kept as stored) --------------------------------------
+def emit_embed_row(module: ir.Module, layout, isa):
+    """embed(w, token, out, lo, hi): out[k] = W[token, k] for k in [lo, hi), dequantised from the tile stream
+    `layout` (Q4/Q8 or a GGUF block type): the embedding row of a model whose embedding is one quantised tile
+    stream, shared with a tied head. The unit's codes are decoded for the whole 16-row group with the mat-vec's
+    decoders and the token's lane taken out (d values per token: the 16x work is noise)."""
+    from .cgutils import Loop, P, c64, internal_function
+
+    isa = ISA.parse(isa)
+    L = layout
+    key = ("embed_tiled", L.dtype.label, L.cols, L.tr, L.tc, str(isa))
+
+    def build(b, w, token, out, lo, hi):
+        tr = c64(L.tr)
+        t = b.udiv(token, tr)
+        r = b.urem(token, tr)
+        g, lane = b.udiv(r, c64(16)), b.trunc(b.urem(r, c64(16)), i32)
+        row = b.gep(w, [b.mul(t, c64(L.tile_row_nbytes))])
+        hi = b.select(b.icmp_signed("<", hi, c64(L.cols)), hi, c64(L.cols))
+        uc = L.unit_cols
+        with Loop(b, c64(0), c64(L.n_units), "u") as kb:
+            unit = b.gep(row, [b.mul(kb, c64(L.unit_nbytes))])
+            for j in range(uc // BLOCK):
+                col0 = b.add(b.mul(kb, c64(uc)), c64(BLOCK * j))
+                inside = b.and_(b.icmp_signed(">=", col0, lo), b.icmp_signed("<", col0, hi))
+                with b.if_then(inside):
+                    vals = _row_block(b, isa, L, unit, g, j)  # 8 chunks: (<64 x i8> codes, bias, S64, M64)
+                    for c, (codes, signed, bias, S, M) in enumerate(vals):
+                        for k in range(4):
+                            e = b.add(b.mul(lane, ir.Constant(i32, 4)), ir.Constant(i32, k))
+                            q = b.extract_element(codes, e)
+                            q = b.sext(q, i32) if signed else b.zext(q, i32)
+                            if bias:
+                                q = b.sub(q, ir.Constant(i32, bias))
+                            v = b.fmul(b.sitofp(q, f32), b.extract_element(S, lane))
+                            if M is not None:
+                                v = b.fadd(v, b.extract_element(M, lane))
+                            b.store(v, b.gep(out, [b.add(col0, c64(4 * c + k))]))
+        b.ret_void()
+
+    return internal_function(module, key, (P(i8), i64, P(f32), i64, i64), build)
+
+
+def _row_block(b, isa, L, unit, g, j: int) -> list:
+    """Per chunk c of activation block j of the unit, for group g: (codes <64 x i8>, signed, bias, S, M) with
+    S, M <16 x float> per row."""
+    from .kernels import _goff
+
+    if L.is_block_type:
+        fmt = L.format
+        dec = DECODERS[fmt.dtype](b, fmt, ptr(b, unit, _goff(b, g, L.group_nbytes)), isa)
+        codes = [b.bitcast(v, V(i8, 64)) for v in dec.codes(j)]
+        if fmt.signed:  # the code book itself (signed bytes), whatever the ISA
+            codes = [_lookup(b, ISA.GENERIC if isa == ISA.GENERIC else isa, c, [int(v) for v in IQ4_VALUES])
+                     for c in codes]
+        subs = dec.scales(j)
+        per = 8 // len(subs)
+        return [(codes[c], fmt.signed, fmt.bias, *subs[c // per]) for c in range(8)]
+    # Q4 / Q8 (layout/tile.py): codes of every group first, then the fp16 scales of every group
+    S = half_to_float(b, load(b, unit, _goff(b, g, 32, L.scales_offset), V(i16, 16)), isa)
+    base = ptr(b, unit, _goff(b, g, L.code_nbytes))
+    out = []
+    for c in range(8):
+        if L.dtype == DType.Q4:
+            v = load(b, base, 64 * (c % 4), V(i8, 64))
+            v = b.and_(b.lshr(v, const_vec(i8, 64, 4)) if c >= 4 else v, const_vec(i8, 64, 0x0F))
+            out.append((v, False, 8, S, None))
+        else:
+            out.append((load(b, base, 64 * c, V(i8, 64)), True, 0, S, None))
+    return out

@@ -1,0 +1,106 @@
+"""The GGUF block types' kernels (codegen/blockdot.py) on every ISA path, against the NumPy twin.
+
+Random blocks (every code and scale bit pattern), activations of order 1, a matrix wider than one block and taller
+than one tile-row (a partial last tile-row): the mat-vec equals blocks.matvec_twin to float rounding; the
+mat-mat's tokens (full token groups and a tail) equal the mat-vec's bit for bit; the gate+up kernel is its
+activation of the twin's gate times the twin's up; the embedding row lookup is the dequantised row. The decoders
+(where each type's codes and scales are) are the same IR on every path; what differs per ISA is the integer dot
+and the IQ4 code-book lookup, so the portable path runs for the types that reach each of its branches (a K-quant's
+portable kernel takes 15-40 s to compile).
+"""
+
+import ctypes
+
+import numpy as np
+import pytest
+from llvmlite import ir
+
+from cflow.codegen import blockdot
+from cflow.codegen import kernels as K
+from cflow.codegen.library import Library
+from cflow.codegen.target import ISA, generic_target, host_target
+from cflow.layout import blocks as B
+from cflow.layout import tile as T
+from cflow.layout.quant import DType
+from tests.runtime._gguf_blocks import random_blocks
+
+HOST = host_target(env=False)
+GENERIC_TYPES = {DType.Q5_1, DType.IQ4_NL, DType.Q2_K}  # unsigned and signed dots, the lookup, a 16-input sub-block
+CASES = [(dt, isa) for dt in B.FORMATS for isa in ISA if isa != ISA.GENERIC or dt in GENERIC_TYPES]
+
+
+def _target(isa):
+    if isa == ISA.GENERIC:
+        return generic_target()
+    if isa == ISA.AVX2:
+        return HOST.with_features("-avx512f") if HOST.has_avx2 else None
+    return HOST if HOST.has_avx512_vnni else None
+
+
+def _p(a):
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def _gelu(g):
+    g = g.astype(np.float64)
+    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+
+
+@pytest.mark.parametrize("dt, isa", CASES, ids=[f"{d.name}-{i}" for d, i in CASES])
+def test_block_kernels(dt, isa):
+    target = _target(isa)
+    if target is None:
+        pytest.skip(f"host lacks {isa}")
+    rng = np.random.default_rng(int(dt))
+    M, Kd = 144, 512  # a full tile-row of 128 and a partial one; two 256-input blocks
+    tile = (128, 256)
+    W = random_blocks(dt, M, Kd, rng, Kd**-0.5)
+    U = random_blocks(dt, M, Kd, rng, Kd**-0.5)
+    L = T.TileLayout(dt, M, Kd, tile)
+    w = T.pack(W, dt, tile)
+    gu = T.pack_gate_up(W, U, dt, tile)
+    stride, ys = L.cols_p + 64, L.rows_p + 16
+    mod = ir.Module("t")
+    K.emit_quantize_act(mod, "q", Kd, L.cols_p)
+    K.emit_matvec(mod, "mv", L, isa)
+    K.emit_matmat(mod, "mm", L, isa, stride)
+    K.emit_matvec(mod, "gu", L, isa, gate_up=True, act="gelu_tanh")
+    emb = blockdot.emit_embed_row(mod, L, isa)
+    ext = ir.Function(mod, emb.function_type, "emb")
+    eb = ir.IRBuilder(ext.append_basic_block())
+    eb.call(emb, ext.args)
+    eb.ret_void()
+    lib = Library(name="t", target=target, cache=False)
+    lib.add_ir(mod)
+    lib.finalize()
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    q = lib.get_cfunc("q", None, vp, vp, vp, vp)
+    mv = lib.get_cfunc("mv", None, vp, vp, vp, vp, vp, vp, i64, i64)
+    mm = lib.get_cfunc("mm", None, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64)
+    gfn = lib.get_cfunc("gu", None, vp, vp, vp, vp, vp, vp, i64, i64)
+    efn = lib.get_cfunc("emb", None, vp, i64, vp, i64, i64)
+    n = 11  # a full token group of 8 (or two of 4) and a tail
+    X = np.zeros((n, stride), np.float32)
+    X[:, :Kd] = rng.standard_normal((n, Kd))
+    XQ, XD, XS = np.zeros((n, stride), np.int8), np.zeros((n, stride // 32), np.float32), np.zeros(
+        (n, stride // 32), np.int32)
+    for t in range(n):
+        q(_p(X[t]), _p(XQ[t]), _p(XD[t]), _p(XS[t]))
+    want = np.zeros((n, ys), np.float32)
+    for t in range(n):
+        mv(_p(w), _p(X[t]), _p(XQ[t]), _p(XD[t]), _p(XS[t]), _p(want[t]), 0, L.n_tile_rows)
+    ref = B.matvec_twin(W, X[:, :Kd])
+    assert np.abs(want[:, :M] - ref).max() <= 2e-6 * np.abs(ref).max()
+    got = np.zeros((n, ys), np.float32)
+    mm(_p(w), _p(X), _p(XQ), _p(XD), _p(XS), _p(got), 0, L.n_tile_rows, n, stride, ys)
+    assert np.array_equal(got, want)
+    h = np.zeros(L.rows_p, np.float32)
+    gfn(_p(gu), _p(X[0]), _p(XQ[0]), _p(XD[0]), _p(XS[0]), _p(h), 0, L.n_tile_rows)
+    href = _gelu(ref[0]) * B.matvec_twin(U, X[:1, :Kd])[0]
+    assert np.abs(h[:M] - href).max() <= 1e-5 * np.abs(href).max()
+    deq = W.dequantize()
+    for row in (0, 17, M - 1):
+        out = np.full(Kd, np.nan, np.float32)
+        efn(_p(w), row, _p(out), 0, 256)  # two threads' shares
+        efn(_p(w), row, _p(out), 256, 1 << 20)
+        assert np.array_equal(out, deq[row]), row
