@@ -67,11 +67,26 @@ def measured(fn):
 
 # --- llama.cpp -----------------------------------------------------------------------------------
 
-def llama_open(path: str, threads: int):
+def llama_open(path: str, threads: int, extra_bufts: bool = True):
+    """llama.cpp on `path`; extra_bufts=False turns off llama.cpp's extra buffer types (its AMX path, which in
+    llama-cpp-python 0.3.36 crashes on the first decode of a K-quant file on the AMX Xeon VM)."""
+    import llama_cpp
     from llama_cpp import Llama
+    from llama_cpp import llama as _ll
 
-    return Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, logits_all=False,
-                 verbose=False)
+    orig = llama_cpp.llama_model_default_params
+
+    def params():
+        p = orig()
+        p.use_extra_bufts = extra_bufts
+        return p
+
+    _ll.llama_cpp.llama_model_default_params = params
+    try:
+        return Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, logits_all=False,
+                     verbose=False)
+    finally:
+        _ll.llama_cpp.llama_model_default_params = orig
 
 
 def llama_last_logits(llm) -> np.ndarray:
@@ -497,8 +512,58 @@ def describe_agreement(label: str, a: dict) -> str:
             + f" (median margin {a['median_margin']})")
 
 
+def run_gguf(args) -> None:
+    """--gguf FILE: cflow on the file's own types (cflowc FILE) against llama.cpp on the same file, per thread count:
+    the read bandwidth, each engine's greedy decode tok/s (best of reps, quiet attempts), bytes per token (cflow's:
+    the same blocks llama.cpp streams) and the fraction of the read bandwidth that makes."""
+    import tempfile
+
+    from cflow.compiler import compile_file
+    from cflow.frontend.load import load_graph
+    from cflow.passes.quantize import STORED, fit_tile
+
+    g = load_graph(args.gguf)
+    work = tempfile.mkdtemp(prefix="cflow-peers-")
+    path = os.path.join(work, "model.vflow")
+    st = compile_file(g, path, STORED, fit_tile(g), tokenizer=g.meta.tokenizer)
+    types = sorted({d.gguf_name for d in g.meta.weight_dtypes.values() if d.quantised} if g.meta.weight_dtypes else
+                   {d.gguf_name for d in (g.meta.source_dtypes or {}).values() if d.quantised})
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, g.config.vocab_size, 8)]
+    print(f"# {args.gguf}: {g.name}, types {'/'.join(types)}; compiled as stored: "
+          f"{st.file['bytes_per_token'] / 1e6:.1f} MB per token; CPU {cpu_model()}", flush=True)
+    quiet = dict(threshold=args.max_load, retries=args.retries)
+    records = []
+    nbytes = int(args.gib * (1 << 30))
+    for threads in (int(t) for t in args.threads.split(",")):
+        bw, busy_bw, _ = measure_quiet(lambda threads=threads: measure_read_bandwidth(threads, nbytes), **quiet)
+        m = cflow.load(path, threads=threads)
+        bpt = m.bytes_per_token
+        tps, busy, n = measure_quiet(lambda m=m: time_decode(m, prompt, args.tokens, args.reps), **quiet)
+        m.close()
+        rows = [("cflow", tps, busy)]
+        if not args.no_llama:
+            llm = llama_open(args.gguf, threads, extra_bufts=False)
+            ltps, lbusy, _ = measure_quiet(lambda llm=llm: llama_time_decode(llm, prompt, args.tokens, args.reps),
+                                           **quiet)
+            rows.append(("llama.cpp", ltps, lbusy))
+            del llm
+        print(f"\n{threads} thread(s): read bandwidth {bw:.2f} GB/s (other load {busy_bw or 0:.0%})")
+        print(f"{'engine':10} {'tok/s':>8} {'GB/s':>7} {'of read':>8}")
+        for eng, t, b in rows:
+            print(f"{eng:10} {t:8.2f} {t * bpt / 1e9:7.2f} {t * bpt / 1e9 / bw:8.1%}   (other load {b or 0:.0%})")
+            records.append({"engine": eng, "file": os.path.basename(args.gguf), "types": types, "threads": threads,
+                            "tok_s": t, "bytes_per_token": bpt, "read_gbps": bw, "other_load": b, "cpu": cpu_model()})
+        if len(rows) == 2:
+            print(f"cflow / llama.cpp: {rows[0][1] / rows[1][1]:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", default=None, metavar="FILE",
+                    help="a real GGUF instead of --model: cflow on its own types against llama.cpp on the file")
     ap.add_argument("--model", default="tinyllama", choices=list(MODELS),
                     help="moe, moe2g: cflow and llama.cpp only (ORT GenAI's builder has no Mixtral; torch not timed)")
     ap.add_argument("--threads", default="1,2")
@@ -534,6 +599,9 @@ def main(argv=None) -> None:
     if args.quick:
         args.tokens, args.reps, args.torch_tokens, args.gib = min(args.tokens, 16), min(args.reps, 2), \
             min(args.torch_tokens, 4), min(args.gib, 0.5)
+    if args.gguf:
+        run_gguf(args)
+        return
     t_start = time.perf_counter()
 
     config = MODELS[args.model]

@@ -97,10 +97,12 @@ def space(layout, isa: str | None = None) -> dict[str, tuple]:
           "prefetch_stride": (64, unit) if unit > 64 else (64,),
           "prefetch_locality": (3, 2, 0), "unroll": (1, 2, 4), "max_groups": (8, 4),
           "vector_bits": (0,), "unpack": (0,), "group_loop": (0, 1)}
-    if isa is not None and ISA.parse(isa) == ISA.AVX512VNNI and layout.dtype in (DType.Q4, DType.Q8):
+    if isa is not None and ISA.parse(isa) == ISA.AVX512VNNI and layout.dtype.quantised:
         sp["vector_bits"] = (0, 256)
         if layout.dtype == DType.Q4:
             sp["unpack"] = (0, 1)
+    if layout.is_block_type:  # a unit is a whole GGUF block (256 inputs for K-quants): one per iteration
+        sp["unroll"] = (1,)
     return sp
 
 
@@ -250,6 +252,13 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
 
     rng = np.random.default_rng(seed)
     one = TileLayout(layout.dtype, layout.tr, layout.cols, (layout.tr, layout.tc))
+    if one.is_block_type:  # a GGUF block type: random block bytes, fp16 scales small and finite
+        w = _random_blocks(one, rng)
+        row = pack_gate_up(w, w, layout.dtype, one.tile) if gate_up else pack(w, layout.dtype, one.tile)
+        n = max(1, -(-nbytes // row.nbytes))
+        buf = aligned_empty(n * row.nbytes + phase, PAGE)[phase:]
+        buf.reshape(n, row.nbytes)[:] = np.asarray(row, np.uint8).reshape(1, -1)
+        return buf, TileLayout(layout.dtype, layout.tr * n, layout.cols, one.tile)
     w = (rng.standard_normal((layout.tr, layout.cols)) * 0.05).astype(np.float32)
     row = pack_gate_up(w, w[::-1].copy(), layout.dtype.label, one.tile) if gate_up else pack(
         w, layout.dtype.label, one.tile)
@@ -257,6 +266,19 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
     buf = aligned_empty(n * row.nbytes + phase, PAGE)[phase:]
     buf.reshape(n, row.nbytes)[:] = np.asarray(row, np.uint8).reshape(1, -1)
     return buf, TileLayout(layout.dtype, layout.tr * n, layout.cols, one.tile)
+
+
+def _random_blocks(layout, rng):
+    """One tile-row of random blocks of a GGUF block type (every field random but the fp16 scales, ~1e-3)."""
+    from ..layout.blocks import BlockTensor
+
+    fmt = layout.format
+    nb = layout.cols_p // fmt.qk
+    raw = rng.integers(0, 256, (layout.tr, nb, fmt.nbytes), dtype=np.uint8)
+    sl = fmt.field_slices()
+    for name in fmt.f16_scales:
+        raw[..., sl[name]] = np.full((layout.tr, nb, 1), 1e-3, np.float16).view(np.uint8)
+    return BlockTensor(layout.dtype, layout.tr, layout.cols_p, raw.reshape(layout.tr, -1))
 
 
 class WeightSet:

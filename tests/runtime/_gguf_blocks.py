@@ -45,10 +45,11 @@ def quantised(dtype: DType, rows: int, cols: int, rng, std: float):
 
 
 def write_llama(path, types: dict, d: int = 256, ffn: int = 512, vocab: int = 512, layers: int = 2, heads: int = 4,
-                kv_heads: int = 2, seed: int = 0, tied: bool = True):
+                kv_heads: int = 2, seed: int = 0, tied: bool = True, raw: dict | None = None):
     """A llama GGUF whose matrices have the given types: types maps a role ('token_embd', 'output', 'attn_q',
     'attn_k', 'attn_v', 'attn_output', 'ffn_gate', 'ffn_up', 'ffn_down') to a DType (Q4/Q8 or a block type);
-    norms are f32 near 1. Tokenizer: a small SentencePiece-style vocabulary (add_bos)."""
+    norms are f32 near 1. Tokenizer: a small SentencePiece-style vocabulary (add_bos). raw: tensor name -> (bytes,
+    GGML type) written instead (any type, e.g. one cflow does not execute)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -96,11 +97,12 @@ def write_llama(path, types: dict, d: int = 256, ffn: int = 512, vocab: int = 51
     tensors.append(("output_norm.weight", vec(d)))
     if not tied:
         tensors.append(("output.weight", mat("output", vocab, d, d ** -0.5)))
-    for name, (data, raw) in tensors:
-        if raw is None:
+    for name, (data, kind) in tensors:
+        data, kind = (raw or {}).get(name, (data, kind))
+        if kind is None:
             w.add_tensor(name, data)
         else:
-            w.add_tensor(name, data, raw_dtype=raw)
+            w.add_tensor(name, data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -97,3 +97,26 @@ def test_quant_flag_requantises_with_a_warning(tmp_path):
         m = cflow.compile(str(path), quant="q8")
     assert m.session.header["quant"] == "q8"
     m.close()
+
+
+def test_a_type_not_executed_is_refused_by_tensor_and_offset(tmp_path):
+    """IQ2_XXS (not executed as stored): named with its tensor, its info offset and what to do; --quant q8 compiles
+    it (dequantised by gguf.quants, requantised)."""
+    import gguf
+
+    from cflow.errors import CflowError
+    from cflow.frontend.load import load_graph
+    from cflow.passes.pipeline import lower
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (512, 66), dtype=np.uint8)  # IQ2_XXS: 66 bytes per 256 weights (d first)
+    blocks[:, 0:2] = np.full((512, 1), 1e-3, np.float16).view(np.uint8)
+    write_llama(tmp_path / "x.gguf", dict.fromkeys(ROLES, DType.Q4_K),
+                raw={"blk.0.ffn_up.weight": (blocks, gguf.GGMLQuantizationType.IQ2_XXS)})
+    g = load_graph(str(tmp_path / "x.gguf"))
+    with pytest.raises(CflowError, match=r"tensor 'blk.0.ffn_up.weight' \(info at offset 0x[0-9a-f]+\) of .*x.gguf is "
+                                         r"stored as IQ2_XXS, a type cflow does not execute as stored: compile with "
+                                         r"--quant q8"):
+        lower(g, "stored")
+    with pytest.warns(UserWarning, match="requantised to q8"):
+        lower(g, "q8")

@@ -1,0 +1,150 @@
+"""Each GGUF block type's decode mat-vec against the machine's read bandwidth, Q4_0 as the yardstick, one run.
+
+    python benchmarks/gguf_types.py [--threads 1,2] [--rounds 3] [--set-gb 1.5] [--types Q4_0,Q4_K,...]
+                                    [--tune] [--json docs/results/gguf_types.json]
+
+For every type: TinyLlama's down projection shape (2048 outputs x 5632 inputs; IQ4_NL and the legacy types the
+same) of random blocks (every code pattern, small finite scales), copied into distinct buffers until the set is
+--set-gb (well past the last-level cache: 480 MiB on the AMX Xeon VM), and streamed by the decode kernel
+(`codegen/kernels.emit_matvec`, this host's ISA, the built-in knobs or with --tune the host's tuned ones), each
+thread its share of the tile-rows of every copy (Python threads; the kernel releases the GIL). Per round: the read
+loop (codegen/bandwidth) and then each type, back to back, so all see the same machine; the best of --rounds.
+Printed: GB/s, the fraction of read bandwidth, and that fraction over Q4_0's (the target: >= 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+from cflow.codegen import kernels as K  # noqa: E402
+from cflow.codegen.bandwidth import measure_read_bandwidth  # noqa: E402
+from cflow.codegen.target import cpu_model, host_target  # noqa: E402
+from cflow.layout import blocks as B  # noqa: E402
+from cflow.layout.quant import DType, quantize  # noqa: E402
+from cflow.layout.tile import TileLayout, aligned_empty, pack  # noqa: E402
+
+ROWS, COLS = 2048, 5632
+TYPES = [DType.Q4, DType.Q8, *B.FORMATS]
+
+
+def _matrix(dt: DType, tile):
+    rng = np.random.default_rng(0)
+    if dt in B.FORMATS:
+        fmt = B.FORMATS[dt]
+        raw = rng.integers(0, 256, (ROWS, COLS // fmt.qk, fmt.nbytes), dtype=np.uint8)
+        sl = fmt.field_slices()
+        for name in fmt.f16_scales:
+            raw[..., sl[name]] = np.full((ROWS, COLS // fmt.qk, 1), 1e-3, np.float16).view(np.uint8)
+        w = B.BlockTensor(dt, ROWS, COLS, raw.reshape(ROWS, -1))
+    else:
+        w = quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32) * 0.05, dt)
+    return pack(w, dt, tile)
+
+
+class Case:
+    def __init__(self, dt: DType, tile, set_bytes: float, knobs: dict):
+        self.dt, self.layout = dt, TileLayout(dt, ROWS, COLS, tile)
+        self.mv = K.MatVec(self.layout, **knobs)
+        one = _matrix(dt, tile)
+        self.n = max(1, int(-(-set_bytes // one.size)))
+        self.buf = aligned_empty(self.n * one.size, 4096)
+        self.buf.reshape(self.n, one.size)[:] = one
+        self.nbytes = self.n * one.size
+        self.act = self.mv.activation(np.random.default_rng(1).standard_normal(COLS).astype(np.float32))
+        self.y = [np.zeros(self.layout.rows_p, np.float32) for _ in range(4)]
+        self.knobs = knobs
+
+    def run(self, threads: int) -> float:
+        """GB/s of one pass over every copy with `threads` threads."""
+        L, mv, a = self.layout, self.mv, self.act
+        base, step = self.buf.ctypes.data, self.buf.size // self.n
+        vp = ctypes.c_void_p
+        start = threading.Barrier(threads + 1)
+
+        def work(t):
+            r0, r1 = L.n_tile_rows * t // threads, L.n_tile_rows * (t + 1) // threads
+            y = vp(self.y[t].ctypes.data)
+            start.wait()
+            for i in range(self.n):
+                mv._mv(vp(base + i * step), vp(a.x.ctypes.data), vp(a.xq.ctypes.data), vp(a.xd.ctypes.data),
+                       vp(a.xs.ctypes.data), y, r0, r1)
+
+        ts = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for th in ts:
+            th.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for th in ts:
+            th.join()
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--set-gb", type=float, default=1.5, help="bytes streamed per type and pass (GB)")
+    ap.add_argument("--types", default=",".join(d.gguf_name for d in TYPES))
+    ap.add_argument("--tile", default="128x256")
+    ap.add_argument("--tune", action="store_true", help="each type with this host's tuned knobs (cflow tune's)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    tile = tuple(int(v) for v in args.tile.split("x"))
+    target = host_target()
+    types = [DType.parse(t) for t in args.types.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    cases = []
+    for dt in types:
+        knobs = {}
+        if args.tune:
+            from cflow.codegen import tune
+            from cflow.layout.packed import Form, PackedTensor
+
+            pt = PackedTensor(name="w", form=Form.TILED, parts=("w",), dtype=dt, part_shapes=((ROWS, COLS),),
+                              tile=tile)
+            knobs = tune.choices([pt], target).get(tune.kernel_key(TileLayout(dt, ROWS, COLS, tile), False), {})
+        c = Case(dt, tile, args.set_gb * 1e9, knobs)
+        c.run(threads[0])  # page in, warm the code
+        cases.append(c)
+        print(f"{dt.gguf_name:7s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {knobs}", file=sys.stderr)
+    rec = {"cpu": cpu_model(), "isa": str(target.isa), "tile": list(tile), "shape": [ROWS, COLS],
+           "set_gb": args.set_gb, "tuned": args.tune, "results": {}}
+    print(f"cpu: {rec['cpu']}  isa: {rec['isa']}  {ROWS}x{COLS} per matrix, {args.set_gb} GB per type, best of "
+          f"{args.rounds} rounds")
+    for n in threads:
+        best: dict = {}
+        for _ in range(args.rounds):
+            bw = measure_read_bandwidth(n)
+            best["read"] = max(best.get("read", 0), bw)
+            for c in cases:
+                best[c.dt] = max(best.get(c.dt, 0), c.run(n))
+        q4 = best.get(DType.Q4, 0) / best["read"] if DType.Q4 in best else None
+        print(f"\n{n} thread(s): read bandwidth {best['read']:.2f} GB/s")
+        print(f"{'type':8} {'bits/w':>6} {'GB/s':>7} {'of read':>8} {'/ Q4_0':>7}")
+        res = rec["results"][n] = {"read_gbps": best["read"], "types": {}}
+        for c in cases:
+            frac = best[c.dt] / best["read"]
+            bits = 8 * c.layout.unit_nbytes / c.layout.tr / c.layout.unit_cols
+            print(f"{c.dt.gguf_name:8} {bits:6.2f} {best[c.dt]:7.2f} {frac:8.1%} "
+                  f"{frac / q4 if q4 else float('nan'):7.3f}")
+            res["types"][c.dt.gguf_name] = {"gbps": best[c.dt], "of_read": frac, "over_q4_0": frac / q4 if q4 else None,
+                                            "bits_per_weight": bits}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rec, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
