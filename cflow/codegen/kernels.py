@@ -233,6 +233,14 @@ DEFAULT_PREFETCH = 2304  # bytes ahead of the unit being read
 DEFAULT_PREFETCH_LOCALITY = 3  # prefetcht0
 
 
+def default_prefetch(L: TileLayout) -> int:
+    """The built-in prefetch distance: one unit ahead. For Q4/Q8/F16/F32 the measured 2304 bytes (one Q4 unit of
+    128 rows); a GGUF block type's unit is a whole block (8x as many inputs for the K-quants), and 2304 bytes ahead of
+    it fell inside the unit being read: the K-quants streamed at 0.6x Q4_0's rate from DRAM with it, at Q4_0's one
+    unit ahead (benchmarks/gguf_types.py)."""
+    return L.unit_nbytes if L.is_block_type else DEFAULT_PREFETCH
+
+
 def _check_isa(isa: str) -> ISA:
     return ISA.parse(isa)
 
@@ -375,7 +383,7 @@ def _pick_unroll(nunits: int, unroll: int) -> int:
 
 
 def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
-                max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int = DEFAULT_PREFETCH,
+                max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int | None = None,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
                 act: str = "silu", vector_bits: int = 0, unpack: int = 0, prefetch_stride: int = 64,
                 group_loop: int = 0) -> ir.Function:
@@ -385,7 +393,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
         isa: 'avx512vnni' (needs AVX-512 VNNI), 'avx2' (needs AVX2+FMA+F16C) or 'generic'.
         max_groups: 16-row groups accumulated in registers per pass (TR/16 <= this: one pass).
         unroll: block units per loop iteration.
-        prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetchers).
+        prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetchers; None: default_prefetch).
         prefetch_locality: llvm.prefetch locality (3 = prefetcht0 into L1, 2 = prefetcht1 into L2).
         gate_up: the stream is pack_gate_up's; write act(gate x) * (up x) instead of W x.
         act: the gate activation (GATE_ACTS: 'silu' or 'gelu_tanh').
@@ -397,10 +405,13 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
             one line per unit, a hint to the hardware prefetchers rather than a fetch of every line).
         group_loop: 1 = one 16-row group of one unit per loop iteration (_emit_group_loop: a short loop body;
             max_groups and unroll do not apply, prefetch_stride counts within a group); 0 = every group of
-            `unroll` units per iteration, groups in passes of max_groups.
+            `unroll` units per iteration, groups in passes of max_groups. (For the GGUF block types the group loop
+            ran 1.1-1.3x faster from L2 but 0.8-0.9x from DRAM on the AMX Xeon VM: the unit loop stays the default,
+            the tuner tries both.)
     """
     isa = _check_isa(isa)
     _check_act(act)
+    prefetch = default_prefetch(layout) if prefetch is None else prefetch
     if vector_bits not in (0, 256, 512):
         raise CodegenError(f"matvec: vector_bits must be 0, 256 or 512, not {vector_bits}")
     if vector_bits == 256 and isa == ISA.AVX512VNNI:
@@ -446,7 +457,7 @@ MATMAT_ARGS = MATVEC_ARGS + (i64, i64, i64)  # ..., r0, r1, ntok, x_stride, y_st
 
 def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_stride: int, *,
                 tail: ir.Function | None = None, linkage: str = "external", token_group: int | None = None,
-                max_groups: int | None = None, unroll: int = 1, prefetch: int = DEFAULT_PREFETCH,
+                max_groups: int | None = None, unroll: int = 1, prefetch: int | None = None,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
                 act: str = "silu") -> ir.Function:
     """Emit `name`: y[t][r0*TR : r1*TR] = W x_t for tokens t in [0, ntok) over tile-rows [r0, r1).
@@ -464,6 +475,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     _check_isa(isa)
     _check_act(act)
     L = layout
+    prefetch = default_prefetch(L) if prefetch is None else prefetch
     if act_stride % BLOCK or act_stride < L.cols_p:
         raise CodegenError(f"matmat: activation stride {act_stride} must be a multiple of {BLOCK} >= {L.cols_p}")
     if tail is None:

@@ -64,10 +64,16 @@ DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
 # VM the group loop is 9% slower than the unit loop at the unit loop's distance and 9% faster one line further), so a
 # descent from the unit loop alone never changes both knobs at once.
 SEEDS = (DEFAULT, {**DEFAULT, "group_loop": 1})
+
+
+def default_for(layout) -> dict:
+    """The kernel's built-in knobs for a layout (DEFAULT, with the prefetch distance one unit ahead for a GGUF block
+    type: kernels.default_prefetch)."""
+    return {**DEFAULT, "prefetch": K.default_prefetch(layout)}
 # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent; 4: group_loop; 5: a descent per loop
 # kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache;
-# 6: a quarter and half a unit (older tables: searched again)
-SCHEMA = 6
+# 6: a quarter and half a unit; 7: a GGUF block type's default prefetch one unit ahead (older tables: searched again)
+SCHEMA = 7
 
 
 def enabled() -> bool:
@@ -130,7 +136,7 @@ def neighbours(cur: dict, layout, isa: str | None = None) -> list[dict]:
 
 def candidates(layout, isa: str | None = None) -> list[dict]:
     """The first pass of the search: the default, then each one-knob change of it."""
-    return neighbours(dict(DEFAULT), layout, isa)
+    return neighbours(default_for(layout), layout, isa)
 
 
 def label(knobs: dict) -> str:
@@ -428,8 +434,9 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
     nbytes = nbytes or MIN_BYTES
     wset = WeightSet(layout, gate_up, nbytes, span=stream_span(nbytes))
     log, ends = [], []
+    base = default_for(layout)
     for s, seed in enumerate(SEEDS):
-        cur = _normal(dict(seed))
+        cur = _normal({**seed, "prefetch": base["prefetch"]})
         for p in range(1, passes + 1):
             res = measure(layout, gate_up, cands=neighbours(cur, layout, target.isa), target=target, rounds=rounds,
                           wset=wset)
@@ -439,7 +446,7 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
                 break
             cur = best
         ends.append(cur)
-    finalists = [dict(DEFAULT)] + [c for i, c in enumerate(ends) if c != DEFAULT and c not in ends[:i]]
+    finalists = [base] + [c for i, c in enumerate(ends) if c != base and c not in ends[:i]]
     cur = finalists[0]
     if len(finalists) > 1:  # head to head with the default, so noisy steps cannot add up to a slower kernel
         res = measure(layout, gate_up, cands=finalists, target=target, rounds=max(rounds, CONFIRM_ROUNDS),
@@ -481,8 +488,9 @@ def choices(tensors, target, search: bool = True, force: bool = False, rounds: i
     search is about to run, since it takes seconds per shape."""
     if not (enabled() or force or ignore_env):
         return {}
+    shapes = kernel_shapes(tensors)
     return cached_choices(
-        target, kernel_shapes(tensors), _valid_choice, DEFAULT,
+        target, shapes, _valid_choice, lambda key: default_for(shapes[key][0]),
         lambda shape: tune_kernel(shape[0], shape[1], target, rounds=rounds, nbytes=nbytes, passes=passes),
         lambda n: f"mat-vec kernel variants for {n} kernel shape{'s' * (n != 1)}",
         search=search, force=force, on_result=on_result)
@@ -493,14 +501,15 @@ def cached_choices(target, keys: dict, valid, default: dict, measure, what, sear
     """The table logic every tuned choice shares (choices() here, attn_tune.choices): {key: choice} for `keys`
     ({key: what measure() takes}) on this host. A cached record whose choice passes valid() is reused; the others
     (all with force) are measured (measure(arg) -> record with "choice") when search is set, stored, and the
-    table written once. Choices equal to `default` are left out. on_result(key, record) sees each record; without
-    one a warning says that a search is about to run (what(n): what is measured, for n keys). A search holds the
-    table's lock (_table_lock) from its read to its write."""
+    table written once. Choices equal to `default` (a dict, or a function of the key) are left out.
+    on_result(key, record) sees each record; without one a warning says that a search is about to run (what(n):
+    what is measured, for n keys). A search holds the table's lock (_table_lock) from its read to its write."""
 
     def missing(table):
         cached = {k: valid(table[k].get("choice")) if isinstance(table.get(k), dict) else None for k in keys}
         return cached, [k for k in keys if force or (search and cached[k] is None)]
 
+    default_of = default if callable(default) else (lambda key: default)
     table = read_table(target)
     cached, todo = missing(table)
     with _table_lock(target) if todo else contextlib.nullcontext():
@@ -519,7 +528,7 @@ def cached_choices(target, keys: dict, valid, default: dict, measure, what, sear
             if c is not None:
                 if on_result is not None:
                     on_result(key, rec)
-                if c != default:
+                if c != default_of(key):
                     out[key] = c
         if todo:  # merged into the table as it is now: a writer that took no lock keeps its records
             _write_table(target, {**read_table(target), **{k: table[k] for k in todo}})
