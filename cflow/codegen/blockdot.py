@@ -47,6 +47,12 @@ def _k(v: int):
     return const_vec(i32, 16, v)
 
 
+def _ku(v: int):
+    """A 32-bit mask as <16 x i32> (bit 31 set: its two's-complement value)."""
+    v &= 0xFFFFFFFF
+    return const_vec(i32, 16, v - (1 << 32) if v >= 1 << 31 else v)
+
+
 def _kf(v: float):
     return const_vec(f32, 16, float(v))
 
@@ -107,6 +113,16 @@ class Decoder:
     def codes(self, j: int) -> list:
         raise NotImplementedError
 
+    def parts(self, j: int) -> list:
+        """The codes of block j as a sum of masked fields: [(chunks, rshift, lshift)], the code of an input being
+        sum (field >> rshift) << lshift. On VNNI each part is dotted as it lies in its bytes (vpdpbusd sums into i32:
+        no intermediate saturation) and its sum shifted after: exact, since every masked byte is a multiple of
+        2^rshift, and the shifts and ORs of the field assembly move from every chunk to one per sub-block. Default:
+        the assembled codes (one part). Only Q4_K overrides it (its high nibbles, 1.03-1.05x from DRAM on the AMX Xeon
+        VM); a part per extra bit (Q5_K, Q6_K, Q3_K) or per 2-bit plane (Q2_K) costs a second dot per chunk and
+        measured 0.85-0.93x, so those assemble their codes."""
+        return [(self.codes(j), 0, 0)]
+
     def scales(self, j: int) -> list:
         """[(S, M or None)] per sub-block of activation block j (one for 32-input sub-blocks, two for 16); by default
         D * sc and Dmin * m of int_scales and supers."""
@@ -151,6 +167,13 @@ class _Q4K(Decoder):
                 v = self.b.or_(v, self.b.shl(self.mask(self.shr(self.word("qh", c), j), 0x01010101), _k(4)))
             out.append(v)
         return out
+
+    def parts(self, j):
+        n, hi = divmod(j, 2)
+        mask = 0xF0F0F0F0 if hi else 0x0F0F0F0F
+        if "qh" in self.offs:  # Q5_K: a fifth bit as a part of its own costs a second dot per chunk (measured 0.91x)
+            return super().parts(j)
+        return [([self.b.and_(self.word("qs", 8 * n + c), _ku(mask)) for c in range(8)], 4 * hi, 0)]
 
     def sbyte(self, k: int):
         return self.byte(self.word("scales", k // 4), k % 4)
@@ -373,10 +396,26 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
     nsub = BLOCK // fmt.sub
     cper = 8 // nsub  # chunks per sub-block
     fma = isa != ISA.GENERIC
+    by_parts = isa == ISA.AVX512VNNI and not fmt.signed
+
+    def dot(j, codes, aptr, h):
+        """The exact integer dot of sub-block h of block j: of its parts (by_parts) or of its assembled codes."""
+        cs = range(h * cper, (h + 1) * cper)
+        if codes is not None:
+            return _idot(b, isa, codes, aptr, cs, fmt.signed and isa != ISA.AVX512VNNI, fmt.umax)
+        total = None
+        for chunks, rsh, lsh in parts:
+            p = _idot(b, isa, [b.bitcast(v, V(i8, 64)) for v in chunks], aptr, cs, False, 255)
+            p = b.ashr(p, _k(rsh)) if rsh else p
+            p = b.shl(p, _k(lsh)) if lsh else p
+            total = p if total is None else b.add(total, p)
+        return total
+
     for j, (aptr, da, sums) in enumerate(act.blocks):
         if blocks is not None and j not in blocks:
             continue
-        codes = [b.bitcast(v, V(i8, 64)) for v in dec.codes(j)]
+        parts = dec.parts(j) if by_parts else None
+        codes = None if by_parts else [b.bitcast(v, V(i8, 64)) for v in dec.codes(j)]
         if fmt.signed:
             table = [int(v) + 128 for v in IQ4_VALUES] if isa == ISA.AVX512VNNI else [int(v) for v in IQ4_VALUES]
             codes = [_lookup(b, isa, c, [t - 256 if t > 127 else t for t in table]) for c in codes]
@@ -388,7 +427,7 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
             isum = None
             msum = None
             for h, (sc, m) in enumerate(((sc0, m0), (sc1, m1))):
-                part = _idot(b, isa, codes, aptr, range(h * cper, (h + 1) * cper), False, fmt.umax)
+                part = dot(j, codes, aptr, h)
                 if bias:
                     part = b.sub(part, splat(b, b.mul(sums[h], ir.Constant(i32, bias)), 16))
                 part = b.mul(part, sc)
@@ -401,8 +440,7 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
                 acc = muladd(b, b.sitofp(msum, VF), b.fmul(Dm, ds), acc, fma)
             continue
         for h, (S, M) in enumerate(dec.scales(j)):
-            isum = _idot(b, isa, codes, aptr, range(h * cper, (h + 1) * cper), fmt.signed and isa != ISA.AVX512VNNI,
-                         fmt.umax)
+            isum = dot(j, codes, aptr, h)
             asum = sums[h] if nsub == len(sums) else sums[0]
             if bias:
                 isum = b.sub(isum, splat(b, b.mul(asum, ir.Constant(i32, bias)), 16))

@@ -584,9 +584,10 @@ def from_hf_module(module, name: str | None = None, max_seq_len: int | None = No
     g.meta.eos_token_ids = _eos_from(getattr(module, "generation_config", None), cfg)
     g.meta.source = f"transformers:{cls}"
     if probe:
-        from .probe import probe_module_class
+        from .probe import probe_context, probe_module_class
 
-        probe_module_class(type(module), cfg, lambda m: from_hf_module(m, probe=False), cls)
+        ctx = probe_context(config)
+        probe_module_class(type(module), cfg, lambda m: from_hf_module(m, probe=False, max_seq_len=ctx), cls)
     return verify(g)
 
 
@@ -704,11 +705,11 @@ def from_hf_dir(path, name: str | None = None, max_seq_len: int | None = None, p
     g.meta.special_tokens = read_special_tokens(path, g.meta.tokenizer)
     g.meta.source = f"hf-dir:{_get(cfg, 'model_type', 'unknown')}"
     if probe:
-        _probe_dir(cfg, path)
+        _probe_dir(cfg, path, g.config)
     return verify(g)
 
 
-def _probe_dir(cfg, path: Path) -> None:
+def _probe_dir(cfg, path: Path, config: ModelConfig) -> None:
     """The directory import checked against its class's forward (frontend/probe.py): a probe model saved with
     save_pretrained to a temporary directory and read back by from_hf_dir, the path the user's files take."""
     import tempfile
@@ -722,14 +723,16 @@ def _probe_dir(cfg, path: Path) -> None:
     if cls is None or not hasattr(cfg, "to_json_string"):
         return  # a Llama-like config transformers does not know: nothing to compare against
 
+    from .probe import probe_context, probe_module_class
+
+    ctx = probe_context(config)
+
     def importer(module):
         with tempfile.TemporaryDirectory(prefix="cflow-probe-") as tmp:
             module.save_pretrained(tmp, safe_serialization=True)
-            g = from_hf_dir(tmp, probe=False)
+            g = from_hf_dir(tmp, probe=False, max_seq_len=ctx)
             g.weights = {k: g.weights[k] for k in g.meta.shapes}  # read before the directory goes
             return g
-
-    from .probe import probe_module_class
 
     probe_module_class(cls, cfg, importer, f"{path}: {archs[0]}")
 

@@ -146,6 +146,21 @@ def compare(module, graph, where: str) -> None:
                                     f"token at a time after a prompt): the logits differ by {err:.2g} of their spread")
 
 
+def probe_context(config) -> int | None:
+    """The context the probe's import is compiled for: a RoPE whose tables depend on the compiled context (longrope
+    and dynamic past their original context: cflow picks once, statically, where transformers picks per call by
+    the sequence's length) is probed in the regime a short sequence gets from transformers, the original context;
+    the other regime's frequencies are checked against the module's buffers (hf._check_rotary) and by the longrope
+    tests. None: the import's own default."""
+    from ..ir.rope import scaling_dict
+
+    sd = scaling_dict(config.rope_scaling) or {}
+    orig = sd.get("original_max_position_embeddings")
+    if sd.get("rope_type") in ("longrope", "dynamic") and orig and orig >= PROMPT + STEPS:
+        return max(min(int(orig), config.max_seq_len), PROMPT + STEPS)
+    return None
+
+
 def _key(cls, cfg) -> str:
     try:
         text = cfg.to_json_string(use_diff=False)
