@@ -29,6 +29,7 @@ from bandwidth import busy_fraction, measure_read_bandwidth  # noqa: E402
 
 import cflow  # noqa: E402
 from cflow.compiler import compile_file, lower  # noqa: E402
+from cflow.errors import CflowError  # noqa: E402
 from cflow.ir import Interpreter, build_graph  # noqa: E402
 from cflow.ir.config import ModelConfig  # noqa: E402
 
@@ -238,10 +239,21 @@ VARIANTS = {
 
 
 def variant(name: str):
-    """(env, load kwargs) of a --variants name: VARIANTS, or cache=DIR (CFLOW_CACHE_DIR=DIR: another tuning table,
-    e.g. an older search's choices, against this host's own)."""
+    """(env, load kwargs) of a --variants name: VARIANTS, cache=DIR (CFLOW_CACHE_DIR=DIR: another tuning table,
+    e.g. an older search's choices, against this host's own), isa=PATH (that ISA's kernels forced on this host:
+    target.forced_env), or several joined by '+' (isa=avx2+tune-off)."""
+    from cflow.codegen.target import forced_env
+
+    if "+" in name:
+        env, kw = {}, {}
+        for part in name.split("+"):
+            e, k = variant(part)
+            env, kw = {**env, **e}, {**kw, **k}
+        return env, kw
     if name.startswith("cache="):
         return {"CFLOW_CACHE_DIR": name[len("cache="):]}, {}
+    if name.startswith("isa="):
+        return forced_env(name[len("isa="):]), {}
     return VARIANTS[name]
 
 
@@ -328,9 +340,15 @@ def main(argv=None) -> None:
                     "--variants kv-f16,kv-bf16: fractions then count the weights only, the ratios are the A/B)")
     args = ap.parse_args(argv)
     names = args.variants.split(",") if args.variants else []
-    bad = [n for n in names if n not in VARIANTS and not (n.startswith("cache=") and len(n) > 6)]
+    bad = []
+    for n in names:
+        try:
+            variant(n)
+        except (KeyError, ValueError, CflowError):
+            bad.append(n)
     if bad:
-        ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
+        ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)}, cache=DIR, isa=PATH, "
+                 "joined by '+')")
 
     path, c = compiled_model(args.model, args.quant)
     if args.context + args.tokens > c.graph.config.max_seq_len:

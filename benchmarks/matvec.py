@@ -228,7 +228,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for quiet rounds per thread count")
     ap.add_argument("--tile", default="128x256")
-    ap.add_argument("--isa", default=None, help="avx512vnni | avx2 | generic (default: host)")
+    ap.add_argument("--isa", default=None, help="avx512vnni | avxvnni | avx2 | generic (default: host)")
     ap.add_argument("--max-groups", type=int, default=K.MAX_GROUPS, help="16-row accumulators per pass")
     ap.add_argument("--unroll", type=int, default=K.DEFAULT_UNROLL, help="block units per loop iteration")
     ap.add_argument("--prefetch", type=int, default=K.DEFAULT_PREFETCH, help="prefetch distance (bytes, 0 = off)")

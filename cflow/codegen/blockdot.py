@@ -289,19 +289,13 @@ def _act4(b, aptr, off, n_lanes):
     return b.bitcast(splat(b, a, n_lanes), V(i8, 4 * n_lanes))
 
 
-def _vpdpbusd(b, acc, w_u8, a_s8):
-    from .kernels import _vpdpbusd as dp
-
-    return dp(b, acc, w_u8, a_s8)
-
-
 def _lookup(b, isa, codes_i8, table_values):
     """Bytes 0..15 -> table_values[byte] (a 16-entry code book), per byte lane."""
     vals = [int(v) for v in table_values]
     if isa == ISA.AVX512VNNI:
         fn = intrinsic(b.module, "llvm.x86.avx512.pshuf.b.512", V(i8, 64), [V(i8, 64), V(i8, 64)])
         return b.call(fn, [ir.Constant(V(i8, 64), vals * 4), codes_i8])
-    if isa == ISA.AVX2:
+    if isa in (ISA.AVX2, ISA.AVXVNNI):
         fn = intrinsic(b.module, "llvm.x86.avx2.pshuf.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
         t = ir.Constant(V(i8, 32), vals * 2)
         halves = [b.call(fn, [t, shuffle(b, codes_i8, range(h * 32, h * 32 + 32))]) for h in range(2)]
@@ -324,11 +318,13 @@ def _lookup(b, isa, codes_i8, table_values):
 def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int):
     """sum over chunks c in cs of chunks[c] (bytes) . activation bytes 4c .. 4c+3: <16 x i32>, exact.
     Unsigned codes on VNNI; signed codes are shifted by +128 there (the caller subtracts 128 * sum(a))."""
-    if isa == ISA.AVX512VNNI:
-        acc = const_vec(i32, 16, 0)
+    if isa.vnni:
+        from .kernels import Dots
+
+        acc = Dots(b, isa)
         for c in cs:
-            acc = _vpdpbusd(b, acc, chunks[c], _act4(b, aptr, 4 * c, 16))
-        return acc
+            acc.add(chunks[c], aptr, 4 * c)
+        return acc.total()
     if isa == ISA.AVX2:
         mad = intrinsic(b.module, "llvm.x86.avx2.pmadd.ub.sw", V(i16, 16), [V(i8, 32), V(i8, 32)])
         wd = intrinsic(b.module, "llvm.x86.avx2.pmadd.wd", V(i32, 8), [V(i16, 16), V(i16, 16)])
@@ -396,13 +392,13 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
     nsub = BLOCK // fmt.sub
     cper = 8 // nsub  # chunks per sub-block
     fma = isa != ISA.GENERIC
-    by_parts = isa == ISA.AVX512VNNI and not fmt.signed
+    by_parts = isa.vnni and not fmt.signed
 
     def dot(j, codes, aptr, h):
         """The exact integer dot of sub-block h of block j: of its parts (by_parts) or of its assembled codes."""
         cs = range(h * cper, (h + 1) * cper)
         if codes is not None:
-            return _idot(b, isa, codes, aptr, cs, fmt.signed and isa != ISA.AVX512VNNI, fmt.umax)
+            return _idot(b, isa, codes, aptr, cs, fmt.signed and not isa.vnni, fmt.umax)
         total = None
         for chunks, rsh, lsh in parts:
             p = _idot(b, isa, [b.bitcast(v, V(i8, 64)) for v in chunks], aptr, cs, False, 255)
@@ -417,9 +413,9 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
         parts = dec.parts(j) if by_parts else None
         codes = None if by_parts else [b.bitcast(v, V(i8, 64)) for v in dec.codes(j)]
         if fmt.signed:
-            table = [int(v) + 128 for v in IQ4_VALUES] if isa == ISA.AVX512VNNI else [int(v) for v in IQ4_VALUES]
+            table = [int(v) + 128 for v in IQ4_VALUES] if isa.vnni else [int(v) for v in IQ4_VALUES]
             codes = [_lookup(b, isa, c, [t - 256 if t > 127 else t for t in table]) for c in codes]
-        bias = fmt.bias + (vnni_signed_bias if fmt.signed and isa == ISA.AVX512VNNI else 0)
+        bias = fmt.bias + (vnni_signed_bias if fmt.signed and isa.vnni else 0)
         ds = splat(b, da, 16)
         if nsub == 2 and dec.int_combine:  # two 16-input sub-blocks share da: integer sums times integer scales
             (sc0, m0), (sc1, m1) = dec.int_scales(j)

@@ -1,7 +1,7 @@
 """Tile kernels as pure llvmlite.ir builders, specialised to one matrix shape, tile and ISA.
 
 Stage: codegen. Input: a passes.tile.TileLayout (the byte layout is defined there) and an ISA
-('avx512vnni' | 'avx2' | 'generic', from Target.isa). Output: functions emitted into a caller's
+('avx512vnni' | 'avxvnni' | 'avx2' | 'generic', from Target.isa). Output: functions emitted into a caller's
 ir.Module (external for ctypes, or internal for a compiled schedule in the same module).
 
 Signatures (plain pointers + i64, callable from ctypes and from generated code):
@@ -130,6 +130,40 @@ def _vpdpbusd(b, acc, w_u8, a_s8):
     return b.call(fn, [acc, b.bitcast(w_u8, V(i32, 16)), b.bitcast(a_s8, V(i32, 16))])
 
 
+def _vpdpbusd256(b, acc, w_u8, a_s8):
+    """acc <8 x i32> += 32-byte vpdpbusd (AVX-VNNI's VEX form, or AVX-512 VNNI's with VL: LLVM picks by target)."""
+    if _llvm_major() >= 22:
+        fn = intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.256", V(i32, 8), [V(i32, 8), V(i8, 32), V(i8, 32)])
+        return b.call(fn, [acc, w_u8, a_s8])
+    fn = intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.256", V(i32, 8), [V(i32, 8)] * 3)
+    return b.call(fn, [acc, b.bitcast(w_u8, V(i32, 8)), b.bitcast(a_s8, V(i32, 8))])
+
+
+class Dots:
+    """Exact u8 x s8 dot products of 16-row groups at the ISA's vpdpbusd width: one <16 x i32> accumulator on
+    AVX-512 VNNI, two <8 x i32> halves (rows 0-7, 8-15) on AVX-VNNI. add() takes 64 code bytes (16 rows x 4
+    inputs) and the activation bytes they multiply; total() is the <16 x i32> sum. The one place the VNNI kernels
+    (Q4/Q8 here, the GGUF block types in blockdot) choose a width."""
+
+    def __init__(self, b, isa):
+        self.b, self.wide = b, isa == ISA.AVX512VNNI
+        self.acc = [const_vec(i32, 16, 0)] if self.wide else [const_vec(i32, 8, 0)] * 2
+
+    def add(self, w64, aptr, off):
+        b = self.b
+        if self.wide:
+            self.acc[0] = _vpdpbusd(b, self.acc[0], w64, _act4(b, aptr, off, 16))
+        else:
+            a = _act4(b, aptr, off, 8)
+            self.acc = [_vpdpbusd256(b, acc, w, a) for acc, w in zip(self.acc, _halves(b, w64))]
+        return self
+
+    def total(self):
+        if self.wide:
+            return self.acc[0]
+        return self.b.shuffle_vector(self.acc[0], self.acc[1], ir.Constant(V(i32, 16), list(range(16))))
+
+
 def _act4(b, aptr, off, n_lanes):
     """Activation bytes aptr[off .. off+3] repeated over n_lanes dwords (a broadcast load)."""
     a = b.load(ptr(b, aptr, off, i32), align=1)
@@ -166,14 +200,12 @@ def _q4_block_int(b, isa, codes, aptr, unpack: int = 0):
     so the result is the same; which issues faster is the host's (codegen.tune)."""
     lo_m, hi_m = const_vec(i8, 64, 0x0F), const_vec(i8, 64, 0xF0)
     chunks = [load(b, codes, 64 * c, V(i8, 64)) for c in range(4)]
-    if isa == ISA.AVX512VNNI:
-        zero = const_vec(i32, 16, 0)
-        acc_lo, acc_hi = zero, zero
+    if isa.vnni:
+        lo, hi = Dots(b, isa), Dots(b, isa)
         for c, v in enumerate(chunks):
-            hi = b.lshr(v, const_vec(i8, 64, 4)) if unpack else b.and_(v, hi_m)
-            acc_lo = _vpdpbusd(b, acc_lo, b.and_(v, lo_m), _act4(b, aptr, 4 * c, 16))
-            acc_hi = _vpdpbusd(b, acc_hi, hi, _act4(b, aptr, 16 + 4 * c, 16))
-        return b.add(acc_lo, acc_hi if unpack else b.ashr(acc_hi, const_vec(i32, 16, 4)))
+            lo.add(b.and_(v, lo_m), aptr, 4 * c)
+            hi.add(b.lshr(v, const_vec(i8, 64, 4)) if unpack else b.and_(v, hi_m), aptr, 16 + 4 * c)
+        return b.add(lo.total(), hi.total() if unpack else b.ashr(hi.total(), const_vec(i32, 16, 4)))
     if isa == ISA.AVX2:
         # i16 partial sums stay exact: 8 pair sums of at most 2*15*128 = 3840 each, 30720 < 32767.
         s16 = [None, None]
@@ -199,12 +231,12 @@ def _q8_block_int(b, isa, codes, aptr):
     """Q8: 8 chunks of 64 B of int8 codes (inputs 4c..4c+3). VNNI returns sum (q+128)*a (the
     caller subtracts 128 * sum(a)); the other paths return sum q*a exactly."""
     chunks = [load(b, codes, 64 * c, V(i8, 64)) for c in range(8)]
-    if isa == ISA.AVX512VNNI:
+    if isa.vnni:
         flip = const_vec(i8, 64, 0x80)
-        accs = [const_vec(i32, 16, 0)] * 2
+        accs = [Dots(b, isa), Dots(b, isa)]  # two chains: each vpdpbusd waits on its accumulator's last
         for c, v in enumerate(chunks):
-            accs[c % 2] = _vpdpbusd(b, accs[c % 2], b.xor(v, flip), _act4(b, aptr, 4 * c, 16))
-        return b.add(accs[0], accs[1])
+            accs[c % 2].add(b.xor(v, flip), aptr, 4 * c)
+        return b.add(accs[0].total(), accs[1].total())
     if isa == ISA.AVX2:
         sign = intrinsic(b.module, "llvm.x86.avx2.psign.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
         absb = intrinsic(b.module, "llvm.abs.v32i8", V(i8, 32), [V(i8, 32), i1])
@@ -257,7 +289,7 @@ def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack: int = 0):
     aptr = ptr(b, xq, b.mul(kb, ir.Constant(i64, BLOCK)))
     ad = splat(b, b.load(ptr(b, xd, kb), align=4), 16)
     asum = b.load(ptr(b, xs, kb), align=4)
-    bias = 8 if L.dtype == DType.Q4 else (128 if isa == ISA.AVX512VNNI else 0)
+    bias = 8 if L.dtype == DType.Q4 else (128 if isa.vnni else 0)
     corr = splat(b, b.mul(asum, ir.Constant(i32, bias)), 16) if bias else None
     for g in groups:
         codes = ptr(b, unit, _goff(b, g, L.code_nbytes))
@@ -390,7 +422,8 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
-        isa: 'avx512vnni' (needs AVX-512 VNNI), 'avx2' (needs AVX2+FMA+F16C) or 'generic'.
+        isa: 'avx512vnni' (needs AVX-512 VNNI), 'avxvnni' (AVX2+FMA+F16C and AVX-VNNI), 'avx2' (AVX2+FMA+F16C) or
+            'generic'.
         max_groups: 16-row groups accumulated in registers per pass (TR/16 <= this: one pass).
         unroll: block units per loop iteration.
         prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetchers; None: default_prefetch).

@@ -45,12 +45,24 @@ class ISA(enum.StrEnum):
     """Kernel families, from the most capable down; a kernel runs on any target whose ISA ranks >= its own."""
 
     AVX512VNNI = "avx512vnni"  # AVX-512 F+BW+VNNI, F16C, FMA: vpdpbusd on 64-byte vectors
+    AVXVNNI = "avxvnni"  # AVX2+FMA+F16C and AVX-VNNI (Intel cores from Alder Lake, Zen 5): vpdpbusd on 32-byte halves
     AVX2 = "avx2"  # AVX2+FMA+F16C: vpmaddubsw/vpmaddwd on 32-byte halves
     GENERIC = "generic"  # portable IR only (SSE2 baseline on x86-64)
 
     @property
     def rank(self) -> int:
-        return {ISA.GENERIC: 0, ISA.AVX2: 1, ISA.AVX512VNNI: 2}[self]
+        return {ISA.GENERIC: 0, ISA.AVX2: 1, ISA.AVXVNNI: 2, ISA.AVX512VNNI: 3}[self]
+
+    @property
+    def vnni(self) -> bool:
+        """The integer dot is vpdpbusd (unsigned codes times signed activations, summed into i32 without an i16
+        step): signed codes are shifted by +128 and the bias taken off after, at either width."""
+        return self in (ISA.AVXVNNI, ISA.AVX512VNNI)
+
+    @property
+    def wide(self) -> bool:
+        """64-byte vectors (32 registers): larger token groups and more accumulators."""
+        return self == ISA.AVX512VNNI
 
     def runs_on(self, target_isa: ISA | str) -> bool:
         """Kernels of this ISA can run on a host whose best ISA is `target_isa`."""
@@ -140,13 +152,21 @@ class Target:
 
     @property
     def has_avx512_vnni(self) -> bool:
-        return self.has_avx512 and self.has("avx512vnni")
+        """AVX-512 VNNI with VL (its 256-bit form too: the avxvnni kernels run on such a host, EVEX-encoded)."""
+        return self.has_avx512 and self.has("avx512vnni") and self.has("avx512vl")
+
+    @property
+    def has_avx_vnni(self) -> bool:
+        """vpdpbusd on 32-byte vectors: AVX-VNNI (VEX) or AVX-512 VNNI with VL."""
+        return self.has_avx2 and self.has_fma and self.has_f16c and (self.has("avxvnni") or self.has_avx512_vnni)
 
     @property
     def isa(self) -> ISA:
         """The kernel family this target gets."""
         if self.has_avx512_vnni:
             return ISA.AVX512VNNI
+        if self.has_avx_vnni:
+            return ISA.AVXVNNI
         if self.has_avx2 and self.has_fma and self.has_f16c:
             return ISA.AVX2
         return ISA.GENERIC
@@ -163,6 +183,30 @@ class Target:
 
     def describe(self) -> str:
         return f"{self.triple} cpu={self.cpu} isa={self.isa}"
+
+
+# The feature edits that force each path below a host's best (CFLOW_FEATURES): '-avx512f' also clears everything
+# AVX-512 (VNNI, VL, BW, BF16) and leaves AVX-VNNI where the CPU has it; a path the CPU cannot run is not created by
+# them (forcing only takes features away), so the result is checked: forced_env(isa) then host_target().isa.
+FORCE_FEATURES = {"avx512vnni": "", "avxvnni": "-avx512f", "avx2": "-avx512f,-avxvnni"}
+
+
+def forced_env(isa: ISA | str) -> dict[str, str]:
+    """The CFLOW_CPU / CFLOW_FEATURES values that make this host build `isa`'s kernels (benchmarks and tests that
+    measure or check a path other than the host's best; 'generic' is the portable IR for a plain x86-64)."""
+    isa = ISA.parse(isa)
+    if isa == ISA.GENERIC:
+        return {"CFLOW_CPU": "generic", "CFLOW_FEATURES": ""}
+    return {"CFLOW_CPU": "", "CFLOW_FEATURES": FORCE_FEATURES[isa]}
+
+
+def isa_path() -> str:
+    """The ISA path this process's kernels are built for, as benchmarks record it beside the CPU: e.g.
+    'avx512vnni', or 'avx2 (forced: CFLOW_FEATURES=-avx512f,-avxvnni)' when CFLOW_CPU / CFLOW_FEATURES make this
+    host build another path than its best (a forced figure measures the path, on this host's memory system)."""
+    forced = [f"{k}={os.environ[k]}" for k in ("CFLOW_CPU", "CFLOW_FEATURES") if os.environ.get(k)]
+    isa = str(host_target().isa)
+    return f"{isa} (forced: {', '.join(forced)})" if forced and isa != host_target(env=False).isa else isa
 
 
 def host_target(cpu: str | None = None, features: str | None = None, *, env: bool = True) -> Target:

@@ -18,23 +18,22 @@ from llvmlite import ir
 from cflow.codegen import blockdot
 from cflow.codegen import kernels as K
 from cflow.codegen.library import Library
-from cflow.codegen.target import ISA, generic_target, host_target
+from cflow.codegen.target import ISA
 from cflow.layout import blocks as B
 from cflow.layout import tile as T
 from cflow.layout.quant import DType
+from tests._isa import isa_target as _target
 from tests.runtime._gguf_blocks import random_blocks
 
-HOST = host_target(env=False)
 GENERIC_TYPES = {DType.Q5_1, DType.IQ4_NL, DType.Q2_K}  # unsigned and signed dots, the lookup, a 16-input sub-block
-CASES = [(dt, isa) for dt in B.FORMATS for isa in ISA if isa != ISA.GENERIC or dt in GENERIC_TYPES]
+# AVX-VNNI differs from AVX-512 VNNI only in the dot's width and the code-book lookup (AVX2's): the types that reach
+# each of its branches (a legacy and a K-quant unsigned dot, Q4_K's dot of parts, Q6_K's integer combine, the signed
+# code book, a 16-input sub-block)
+VNNI256_TYPES = {DType.Q5_1, DType.Q4_K, DType.Q6_K, DType.IQ4_XS, DType.Q2_K}
+SUBSETS = {ISA.GENERIC: GENERIC_TYPES, ISA.AVXVNNI: VNNI256_TYPES}
+CASES = [(dt, isa) for dt in B.FORMATS for isa in ISA if dt in SUBSETS.get(isa, B.FORMATS)]
 
 
-def _target(isa):
-    if isa == ISA.GENERIC:
-        return generic_target()
-    if isa == ISA.AVX2:
-        return HOST.with_features("-avx512f") if HOST.has_avx2 else None
-    return HOST if HOST.has_avx512_vnni else None
 
 
 def _p(a):

@@ -11,23 +11,17 @@ from cflow.codegen.library import Library
 from cflow.codegen.target import ISA, generic_target, host_target
 from cflow.layout import tile as T
 from cflow.layout.quant import dequantize, quantize, quantize_activation_q8
+from tests._isa import isa_target as _isa_target
 
 HOST = host_target(env=False)
 
 
 def isa_target(isa):
-    """A target whose auto-selected ISA is `isa` (the fallbacks are forced through features)."""
-    if isa == "avx512vnni":
-        if not HOST.has_avx512_vnni:
-            pytest.skip("host lacks AVX-512 VNNI")
-        return HOST
-    if isa == "avx2":
-        if not HOST.has_avx2:
-            pytest.skip("host lacks AVX2")
-        t = HOST.with_features("-avx512f")
-        assert t.isa == "avx2"
-        return t
-    return generic_target()
+    """A target whose auto-selected ISA is `isa` (the paths below the host's best forced through features)."""
+    t = _isa_target(isa)
+    if t is None:
+        pytest.skip(f"this host cannot run the {isa} kernels")
+    return t
 
 
 def oracle(w, dtype, x):

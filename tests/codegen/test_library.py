@@ -7,9 +7,10 @@ from llvmlite import ir
 
 from cflow.codegen import kernels as K
 from cflow.codegen.library import Library, compile_ir
-from cflow.codegen.target import generic_target, host_target
+from cflow.codegen.target import ISA, generic_target, host_target
 from cflow.errors import CodegenError
 from cflow.layout.tile import TileLayout
+from tests._isa import isa_target
 
 HOST = host_target(env=False)
 
@@ -48,16 +49,20 @@ def test_invalid_ir_is_a_codegen_error():
 def test_isa_reaches_machine_code():
     L = TileLayout("q4", 32, 64, (32, 64))
     asm = {}
-    for isa, target in [("avx512vnni", HOST), ("avx2", HOST.with_features("-avx512f")), ("generic", generic_target())]:
-        if isa == "avx512vnni" and not HOST.has_avx512_vnni or isa == "avx2" and not HOST.has_avx2:
+    for isa in ISA:
+        target = isa_target(isa)
+        if target is None:
             continue
         mod = ir.Module(name=isa)
         K.emit_matvec(mod, "mv", L, isa)
         asm[isa] = compile_ir(mod, target=target, cache=False).get_asm_str()
     if "avx512vnni" in asm:
         assert "vpdpbusd" in asm["avx512vnni"] and "zmm" in asm["avx512vnni"]
+    if "avxvnni" in asm:  # the VEX form: "{vex} vpdpbusd" on ymm
+        assert "vpdpbusd" in asm["avxvnni"] and "ymm" in asm["avxvnni"] and "zmm" not in asm["avxvnni"]
+        assert "vpmaddubsw" not in asm["avxvnni"]
     if "avx2" in asm:
-        assert "vpmaddubsw" in asm["avx2"] and "zmm" not in asm["avx2"]
+        assert "vpmaddubsw" in asm["avx2"] and "zmm" not in asm["avx2"] and "vpdpbusd" not in asm["avx2"]
     assert "ymm" not in asm["generic"] and "zmm" not in asm["generic"]
 
 

@@ -8,19 +8,10 @@ from llvmlite import ir
 
 from cflow.codegen import kernels as K
 from cflow.codegen.library import Library
-from cflow.codegen.target import ISA, generic_target, host_target
+from cflow.codegen.target import ISA
 from cflow.layout import tile as T
 from cflow.layout.tile import TileLayout
-
-HOST = host_target()
-
-
-def _target(isa):
-    if isa == ISA.GENERIC:
-        return generic_target()
-    if isa == ISA.AVX2:
-        return HOST.with_features("-avx512f") if HOST.has_avx2 else None
-    return HOST if HOST.has_avx512_vnni else None
+from tests._isa import isa_target as _target
 
 
 def _p(a):

@@ -6,15 +6,20 @@ from cflow.codegen.target import generic_target, host_target
 def test_host_is_consistent():
     t = host_target(env=False)
     assert t.triple and t.cpu and t.magic_tuple() == (t.triple, t.cpu, t.features)
-    assert t.isa in ("avx512vnni", "avx2", "generic")
+    assert t.isa in ("avx512vnni", "avxvnni", "avx2", "generic")
     if t.has_avx512_vnni:
         assert t.has_avx512 and t.has_avx2 and t.isa == "avx512vnni"
 
 
 def test_feature_edits_and_dependencies():
-    t = host_target(env=False).with_features("+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vnni")
+    t = host_target(env=False).with_features("+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni,"
+                                             "-avxvnni")
     assert t.isa == "avx512vnni"
+    assert t.with_features("-avx512vl").isa == "avx2"  # no 256-bit vpdpbusd without VL: not the VNNI kernels
     assert t.with_features("-avx512vnni").isa == "avx2"
+    assert t.with_features("-avx512vnni,+avxvnni").isa == "avxvnni"
+    assert t.with_features("-avx512f,+avxvnni").isa == "avxvnni"  # Alder Lake: AVX-VNNI without AVX-512
+    assert t.with_features("-avx512f,+avxvnni,-fma").isa == "generic"
     assert t.with_features("-avx2").isa == "generic"  # AVX-512 builds on AVX2: it goes too
     assert not t.with_features("-avx2").has_avx512_vnni
     assert t.with_features("-avx512vnni").magic_tuple() != t.magic_tuple()

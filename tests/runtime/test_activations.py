@@ -3,8 +3,9 @@
 Random models at default init hide a wrong activation: logits are nearly flat and a SiLU computed where tanh-GELU
 was meant moves them by less than a loose tolerance. Here the FFN weights are scaled so the gate pre-activations
 are of order 1..4, where the two functions differ by up to 0.2; the prompt (19 tokens, one block) is longer than
-every token group (8 on AVX-512, 4 on AVX2), so it runs full groups of the multi-token kernel and its tail; and
-the kernels are built for each ISA path this host can run (CFLOW_FEATURES / CFLOW_CPU), not only its best one.
+every token group (8 on AVX-512, 4 on AVX-VNNI and AVX2), so it runs full groups of the multi-token kernel and
+its tail; and the kernels are built for each ISA path this host can run (CFLOW_FEATURES / CFLOW_CPU), not only
+its best one.
 The test first shows that it can see the difference: the interpreter with the other activation is off by far
 more than the tolerance.
 """
@@ -14,16 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from cflow.codegen.target import host_target
+from cflow.codegen.target import ISA
 from cflow.compiler import compile_file
 from cflow.frontend import from_torch
 from cflow.ir import Interpreter
 from cflow.runtime.session import Session
+from tests._isa import isa_env, isa_target
 from tests.frontend._models import hf_model
 
-HOST = host_target(env=False)
-# (env var, value) per ISA path: the host's best, AVX2 without AVX-512, the portable kernels
-PATHS = {"host": ("CFLOW_FEATURES", ""), "avx2": ("CFLOW_FEATURES", "-avx512f"), "generic": ("CFLOW_CPU", "generic")}
 FAMILIES = {"llama": "silu", "gemma": "gelu_tanh"}
 # Float weights: only the summation order differs from the interpreter, so the tolerance is tight (relative to the
 # logits' spread) and a wrong activation (0.2-0.5 of it) is far outside. The integer kernels' gate (the same code
@@ -64,14 +63,14 @@ def _other(graph):
     return g
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", list(ISA))
 @pytest.mark.parametrize("quant", list(TOL))
 def test_activation_on_every_path(model, quant, path, monkeypatch):
     family, compiled = model
-    var, value = PATHS[path]
-    if path == "avx2" and not HOST.has_avx2:
-        pytest.skip("host lacks AVX2")
-    monkeypatch.setenv(var, value)
+    if isa_target(path) is None:
+        pytest.skip(f"this host cannot run the {path} kernels")
+    for var, value in isa_env(path).items():
+        monkeypatch.setenv(var, value)
     c, file = compiled[quant]
     ids = np.random.default_rng(11).integers(0, c.graph.config.vocab_size, 19 + 4)
     ref = Interpreter(c.graph).prefill(ids)
@@ -79,8 +78,7 @@ def test_activation_on_every_path(model, quant, path, monkeypatch):
     scale = float(ref.std())
     assert np.abs(bad - ref).max() > 1000 * TOL[quant] * scale  # the test can tell the two activations apart
     with Session(str(file), threads=2, prefill_block=19, kv="f32") as s:
-        want = {"host": HOST.isa, "avx2": "avx2", "generic": "generic"}[path]
-        assert s.target.isa == want, (s.target.describe(), path)
+        assert s.target.isa == path, (s.target.describe(), path)
         prompt = s.prefill(ids[:19], all_logits=True)  # every position: the full token groups' own outputs too
         got = np.stack([s.step(int(t)).copy() for t in ids[19:]])  # then the decode body
     assert np.abs(prompt - ref[:19]).max() <= TOL[quant] * scale, (family, quant, path)

@@ -1,0 +1,25 @@
+"""The ISA paths a test can force on this host, each as a target whose auto-selected kernels are that path's.
+
+The paths below the host's best are forced with feature edits (target.FORCE_FEATURES, CFLOW_FEATURES in a Session
+or a CLI run): '-avx512f' leaves AVX-VNNI's 32-byte vpdpbusd where the CPU has it, '-avx512f,-avxvnni' the AVX2
+kernels. A path the host cannot run (AVX-VNNI on a Zen 4 or an Ice Lake, anything above AVX2 on a Zen 3) is None:
+skipped.
+"""
+
+from cflow.codegen.target import FORCE_FEATURES, ISA, forced_env, generic_target, host_target
+
+HOST = host_target(env=False)
+
+
+def isa_target(isa):
+    """A target whose .isa is `isa` on this host, or None."""
+    isa = ISA.parse(isa)
+    if isa == ISA.GENERIC:
+        return generic_target()
+    t = HOST.with_features(FORCE_FEATURES[isa]) if FORCE_FEATURES[isa] else HOST
+    return t if t.isa == isa else None
+
+
+def isa_env(isa) -> dict[str, str]:
+    """The environment that forces `isa` in a Session or a CLI run."""
+    return forced_env(isa)
