@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set-gb", type=float, default=1.5, help="bytes streamed per type and pass (GB)")
     ap.add_argument("--types", default=",".join(d.gguf_name for d in TYPES))
     ap.add_argument("--tile", default="128x256")
-    ap.add_argument("--tune", action="store_true", help="each type with this host's tuned knobs (cflow tune's)")
+    ap.add_argument("--tune", action="store_true",
+                    help="each type with this host's tuned knobs (cflow tune's; measured now where not cached)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     tile = tuple(int(v) for v in args.tile.split("x"))
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
 
             pt = PackedTensor(name="w", form=Form.TILED, parts=("w",), dtype=dt, part_shapes=((ROWS, COLS),),
                               tile=tile)
-            knobs = tune.choices([pt], target).get(tune.kernel_key(TileLayout(dt, ROWS, COLS, tile), False), {})
+            knobs = tune.choices([pt], target, search=True, budget=tune.BUDGET).get(
+                tune.kernel_key(TileLayout(dt, ROWS, COLS, tile), False), {})
         c = Case(dt, tile, args.set_gb * 1e9, knobs)
         c.run(threads[0])  # page in, warm the code
         cases.append(c)

@@ -49,7 +49,7 @@ from bandwidth import measure_read_bandwidth  # noqa: E402
 from decode import LAZY_MODELS, MODELS, OUT, model_weights, time_decode  # noqa: E402
 
 import cflow  # noqa: E402
-from cflow.codegen.target import cpu_model  # noqa: E402
+from cflow.codegen.target import cpu_model, isa_path  # noqa: E402
 from cflow.runtime.format.gguf import export_gguf  # noqa: E402
 
 try:  # optional: the share of CPU other processes used while measuring (bandwidth.py, if it has it)
@@ -398,7 +398,7 @@ def record(engine: str, geometry: str, quant: str, threads: int, tok_s: float, b
     """One --json record with the keys of issue 10, item 4."""
     return {"engine": engine, "geometry": geometry, "quant": quant, "threads": threads, "tok_s": round(tok_s, 3),
             "bytes_per_token": int(bpt), "read_gbps": round(read, 3),
-            "other_load": None if other_load is None else round(other_load, 3)}
+            "other_load": None if other_load is None else round(other_load, 3), "isa": isa_path()}
 
 
 # --- main ----------------------------------------------------------------------------------------
@@ -530,7 +530,8 @@ def run_gguf(args) -> None:
                    {d.gguf_name for d in (g.meta.source_dtypes or {}).values() if d.quantised})
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, g.config.vocab_size, 8)]
     print(f"# {args.gguf}: {g.name}, types {'/'.join(types)}; compiled as stored: "
-          f"{st.file['bytes_per_token'] / 1e6:.1f} MB per token; CPU {cpu_model()}", flush=True)
+          f"{st.file['bytes_per_token'] / 1e6:.1f} MB per token; CPU {cpu_model()}, ISA path {isa_path()}",
+          flush=True)
     quiet = dict(threshold=args.max_load, retries=args.retries)
     records = []
     nbytes = int(args.gib * (1 << 30))
@@ -552,7 +553,8 @@ def run_gguf(args) -> None:
         for eng, t, b in rows:
             print(f"{eng:10} {t:8.2f} {t * bpt / 1e9:7.2f} {t * bpt / 1e9 / bw:8.1%}   (other load {b or 0:.0%})")
             records.append({"engine": eng, "file": os.path.basename(args.gguf), "types": types, "threads": threads,
-                            "tok_s": t, "bytes_per_token": bpt, "read_gbps": bw, "other_load": b, "cpu": cpu_model()})
+                            "tok_s": t, "bytes_per_token": bpt, "read_gbps": bw, "other_load": b, "cpu": cpu_model(),
+                            "isa": isa_path()})
         if len(rows) == 2:
             print(f"cflow / llama.cpp: {rows[0][1] / rows[1][1]:.2f}x")
     if args.json:
@@ -628,6 +630,7 @@ def main(argv=None) -> None:
     rss_build = peak_rss_mb()
     print(f"# peak RSS after the setup (weights, lowering, any compile / GGUF export): {rss_build:.0f} MB",
           flush=True)
+    print(f"# CPU {cpu_model()}; cflow's ISA path {isa_path()}", flush=True)
     if args.build_only:
         return
     if have_llama:
@@ -671,7 +674,8 @@ def main(argv=None) -> None:
     meta = {"model": config.name, "prompt": prompt, "tokens": args.tokens, "reps": args.reps,
             "torch_tokens": args.torch_tokens, "max_load": args.max_load,
             "argv": sys.argv[1:] if argv is None else list(argv),
-            "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cflow": _git_state(),
+            "cpu": cpu_model(), "isa": isa_path(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "cflow": _git_state(),
             "peak_rss_setup_mb": round(rss_build)}
     if args.f32_check and have_llama:
         meta["cross_check_f32"] = f32_check(args.model, weights, check_ids,

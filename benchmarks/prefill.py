@@ -40,7 +40,7 @@ from bandwidth import measure_read_bandwidth  # noqa: E402
 from decode import MODELS, OUT, compiled_model  # noqa: E402
 
 import cflow  # noqa: E402
-from cflow.codegen.target import cpu_model  # noqa: E402
+from cflow.codegen.target import cpu_model, isa_path  # noqa: E402
 
 
 def int8_peak(threads: int, seconds: float = 0.5) -> float:
@@ -325,7 +325,8 @@ def main(argv=None) -> None:
         llama_version = llama_cpp.__version__
     except ImportError:
         have_llama, llama_version = False, None
-    print(f"# {cpu}; prefill blocks of {args.block}; llama.cpp "
+    isa = isa_path()
+    print(f"# {cpu}, ISA path {isa}; prefill blocks of {args.block}; llama.cpp "
           f"{llama_version if have_llama else 'not used (pip install llama-cpp-python)'}", flush=True)
     threads_list = [int(t) for t in args.threads.split(",")]
     machine = {}
@@ -417,7 +418,7 @@ def main(argv=None) -> None:
     print(f"# {seconds:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:]),
+            json.dump({"cpu": cpu, "isa": isa, "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:]),
                        "llama_cpp": llama_version if have_llama else None, "seconds": seconds,
                        "machine": {str(k): v for k, v in machine.items()}, "records": records, "rss": rss,
                        "profiles": profiles},

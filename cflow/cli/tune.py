@@ -1,6 +1,6 @@
 """cflow tune FILE: measure this host's mat-vec kernel variants for a compiled model's kernel shapes and the
-attention core's prefetch distance for its attention geometry, cache the choices (the same searches `cflow.load`
-runs the first time it meets a shape on this CPU) and print the tables."""
+attention core's prefetch distance for its attention geometry, in a time budget, cache the choices (later loads
+read them; without them a load uses the choices shipped for its microarchitecture) and print the tables."""
 
 HELP = ("measure and cache this CPU's fastest mat-vec kernel variant for each kernel shape of a compiled model, "
         "and the attention core's prefetch distance")
@@ -14,11 +14,13 @@ def add_args(p):
                    help="measure again even where this CPU's cache has a choice (default: reuse cached choices)")
     # the default is codegen.tune.ROUNDS, resolved in run(): --help must not import numpy/llvmlite
     p.add_argument("--rounds", type=whole(1, 100), default=None,
-                   help="timed rounds per variant, interleaved; the median counts "
-                        "(default: the same as the search cflow.load runs)")
+                   help="timed rounds per variant, interleaved; the median counts (default: 9)")
     p.add_argument("--passes", type=whole(1, 10), default=None,
-                   help="coordinate-descent passes at most (default: the same as the search cflow.load runs; "
-                        "1: only one-knob changes of the default, a quicker and rougher search)")
+                   help="coordinate-descent passes at most (default: 3; 1: only one-knob changes of the start, a "
+                        "quicker and rougher search)")
+    p.add_argument("--budget", type=whole(0, 36000), default=None,
+                   help="seconds for the whole model's searches, shared by its kernel shapes; a descent stops "
+                        "starting passes at its share (default: 15; 0: no limit, every descent runs to its end)")
     p.add_argument("--mb", type=whole(1, 4096), default=64,
                    help="MiB of packed weights each timed call streams, past the caches (default: 64)")
     p.add_argument("--kv", choices=("auto", "f32", "f16", "bf16"), default="auto",
@@ -28,6 +30,7 @@ def add_args(p):
 
 def run(args) -> int:
     import json
+    import time
 
     from ..codegen import attn_tune, tune
     from ..codegen.target import cpu_model, host_target
@@ -39,6 +42,7 @@ def run(args) -> int:
         args.rounds = tune.ROUNDS
     if args.passes is None:
         args.passes = tune.PASSES
+    budget = tune.BUDGET if args.budget is None else (args.budget or None)
 
     if args.json:
         check_output_path(args.json, "--json")
@@ -51,30 +55,39 @@ def run(args) -> int:
         context = plan.graph.config.max_seq_len  # a default load's cache positions
     target = host_target()
     span = tune.stream_span(args.mb * 2**20)
-    print(f"{cpu_model()} ({target.isa}); one thread, {args.mb} MiB of weights per call (page-aligned, the next "
-          f"window of a {span / 2**20:.0f} MiB set each call, past the last-level cache), median of "
-          f"{args.rounds} rounds; coordinate descent from the default unit loop (passes u1, u2, ...) and from "
-          f"the group loop (g1, ...), <= {args.passes} passes each (pass N: the choice so far and each one-knob "
-          f"change; a variant must beat it by {tune.MARGIN:.0%}), then the default against each descent's end "
-          f"('final')")
+    from ..codegen.tune_defaults import host_family
+
+    print(f"{cpu_model()} ({target.isa}; family {host_family()}); one thread, {args.mb} MiB of weights per call "
+          f"(page-aligned, the next window of a {span / 2**20:.0f} MiB set each call, past the last-level cache), "
+          f"median of {args.rounds} rounds; coordinate descent from the start (this family's shipped choice, else "
+          f"the default: passes s1, s2, ...), then from the other loop kind (o1, ...), <= {args.passes} passes "
+          f"each (pass N: the choice so far and each one-knob change; a variant must beat it by "
+          f"{tune.MARGIN:.0%}), then the start against the default and each descent's end ('final'); "
+          + (f"{budget:.0f} s for the model's searches in all" if budget else "no time limit"))
     if not tune.enabled():
         print("note: CFLOW_TUNE=off: cflow.load uses the defaults and ignores this table while it is set")
     records = {}
 
     def show(key, rec):
         records[key] = rec
-        print(f"\n{key}")
+        if rec.get("shipped"):
+            print(f"\n{key}\n  shipped for this CPU family: {tune.label(rec['choice'])}")
+            return
+        took = f" ({rec['seconds']:.1f} s)" if isinstance(rec.get("seconds"), (int, float)) else ""
+        print(f"\n{key}{took}")
         print(f"  {'pass':>5} {'variant':<32} {'GB/s':>7}")
         results = _shown(rec)
         final = max((i for i, v in enumerate(results) if v["knobs"] == rec.get("choice")), default=-1)
         for i, v in enumerate(results):
-            step = "final" if v.get("pass") == 0 else f"{'ug'[v.get('seed', 0)]}{v.get('pass', 1)}"
+            step = "final" if v.get("pass") == 0 else f"{'so'[min(v.get('seed', 0), 1)]}{v.get('pass', 1)}"
             mark = "  <- chosen" if i == final else ""
             print(f"  {step:>5} {v['variant']:<32} {v['gbps']:>7.2f}{mark}")
 
     # cached choices are shown as stored, missing ones measured and cached (also under CFLOW_TUNE=off)
-    tune.choices(tensors, target, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20,
-                 passes=args.passes, on_result=show, ignore_env=True)
+    t0 = time.perf_counter()
+    geoms = attn_tune.geometries(plan.graph.nodes())
+    tune.choices(tensors, target, search=True, force=args.force, rounds=args.rounds, nbytes=args.mb * 2**20,
+                 passes=args.passes, on_result=show, ignore_env=True, budget=tune.kernel_budget(budget, len(geoms)))
 
     def show_attention(key, rec):
         records[key] = rec
@@ -84,8 +97,9 @@ def run(args) -> int:
             mark = "  <- chosen" if v["knobs"] == rec.get("choice") else ""
             print(f"  {v['variant']:<32} {v['gbps']:>7.2f}{mark}")
 
-    attn_tune.choices(attn_tune.geometries(plan.graph.nodes()), kv, target, force=args.force, rounds=args.rounds,
-                      on_result=show_attention, ignore_env=True, max_seq=context)
+    attn_tune.choices(geoms, kv, target, search=True, force=args.force,
+                      rounds=args.rounds, on_result=show_attention, ignore_env=True, max_seq=context)
+    print(f"\n{time.perf_counter() - t0:.1f} s")
     if args.json:
         atomic_write_text(args.json, json.dumps({"cpu": cpu_model(), "isa": target.isa, "kernels": records},
                                                 indent=1))

@@ -190,17 +190,24 @@ def tune_attention(geom: tuple[int, int, int], kv: str, target, rounds: int = RO
                          "gbps": round(r["gbps"], 3)} for r in res]}
 
 
-def choices(geoms, kv: str, target, search: bool = True, force: bool = False, rounds: int = ROUNDS,
+def choices(geoms, kv: str, target, search: bool = False, force: bool = False, rounds: int = ROUNDS,
             on_result=None, ignore_env: bool = False, max_seq: int = TUNE_SEQ) -> dict[str, dict]:
     """{attention_key: {"kv_prefetch": d}} for these geometries and cache type on this host, by tune.choices'
-    rules (tune.cached_choices: cached choices, a search for missing ones, {} under CFLOW_TUNE=off unless
-    ignore_env; the default's entries left out). on_result(key, record) sees each record. max_seq: the sessions'
-    cache positions, which decide whether a bf16 core runs on the tile unit (ops.core_unit)."""
+    rules (tune.cached_choices: cached choices, else the distance shipped for this microarchitecture
+    (tune_defaults); a search for missing ones when `search` is set; {} under CFLOW_TUNE=off unless ignore_env;
+    the default's entries left out). on_result(key, record) sees each record. max_seq: the sessions' cache
+    positions, which decide whether a bf16 core runs on the tile unit (ops.core_unit). The search measures every
+    distance in DISTANCES, about a second per geometry (tune.ATTENTION_SECONDS, kept from a model's budget)."""
+    from .tune_defaults import attention_choice
+
     if not (tune.enabled() or force or ignore_env):
         return {}
     units = {g: host_unit(g, kv, target, max_seq) for g in geoms}  # the core a session of max_seq runs
     keys = {attention_key(*g, kv, units[g]): g for g in sorted(geoms)}
+    shipped = attention_choice(kv, target)
     return tune.cached_choices(
-        target, keys, _valid, {"kv_prefetch": KV_PREFETCH}, lambda g: tune_attention(g, kv, target, rounds, units[g]),
+        target, keys, _valid, {"kv_prefetch": KV_PREFETCH},
+        lambda g, deadline: tune_attention(g, kv, target, rounds, units[g]),
         lambda n: f"attention prefetch distance for {n} attention geometr{'ies' if n != 1 else 'y'}",
-        search=search, force=force, on_result=on_result)
+        search=search, force=force, on_result=on_result, budget=tune.ATTENTION_SECONDS * len(keys),
+        shipped=(lambda key: {"kv_prefetch": shipped}) if shipped is not None else None)

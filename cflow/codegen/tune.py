@@ -92,7 +92,7 @@ def space(layout, isa: str | None = None) -> dict[str, tuple]:
     there, 4,352-byte units), the prefetch density (every line,
     or one line per unit: a hint that keeps the hardware prefetchers ahead without an instruction per line; in a
     group loop one line per group), the unit loop or the group loop; on an AVX-512 VNNI host (isa) also the 256-bit
-    kernel and, for Q4, the other nibble-unpack sequence."""
+    (AVX2) kernel; on either VNNI path, for Q4, the other nibble-unpack sequence."""
     from ..layout.tile import DType
     from .target import ISA
 
@@ -103,8 +103,9 @@ def space(layout, isa: str | None = None) -> dict[str, tuple]:
           "prefetch_stride": (64, unit) if unit > 64 else (64,),
           "prefetch_locality": (3, 2, 0), "unroll": (1, 2, 4), "max_groups": (8, 4),
           "vector_bits": (0,), "unpack": (0,), "group_loop": (0, 1)}
-    if isa is not None and ISA.parse(isa) == ISA.AVX512VNNI and layout.dtype.quantised:
-        sp["vector_bits"] = (0, 256)
+    if isa is not None and ISA.parse(isa).vnni and layout.dtype.quantised:
+        if ISA.parse(isa) == ISA.AVX512VNNI:
+            sp["vector_bits"] = (0, 256)
         if layout.dtype == DType.Q4:
             sp["unpack"] = (0, 1)
     if layout.is_block_type:  # a unit is a whole GGUF block (256 inputs for K-quants): one per iteration
@@ -245,6 +246,34 @@ def stream_span(nbytes: int) -> int:
 
 
 PAGE = 4096  # a loaded file's tensors start on a page boundary (FORMAT: data sections aligned for direct I/O)
+_ARENA: list = []  # inside reusing_one_buffer(): [the buffer every WeightSet of the searches fills in turn]
+
+
+@contextlib.contextmanager
+def reusing_one_buffer():
+    """The searches of one model (cached_choices) build their WeightSets one after the other, each a set twice the
+    last-level cache (960 MiB on the AMX Xeon VM): inside this they fill one buffer, so its pages are faulted in
+    once, not once per kernel shape (4 of the 21 s `cflow tune` took on the 114m preset were the kernel's page
+    faults). Released on exit."""
+    _ARENA.append(None)
+    try:
+        yield
+    finally:
+        _ARENA.pop()
+
+
+def _buffer(nbytes: int) -> np.ndarray:
+    """uint8[nbytes], page-aligned: the shared buffer inside reusing_one_buffer() (grown when too small), else new."""
+    from ..layout.tile import aligned_empty
+
+    if not _ARENA:
+        return aligned_empty(nbytes, PAGE)
+    if _ARENA[-1] is None or _ARENA[-1].nbytes < nbytes:
+        _ARENA[-1] = None  # the old one freed before the new one is faulted in
+        # an eighth more: the sets of other shapes differ by up to a window (whole tile-rows); pages never
+        # written are never faulted in
+        _ARENA[-1] = aligned_empty(nbytes + nbytes // 8, PAGE)
+    return _ARENA[-1][:nbytes]
 
 
 def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
@@ -254,7 +283,7 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
     matters: on the AMX Xeon VM the group loop streamed 1.23x faster 64 bytes past a page boundary than on it
     (docs/performance.md, "A third host kind"), and a set timed at NumPy's allocation offset chose a kernel that
     decode, reading page-aligned tensors, ran 15% slower."""
-    from ..layout.tile import TileLayout, aligned_empty, pack, pack_gate_up
+    from ..layout.tile import TileLayout, pack, pack_gate_up
 
     rng = np.random.default_rng(seed)
     one = TileLayout(layout.dtype, layout.tr, layout.cols, (layout.tr, layout.tc))
@@ -262,14 +291,14 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
         w = _random_blocks(one, rng)
         row = pack_gate_up(w, w, layout.dtype, one.tile) if gate_up else pack(w, layout.dtype, one.tile)
         n = max(1, -(-nbytes // row.nbytes))
-        buf = aligned_empty(n * row.nbytes + phase, PAGE)[phase:]
+        buf = _buffer(n * row.nbytes + phase)[phase:]
         buf.reshape(n, row.nbytes)[:] = np.asarray(row, np.uint8).reshape(1, -1)
         return buf, TileLayout(layout.dtype, layout.tr * n, layout.cols, one.tile)
     w = (rng.standard_normal((layout.tr, layout.cols)) * 0.05).astype(np.float32)
     row = pack_gate_up(w, w[::-1].copy(), layout.dtype.label, one.tile) if gate_up else pack(
         w, layout.dtype.label, one.tile)
     n = max(1, -(-nbytes // row.nbytes))
-    buf = aligned_empty(n * row.nbytes + phase, PAGE)[phase:]
+    buf = _buffer(n * row.nbytes + phase)[phase:]
     buf.reshape(n, row.nbytes)[:] = np.asarray(row, np.uint8).reshape(1, -1)
     return buf, TileLayout(layout.dtype, layout.tr * n, layout.cols, one.tile)
 
@@ -426,29 +455,60 @@ def choose(results: list[dict]) -> dict:
     return best["knobs"]
 
 
+def _shipped(layout, gate_up: bool, target) -> dict | None:
+    from .tune_defaults import kernel_choice
+
+    shipped = kernel_choice(layout, gate_up, target)
+    return _normal(shipped) if shipped is not None else None
+
+
+def start_for(layout, gate_up: bool, target) -> dict:
+    """Where a load starts without a cached record, and a search starts its first descent: the choice shipped for
+    this host's microarchitecture family (tune_defaults), else the built-in default_for(layout)."""
+    return _shipped(layout, gate_up, target) or default_for(layout)
+
+
 def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | None = None,
-           passes: int = PASSES) -> tuple[dict, list[dict]]:
-    """The coordinate descent (module docstring), once from each of SEEDS: (choice, [{"pass", "seed", "knobs",
-    "gbps"}] of every timing). Pass numbers count from 1; the final head to head of the default and every descent's
-    end is pass 0. Every timing reads the same WeightSet, built once here."""
+           passes: int = PASSES, deadline: float | None = None) -> tuple[dict, list[dict]]:
+    """The coordinate descent (module docstring), first from the shipped start (start_for), then from each of
+    SEEDS' loop kinds not yet tried: (choice, [{"pass", "seed", "knobs", "gbps"}] of every timing). Pass numbers
+    count from 1; the final head to head of the start, the default and every descent's end is pass 0. Every timing
+    reads the same WeightSet, built once here.
+
+    deadline (time.perf_counter() seconds): no pass starts that would end after it, were it as long as the last
+    one (and the head to head half as long), and the descents still to come are left out; the first pass always
+    runs, and the head to head always runs when a descent moved, so a choice other than the start is always
+    confirmed."""
     nbytes = nbytes or MIN_BYTES
     wset = WeightSet(layout, gate_up, nbytes, span=stream_span(nbytes))
     log, ends = [], []
-    base = default_for(layout)
-    for s, seed in enumerate(SEEDS):
-        cur = _normal({**seed, "prefetch": base["prefetch"]})
+    base, start = default_for(layout), start_for(layout, gate_up, target)
+    seeds = [start] + [_normal({**seed, "prefetch": base["prefetch"]}) for seed in SEEDS
+                       if seed["group_loop"] != start["group_loop"]]
+    last = 0.0  # seconds the last pass took: a pass is not started unless one as long would end by the deadline
+
+    def out_of_time() -> bool:  # the head to head after the descents takes about half a pass
+        return deadline is not None and time.perf_counter() + 1.5 * last > deadline
+
+    for s, cur in enumerate(seeds):
+        if s and out_of_time():
+            break
         for p in range(1, passes + 1):
+            if p > 1 and out_of_time():
+                break
+            t0 = time.perf_counter()
             res = measure(layout, gate_up, cands=neighbours(cur, layout, target.isa), target=target, rounds=rounds,
                           wset=wset)
+            last = time.perf_counter() - t0
             log += [{"pass": p, "seed": s, **r} for r in res]
             best = choose(res)
             if best == cur:
                 break
             cur = best
         ends.append(cur)
-    finalists = [base] + [c for i, c in enumerate(ends) if c != base and c not in ends[:i]]
+    finalists = list({json.dumps(c, sort_keys=True): c for c in [start, base] + ends}.values())
     cur = finalists[0]
-    if len(finalists) > 1:  # head to head with the default, so noisy steps cannot add up to a slower kernel
+    if len(finalists) > 1:  # head to head with the start, so noisy steps cannot add up to a slower kernel
         res = measure(layout, gate_up, cands=finalists, target=target, rounds=max(rounds, CONFIRM_ROUNDS),
                       wset=wset)
         log += [{"pass": 0, **r} for r in res]
@@ -457,12 +517,14 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
 
 
 def tune_kernel(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | None = None,
-                passes: int = PASSES) -> dict:
+                passes: int = PASSES, deadline: float | None = None) -> dict:
     """Search and return the record stored in the table for one kernel shape."""
     from .target import cpu_model
 
-    choice, log = search(layout, gate_up, target, rounds=rounds, nbytes=nbytes, passes=passes)
+    t0 = time.perf_counter()
+    choice, log = search(layout, gate_up, target, rounds=rounds, nbytes=nbytes, passes=passes, deadline=deadline)
     return {"choice": choice, "cpu": cpu_model(), "isa": target.isa, "rounds": rounds,
+            "seconds": round(time.perf_counter() - t0, 2),
             "results": [{"pass": r["pass"], "seed": r.get("seed", 0), "variant": label(r["knobs"]), "knobs": r["knobs"],
                          "gbps": round(r["gbps"], 3)} for r in log]}
 
@@ -479,31 +541,56 @@ def kernel_shapes(tensors) -> dict[str, tuple]:
     return dict(sorted(out.items()))
 
 
-def choices(tensors, target, search: bool = True, force: bool = False, rounds: int = ROUNDS,
+def choices(tensors, target, search: bool = False, force: bool = False, rounds: int = ROUNDS,
             nbytes: int | None = None, passes: int = PASSES, on_result=None,
-            ignore_env: bool = False) -> dict[str, dict]:
-    """{kernel key: knobs} for a model's kernels on this host: cached choices, a search for the missing
-    ones (search=True), {} when CFLOW_TUNE=off (the defaults) unless ignore_env (`cflow tune`).
-    on_result(key, record) sees each record; a caller without one (a load) is told by a warning that a
-    search is about to run, since it takes seconds per shape."""
+            ignore_env: bool = False, budget: float | None = None) -> dict[str, dict]:
+    """{kernel key: knobs} for a model's kernels on this host, where they differ from the built-in default: cached
+    choices, else the shipped ones (start_for); a search for the shapes without a cached record when `search` is
+    set (`cflow tune`, or a load under CFLOW_TUNE=search), in `budget` seconds in all (cached_choices); {} when
+    CFLOW_TUNE=off (the defaults) unless ignore_env (`cflow tune`). on_result(key, record) sees each record; a
+    caller without one is told by a warning that a search is about to run and how long it may take."""
     if not (enabled() or force or ignore_env):
         return {}
     shapes = kernel_shapes(tensors)
     return cached_choices(
         target, shapes, _valid_choice, lambda key: default_for(shapes[key][0]),
-        lambda shape: tune_kernel(shape[0], shape[1], target, rounds=rounds, nbytes=nbytes, passes=passes),
+        lambda shape, deadline: tune_kernel(shape[0], shape[1], target, rounds=rounds, nbytes=nbytes, passes=passes,
+                                            deadline=deadline),
         lambda n: f"mat-vec kernel variants for {n} kernel shape{'s' * (n != 1)}",
-        search=search, force=force, on_result=on_result)
+        search=search, force=force, on_result=on_result, budget=budget,
+        shipped=lambda key: _shipped(*shapes[key], target))
 
 
-def cached_choices(target, keys: dict, valid, default: dict, measure, what, search: bool = True,
-                   force: bool = False, on_result=None) -> dict[str, dict]:
+BUDGET = 15.0  # seconds `cflow tune` spends on one model's searches by default (all shapes and attention)
+ATTENTION_SECONDS = 1.5  # what one attention geometry's search takes (0.8 s on the AMX Xeon VM): kept from BUDGET
+SETUP_SECONDS = 1.5  # the rest of `cflow tune`: Python, NumPy and LLVM start-up, reading the file's header
+
+
+def kernel_budget(budget: float | None, n_attention: int) -> float | None:
+    """The mat-vec searches' share of a model's budget: what the start-up and the attention searches (not
+    budgeted: a fixed set of distances) leave, at least half of it."""
+    return None if budget is None else max(budget / 2, budget - SETUP_SECONDS - ATTENTION_SECONDS * n_attention)
+
+
+def search_at_load() -> bool:
+    """CFLOW_TUNE=search: a load measures the shapes this CPU's table lacks (in BUDGET seconds), as `cflow tune`;
+    otherwise a load only reads the table and the shipped choices."""
+    return os.environ.get("CFLOW_TUNE", "").strip().lower() == "search"
+
+
+def cached_choices(target, keys: dict, valid, default, measure, what, search: bool = False,
+                   force: bool = False, on_result=None, budget: float | None = None, shipped=None) -> dict[str, dict]:
     """The table logic every tuned choice shares (choices() here, attn_tune.choices): {key: choice} for `keys`
     ({key: what measure() takes}) on this host. A cached record whose choice passes valid() is reused; the others
-    (all with force) are measured (measure(arg) -> record with "choice") when search is set, stored, and the
-    table written once. Choices equal to `default` (a dict, or a function of the key) are left out.
-    on_result(key, record) sees each record; without one a warning says that a search is about to run (what(n):
-    what is measured, for n keys). A search holds the table's lock (_table_lock) from its read to its write."""
+    (all with force) are measured (measure(arg, deadline) -> record with "choice") when search is set, stored, and
+    the table written once; without a search they take shipped(key) (the microarchitecture's shipped choice, or
+    None). Choices equal to `default` (a dict, or a function of the key: the built-in) are left out.
+
+    budget: seconds for all the searches; each key gets an equal share of what is left (its deadline), so a model
+    with more shapes searches each one less deeply. on_result(key, record) sees each record (a shipped choice's
+    record is {"choice", "shipped": True}); without one a warning says that a search is about to run (what(n):
+    what is measured, for n keys) and how long it may take. A search holds the table's lock (_table_lock) from its
+    read to its write."""
 
     def missing(table):
         cached = {k: valid(table[k].get("choice")) if isinstance(table.get(k), dict) else None for k in keys}
@@ -517,19 +604,27 @@ def cached_choices(target, keys: dict, valid, default: dict, measure, what, sear
             table = read_table(target)
             cached, todo = missing(table)
         if todo and on_result is None:
-            warnings.warn(f"measuring this CPU's {what(len(todo))} (once per CPU model; cached in {_path(target)}; "
-                          "CFLOW_TUNE=off uses the defaults)", stacklevel=3)
+            how_long = f"about {budget:.0f} s" if budget else "seconds per shape"
+            warnings.warn(f"measuring this CPU's {what(len(todo))} ({how_long}, once per CPU model; cached in "
+                          f"{_path(target)}; CFLOW_TUNE=off uses the defaults)", stacklevel=3)
         out = {}
-        for key, arg in keys.items():
-            rec, c = table.get(key), cached[key]
-            if key in todo:
-                rec = measure(arg)
-                table[key], c = rec, rec["choice"]
-            if c is not None:
-                if on_result is not None:
-                    on_result(key, rec)
-                if c != default_of(key):
-                    out[key] = c
+        t_end = time.perf_counter() + budget if budget else None
+        with reusing_one_buffer() if todo else contextlib.nullcontext():
+            for key, arg in keys.items():
+                rec, c = table.get(key), cached[key]
+                if key in todo:  # an equal share of the budget left
+                    left = len(todo) - todo.index(key)
+                    deadline = time.perf_counter() + max(0.0, t_end - time.perf_counter()) / left if t_end else None
+                    rec = measure(arg, deadline)
+                    table[key], c = rec, rec["choice"]
+                elif c is None and shipped is not None:
+                    c = shipped(key)
+                    rec = {"choice": c, "shipped": True} if c is not None else None
+                if c is not None:
+                    if on_result is not None:
+                        on_result(key, rec)
+                    if c != default_of(key):
+                        out[key] = c
         if todo:  # merged into the table as it is now: a writer that took no lock keeps its records
             _write_table(target, {**read_table(target), **{k: table[k] for k in todo}})
     return out

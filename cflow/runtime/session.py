@@ -335,12 +335,15 @@ class Session:
 
         target = self.target = host_target()  # the CPU the code is built for (CFLOW_CPU / CFLOW_FEATURES apply)
         segmented = self.segmented
-        # This host's measured mat-vec knobs (a short search the first time a kernel shape is met on this CPU,
-        # then read from the cache; CFLOW_TUNE=off: the defaults). Schedule-only: the numbers do not change.
-        self.tuning = tune.choices(self.run_state.tensors.values(), target)
-        # and the attention core's prefetch distance, measured the same way
-        self.tuning.update(attn_tune.choices(attn_tune.geometries(self.compiled.graph.nodes()), self.kv_dtype,
-                                             target, max_seq=self.max_seq))
+        # This host's mat-vec knobs: measured by `cflow tune` and cached, else the ones shipped for this
+        # microarchitecture (codegen/tune_defaults.py), else the built-in defaults; a load never searches unless
+        # CFLOW_TUNE=search (CFLOW_TUNE=off: the defaults). Schedule-only: the numbers do not change.
+        search = tune.search_at_load()
+        geoms = attn_tune.geometries(self.compiled.graph.nodes())
+        self.tuning = tune.choices(self.run_state.tensors.values(), target, search=search,
+                                   budget=tune.kernel_budget(tune.BUDGET, len(geoms)) if search else None)
+        # and the attention core's prefetch distance, the same way
+        self.tuning.update(attn_tune.choices(geoms, self.kv_dtype, target, max_seq=self.max_seq, search=search))
         bf16_unit = target.bf16_unit if self.kv_dtype == "bf16" else ""
         fp = (program_cache.fingerprint(self.header, self.run_state.schedule.to_json(), target.isa, self.max_seq,
                                         self.profile, segmented, self.tmax, self.kv_dtype, self.tuning,

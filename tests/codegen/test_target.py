@@ -1,6 +1,6 @@
 """codegen.target: host detection and the CFLOW_CPU / CFLOW_FEATURES overrides."""
 
-from cflow.codegen.target import generic_target, host_target
+from cflow.codegen.target import ISA, generic_target, host_target
 
 
 def test_host_is_consistent():
@@ -54,3 +54,18 @@ def test_cpu_model_names_what_a_masked_model_hides(monkeypatch):
     assert plain.startswith("Intel(R) Xeon(R) Processor (") and "family 6 model 167" in plain and "AMX" not in plain
     info["flags"] += " amx_bf16 amx_tile amx_int8"
     assert T.cpu_model() == plain[:-1] + ", AMX)"
+
+
+def test_isa_path_names_a_forced_path(monkeypatch):
+    """Benchmarks record the path in use; a path forced on a host that has a better one says so."""
+    from cflow.codegen.target import forced_env, host_target, isa_path
+
+    for k in ("CFLOW_CPU", "CFLOW_FEATURES"):
+        monkeypatch.delenv(k, raising=False)
+    best = str(host_target().isa)
+    assert isa_path() == best
+    for isa in ("avx2", "generic"):
+        if ISA.parse(isa).rank < ISA.parse(best).rank:
+            for k, v in forced_env(isa).items():
+                monkeypatch.setenv(k, v)
+            assert isa_path().startswith(f"{isa} (forced: CFLOW_")

@@ -4,12 +4,13 @@ a per-CPU cache that later loads only read, CFLOW_TUNE=off, the choices in the p
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import cflow
-from cflow.codegen import tune
+from cflow.codegen import attn_tune, tune
 from cflow.codegen.target import host_target
 from cflow.compiler import compile_file
 from cflow.frontend.load import load_graph
@@ -24,6 +25,15 @@ def small_span(monkeypatch):
     """The timed set is the window itself here (the real one is twice the last-level cache: 960 MiB on a 480 MiB
     L3); test_the_timed_set_is_past_the_last_level_cache checks the real rule."""
     monkeypatch.setattr(tune, "stream_span", lambda nbytes: nbytes)
+
+
+@pytest.fixture(autouse=True)
+def no_shipped_family(monkeypatch):
+    """A CPU without shipped choices (the search starts from the built-in default on every host); the tests of
+    the shipped choices name their family."""
+    from cflow.codegen import tune_defaults
+
+    monkeypatch.setattr(tune_defaults, "host_family", lambda: "a-cpu-without-shipped-choices")
 
 
 @pytest.fixture
@@ -203,7 +213,8 @@ def test_search_once_then_cached(tuning_on, monkeypatch, model_file):
         tensors = list(plan_from_header(r.header, r.path).tensors.values())
     target = host_target()
     seen = []
-    got = tune.choices(tensors, target, rounds=1, nbytes=MB, passes=1, on_result=lambda k, rec: seen.append(k))
+    got = tune.choices(tensors, target, search=True, rounds=1, nbytes=MB, passes=1,
+                       on_result=lambda k, rec: seen.append(k))
     shapes = tune.kernel_shapes(tensors)
     assert seen == list(shapes) and len(shapes) >= 2  # every kernel shape measured, gate_up ones included
     assert any(k.endswith(":gate_up") for k in shapes)
@@ -229,11 +240,12 @@ def test_a_first_search_says_so_once(tuning_on, monkeypatch, model_file):
         tensors = list(plan_from_header(r.header, r.path).tensors.values())
     monkeypatch.setattr(tune, "tune_kernel", lambda *a, **k: {"choice": dict(tune.DEFAULT), "results": []})
     n = len(tune.kernel_shapes(tensors))
-    with pytest.warns(UserWarning, match=f"measuring this CPU's mat-vec kernel variants for {n} kernel shapes"):
-        tune.choices(tensors, host_target())
+    with pytest.warns(UserWarning, match=f"measuring this CPU's mat-vec kernel variants for {n} kernel shapes "
+                                         r"\(about 15 s,"):
+        tune.choices(tensors, host_target(), search=True, budget=tune.BUDGET)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tune.choices(tensors, host_target())
+        tune.choices(tensors, host_target(), search=True)
 
 
 def test_bad_table_is_ignored(tuning_on, monkeypatch):
@@ -336,7 +348,7 @@ def test_attention_choice_is_cached_reaches_the_program_and_keeps_the_numbers(tu
     # a bad record is measured again, not used
     tune._write_table(target, {**table, key: {"choice": {"kv_prefetch": -5}}})
     seen = []
-    got = attn_tune.choices(geoms, "f16", target, rounds=1, on_result=lambda k, rec: seen.append(rec))
+    got = attn_tune.choices(geoms, "f16", target, search=True, rounds=1, on_result=lambda k, rec: seen.append(rec))
     assert seen and seen[0]["choice"]["kv_prefetch"] in attn_tune.DISTANCES
     assert tune.read_table(target)[key]["choice"] == seen[0]["choice"]
     assert got == ({} if seen[0]["choice"]["kv_prefetch"] == ops.KV_PREFETCH else {key: seen[0]["choice"]})
@@ -397,7 +409,7 @@ def test_a_search_holds_the_table_lock_and_keeps_other_records(tuning_on):
     lock = tune._path(target).with_suffix(".lock")
     held = []
 
-    def measure(arg):
+    def measure(arg, deadline):
         fd = os.open(lock, os.O_RDWR)
         try:  # another open file description must not get the lock while this search runs
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -411,7 +423,7 @@ def test_a_search_holds_the_table_lock_and_keeps_other_records(tuning_on):
         return {"choice": {"v": arg}}
 
     got = tune.cached_choices(target, {"a": 1}, valid=lambda c: c if isinstance(c, dict) else None,
-                              default={}, measure=measure, what=str, on_result=lambda k, r: None)
+                              default={}, measure=measure, what=str, on_result=lambda k, r: None, search=True)
     assert got == {"a": {"v": 1}} and held == [True]
     table = tune.read_table(target)
     assert set(table) == {"a", "other"}
@@ -430,11 +442,11 @@ def test_records_written_while_waiting_are_not_measured_again(tuning_on, monkeyp
 
     monkeypatch.setattr(tune, "read_table", read_table)
 
-    def measure(arg):
+    def measure(arg, deadline):
         raise AssertionError("measured although another process had just stored the record")
 
     got = tune.cached_choices(target, {"a": 1}, valid=lambda c: c if isinstance(c, dict) else None,
-                              default={}, measure=measure, what=str, on_result=lambda k, r: None)
+                              default={}, measure=measure, what=str, on_result=lambda k, r: None, search=True)
     assert got == {"a": {"v": 7}} and len(reads) == 2
 
 
@@ -447,6 +459,116 @@ def test_a_file_system_without_locks_still_searches(tuning_on, monkeypatch):
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     got = tune.cached_choices(host_target(), {"a": 1}, valid=lambda c: c if isinstance(c, dict) else None,
-                              default={}, measure=lambda arg: {"choice": {"v": arg}}, what=str,
-                              on_result=lambda k, r: None)
+                              default={}, measure=lambda arg, deadline: {"choice": {"v": arg}}, what=str,
+                              on_result=lambda k, r: None, search=True)
     assert got == {"a": {"v": 1}} and tune.read_table(host_target())["a"]["choice"] == {"v": 1}
+
+
+# --- first use: shipped choices, no search at load, the budget --------------------------------------
+def test_shipped_families_are_valid_choices_for_every_tile(monkeypatch):
+    """Every shipped entry resolves to a valid, normalised choice inside the search's space for Q4 and Q8 at
+    several tile shapes, and its symbolic prefetch lands where the measured tables had it (docs/results)."""
+
+    from cflow.codegen import tune_defaults as D
+    from cflow.layout.tile import TileLayout
+
+    assert D.Pf(1, 1).nbytes(2304) == 2368 and D.Pf(D.Fraction(1, 4)).nbytes(4352) == 1088
+    assert D.Pf(4).nbytes(2304) == 9216 and D.Pf(2).nbytes(4352) == 8704
+    for fam_name, fam in D.FAMILIES.items():
+        assert fam.isa in ("avx512vnni", "avxvnni", "avx2", "generic") and fam.source
+        for name, knobs in fam.kernels.items():
+            assert set(knobs) == set(tune.KNOBS), name
+        for kv, d in fam.attention.items():
+            assert attn_tune._valid({"kv_prefetch": d}), kv
+        target = SimpleNamespace(isa=fam.isa)
+        monkeypatch.setattr(D, "host_family", lambda name=fam_name: name)
+        for dt in ("q4", "q8"):
+            for tile in ((128, 256), (64, 512)):
+                L = TileLayout(dt, 256, 2048, tile)
+                for gu in (False, True):
+                    c = tune._shipped(L, gu, target)
+                    if c is None:  # not measured for this dtype: the built-in default
+                        assert fam.kernels.get(dt) is None
+                        continue
+                    assert tune._valid_choice(c) == c and tune._normal(c) == c, (fam_name, dt, tile, gu)
+                    sp = tune.space(L, fam.isa)  # inside the search's space: `cflow tune` can move from it
+                    assert all(c[k] in sp[k] for k in sp), (fam_name, dt, tile, gu, c)
+
+
+def test_shipped_choice_applies_on_its_own_family_and_path_only(monkeypatch):
+
+    from cflow.codegen import tune_defaults as D
+    from cflow.layout.tile import TileLayout
+
+    L = TileLayout("q4", 256, 2048, (128, 256))
+    monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
+    vnni, avx2 = SimpleNamespace(isa="avx512vnni"), SimpleNamespace(isa="avx2")
+    assert tune.start_for(L, False, vnni) == {**tune.DEFAULT, "group_loop": 1, "prefetch": 2368}
+    assert tune.start_for(L, False, avx2) == tune.default_for(L)  # a forced path: the built-in default
+    assert D.attention_choice("f16", vnni) == 1024 and D.attention_choice("f32", vnni) is None
+    monkeypatch.setattr(D, "host_family", lambda: "some-future-cpu")
+    assert tune.start_for(L, False, vnni) == tune.default_for(L)
+    # a GGUF block type keeps its built-in prefetch (one whole block ahead)
+    monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
+    LK = TileLayout("q4_k", 256, 2048, (128, 256))
+    assert tune.start_for(LK, False, vnni) == tune.default_for(LK)
+
+
+def test_a_load_never_searches_and_takes_the_shipped_choice(tuning_on, monkeypatch, model_file):
+    """First use: no search at load (it took seconds per shape); the shipped choice for this host's family is in
+    the program, the cache stays empty, and nothing is printed. CFLOW_TUNE=search brings the search back."""
+    import warnings
+
+    from cflow.codegen import tune_defaults as D
+
+    def no_search(*a, **k):
+        raise AssertionError("a load searched")
+
+    monkeypatch.setattr(tune, "tune_kernel", no_search)
+    monkeypatch.setattr(attn_tune, "tune_attention", no_search)
+    monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
+    monkeypatch.setattr(D, "family_for", lambda target: D.FAMILIES["intel-amx"])  # whatever this host's path
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = cflow.load(model_file, kv="f16")
+    assert m.session.tuning and all(
+        c.get("group_loop") == 1 or c == {"kv_prefetch": 1024} for c in m.session.tuning.values())
+    assert tune.read_table(m.session.target) == {}
+    monkeypatch.setenv("CFLOW_TUNE", "search")
+    searched = []
+    monkeypatch.setattr(tune, "tune_kernel", lambda *a, **k: searched.append(k["deadline"]) or {
+        "choice": dict(tune.DEFAULT), "results": []})
+    monkeypatch.setattr(attn_tune, "tune_attention", lambda *a, **k: {"choice": {"kv_prefetch": 0}, "results": []})
+    with pytest.warns(UserWarning, match=r"kernel shapes \(about 12 s"):  # the budget less start-up and attention
+        cflow.load(model_file, kv="f16")
+    assert searched and all(d is not None for d in searched)
+
+
+def test_the_budget_is_shared_and_stops_passes(tuning_on, monkeypatch):
+    """Each shape's deadline is an equal share of what is left; a descent starts no pass after it, but the
+    head to head of the start and a moved descent still runs."""
+    from cflow.layout.tile import TileLayout
+
+    L = TileLayout("q4", 128, 256, (128, 256))
+    calls = []
+
+    def fake_measure(layout, gate_up, cands, target, rounds, wset):
+        calls.append(len(cands))
+        return [{"knobs": c, "gbps": 1.0 + 0.1 * (i == 1), "samples": []} for i, c in enumerate(cands)]
+
+    monkeypatch.setattr(tune, "measure", fake_measure)
+    monkeypatch.setattr(tune, "WeightSet", lambda *a, **k: None)
+    choice, log = tune.search(L, False, SimpleNamespace(isa="avx512vnni"), passes=3, deadline=0.0)  # long past
+    assert len(calls) == 2  # pass 1 of the first descent, then the head to head (it moved)
+    assert {r["pass"] for r in log} == {1, 0}
+    calls.clear()
+    tune.search(L, False, SimpleNamespace(isa="avx512vnni"), passes=3, deadline=None)
+    assert len(calls) == 3 * 2 + 1  # two descents of three passes each, then the head to head
+    deadlines = []
+    keys = {"a": 1, "b": 2, "c": 3}
+    t0 = __import__("time").perf_counter()
+    tune.cached_choices(host_target(), keys, tune._valid_choice, tune.DEFAULT,
+                        lambda arg, deadline: deadlines.append(deadline) or {"choice": dict(tune.DEFAULT)},
+                        lambda n: "x", search=True, on_result=lambda k, r: None, budget=30.0)
+    shares = [d - t0 for d in deadlines]
+    assert 9.0 < shares[0] <= 10.5 and shares[0] < shares[1] < shares[2] <= 30.5

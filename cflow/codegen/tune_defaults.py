@@ -1,0 +1,114 @@
+"""Shipped kernel choices per microarchitecture: what a load uses on a CPU whose own table has no record yet.
+
+Stage: codegen (read by tune.choices and attn_tune.choices). A load never runs a search (`cflow tune FILE` does,
+in a budget: tune.py); without a cached record for a kernel shape it takes the choice measured on a host of the
+same microarchitecture family, from the tables the searches wrote there (the files named in `source`), and
+without one the kernels' built-in defaults (tune.default_for, ops.KV_PREFETCH). The choices are schedule-only,
+like every tuned knob: a wrong guess costs speed, never numbers.
+
+A family is named by host_family(): LLVM's name for the host's microarchitecture (znver5, znver4, ...), or
+"intel-amx" for an Intel core with the AMX tile unit (Sapphire Rapids and later: the AMX Xeon VM reports a
+masked model, which LLVM names "rocketlake"). A choice applies on the ISA path it was measured on (a forced
+CFLOW_FEATURES path falls back to the built-in defaults) and to every dtype it names; a GGUF block type's
+kernel keeps its built-in prefetch (one whole block ahead), measured on the AMX Xeon VM only.
+
+Prefetch distances are written in units of the kernel's block unit (layout.unit_nbytes: 2,304 bytes for Q4 at
+128-row tiles, 4,352 for Q8) plus whole 64-byte lines, as the search's space() spells them, so one entry serves
+every tile shape: Pf(1, 1) is one unit and one line ahead (the AMX Xeon VM's Q4 choice, 2,368 bytes).
+"""
+
+from __future__ import annotations
+
+import functools
+from fractions import Fraction
+from typing import NamedTuple
+
+
+class Pf(NamedTuple):
+    """A prefetch distance: `units` block units (whole lines of it) plus `lines` 64-byte lines."""
+
+    units: Fraction | int
+    lines: int = 0
+
+    def nbytes(self, unit: int) -> int:
+        return int(Fraction(self.units) * unit) // 64 * 64 + 64 * self.lines
+
+
+class Family(NamedTuple):
+    """The shipped choices of one microarchitecture family, measured on the ISA path `isa`."""
+
+    isa: str
+    source: str  # where the measurement is recorded (docs/results/...)
+    kernels: dict  # "q4" / "q8" (and "q4:gate_up" for a fused gate+up kernel alone) -> knobs with a Pf
+    attention: dict  # KV cache type -> the attention core's prefetch distance (bytes)
+
+
+_GLOOP = {"group_loop": 1, "unroll": 2, "max_groups": 8, "prefetch_locality": 3, "prefetch_stride": 64,
+          "vector_bits": 0, "unpack": 0}
+_UNIT = {"group_loop": 0, "unroll": 2, "max_groups": 8, "prefetch_locality": 3, "prefetch_stride": 64,
+         "vector_bits": 0, "unpack": 0}
+
+FAMILIES: dict[str, Family] = {
+    # the AMX Xeon VM (Intel Xeon, family 6 model 167 masked, AMX): all six shapes of the TinyLlama geometry
+    # chose the group loop, Q4 one unit and a line ahead, Q8 a quarter unit ahead
+    "intel-amx": Family("avx512vnni", "docs/results/tune_table_intel_s15.json",
+                        {"q4": {**_GLOOP, "prefetch": Pf(1, 1)},
+                         "q8": {**_GLOOP, "prefetch": Pf(Fraction(1, 4))}},
+                        {"f16": 1024}),
+    # AMD EPYC Zen 5: the group loop four Q4 units ahead; Q8 two units ahead (two of its three shapes)
+    "znver5": Family("avx512vnni", "docs/results/tune_table_zen5_s18.json",
+                     {"q4": {**_GLOOP, "prefetch": Pf(4)},
+                      "q8": {**_GLOOP, "prefetch": Pf(2)}},
+                     {"f16": 16384}),
+    # AMD EPYC Zen 4: no software prefetch and the 256-bit dots for the plain Q4 kernels, one prefetch per unit
+    # into L2 for the fused gate+up (docs/performance.md, "Per-host kernel tuning": the descent's table); Q8 was
+    # not measured there
+    "znver4": Family("avx512vnni", "docs/performance.md (Per-host kernel tuning, the descent)",
+                     {"q4": {**_UNIT, "prefetch": Pf(0), "vector_bits": 256},
+                      "q4:gate_up": {**_UNIT, "prefetch": Pf(1), "prefetch_stride": -1, "prefetch_locality": 2}},
+                     {}),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def host_family() -> str:
+    """This host's microarchitecture family: "intel-amx" for an Intel core with AMX tiles, else LLVM's host CPU
+    name. The real host's, not a forced CFLOW_CPU's: the memory system the choices were measured on."""
+    import llvmlite.binding as llvm
+
+    from .target import _cpuinfo, init_llvm
+
+    init_llvm()
+    info = _cpuinfo()
+    if info.get("vendor_id") == "GenuineIntel" and "amx_tile" in info.get("flags", "").split():
+        return "intel-amx"
+    return llvm.get_host_cpu_name()
+
+
+def family_for(target) -> Family | None:
+    """The shipped family whose choices apply to `target` (this host's, on the ISA path they were measured on)."""
+    fam = FAMILIES.get(host_family())
+    return fam if fam is not None and fam.isa == str(target.isa) else None
+
+
+def kernel_choice(layout, gate_up: bool, target) -> dict | None:
+    """The shipped mat-vec knobs for one kernel shape on this host, with the prefetch in bytes; None: the built-in
+    default (no family, another ISA path, a dtype the family did not measure, or a GGUF block type)."""
+    fam = family_for(target)
+    if fam is None or layout.is_block_type:
+        return None
+    label = layout.dtype.label
+    k = fam.kernels.get(f"{label}:gate_up" if gate_up else "") or fam.kernels.get(label)
+    if k is None:
+        return None
+    unit = layout.unit_nbytes
+    out = {**k, "prefetch": k["prefetch"].nbytes(unit)}
+    if out["prefetch_stride"] == -1:  # one prefetch per unit
+        out["prefetch_stride"] = unit
+    return out
+
+
+def attention_choice(kv: str, target) -> int | None:
+    """The shipped attention-core prefetch distance for a KV cache type on this host, or None."""
+    fam = family_for(target)
+    return None if fam is None else fam.attention.get(kv)
