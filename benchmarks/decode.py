@@ -333,7 +333,9 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="write one record per thread count")
     ap.add_argument("--profile", action="store_true", help="also print where the time goes (per-stage cycle stamps)")
     ap.add_argument("--variants", help=f"compare load options side by side in interleaved rounds, e.g. "
-                    f"default,tune-off (any of {', '.join(VARIANTS)}, or cache=DIR: CFLOW_CACHE_DIR=DIR)")
+                    f"default,tune-off (any of {', '.join(VARIANTS)}; cache=DIR: CFLOW_CACHE_DIR=DIR; isa=PATH: "
+                    f"that ISA path's kernels forced on this host (avxvnni, avx2, generic); several joined by '+', "
+                    f"e.g. isa=avx2+tune-off)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --variants (default: 5)")
     ap.add_argument("--context", type=int, default=8,
                     help="prompt tokens before the timed steps (default 8; e.g. --model tinyllama_4k --context 4064 "

@@ -213,8 +213,11 @@ def test_search_once_then_cached(tuning_on, monkeypatch, model_file):
         tensors = list(plan_from_header(r.header, r.path).tensors.values())
     target = host_target()
     seen = []
-    got = tune.choices(tensors, target, search=True, rounds=1, nbytes=MB, passes=1,
-                       on_result=lambda k, rec: seen.append(k))
+    real_space = tune.space  # two prefetch distances and both loop kinds: the real pipeline, a tenth of the JIT
+    monkeypatch.setattr(tune, "space", lambda L, isa=None: {**{k: v[:1] for k, v in real_space(L, isa).items()},
+                                                            "prefetch": (0, L.unit_nbytes), "group_loop": (0, 1)})
+    got = tune.choices(tensors, target, search=True, rounds=1, nbytes=MB, passes=1, budget=0.01,
+                       on_result=lambda k, rec: seen.append(k))  # the budget: one descent each, then the cache
     shapes = tune.kernel_shapes(tensors)
     assert seen == list(shapes) and len(shapes) >= 2  # every kernel shape measured, gate_up ones included
     assert any(k.endswith(":gate_up") for k in shapes)
@@ -293,11 +296,12 @@ def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_fi
         assert m.generate(ids, max_new_tokens=6, stop=False) == ref_toks
 
 
-def test_cli_tune(tuning_on, model_file):
+def test_cli_tune(tuning_on, model_file, capsys):
     # the timed sets of both searches cut to one window (as small_span does in this process)
     cmd = [sys.executable, "-c", "import sys; from cflow.codegen import tune; tune.stream_span = lambda n: n; "
            "from cflow.cli import cflow_main; sys.exit(cflow_main(sys.argv[1:]))",
-           "tune", str(model_file), "--mb", "1", "--rounds", "1", "--passes", "1", "--json", str(tuning_on / "t.json")]
+           "tune", str(model_file), "--mb", "1", "--rounds", "1", "--passes", "1", "--budget", "1",
+           "--json", str(tuning_on / "t.json")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "<- chosen" in r.stdout and "gate_up" in r.stdout and "GB/s" in r.stdout
@@ -305,10 +309,13 @@ def test_cli_tune(tuning_on, model_file):
     rec = json.loads((tuning_on / "t.json").read_text())
     assert rec["kernels"] and all("choice" in v for v in rec["kernels"].values())
     assert any(k.startswith("attn:") for k in rec["kernels"])
-    r = subprocess.run(cmd[:5] + ["--rounds", "0"], capture_output=True, text=True)
-    assert r.returncode == 1 and "--rounds" in r.stderr
-    r = subprocess.run(cmd[:5] + ["--passes", "0"], capture_output=True, text=True)
-    assert r.returncode == 1 and "--passes" in r.stderr
+    assert "1 s for the model's searches" in r.stdout and " s)" in r.stdout  # the budget, each shape's time
+    from cflow.cli import cflow_main
+
+    for bad in ("--rounds", "--passes", "--budget"):
+        with pytest.raises(SystemExit) as e:
+            cflow_main(["tune", str(model_file), bad, "-1"])
+        assert e.value.code == 1 and bad in capsys.readouterr().err
 
 
 # --- the attention core's prefetch distance (codegen/attn_tune.py) --------------------------------------------

@@ -145,18 +145,23 @@ print(hashlib.sha256(open(sys.argv[2], "rb").read()).hexdigest())
 def test_the_fuzz_base_export_does_not_depend_on_the_checkout_path(tmp_path):
     """torch.onnx writes each node's Python stack trace (absolute source paths) into the export; export_onnx drops
     them, so the fuzz harness's ONNX base, and with it case i of seed s, is the same bytes from any checkout."""
+    import hashlib
     import shutil
     import subprocess
     import sys
 
+    from cflow.frontend.export import export_onnx, load_torch_model
+
+    # this checkout, in this process, and a copy at a longer path in another
     src = Path(__file__).resolve().parents[2] / "cflow"
-    digests = []
-    for where in ("a", "some/much/longer/checkout/path"):
-        root = tmp_path / where
-        shutil.copytree(src, root / "cflow", ignore=shutil.ignore_patterns("__pycache__"))
-        out = subprocess.run([sys.executable, "-c", EXPORT, str(root), str(tmp_path / f"{len(digests)}.onnx")],
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        digests.append(out.stdout.split()[-1])
+    export_onnx(load_torch_model("preset:arch2_4_combined@tiny"), str(tmp_path / "0.onnx"))
+    digests = [hashlib.sha256((tmp_path / "0.onnx").read_bytes()).hexdigest()]
+    root = tmp_path / "some/much/longer/checkout/path"
+    shutil.copytree(src, root / "cflow", ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run([sys.executable, "-c", EXPORT, str(root), str(tmp_path / "1.onnx")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    digests.append(out.stdout.split()[-1])
     assert digests[0] == digests[1]
-    assert str(tmp_path).encode() not in (tmp_path / "0.onnx").read_bytes()
+    assert str(src.parent).encode() not in (tmp_path / "0.onnx").read_bytes()
+    assert str(tmp_path).encode() not in (tmp_path / "1.onnx").read_bytes()
