@@ -52,7 +52,11 @@ def test_readme_using_it_runs(tmp_path, capsys, monkeypatch):
         argv = shlex.split(line.replace("@114m", "@tiny").replace("-n 128", "-n 16").replace("DIR",
                                                                                            str(default_model_dir())))
         if argv[:2] == ["cflow", "tune"]:  # the shortest search (its own tests cover the full one)
-            argv += ["--mb", "1", "--rounds", "1", "--passes", "1"]
+            argv += ["--mb", "1", "--rounds", "1", "--passes", "1", "--budget", "1"]
+            from cflow.codegen import tune
+            from tests.codegen.test_tune import small_space
+
+            monkeypatch.setattr(tune, "space", small_space)
         if "|" in line or argv[:2] in (["cflow", "bench"], ["cflow", "serve"]):
             continue  # the emit list is a synopsis; bench and serve have their own tests (serve never returns)
         main = cflowc_main if argv[0] == "cflowc" else cflow_main

@@ -52,7 +52,8 @@ def model_file(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype,gate_up", [("q4", False), ("q4", True), ("q8", False), ("f16", False)])
 def test_candidates_are_bit_identical(dtype, gate_up):
-    L = TileLayout(DType.parse(dtype), 256, 512, (128, 256))
+    # 64-row tiles: four 16-row groups, so 2 groups per pass still makes two passes; half the 128-row tile's JIT
+    L = TileLayout(DType.parse(dtype), 128, 512, (64, 256))
     res = tune.measure(L, gate_up, rounds=1, nbytes=MB)  # raises if any candidate's output differs
     isa = host_target().isa
     assert [r["knobs"] for r in res] == tune.candidates(L, isa) and res[0]["knobs"] == tune.DEFAULT
@@ -124,7 +125,8 @@ def test_search_finds_knobs_that_only_pay_together(monkeypatch):
 
     monkeypatch.setattr(tune, "measure", _fake_measure(score))
     L = TileLayout(DType.Q4, 256, 512, (128, 256))
-    choice, log = tune.search(L, False, host_target() if host_target().isa == "avx512vnni" else _vnni())
+    monkeypatch.setattr(tune, "WeightSet", lambda *a, **k: None)  # measure is faked: no weights needed
+    choice, log = tune.search(L, False, SimpleNamespace(isa="avx512vnni"))  # the space of an AVX-512 VNNI host
     assert choice == {**tune.DEFAULT, "prefetch": 0, "vector_bits": 256}
     assert [r["pass"] for r in log].count(0) >= 2 and max(r["pass"] for r in log) >= 2
     assert set(choice) == set(tune.KNOBS) and tune._valid_choice(choice) == choice
@@ -193,12 +195,6 @@ def test_group_loop_neighbours_have_one_spelling():
     assert tune._valid_choice(cur) == cur and tune._valid_choice({**cur, "group_loop": 2}) is None
 
 
-def _vnni():
-    import attrs
-
-    return attrs.evolve(host_target(), isa="avx512vnni")
-
-
 def test_off_means_defaults(monkeypatch, model_file):
     monkeypatch.setenv("CFLOW_TUNE", "off")
     m = cflow.load(model_file)
@@ -213,9 +209,7 @@ def test_search_once_then_cached(tuning_on, monkeypatch, model_file):
         tensors = list(plan_from_header(r.header, r.path).tensors.values())
     target = host_target()
     seen = []
-    real_space = tune.space  # two prefetch distances and both loop kinds: the real pipeline, a tenth of the JIT
-    monkeypatch.setattr(tune, "space", lambda L, isa=None: {**{k: v[:1] for k, v in real_space(L, isa).items()},
-                                                            "prefetch": (0, L.unit_nbytes), "group_loop": (0, 1)})
+    monkeypatch.setattr(tune, "space", small_space)  # the real pipeline, a tenth of the JIT
     got = tune.choices(tensors, target, search=True, rounds=1, nbytes=MB, passes=1, budget=0.01,
                        on_result=lambda k, rec: seen.append(k))  # the budget: one descent each, then the cache
     shapes = tune.kernel_shapes(tensors)
@@ -296,9 +290,21 @@ def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_fi
         assert m.generate(ids, max_new_tokens=6, stop=False) == ref_toks
 
 
+_real_space = tune.space
+
+
+def small_space(L, isa=None):
+    """The search's space cut to two prefetch distances and both loop kinds: the JIT of ~20 candidates per shape is
+    most of a search's time (test_candidates_are_bit_identical compiles the whole space)."""
+    return {**{k: v[:1] for k, v in _real_space(L, isa).items()}, "prefetch": (0, L.unit_nbytes),
+            "group_loop": (0, 1)}
+
+
 def test_cli_tune(tuning_on, model_file, capsys):
     # the timed sets of both searches cut to one window (as small_span does in this process)
+    # and the space cut (small_space)
     cmd = [sys.executable, "-c", "import sys; from cflow.codegen import tune; tune.stream_span = lambda n: n; "
+           "from tests.codegen.test_tune import small_space; tune.space = small_space; "
            "from cflow.cli import cflow_main; sys.exit(cflow_main(sys.argv[1:]))",
            "tune", str(model_file), "--mb", "1", "--rounds", "1", "--passes", "1", "--budget", "1",
            "--json", str(tuning_on / "t.json")]
