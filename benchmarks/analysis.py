@@ -68,7 +68,7 @@ Critical paths (weighted ops only):
   numbers do not follow from a 114M Q4 model (our sequential total is ~28 MB/token at Q4); it probably counts
   a different set of ops (e.g. only the per-layer FFN/expert weights, or a different model or unit). Its
   equations are not printed, so we report ours and do not tune toward 2.00x.
-- **arch3 and arch4**: the paper reports 1.00x for both. Under DESIGN.md's semantics pre-dense routing
+- **arch3 and arch4**: the paper reports 1.00x for both. Under docs/DESIGN.md's semantics pre-dense routing
   makes the router and experts read a_l, the same stream the dense FFN reads, so the dense FFN and the MoE
   of a layer run side by side and only the heavier of the two stays on the chain. At this geometry they
   weigh the same (dense 2048 wide vs top-2 of experts 1024 wide), hence ~1.60x for arch3. arch4's expert
@@ -78,7 +78,7 @@ Critical paths (weighted ops only):
 - **arch5** shares blocks: it stores half the layers' weights, streams the same bytes per token as
   arch2_4_combined (each shared block counts once per execution) and has its critical path.
 
-What the ratio means (DESIGN.md): with all weights in RAM on one socket the total bytes per token do not
+What the ratio means (docs/DESIGN.md): with all weights in RAM on one socket the total bytes per token do not
 change, so delays cannot raise bandwidth-bound tok/s by themselves; the ratio measures how much weight
 traffic may overlap (more cores or sockets, a disk tier, fewer synchronisation points).""")
 

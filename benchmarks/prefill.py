@@ -5,7 +5,8 @@
 
 TinyLlama-1.1B geometry (benchmarks/decode.py's random weights; --models tinyllama,moe adds the MoE
 geometry), Q4 and Q8 (Q4 only with --quick), 1 and 2 threads. In one run: the machine's int8 dot-product
-peak (a VNNI loop of independent vpdpbusd chains on registers, llvmlite) and read bandwidth per thread
+peak on the ISA path in use (independent chains of the kernels' integer dot on registers: vpdpbusd at 512 or 256
+bits, or AVX2's vpmaddubsw/vpmaddwd; llvmlite) and read bandwidth per thread
 count; prompt tok/s for prompt lengths 128, 512 and 2048 (the model's context permitting) with cflow's
 prefill (blocks of --block tokens) and token by token (the old path), and llama.cpp on bit-identical
 GGUF weights (Q4_0 / Q8_0) when llama-cpp-python is installed (n_batch 512, its default). Both engines
@@ -44,38 +45,54 @@ from cflow.codegen.target import cpu_model, isa_path  # noqa: E402
 
 
 def int8_peak(threads: int, seconds: float = 0.5) -> float:
-    """int8 multiply-adds per second x 2 (GOP/s) of independent vpdpbusd chains, summed over threads."""
+    """int8 multiply-adds per second x 2 (GOP/s) of independent integer-dot chains on the ISA path in use, summed
+    over threads: the instruction the kernels use for the u8 x s8 dot, 12 chains on registers: vpdpbusd on 512-bit
+    vectors (avx512vnni: 64 multiply-adds each) or 256-bit ones (avxvnni: 32), AVX2's vpmaddubsw + vpmaddwd + vpaddd
+    (32 per three instructions), NaN on the generic path (no integer dot instruction)."""
     import threading
 
     from llvmlite import ir
 
+    from cflow.codegen import kernels as K
     from cflow.codegen.cgutils import V, c64, i8, i32, i64, intrinsic
     from cflow.codegen.library import Library
-    from cflow.codegen.target import host_target
+    from cflow.codegen.target import ISA, host_target
 
     t = host_target()
-    if not t.has_avx512_vnni:
+    isa = ISA.parse(t.isa)
+    if isa == ISA.GENERIC:
         return float("nan")
+    lanes = 16 if isa == ISA.AVX512VNNI else 8  # i32 lanes per accumulator
     m = ir.Module("peak")
     fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [ir.PointerType(i32), i64]), "peak")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     out, n = fn.args
-    vd = intrinsic(m, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16), V(i8, 64), V(i8, 64)])
-    a = ir.Constant(V(i8, 64), [3] * 64)
-    w = ir.Constant(V(i8, 64), [5] * 64)
-    zero = ir.Constant(V(i32, 16), [0] * 16)
+    a = ir.Constant(V(i8, 4 * lanes), [3] * 4 * lanes)
+    w = ir.Constant(V(i8, 4 * lanes), [5] * 4 * lanes)
+    zero = ir.Constant(V(i32, lanes), [0] * lanes)
+    if isa == ISA.AVX512VNNI:
+        vd = intrinsic(m, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16), V(i8, 64), V(i8, 64)])
+
+        def step(acc):
+            return b.call(vd, [acc, w, a])
+    elif isa == ISA.AVXVNNI:
+        def step(acc):
+            return K._vpdpbusd256(b, acc, w, a)
+    else:  # the accumulator's bytes as the u8 operand: a dependency LLVM cannot hoist or fold (it folds constants)
+        def step(acc):
+            return b.add(acc, K._avx2_madd(b, K._avx2_dot(b, b.bitcast(acc, V(i8, 32)), a)))
     head, body, end = (fn.append_basic_block(x) for x in ("head", "body", "end"))
     pre = b.block
     b.branch(head)
     b.position_at_end(head)
     i = b.phi(i64)
-    accs = [b.phi(V(i32, 16)) for _ in range(12)]  # 12 chains hide the latency
+    accs = [b.phi(V(i32, lanes)) for _ in range(12)]  # 12 chains hide the latency
     for acc in accs:
         acc.add_incoming(zero, pre)
     i.add_incoming(c64(0), pre)
     b.cbranch(b.icmp_signed("<", i, n), body, end)
     b.position_at_end(body)
-    new = [b.call(vd, [acc, w, a]) for acc in accs]
+    new = [step(acc) for acc in accs]
     for acc, v in zip(accs, new):
         acc.add_incoming(v, body)
     i.add_incoming(b.add(i, c64(1)), body)
@@ -101,7 +118,7 @@ def int8_peak(threads: int, seconds: float = 0.5) -> float:
         while time.perf_counter() - t0 < seconds:
             f(ctypes.c_void_p(sink[k:].ctypes.data), iters)
             done += iters
-        rates.append(done * 12 * 64 * 2 / (time.perf_counter() - t0) / 1e9)
+        rates.append(done * 12 * 4 * lanes * 2 / (time.perf_counter() - t0) / 1e9)
 
     ts = [threading.Thread(target=run, args=(k * 16,)) for k in range(threads)]
     for th in ts:

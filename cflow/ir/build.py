@@ -66,7 +66,7 @@ def build_graph(
     name: str | None = None,
     trained_delays: tuple[int, int] | None = None,
 ) -> Graph:
-    """The layer DAG of DESIGN.md's equations for config `c` (its delays and routing point).
+    """The layer DAG of docs/DESIGN.md's equations for config `c` (its delays and routing point).
 
     trained_delays: the delays the weights were trained with (default: the config's own).
     """

@@ -1,6 +1,6 @@
 """ModelConfig: every knob of a pipeline-native decoder, validated on construction.
 
-Layers are numbered 1..n_layers in the IR and in error messages (DESIGN.md's equations);
+Layers are numbered 1..n_layers in the IR and in error messages (docs/DESIGN.md's equations);
 Python lists indexed from 0 hold layer l at index l - 1.
 """
 

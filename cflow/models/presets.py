@@ -1,4 +1,4 @@
-"""The five pipeline-native candidates of the paper (our reading, DESIGN.md) at every size.
+"""The five pipeline-native candidates of the paper (our reading, docs/DESIGN.md) at every size.
 
 All presets share one geometry per size, so they differ only in the DAG (delays, routing point,
 weight sharing). `114m` approximates the paper's 114M screening model (d_model 512, 6 layers,
@@ -23,7 +23,7 @@ SIZES: dict[str, dict] = {
                  n_experts=8, top_k=2, expert_dim=1024, max_seq_len=1024),
 }
 
-# Preset -> what distinguishes it (DESIGN.md's table).
+# Preset -> what distinguishes it (docs/DESIGN.md's table).
 ARCHS: dict[str, dict] = {
     "arch1": dict(dense_delay=0, expert_delay=0, routing="post"),
     "arch2_4_combined": dict(dense_delay=1, expert_delay=2, routing="post"),

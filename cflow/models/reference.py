@@ -1,4 +1,4 @@
-"""PipelineNativeLM: the PyTorch reference of DESIGN.md's pipeline-native layer, the oracle for everything.
+"""PipelineNativeLM: the PyTorch reference of docs/DESIGN.md's pipeline-native layer, the oracle for everything.
 
 Full-sequence forward (training) and incremental decode with a KV cache share one code path:
 `forward(ids, cache)` runs T new tokens after the cache's positions. The delay buffers (streams
@@ -148,7 +148,7 @@ class Block(nn.Module):
 
 
 class PipelineNativeLM(nn.Module):
-    """DESIGN.md's reference model:
+    """docs/DESIGN.md's reference model:
 
         a_l = x_{l-1} + Attn_l(norm_attn_l(x_{l-1}))
         b_l = a_l + Dense_l(norm_ffn_l(a_{l-dd}))          (a_j = x_0 for j <= 0)

@@ -1,6 +1,6 @@
 """DAG rewrites that make a model pipeline-native: dense delay, expert delay, routing point.
 
-Each is a pure edge rewrite of the layer DAG (DESIGN.md's equations). They change the function
+Each is a pure edge rewrite of the layer DAG (docs/DESIGN.md's equations). They change the function
 the model computes: applied to weights not trained that way, they warn (DelayRewriteWarning).
 """
 

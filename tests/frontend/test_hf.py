@@ -16,7 +16,7 @@ from ._models import hf_logits, hf_model, incremental
 
 IDS = np.random.default_rng(3).integers(0, 256, 24)
 
-# family -> what the IR must say about it (DESIGN.md's mapping)
+# family -> what the IR must say about it (docs/DESIGN.md, "Semantics of a layer")
 EXPECT = {
     "llama": dict(ffn_dim=96, n_experts=0, tie_embeddings=True, rope_theta=500000.0, norm_eps=1e-5),
     "mistral": dict(ffn_dim=96, n_experts=0, tie_embeddings=False, max_seq_len=128),
