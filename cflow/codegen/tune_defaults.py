@@ -8,9 +8,11 @@ like every tuned knob: a wrong guess costs speed, never numbers.
 
 A family is named by host_family(): LLVM's name for the host's microarchitecture (znver5, znver4, ...), or
 "intel-amx" for an Intel core with the AMX tile unit (Sapphire Rapids and later: the AMX Xeon VM reports a
-masked model, which LLVM names "rocketlake"). A choice applies on the ISA path it was measured on (a forced
-CFLOW_FEATURES path falls back to the built-in defaults) and to every dtype it names; a GGUF block type's
-kernel keeps its built-in prefetch (one whole block ahead), measured on the AMX Xeon VM only.
+masked model, which LLVM names "rocketlake"). A choice's prefetch and loop knobs apply on every ISA path: they
+are the memory system's, and `cflow tune` with the AVX2 and the AVX-VNNI paths forced on the AMX Xeon VM chose
+the same loop and distances as its AVX-512 search (docs/performance.md, "ISA paths"); the dot width and the Q4
+unpack only on the path they were measured on (elsewhere the built-in ones). A choice applies to every dtype it
+names; a GGUF block type's kernel keeps its built-in prefetch (one whole block ahead).
 
 Prefetch distances are written in units of the kernel's block unit (layout.unit_nbytes: 2,304 bytes for Q4 at
 128-row tiles, 4,352 for Q8) plus whole 64-byte lines, as the search's space() spells them, so one entry serves
@@ -35,7 +37,8 @@ class Pf(NamedTuple):
 
 
 class Family(NamedTuple):
-    """The shipped choices of one microarchitecture family, measured on the ISA path `isa`."""
+    """The shipped choices of one microarchitecture family, measured on the ISA path `isa` (its own knobs apply
+    there only: ISA_KNOBS)."""
 
     isa: str
     source: str  # where the measurement is recorded (docs/results/...)
@@ -85,15 +88,18 @@ def host_family() -> str:
     return llvm.get_host_cpu_name()
 
 
+ISA_KNOBS = ("vector_bits", "unpack")  # what only the ISA path a choice was measured on may take
+
+
 def family_for(target) -> Family | None:
-    """The shipped family whose choices apply to `target` (this host's, on the ISA path they were measured on)."""
-    fam = FAMILIES.get(host_family())
-    return fam if fam is not None and fam.isa == str(target.isa) else None
+    """The shipped family of this host (target: the code's target, whose ISA path may be forced), or None."""
+    return FAMILIES.get(host_family())
 
 
 def kernel_choice(layout, gate_up: bool, target) -> dict | None:
     """The shipped mat-vec knobs for one kernel shape on this host, with the prefetch in bytes; None: the built-in
-    default (no family, another ISA path, a dtype the family did not measure, or a GGUF block type)."""
+    default (no family, a dtype the family did not measure, or a GGUF block type). On another ISA path than the
+    family's the ISA's own knobs are the built-in ones."""
     fam = family_for(target)
     if fam is None or layout.is_block_type:
         return None
@@ -103,12 +109,14 @@ def kernel_choice(layout, gate_up: bool, target) -> dict | None:
         return None
     unit = layout.unit_nbytes
     out = {**k, "prefetch": k["prefetch"].nbytes(unit)}
+    if str(target.isa) != fam.isa:
+        out.update({knob: 0 for knob in ISA_KNOBS})
     if out["prefetch_stride"] == -1:  # one prefetch per unit
         out["prefetch_stride"] = unit
     return out
 
 
 def attention_choice(kv: str, target) -> int | None:
-    """The shipped attention-core prefetch distance for a KV cache type on this host, or None."""
+    """The shipped attention-core prefetch distance for a KV cache type on this host (any ISA path), or None."""
     fam = family_for(target)
     return None if fam is None else fam.attention.get(kv)

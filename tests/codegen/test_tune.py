@@ -508,7 +508,7 @@ def test_shipped_families_are_valid_choices_for_every_tile(monkeypatch):
                     assert all(c[k] in sp[k] for k in sp), (fam_name, dt, tile, gu, c)
 
 
-def test_shipped_choice_applies_on_its_own_family_and_path_only(monkeypatch):
+def test_shipped_choice_applies_on_its_own_family_and_its_isa_knobs_on_its_path(monkeypatch):
 
     from cflow.codegen import tune_defaults as D
     from cflow.layout.tile import TileLayout
@@ -517,7 +517,11 @@ def test_shipped_choice_applies_on_its_own_family_and_path_only(monkeypatch):
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
     vnni, avx2 = SimpleNamespace(isa="avx512vnni"), SimpleNamespace(isa="avx2")
     assert tune.start_for(L, False, vnni) == {**tune.DEFAULT, "group_loop": 1, "prefetch": 2368}
-    assert tune.start_for(L, False, avx2) == tune.default_for(L)  # a forced path: the built-in default
+    # a forced path: the same loop and distance (the memory system's), the path's own dot and unpack
+    assert tune.start_for(L, False, avx2) == {**tune.DEFAULT, "group_loop": 1, "prefetch": 2368}
+    monkeypatch.setattr(D, "host_family", lambda: "znver4")
+    assert tune.start_for(L, False, vnni)["vector_bits"] == 256 and tune.start_for(L, False, avx2)["vector_bits"] == 0
+    monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
     assert D.attention_choice("f16", vnni) == 1024 and D.attention_choice("f32", vnni) is None
     monkeypatch.setattr(D, "host_family", lambda: "some-future-cpu")
     assert tune.start_for(L, False, vnni) == tune.default_for(L)
@@ -540,7 +544,6 @@ def test_a_load_never_searches_and_takes_the_shipped_choice(tuning_on, monkeypat
     monkeypatch.setattr(tune, "tune_kernel", no_search)
     monkeypatch.setattr(attn_tune, "tune_attention", no_search)
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
-    monkeypatch.setattr(D, "family_for", lambda target: D.FAMILIES["intel-amx"])  # whatever this host's path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m = cflow.load(model_file, kv="f16")
