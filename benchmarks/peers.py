@@ -67,9 +67,10 @@ def measured(fn):
 
 # --- llama.cpp -----------------------------------------------------------------------------------
 
-def llama_open(path: str, threads: int, extra_bufts: bool = True):
-    """llama.cpp on `path`; extra_bufts=False turns off llama.cpp's extra buffer types (its AMX path, which in
-    llama-cpp-python 0.3.36 crashes on the first decode of a K-quant file on the AMX Xeon VM)."""
+def llama_open(path: str, threads: int, extra_bufts: bool = True, **kw):
+    """llama.cpp on `path` (kw: Llama's own arguments, e.g. n_ctx, n_batch); extra_bufts=False turns off
+    llama.cpp's extra buffer types (its AMX path, which in llama-cpp-python 0.3.36 crashes on the first decode of
+    a K-quant file, and in a 512-token Q4_0 prompt, on the AMX Xeon VM)."""
     import llama_cpp
     from llama_cpp import Llama
     from llama_cpp import llama as _ll
@@ -83,8 +84,8 @@ def llama_open(path: str, threads: int, extra_bufts: bool = True):
 
     _ll.llama_cpp.llama_model_default_params = params
     try:
-        return Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, logits_all=False,
-                     verbose=False)
+        return Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, logits_all=False,
+                     verbose=False, **{"n_ctx": 512, **kw})
     finally:
         _ll.llama_cpp.llama_model_default_params = orig
 

@@ -151,10 +151,14 @@ def cflow_prompt(path, threads: int, n: int, block: int, reps: int) -> float:
 
 
 def llama_prompt(gguf: str, threads: int, n: int, reps: int) -> float:
-    from llama_cpp import Llama
+    """llama.cpp's prompt tok/s; its AMX buffers off where the CPU has AMX (they crash the process there:
+    peers.llama_open)."""
+    from peers import llama_open
 
-    llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=max(n, 64), n_batch=512,
-                logits_all=False, verbose=False)
+    from cflow.codegen.target import _cpuinfo
+
+    amx = "amx_tile" in _cpuinfo().get("flags", "").split()
+    llm = llama_open(gguf, threads, extra_bufts=not amx, n_ctx=max(n, 64), n_batch=512)
     ids = prompt_ids(n)
     llm.reset()
     llm.eval(ids[:WARM])  # the same warm-up cflow gets
@@ -349,7 +353,7 @@ def main(argv=None) -> None:
     machine = {}
     for threads in threads_list:
         machine[threads] = {"int8_peak_gops": int8_peak(threads), "read_gbs": measure_read_bandwidth(threads)}
-        print(f"# {threads} thread(s): int8 peak {machine[threads]['int8_peak_gops']:.0f} GOP/s (vpdpbusd), "
+        print(f"# {threads} thread(s): int8 peak {machine[threads]['int8_peak_gops']:.0f} GOP/s (the path's dot), "
               f"read bandwidth {machine[threads]['read_gbs']:.1f} GB/s", flush=True)
     records, rss, profiles = [], [], []
     for model in args.models.split(","):

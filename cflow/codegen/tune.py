@@ -55,6 +55,7 @@ MAX_SPAN = 4 * 2**30  # the most memory the rotating set may take (stream_span)
 PASSES = 3  # coordinate-descent passes at most (each: the current choice and its one-knob neighbours)
 ROUNDS = 9  # timed rounds per candidate (each call streams MIN_BYTES: milliseconds; the JIT costs more)
 CONFIRM_ROUNDS = 15  # rounds of the final head-to-head of a non-default choice against the default
+CHUNK = 6  # candidates JIT-compiled and timed together in a budgeted search (search(): deadline)
 KNOBS = ("unroll", "prefetch", "prefetch_locality", "prefetch_stride", "max_groups", "vector_bits", "unpack",
          "group_loop")
 DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
@@ -476,10 +477,10 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
     count from 1; the final head to head of the start, the default and every descent's end is pass 0. Every timing
     reads the same WeightSet, built once here.
 
-    deadline (time.perf_counter() seconds): no pass starts that would end after it, were it as long as the last
-    one (and the head to head half as long), and the descents still to come are left out; the first pass always
-    runs, and the head to head always runs when a descent moved, so a choice other than the start is always
-    confirmed."""
+    deadline (time.perf_counter() seconds): a pass is timed in chunks of CHUNK candidates beside the current
+    choice, and no chunk or pass starts that would end after it, were it as long as the last chunk (and the head
+    to head half as long); the descents still to come are left out. The first chunk always runs, and the head to
+    head always runs when a descent moved, so a choice other than the start is always confirmed."""
     nbytes = nbytes or MIN_BYTES
     wset = WeightSet(layout, gate_up, nbytes, span=stream_span(nbytes))
     log, ends = [], []
@@ -497,12 +498,24 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
         for p in range(1, passes + 1):
             if p > 1 and out_of_time():
                 break
-            t0 = time.perf_counter()
-            res = measure(layout, gate_up, cands=neighbours(cur, layout, target.isa), target=target, rounds=rounds,
-                          wset=wset)
-            last = time.perf_counter() - t0
-            log += [{"pass": p, "seed": s, **r} for r in res]
-            best = choose(res)
+            cands = neighbours(cur, layout, target.isa)
+            # without a deadline one timing of the whole pass; with one, chunks of CHUNK candidates, each beside
+            # the current choice (its reference), the JIT and timing of the next chunk only if the last one's
+            # time still fits: a path whose ~20 candidates JIT slowly (AVX2) keeps its budget
+            step = len(cands) if deadline is None else CHUNK
+            best, best_ratio = cur, 1.0 + MARGIN
+            for i in range(1, max(2, len(cands)), step):
+                if i > 1 and out_of_time():
+                    break
+                t0 = time.perf_counter()
+                res = measure(layout, gate_up, cands=[cur] + cands[i:i + step], target=target, rounds=rounds,
+                              wset=wset)
+                last = time.perf_counter() - t0
+                log += [{"pass": p, "seed": s, **r} for r in res]
+                for r in res[1:]:
+                    q = _ratio(r, res[0])
+                    if q > best_ratio:
+                        best, best_ratio = r["knobs"], q
             if best == cur:
                 break
             cur = best
