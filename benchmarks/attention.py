@@ -88,7 +88,7 @@ def fma_rate(reps: int = 5) -> float:
 
 def bf16_rate(reps: int = 5) -> float:
     """Multiply-adds per second of VDPBF16PS on registers (two per lane, 16 lanes; cgutils.bf16_dot). On the AMX
-    Xeon VM this was half the f32 FMA rate, not twice it (docs/performance.md, "Long contexts")."""
+    Xeon VM this was half the f32 FMA rate, not twice it (docs/journal/performance.md, "Long contexts")."""
     from cflow.codegen.cgutils import V, bf16_dot, i32
 
     def dot(b, acc, x, y):

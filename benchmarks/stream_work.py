@@ -14,7 +14,7 @@ N` makes one loop iteration N lines long instead of 8 (the Q4 kernel's unit loop
 group loop 4.5; gcd(8, N) accumulators). Each is timed over a 1 GiB buffer (streamed from DRAM) and over a 256 KiB
 one (L2-resident: what the core issues when memory is not the limit), in the same round. The questions it answers:
 does a loop that is far from instruction-bound in cache still lose DRAM rate as its work per line grows, and does
-the length of its iterations matter (docs/performance.md, "A second host kind", "Short loop bodies")?
+the length of its iterations matter (docs/journal/performance.md, "A second host kind", "Short loop bodies")?
 """
 
 from __future__ import annotations

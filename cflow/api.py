@@ -91,7 +91,7 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
 
     Args:
         threads: worker threads. Default: the cores this process may run on (os.sched_getaffinity), backing off
-            to one thread while another process keeps a worker off its core (docs/performance.md, "Under
+            to one thread while another process keeps a worker off its core (docs/journal/performance.md, "Under
             load"); a number is taken as asked, and one above the usable cores warns (OversubscribedWarning).
         experts: 'ram' (every weight mapped from the file) or 'disk': non-expert weights read into RAM,
             experts read on demand with O_DIRECT into a cache of `expert_cache_mb` MiB (default: a
@@ -103,7 +103,7 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
         prefill_block: prompt tokens per native call (each weight tile read once per block); 1 = token by token.
         max_batch: sequences (KV-cache slots) that batch_step advances together in one pass over the weights.
         kv: the KV cache's element type: 'f32', 'f16' (half the cache's memory and the bytes attention reads
-            per token at long contexts; K and V rounded to half once, when written: docs/performance.md),
+            per token at long contexts; K and V rounded to half once, when written: docs/journal/performance.md),
             'bf16' (as many bytes, f32's range; attention's q.k and weighted sum as bf16 dot products), or
             'auto' (default): f16 for Q4 / Q8 weights, where it measured equal in perplexity, f32 for f16 / f32
             weights (runtime.session.resolve_kv). `CompiledModel.kv` is the type in use.

@@ -345,7 +345,7 @@ def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_l
     The same arithmetic as one pass of _emit_tile_row, group by group and unit by unit in the same order per
     row (so the same numbers), but the loop body is one group's 4.5 (Q4) or 8.5 (Q8) lines, codes and scales,
     instead of a whole unit's 36 or 68: streaming from DRAM, loops with short bodies keep more of one core's
-    read bandwidth on Zen 5 (docs/performance.md, "Short loop bodies stream faster"). The group sums live in
+    read bandwidth on Zen 5 (docs/journal/performance.md, "Short loop bodies stream faster"). The group sums live in
     `arr` (an entry-block [NG x <16 x float>] alloca indexed by the group: in L1, a load and a store per
     iteration), the unit's activation is re-read per group (L1). Prefetch: the group's code lines (one per
     `pf_stride` bytes of them) and its scales' line (shared by two groups, so each is asked for twice),

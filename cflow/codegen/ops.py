@@ -316,8 +316,8 @@ ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is p
 # How far ahead the attention core's K and V scans prefetch by default (bytes, into L1; each host measures its own:
 # codegen/attn_tune.py). Without it one scan per kv head left the cache's DRAM reads to the hardware prefetchers:
 # on the AMX Xeon VM the f16 core took 474 us per layer at 4,064 positions from DRAM, 374 us 4 KiB ahead
-# (docs/results/attention_core_prefetch_intel.json; docs/performance.md, "Long contexts"). On Zen 5 prefetching V
-# ahead was measured slower (before this code: the default there is unmeasured, the tuner decides).
+# (docs/results/attention_core_prefetch_intel.json; docs/journal/performance.md, "Long contexts"). On Zen 5
+# prefetching V ahead was measured slower (before this code: the default there is unmeasured, the tuner decides).
 KV_PREFETCH = 4096
 
 
@@ -434,8 +434,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     weighted V sum takes bf16(exp(score - max)) in pairs of positions, divided by the f32 sum of the unrounded
     weights. bf16_unit (Target.bf16_unit) says what takes the dot products: 'dpbf16', AVX512_BF16's VDPBF16PS, two
     multiply-adds per lane (half the instructions per cache byte of f16; on the AMX Xeon VM it issues at a quarter
-    of the FMA rate, so there it is slower than f16: docs/performance.md); '', an FMA emulation in the same order
-    (bit-identical, and slower than f16: two FMAs and four integer ops per pair); 'amx', the tile unit (TDPBF16PS
+    of the FMA rate, so there it is slower than f16: docs/journal/performance.md); '', an FMA emulation in the same
+    order (bit-identical, and slower than f16: two FMAs and four integer ops per pair); 'amx', the tile unit (TDPBF16PS
     for q.k and the weighted V sum: the same exact products and f32 sums, taken in the tile unit's order, so not
     bit-identical to the other two), where the geometry fits it (core_unit, amx_fits), else 'dpbf16'.
 
@@ -554,7 +554,8 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
         # The weighted sum reads each V row whole (all nc chunks), front to back, for a group of heads whose
         # rep x nc accumulators fit the registers; the next group re-reads the block from L1. Reading chunk by
         # chunk instead (a 128-byte stride through each 4 KiB block, four times) streamed V from DRAM at 11 GB/s
-        # against 18 for K on Zen 5 (docs/performance.md). Each accumulator sums its positions in the same order.
+        # against 18 for K on Zen 5 (docs/journal/performance.md). Each accumulator sums its positions in the same
+        # order.
         HG = max(1, min(rep, (16 if isa == ISA.AVX512VNNI else 4) // nc))  # accumulators: half the registers
         head_groups = [range(h, min(rep, h + HG)) for h in range(0, rep, HG)]
         bt = V(f32, B)

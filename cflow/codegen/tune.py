@@ -283,7 +283,7 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
 
     The buffer starts `phase` bytes past a page boundary; 0 is where a loaded file's tensors start. The phase
     matters: on the AMX Xeon VM the group loop streamed 1.23x faster 64 bytes past a page boundary than on it
-    (docs/performance.md, "A third host kind"), and a set timed at NumPy's allocation offset chose a kernel that
+    (docs/journal/performance.md, "A third host kind"), and a set timed at NumPy's allocation offset chose a kernel that
     decode, reading page-aligned tensors, ran 15% slower."""
     from ..layout.tile import TileLayout, pack, pack_gate_up
 

@@ -10,7 +10,7 @@ A family is named by host_family(): LLVM's name for the host's microarchitecture
 "intel-amx" for an Intel core with the AMX tile unit (Sapphire Rapids and later: the AMX Xeon VM reports a
 masked model, which LLVM names "rocketlake"). A choice's prefetch and loop knobs apply on every ISA path: they
 are the memory system's, and `cflow tune` with the AVX2 and the AVX-VNNI paths forced on the AMX Xeon VM chose
-the same loop and distances as its AVX-512 search (docs/performance.md, "ISA paths"); the dot width and the Q4
+the same loop and distances as its AVX-512 search (docs/journal/performance.md, "ISA paths"); the dot width and the Q4
 unpack only on the path they were measured on (elsewhere the built-in ones). A choice applies to every dtype it
 names; a GGUF block type's kernel keeps its built-in prefetch (one whole block ahead).
 
@@ -64,9 +64,9 @@ FAMILIES: dict[str, Family] = {
                       "q8": {**_GLOOP, "prefetch": Pf(2)}},
                      {"f16": 16384}),
     # AMD EPYC Zen 4: no software prefetch and the 256-bit dots for the plain Q4 kernels, one prefetch per unit
-    # into L2 for the fused gate+up (docs/performance.md, "Per-host kernel tuning": the descent's table); Q8 was
+    # into L2 for the fused gate+up (docs/journal/performance.md, "Per-host kernel tuning": the descent's table); Q8 was
     # not measured there
-    "znver4": Family("avx512vnni", "docs/performance.md (Per-host kernel tuning, the descent)",
+    "znver4": Family("avx512vnni", "docs/journal/performance.md (Per-host kernel tuning, the descent)",
                      {"q4": {**_UNIT, "prefetch": Pf(0), "vector_bits": 256},
                       "q4:gate_up": {**_UNIT, "prefetch": Pf(1), "prefetch_stride": -1, "prefetch_locality": 2}},
                      {}),

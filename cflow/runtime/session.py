@@ -48,7 +48,7 @@ MAX_THREADS = 1024  # worker threads of one model
 MAX_BATCH = 4096  # sequences decoded together (each its own KV cache)
 # kv="auto": the KV cache's element type for each weight type. Measured equal in quality where f16 (the bundled
 # model's perplexity, benchmarks/long_context.py --text: Q8 weights 8.3391 with an f32 cache vs 8.3397 with f16,
-# Q4 8.5117 vs 8.5100; docs/performance.md, "Long contexts"); f16 / f32 weights keep the exact f32 cache (not
+# Q4 8.5117 vs 8.5100; docs/journal/performance.md, "Long contexts"); f16 / f32 weights keep the exact f32 cache (not
 # measured, and there the cache's rounding would be the largest error left).
 KV_AUTO = {"q4": "f16", "q8": "f16", "f16": "f32", "f32": "f32", "stored": "f16"}  # stored: a GGUF's types
 
@@ -118,7 +118,7 @@ class _Backoff:
     """The default thread count under load: back off to one thread while the workers are being descheduled.
 
     With another process busy on a core, a stage barrier waits for a worker that is not running, once per stage,
-    so the default (every usable core) decodes many times slower than one thread (docs/performance.md, "Under
+    so the default (every usable core) decodes many times slower than one thread (docs/journal/performance.md, "Under
     load"); no spin budget fixes that (the waiter either burns the core the worker needs or pays a wake-up per
     stage). The barrier counts the waits that ended in futex_wait (BarrierWord.NAPS). NAPS such sleeps within
     WINDOW multi-threaded calls (one per call on average; a quiet host shows 0-0.6, a loaded one 1-40) mean a

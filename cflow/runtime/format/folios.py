@@ -6,7 +6,7 @@ Pages cached any other way keep small folios for as long as they stay cached: pa
 or FileWriter before its drop), and, after memory pressure reclaimed part of a file, every page read back into
 the holes (a 2 MiB folio needs its whole aligned range free). On the AMX Xeon VM TinyLlama Q4 decoded 1.07-1.08x
 faster from a PMD-mapped file (benchmarks/pages.py) and a peers run fell from ~80% to 69-70% of the read bandwidth
-with a quarter of its file back in small folios (docs/performance.md, "A third host kind").
+with a quarter of its file back in small folios (docs/journal/performance.md, "A third host kind").
 
     advise_huge_pages(mm)   ask for 2 MiB folios on a mapping (FileReader does, for every file)
     drop_cached(path)       drop a file from the page cache (FileWriter does, after its commit)
