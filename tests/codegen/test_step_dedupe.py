@@ -76,9 +76,10 @@ def test_an_inline_constant_only_costs_sharing(monkeypatch):
 
 
 def _run(path, ids, threads, **kw):
+    """The logits of a 9-token prompt and 6 steps, and the session (closed) for its program and cache type."""
     s = Session(str(path), threads=threads, **kw)
     try:
-        return np.stack([s.prefill(ids[:9])] + [s.step(int(t)).copy() for t in ids[9:]])
+        return np.stack([s.prefill(ids[:9])] + [s.step(int(t)).copy() for t in ids[9:]]), s
     finally:
         s.close()
 
@@ -94,16 +95,14 @@ def test_deep_shared_stages_match_the_interpreter(tmp_path, monkeypatch, preset,
     path = tmp_path / "deep.vflow"
     compile_file(g, path, quant)
     ids = np.random.default_rng(5).integers(0, g.config.vocab_size, 9 + 6)
-    got = _run(path, ids, 2, cache=False, prefill_block=4)
-    s = Session(str(path), threads=1, cache=False, prefill_block=4)
+    got, s = _run(path, ids, 2, cache=False, prefill_block=4)
     kv = s.kv_dtype
     for body in ("stage", "multi_stage"):
         stages, distinct = s.program.stage_functions[body]
         assert distinct < stages / 2
-    s.close()
     if quant == "f32":
         it = Interpreter(g, kv=kv)
         ref = np.concatenate([it.prefill(ids[:9])[-1:]] + [it.step(int(t))[None] for t in ids[9:]])
         assert np.abs(got - ref).max() <= 1e-4
     _inline_constants(monkeypatch)
-    assert np.array_equal(_run(path, ids, 2, cache=False, prefill_block=4), got)
+    assert np.array_equal(_run(path, ids, 2, cache=False, prefill_block=4)[0], got)
