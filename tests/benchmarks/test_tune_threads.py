@@ -11,6 +11,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 tune_threads = pytest.importorskip("tune_threads")
 
 
+@pytest.fixture(autouse=True)
+def small_space(monkeypatch):
+    """The candidates cut to two prefetch distances and both loop kinds (tests/codegen/test_tune.py's small_space):
+    the script's flow is what is tested here, and each candidate's JIT is most of a run's time."""
+    from tests.codegen.test_tune import small_space
+
+    monkeypatch.setattr(tune, "space", small_space)
+
+
 def test_runs_and_splits_exactly(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("CFLOW_CACHE_DIR", str(tmp_path))  # no cached choice: the recorded one
     cands = tune_threads.main(["--shape", "q8:512:plain", "--threads", "2", "--rounds", "1", "--mb", "1"])
