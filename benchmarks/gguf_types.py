@@ -19,8 +19,6 @@ import ctypes
 import json
 import os
 import sys
-import threading
-import time
 
 import numpy as np
 
@@ -28,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from cflow.codegen import kernels as K  # noqa: E402
-from cflow.codegen.bandwidth import measure_read_bandwidth  # noqa: E402
+from cflow.codegen.bandwidth import measure_read_bandwidth, run_threads  # noqa: E402
 from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 from cflow.layout import blocks as B  # noqa: E402
 from cflow.layout.quant import DType, quantize  # noqa: E402
@@ -66,28 +64,19 @@ class Case:
         self.knobs = knobs
 
     def run(self, threads: int) -> float:
-        """GB/s of one pass over every copy with `threads` threads."""
+        """GB/s of one pass over every copy with `threads` threads (each its share of every copy's tile-rows)."""
         L, mv, a = self.layout, self.mv, self.act
         base, step = self.buf.ctypes.data, self.buf.size // self.n
         vp = ctypes.c_void_p
-        start = threading.Barrier(threads + 1)
+        args = [vp(p.ctypes.data) for p in (a.x, a.xq, a.xd, a.xs)]
 
         def work(t):
             r0, r1 = L.n_tile_rows * t // threads, L.n_tile_rows * (t + 1) // threads
             y = vp(self.y[t].ctypes.data)
-            start.wait()
             for i in range(self.n):
-                mv._mv(vp(base + i * step), vp(a.x.ctypes.data), vp(a.xq.ctypes.data), vp(a.xd.ctypes.data),
-                       vp(a.xs.ctypes.data), y, r0, r1)
+                mv._mv(vp(base + i * step), *args, y, r0, r1)
 
-        ts = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-        for th in ts:
-            th.start()
-        start.wait()
-        t0 = time.perf_counter()
-        for th in ts:
-            th.join()
-        return self.nbytes / (time.perf_counter() - t0) / 1e9
+        return self.nbytes / run_threads([lambda t=t: work(t) for t in range(threads)]) / 1e9
 
 
 def main(argv=None) -> int:

@@ -54,7 +54,7 @@ def int8_peak(threads: int, seconds: float = 0.5) -> float:
     from llvmlite import ir
 
     from cflow.codegen import kernels as K
-    from cflow.codegen.cgutils import V, c64, i8, i32, i64, intrinsic
+    from cflow.codegen.cgutils import V, c64, i8, i32, i64
     from cflow.codegen.library import Library
     from cflow.codegen.target import ISA, host_target
 
@@ -70,14 +70,9 @@ def int8_peak(threads: int, seconds: float = 0.5) -> float:
     a = ir.Constant(V(i8, 4 * lanes), [3] * 4 * lanes)
     w = ir.Constant(V(i8, 4 * lanes), [5] * 4 * lanes)
     zero = ir.Constant(V(i32, lanes), [0] * lanes)
-    if isa == ISA.AVX512VNNI:
-        vd = intrinsic(m, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16), V(i8, 64), V(i8, 64)])
-
+    if isa.vnni:  # the kernels' vpdpbusd at the path's width
         def step(acc):
-            return b.call(vd, [acc, w, a])
-    elif isa == ISA.AVXVNNI:
-        def step(acc):
-            return K._vpdpbusd256(b, acc, w, a)
+            return K._vpdpbusd(b, acc, w, a)
     else:  # the accumulator's bytes as the u8 operand: a dependency LLVM cannot hoist or fold (it folds constants)
         def step(acc):
             return b.add(acc, K._avx2_madd(b, K._avx2_dot(b, b.bitcast(acc, V(i8, 32)), a)))

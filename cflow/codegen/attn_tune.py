@@ -204,7 +204,7 @@ def choices(geoms, kv: str, target, search: bool = False, force: bool = False, r
         return {}
     units = {g: host_unit(g, kv, target, max_seq) for g in geoms}  # the core a session of max_seq runs
     keys = {attention_key(*g, kv, units[g]): g for g in sorted(geoms)}
-    shipped = attention_choice(kv, target)
+    shipped = attention_choice(kv)
     return tune.cached_choices(
         target, keys, _valid, {"kv_prefetch": KV_PREFETCH},
         lambda g, deadline: tune_attention(g, kv, target, rounds, units[g]),

@@ -122,21 +122,15 @@ def emit_quantize_act(module: ir.Module, name: str, cols: int, cols_p: int | Non
 
 
 def _vpdpbusd(b, acc, w_u8, a_s8):
-    """acc[i] += sum_j w_u8[4i+j] * a_s8[4i+j] (AVX-512 VNNI)."""
+    """acc[i] += sum_j w_u8[4i+j] * a_s8[4i+j] at acc's width: <16 x i32> (AVX-512 VNNI) or <8 x i32> (AVX-VNNI's
+    VEX form, or AVX-512 VNNI's with VL: LLVM picks by target)."""
+    n = acc.type.count
+    name = f"llvm.x86.avx512.vpdpbusd.{32 * n}"
     if _llvm_major() >= 22:
-        fn = intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16), V(i8, 64), V(i8, 64)])
+        fn = intrinsic(b.module, name, V(i32, n), [V(i32, n), V(i8, 4 * n), V(i8, 4 * n)])
         return b.call(fn, [acc, w_u8, a_s8])
-    fn = intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.512", V(i32, 16), [V(i32, 16)] * 3)
-    return b.call(fn, [acc, b.bitcast(w_u8, V(i32, 16)), b.bitcast(a_s8, V(i32, 16))])
-
-
-def _vpdpbusd256(b, acc, w_u8, a_s8):
-    """acc <8 x i32> += 32-byte vpdpbusd (AVX-VNNI's VEX form, or AVX-512 VNNI's with VL: LLVM picks by target)."""
-    if _llvm_major() >= 22:
-        fn = intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.256", V(i32, 8), [V(i32, 8), V(i8, 32), V(i8, 32)])
-        return b.call(fn, [acc, w_u8, a_s8])
-    fn = intrinsic(b.module, "llvm.x86.avx512.vpdpbusd.256", V(i32, 8), [V(i32, 8)] * 3)
-    return b.call(fn, [acc, b.bitcast(w_u8, V(i32, 8)), b.bitcast(a_s8, V(i32, 8))])
+    fn = intrinsic(b.module, name, V(i32, n), [V(i32, n)] * 3)
+    return b.call(fn, [acc, b.bitcast(w_u8, V(i32, n)), b.bitcast(a_s8, V(i32, n))])
 
 
 class Dots:
@@ -155,7 +149,7 @@ class Dots:
             self.acc[0] = _vpdpbusd(b, self.acc[0], w64, _act4(b, aptr, off, 16))
         else:
             a = _act4(b, aptr, off, 8)
-            self.acc = [_vpdpbusd256(b, acc, w, a) for acc, w in zip(self.acc, _halves(b, w64))]
+            self.acc = [_vpdpbusd(b, acc, w, a) for acc, w in zip(self.acc, _halves(b, w64))]
         return self
 
     def total(self):
@@ -263,16 +257,6 @@ MAX_GROUPS = 8  # 16-row accumulators held in registers per pass over a tile-row
 DEFAULT_UNROLL = 2
 DEFAULT_PREFETCH = 2304  # bytes ahead of the unit being read
 DEFAULT_PREFETCH_LOCALITY = 3  # prefetcht0
-
-
-def default_max_groups(L: TileLayout, isa: str | None = None) -> int:
-    """The built-in 16-row groups per pass: MAX_GROUPS, but fewer on the generic path, whose 16 SSE registers cannot
-    hold 8 groups' accumulators and the unpacked weights: there Q4/Q8 streamed 1.3-2.0x faster at 4 groups than at
-    8 and f16 1.05x (4096x2048, one thread, the generic target forced on the AMX Xeon VM), and the GGUF block types
-    as fast at 2 with half the JIT time."""
-    if isa is None or ISA.parse(isa) != ISA.GENERIC or L.dtype.label == "f32":
-        return MAX_GROUPS
-    return 2 if L.is_block_type else 4
 
 
 def default_prefetch(L: TileLayout) -> int:
@@ -425,7 +409,7 @@ def _pick_unroll(nunits: int, unroll: int) -> int:
 
 
 def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
-                max_groups: int | None = None, unroll: int = DEFAULT_UNROLL, prefetch: int | None = None,
+                max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int | None = None,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
                 act: str = "silu", vector_bits: int = 0, unpack: int = 0, prefetch_stride: int = 64,
                 group_loop: int = 0) -> ir.Function:
@@ -434,8 +418,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     Args:
         isa: 'avx512vnni' (needs AVX-512 VNNI), 'avxvnni' (AVX2+FMA+F16C and AVX-VNNI), 'avx2' (AVX2+FMA+F16C) or
             'generic'.
-        max_groups: 16-row groups accumulated in registers per pass (TR/16 <= this: one pass); None:
-            default_max_groups.
+        max_groups: 16-row groups accumulated in registers per pass (TR/16 <= this: one pass).
         unroll: block units per loop iteration.
         prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetchers; None: default_prefetch).
         prefetch_locality: llvm.prefetch locality (3 = prefetcht0 into L1, 2 = prefetcht1 into L2).
@@ -456,7 +439,6 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     isa = _check_isa(isa)
     _check_act(act)
     prefetch = default_prefetch(layout) if prefetch is None else prefetch
-    max_groups = default_max_groups(layout, isa) if max_groups is None else max_groups
     if vector_bits not in (0, 256, 512):
         raise CodegenError(f"matvec: vector_bits must be 0, 256 or 512, not {vector_bits}")
     if vector_bits == 256 and isa == ISA.AVX512VNNI:

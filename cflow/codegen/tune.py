@@ -67,11 +67,10 @@ DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
 SEEDS = (DEFAULT, {**DEFAULT, "group_loop": 1})
 
 
-def default_for(layout, isa: str | None = None) -> dict:
-    """The kernel's built-in knobs for a layout on an ISA path (DEFAULT, with the prefetch distance one unit ahead for
-    a GGUF block type: kernels.default_prefetch, and fewer groups per pass on the generic path:
-    kernels.default_max_groups)."""
-    return {**DEFAULT, "prefetch": K.default_prefetch(layout), "max_groups": K.default_max_groups(layout, isa)}
+def default_for(layout) -> dict:
+    """The kernel's built-in knobs for a layout (DEFAULT, with the prefetch distance one unit ahead for a GGUF block
+    type: kernels.default_prefetch)."""
+    return {**DEFAULT, "prefetch": K.default_prefetch(layout)}
 # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent; 4: group_loop; 5: a descent per loop
 # kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache;
 # 6: a quarter and half a unit; 7: a GGUF block type's default prefetch one unit ahead (older tables: searched again)
@@ -103,7 +102,7 @@ def space(layout, isa: str | None = None) -> dict[str, tuple]:
     dist = (0, q, q + 64, h, h + 64, unit, unit + 64, 2 * unit, 2 * unit + 64, 4 * unit, 8 * unit, 16 * unit)
     sp = {"prefetch": tuple(dict.fromkeys(min(d, 1 << 17) for d in dist)),
           "prefetch_stride": (64, unit) if unit > 64 else (64,),
-          "prefetch_locality": (3, 2, 0), "unroll": (1, 2, 4), "max_groups": (8, 4, 2),
+          "prefetch_locality": (3, 2, 0), "unroll": (1, 2, 4), "max_groups": (8, 4),
           "vector_bits": (0,), "unpack": (0,), "group_loop": (0, 1)}
     if isa is not None and ISA.parse(isa).vnni and layout.dtype.quantised:
         if ISA.parse(isa) == ISA.AVX512VNNI:
@@ -139,7 +138,7 @@ def neighbours(cur: dict, layout, isa: str | None = None) -> list[dict]:
 
 def candidates(layout, isa: str | None = None) -> list[dict]:
     """The first pass of the search: the default, then each one-knob change of it."""
-    return neighbours(default_for(layout, isa), layout, isa)
+    return neighbours(default_for(layout), layout, isa)
 
 
 def label(knobs: dict) -> str:
@@ -467,7 +466,7 @@ def _shipped(layout, gate_up: bool, target) -> dict | None:
 def start_for(layout, gate_up: bool, target) -> dict:
     """Where a load starts without a cached record, and a search starts its first descent: the choice shipped for
     this host's microarchitecture family (tune_defaults), else the built-in default_for(layout)."""
-    return _shipped(layout, gate_up, target) or default_for(layout, target.isa)
+    return _shipped(layout, gate_up, target) or default_for(layout)
 
 
 def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | None = None,
@@ -484,7 +483,7 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
     nbytes = nbytes or MIN_BYTES
     wset = WeightSet(layout, gate_up, nbytes, span=stream_span(nbytes))
     log, ends = [], []
-    base, start = default_for(layout, target.isa), start_for(layout, gate_up, target)
+    base, start = default_for(layout), start_for(layout, gate_up, target)
     seeds = [start] + [_normal({**seed, "prefetch": base["prefetch"]}) for seed in SEEDS
                        if seed["group_loop"] != start["group_loop"]]
     last = 0.0  # seconds the last pass took: a pass is not started unless one as long would end by the deadline
@@ -567,7 +566,7 @@ def choices(tensors, target, search: bool = False, force: bool = False, rounds: 
         return {}
     shapes = kernel_shapes(tensors)
     return cached_choices(
-        target, shapes, _valid_choice, lambda key: default_for(shapes[key][0], target.isa),
+        target, shapes, _valid_choice, lambda key: default_for(shapes[key][0]),
         lambda shape, deadline: tune_kernel(shape[0], shape[1], target, rounds=rounds, nbytes=nbytes, passes=passes,
                                             deadline=deadline),
         lambda n: f"mat-vec kernel variants for {n} kernel shape{'s' * (n != 1)}",

@@ -91,16 +91,11 @@ def host_family() -> str:
 ISA_KNOBS = ("vector_bits", "unpack")  # what only the ISA path a choice was measured on may take
 
 
-def family_for(target) -> Family | None:
-    """The shipped family of this host (target: the code's target, whose ISA path may be forced), or None."""
-    return FAMILIES.get(host_family())
-
-
 def kernel_choice(layout, gate_up: bool, target) -> dict | None:
     """The shipped mat-vec knobs for one kernel shape on this host, with the prefetch in bytes; None: the built-in
     default (no family, a dtype the family did not measure, or a GGUF block type). On another ISA path than the
     family's the ISA's own knobs are the built-in ones."""
-    fam = family_for(target)
+    fam = FAMILIES.get(host_family())
     if fam is None or layout.is_block_type:
         return None
     label = layout.dtype.label
@@ -116,7 +111,7 @@ def kernel_choice(layout, gate_up: bool, target) -> dict | None:
     return out
 
 
-def attention_choice(kv: str, target) -> int | None:
+def attention_choice(kv: str) -> int | None:
     """The shipped attention-core prefetch distance for a KV cache type on this host (any ISA path), or None."""
-    fam = family_for(target)
+    fam = FAMILIES.get(host_family())
     return None if fam is None else fam.attention.get(kv)

@@ -522,7 +522,7 @@ def test_shipped_choice_applies_on_its_own_family_and_its_isa_knobs_on_its_path(
     monkeypatch.setattr(D, "host_family", lambda: "znver4")
     assert tune.start_for(L, False, vnni)["vector_bits"] == 256 and tune.start_for(L, False, avx2)["vector_bits"] == 0
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
-    assert D.attention_choice("f16", vnni) == 1024 and D.attention_choice("f32", vnni) is None
+    assert D.attention_choice("f16") == 1024 and D.attention_choice("f32") is None
     monkeypatch.setattr(D, "host_family", lambda: "some-future-cpu")
     assert tune.start_for(L, False, vnni) == tune.default_for(L)
     # a GGUF block type keeps its built-in prefetch (one whole block ahead)
