@@ -402,6 +402,9 @@ def main(argv=None) -> int:
         return 0
     cache = cache_dir(args.cache)
     names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in MODELS and n not in DERIVED]
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join([*MODELS, *DERIVED])})")
     if args.derived:
         names += [d for d in DERIVED if d not in names]
     records = []
