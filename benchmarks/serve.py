@@ -255,7 +255,7 @@ def run_server(which: str, path: str, batch: int, counts, args, cpu: str, hdr: s
 
 def _start_slots(be, slots, steps: int) -> None:
     """Give each slot an 8-token prompt (read to its end) and a sampler, as the engine does for a request."""
-    from cflow.serve.engine import SamplingParams
+    from cflow.serve.job import SamplingParams
 
     class _Job:  # what a backend reads of a job
         def __init__(self, ids, params):
@@ -290,7 +290,7 @@ def engine_only(which: str, path: str, batches, threads: int | None, steps: int,
     """Aggregate decode tok/s of the serving backend with every slot busy, per --max-batch; and, for each B > 1,
     one slot decoding alone: slot 0 (BatchedSlots uses the single-sequence decode step) and slot 1 (a one-slot
     batch_step, the multi-token program)."""
-    from cflow.serve.engine import load_backend
+    from cflow.serve.backends import load_backend
 
     records, base = [], None
     threads_n = threads or len(os.sched_getaffinity(0))
@@ -337,7 +337,8 @@ def engine_only(which: str, path: str, batches, threads: int | None, steps: int,
 
 async def _prompt_beside_stream(be, long_ids):
     """(longest gap of the running stream, its tokens, the new request's TTFT) while long_ids are read."""
-    from cflow.serve.engine import Engine, Job, Piece, SamplingParams
+    from cflow.serve.engine import Engine
+    from cflow.serve.job import Job, Piece, SamplingParams
 
     eng = Engine(be, max_queue=4)
     a = Job([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=len(long_ids), temperature=0.8, seed=1))
@@ -374,7 +375,7 @@ def chunked_prefill(which: str, path: str, threads: int | None, prompt_len: int,
     (the backend's piece set to the whole prompt: one prefill call, the same native calls) or one prefill block
     per loop turn (the default): the running stream's longest gap between two tokens and its tokens while the
     prompt is read, and the new request's time to first token."""
-    from cflow.serve.engine import load_backend
+    from cflow.serve.backends import load_backend
 
     records = []
     rng = random.Random(1)

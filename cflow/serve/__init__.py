@@ -1,6 +1,8 @@
 """`cflow serve`: an OpenAI-compatible HTTP server in front of one engine thread (docs/serving.md).
 
     protocol.py   OpenAI request/response models (pydantic), error JSON
+    job.py        one request in the engine: sampling parameters, events, detokenizer, stop strings
+    backends.py   who runs the model for the slots: BatchedSlots (one batched model), StreamSlots (stream per slot)
     engine.py     the engine thread: bounded queue, slots, scheduling loop at token boundaries
     app.py        the FastAPI app (completions, chat, models, health, metrics; SSE streaming)
     metrics.py    prometheus-client metrics of one engine
@@ -9,4 +11,6 @@
 Needs the `serve` extra (fastapi, uvicorn, pydantic, prometheus-client): `pip install -e ".[serve]"`.
 """
 
-from .engine import Engine, QueueFull, SamplingParams, StreamSlots, load_backend  # noqa: F401
+from .backends import StreamSlots, load_backend  # noqa: F401
+from .engine import Engine, QueueFull  # noqa: F401
+from .job import SamplingParams  # noqa: F401

@@ -26,7 +26,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CflowError
-from .engine import Engine, EngineStopped, Finish, Job, Piece, QueueFull, SamplingParams
+from .engine import Engine, EngineStopped, QueueFull
+from .job import Finish, Job, Piece, SamplingParams
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -397,7 +398,7 @@ def build_app(path: str, threads: int | None = None, max_batch: int = 1, max_que
     load_kwargs go to `cflow.load` (experts="disk", expert_cache_mb=..., weights="disk", ...)."""
     from pathlib import Path
 
-    from .engine import load_backend
+    from .backends import load_backend
     from .metrics import ServeMetrics
 
     backend = load_backend(path, threads=threads, slots=max_batch, **load_kwargs)

@@ -68,7 +68,8 @@ class SlowSlots:
 def make_app(path, *, slots=1, max_queue=64, api_key=None, delay=None, prefill_delay=0.0, model_id="m",
              instance=None, **load_kwargs):
     from cflow.serve.app import create_app
-    from cflow.serve.engine import Engine, load_backend
+    from cflow.serve.backends import load_backend
+    from cflow.serve.engine import Engine
     from cflow.serve.metrics import ServeMetrics
 
     backend = load_backend(path, threads=1, slots=slots, **load_kwargs)

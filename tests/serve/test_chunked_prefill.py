@@ -9,7 +9,9 @@ import pytest
 
 import cflow
 from cflow.errors import CflowError
-from cflow.serve.engine import Engine, Job, Piece, SamplingParams, load_backend
+from cflow.serve.backends import load_backend
+from cflow.serve.engine import Engine
+from cflow.serve.job import Job, Piece, SamplingParams
 from cflow.serve.metrics import ServeMetrics
 
 LONG = [(7 * i) % 250 + 1 for i in range(90)]

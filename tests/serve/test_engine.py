@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from cflow.serve.engine import Engine, EngineStopped, Finish, Job, Piece, QueueFull, SamplingParams, StopText
+from cflow.serve.engine import Engine, EngineStopped, QueueFull
+from cflow.serve.job import Finish, Job, Piece, SamplingParams, StopText
 from cflow.serve.template import default_chat_prompt
 
 

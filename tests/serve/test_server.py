@@ -281,7 +281,8 @@ def test_raw_sse_chat_chunks_end_with_done(text_server, ref_text):
 def test_raw_sse_error_event_then_done(tiny_path):
     """A sequence that fails during generation: an error event in OpenAI's error shape, then [DONE]."""
     from cflow.serve.app import create_app
-    from cflow.serve.engine import Engine, load_backend
+    from cflow.serve.backends import load_backend
+    from cflow.serve.engine import Engine
 
     class Failing:  # the second step raises (as a model fault would); the first token got through
         def __init__(self, inner):

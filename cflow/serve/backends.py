@@ -1,0 +1,221 @@
+"""Backends: who runs the model for the engine's slots. The engine is written against `Backend` (start /
+prefill / advance / stop over slot numbers); two classes implement it:
+
+    BatchedSlots   one model loaded with max_batch=B: a prompt is prefilled into its KV-cache slot a block at
+                   a time (`batch_start`, `batch_extend`), and one `batch_step` advances every decoding slot
+                   with one pass over the weights (batched decode)
+    StreamSlots    `CompiledModel.stream` per slot, one loaded model per slot: with one slot, exactly
+                   `m.generate`'s path (one sequence at a time behind the queue); with several, the fallback
+                   where batched decode is not available (experts or weights on disk): the slots take turns
+                   token by token, each a full weight pass; a prompt is read in one go at admission
+
+`load_backend` picks one for a number of slots. A backend is only ever called from the engine thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..errors import CflowError
+from .job import Job
+
+
+class Backend(Protocol):
+    """What the engine needs from the model, by slot number (0 .. slots-1). Called from the engine thread only.
+
+    start(slot, job):   give the slot to the job; returns how many of its prompt tokens are still to be read: 0 if
+                        start read the whole prompt itself, else the engine calls prefill until it returns 0
+    prefill(slot):      read the next piece of the slot's prompt (one native call, at most a prefill block);
+                        returns the prompt tokens still to be read
+    advance(slots):     one token for each of these slots (each with its prompt read), in order: an id, None when
+                        the sequence ended by itself (an end-of-text token, or the context is full), or the
+                        exception it raised; a slot's first advance returns the token its prompt predicts
+    stop(slot):         the slot's sequence is abandoned (finished, cancelled); the slot may be started again
+    model:              the CompiledModel whose tokenizer, context and chat template requests are checked against
+                        (read by the HTTP layer; only the engine thread runs it)
+    """
+
+    slots: int
+    model: object
+
+    def start(self, slot: int, job: Job) -> int: ...
+
+    def prefill(self, slot: int) -> int: ...
+
+    def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]: ...
+
+    def stop(self, slot: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StreamSlots:
+    """Slots over `CompiledModel.stream`: one loaded model per slot (each its own KV cache, the weights mapped
+    once by the page cache). A step advances the active slots one after another, each a full weight pass;
+    with one slot this is one sequence at a time behind the queue."""
+
+    def __init__(self, models: Sequence):
+        if not models:
+            raise CflowError("a backend needs at least one model")
+        self.models = list(models)
+        self.slots = len(self.models)
+        self._gens: dict[int, object] = {}
+        self._first: dict[int, int | None] = {}
+
+    @property
+    def model(self):
+        return self.models[0]
+
+    def start(self, slot: int, job: Job) -> int:
+        p = job.params
+        gen = self.models[slot].stream(job.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
+                                       top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=True)
+        self._gens[slot] = gen
+        self._first[slot] = next(gen, None)  # prefill and the first token, so that start is the prompt's time
+        return 0  # `stream` reads the prompt in one go (the disk tiers read it token by token anyway)
+
+    def prefill(self, slot: int) -> int:
+        return 0
+
+    def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]:
+        out: list[int | None | BaseException] = []
+        for s in slots:
+            if s in self._first:
+                out.append(self._first.pop(s))
+                continue
+            try:
+                out.append(next(self._gens[s], None))
+            except Exception as e:  # noqa: BLE001 -- handed to the engine, which fails that job only
+                out.append(e)
+        return out
+
+    def stop(self, slot: int) -> None:
+        self._first.pop(slot, None)
+        gen = self._gens.pop(slot, None)
+        if gen is not None:
+            gen.close()
+
+    def close(self) -> None:
+        for s in list(self._gens):
+            self.stop(s)
+        for m in self.models:
+            m.close()
+
+
+class BatchedSlots:
+    """Slots of one model loaded with max_batch=B (each slot its own KV cache and position): `prefill` reads a
+    prompt into its slot one prefill block per call (chunked prefill: the engine interleaves the pieces with
+    decode steps), `advance` runs one `batch_step` over every given slot that has a token to feed (or, when
+    slot 0 is the only one, the single-sequence decode step, which is faster for one token).
+    Sampling and stopping are `CompiledModel.stream`'s (the same Sampler, seed and end-of-text ids), so a
+    request's tokens are the ones `m.generate` gives for it."""
+
+    def __init__(self, model):
+        self.model = model
+        self.slots = int(model.session.n_slots)
+        self.chunk = model.prefill_block  # pieces of exactly one native call: the same calls as one batch_start
+        self._eos = frozenset(model.eos_ids)
+        self._sampler: dict[int, object] = {}
+        self._last: dict[int, int] = {}
+        self._first: dict[int, int | None] = {}
+        self._prompt: dict[int, tuple[list[int], int]] = {}  # slot -> (prompt ids, how many are read)
+
+    def _sample(self, slot: int, logits) -> int | None:
+        import numpy as np
+
+        from ..errors import RuntimeFault
+
+        top = float(np.max(logits))
+        if not math.isfinite(top):
+            raise RuntimeFault(f"the logits of slot {slot} are not finite ({top}): the model's weights or "
+                               "activations overflow")
+        tok = self._sampler[slot](logits)
+        if tok in self._eos:
+            return None
+        self._last[slot] = tok
+        return tok
+
+    def start(self, slot: int, job: Job) -> int:
+        from ..runtime.sampling import Sampler
+
+        p = job.params
+        self._sampler[slot] = Sampler(p.temperature, p.top_k, p.top_p, p.seed)
+        self._prompt[slot] = (job.prompt_ids, 0)
+        return len(job.prompt_ids)
+
+    def prefill(self, slot: int) -> int:
+        ids, done = self._prompt[slot]
+        piece = ids[done : done + self.chunk]
+        # the first piece empties the slot's KV cache; the others continue at the slot's position
+        logits = (self.model.batch_extend if done else self.model.batch_start)(piece, slot)
+        done += len(piece)
+        if done < len(ids):
+            self._prompt[slot] = (ids, done)
+            return len(ids) - done
+        del self._prompt[slot]
+        self._first[slot] = self._sample(slot, logits)
+        return 0
+
+    def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]:
+        out: dict[int, int | None | BaseException] = {}
+        feed = []
+        for s in slots:
+            if s in self._first:
+                out[s] = self._first.pop(s)
+            else:
+                feed.append(s)
+        if feed:
+            try:
+                if feed == [0]:
+                    # One sequence decoding, in slot 0 (the engine gives a request the lowest free slot, so a
+                    # lone client always lands there): the single-sequence decode step, which uses slot 0's KV
+                    # cache and position, computes bit for bit what a one-slot batch_step does
+                    # (tests/runtime/test_batch.py) without the multi-token program's per-call work (token,
+                    # slot and position bindings, the block loops). A lone sequence in another slot still goes
+                    # through batch_step: the decode step has no slot parameter.
+                    rows = [self.model.session.step(self._last[0])]
+                else:
+                    rows = self.model.batch_step([self._last[s] for s in feed], feed)
+            except Exception as e:  # noqa: BLE001 -- the step failed: every sequence in it fails, the model stays
+                rows = [e] * len(feed)
+            for s, row in zip(feed, rows):
+                if isinstance(row, BaseException):
+                    out[s] = row
+                    continue
+                try:
+                    out[s] = self._sample(s, row)
+                except Exception as e:  # noqa: BLE001
+                    out[s] = e
+        return [out[s] for s in slots]
+
+    def stop(self, slot: int) -> None:
+        for d in (self._sampler, self._last, self._first, self._prompt):
+            d.pop(slot, None)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def load_backend(path: str, threads: int | None = None, slots: int = 1, **load_kwargs) -> Backend:
+    """The backend for `slots` sequences at once: one sequence -> StreamSlots over one model (m.generate's path);
+    several -> BatchedSlots over one model loaded with max_batch=slots, or, with experts or weights on disk
+    (no batched decode there), StreamSlots over `slots` loaded models. load_kwargs go to `cflow.load`; without
+    kv= the KV cache type is load's 'auto' (f16 for Q4 / Q8 weights, f32 otherwise), as `cflow run` decodes."""
+    import cflow
+
+    if slots < 1:
+        raise CflowError(f"--max-batch must be >= 1, not {slots}")
+    disk = load_kwargs.get("experts", "ram") == "disk" or load_kwargs.get("weights", "ram") == "disk"
+    if slots > 1 and not disk:
+        return BatchedSlots(cflow.load(path, threads=threads, max_batch=slots, **load_kwargs))
+    models = []
+    try:
+        for _ in range(slots):
+            models.append(cflow.load(path, threads=threads, **load_kwargs))
+    except BaseException:
+        for m in models:
+            m.close()
+        raise
+    return StreamSlots(models)
