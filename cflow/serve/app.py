@@ -115,6 +115,236 @@ class _InstanceHeader:
         return await self.app(scope, receive, send_with_header)
 
 
+# --- errors as OpenAI's JSON ----------------------------------------------------------------------------------
+async def _api_error(request: Request, e: ApiError):
+    return e.response()
+
+
+async def _http_error(request: Request, e: StarletteHTTPException):
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}", kind), e.status_code)
+
+
+async def _bug(request: Request, e: Exception):
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
+
+
+# --- request validation ---------------------------------------------------------------------------------------
+def check_api_key(request: Request, key: bytes | None) -> None:
+    """401 unless the request carries 'Authorization: Bearer KEY' (anyone passes without a key)."""
+    if key is None:
+        return
+    got = request.headers.get("authorization", "")
+    scheme, _, token = got.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+        raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key given "
+                       "to cflow serve --api-key", "invalid_request_error", None, "invalid_api_key")
+
+
+async def read_json_object(request: Request) -> dict:
+    """The body as a JSON object: 413 past MAX_BODY bytes, 400 if it is not JSON or not an object."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > MAX_BODY:
+        raise ApiError(413, f"The request body is {int(size)} bytes; at most {MAX_BODY} are accepted.")
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > MAX_BODY:
+            raise ApiError(413, f"The request body is more than {MAX_BODY} bytes.")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" (line {e.lineno} column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ApiError(400, f"We could not parse the JSON body of your request{where}.") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"The request body must be a JSON object, not {type(data).__name__}.")
+    return data
+
+
+def validate_request(cls, data: dict, model_id: str):
+    """`data` as a `cls` request: 400 naming the field that is wrong, 404 when it asks for another model."""
+    try:
+        req = cls.model_validate(data)
+    except ValidationError as e:
+        message, param = describe_validation_error(e)
+        raise ApiError(400, message, param=param) from None
+    if req.model != model_id:
+        raise ApiError(404, f"The model '{req.model}' does not exist: this server serves '{model_id}'.",
+                       param="model", code="model_not_found")
+    return req
+
+
+def check_ids(ids: list[int], param: str, vocab: int) -> list[int]:
+    if not ids:
+        raise ApiError(400, "The prompt encodes to no tokens.", param=param)
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"Token id {bad} is out of range 0..{vocab - 1}.", param=param)
+    return ids
+
+
+def sampling_params(req, n_prompt: int, context: int, default_max: int | None, param: str) -> SamplingParams:
+    """The request's sampling; max_tokens defaults to min(default_max, the room left in the context)."""
+    if n_prompt >= context:
+        raise ApiError(400, f"The prompt is {n_prompt} tokens long; this model's maximum context length is "
+                       f"{context} tokens, which leaves no room for a completion.", param=param,
+                       code="context_length_exceeded")
+    room = context - n_prompt
+    if req.max_tokens is None:
+        max_tokens = room if default_max is None else min(default_max, room)
+    elif req.max_tokens > room:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                       f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the prompt, {req.max_tokens} for the "
+                       "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+    else:
+        max_tokens = req.max_tokens
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+                          stops=req.stops)
+
+
+# --- the endpoints --------------------------------------------------------------------------------------------
+class Routes:
+    """The endpoints of one app: one engine, and the model its slots run (tokenizer, context, chat template)."""
+
+    def __init__(self, engine: Engine, model, model_id: str, api_key: str | None, metrics, instance: str | None):
+        self.engine, self.model, self.model_id = engine, model, model_id
+        self.key = api_key.encode() if api_key else None
+        self.metrics, self.instance = metrics, instance
+        self.created = int(time.time())
+        self.context = int(model.session.max_seq)
+        self.vocab = int(model.config.vocab_size)
+
+    def register(self, app: FastAPI) -> None:
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        app.get("/v1/models")(self.models)
+        app.get("/v1/models/{name:path}")(self.one_model)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+
+    # --- helpers of the handlers --------------------------------------------------------------------------
+    async def parse(self, request: Request, cls):
+        return validate_request(cls, await read_json_object(request), self.model_id)
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.model.tokenizer is None:
+            from ..runtime.tokenizer import parse_id_prompt
+
+            try:
+                return check_ids(parse_id_prompt(text, self.vocab), param, self.vocab)
+            except CflowError as e:
+                raise ApiError(400, f"{e}.", param=param) from None
+        return check_ids(self.model.tokenizer.encode(text), param, self.vocab)
+
+    def submit(self, ids: list[int], params: SamplingParams) -> Job:
+        job = Job(ids, params, self.model.tokenizer)
+        try:
+            self.engine.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, str(e), "rate_limit_error", None, "queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        except EngineStopped as e:
+            raise ApiError(503, str(e), "server_error", None, "engine_stopped") from None
+        return job
+
+    async def collect(self, job: Job, request: Request) -> tuple[str, Finish]:
+        """All of a job's text; a client that leaves cancels it."""
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.engine.cancel(job)
+
+        watcher = asyncio.create_task(watch())
+        parts: list[str] = []
+        try:
+            async for ev in job.events():
+                if isinstance(ev, Piece):
+                    parts.append(ev.text)
+                else:
+                    fin = ev
+        finally:
+            watcher.cancel()
+            self.engine.cancel(job)
+        if fin.reason == "error":
+            raise ApiError(500, f"generation failed: {fin.error}", "server_error")
+        return "".join(parts), fin
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.model_id, created=self.created, max_model_len=self.context)
+
+    # --- handlers -----------------------------------------------------------------------------------------
+    async def health(self):
+        st = self.engine.stats()
+        body = {"status": "ok" if st.alive else "error", "model": self.model_id, "waiting": st.waiting,
+                "active": st.active, "slots": st.slots}
+        if self.instance:
+            body["instance"] = self.instance
+        return JSONResponse(body, 200 if st.alive else 503)
+
+    async def prometheus(self):
+        if self.metrics is None:
+            raise ApiError(404, "metrics are off", "not_found_error")
+        from .metrics import CONTENT_TYPE
+
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request):
+        check_api_key(request, self.key)
+        return JSONResponse(ModelList(data=[self.card()]).model_dump())
+
+    async def one_model(self, name: str, request: Request):
+        check_api_key(request, self.key)
+        if name != self.model_id:
+            raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+        return JSONResponse(self.card().model_dump())
+
+    async def completions(self, request: Request):
+        check_api_key(request, self.key)
+        req = await self.parse(request, CompletionRequest)
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            ids = self.encode(prompt, "prompt")
+        else:
+            ids = check_ids(list(prompt), "prompt", self.vocab)
+        job = self.submit(ids, sampling_params(req, len(ids), self.context, DEFAULT_COMPLETION_TOKENS, "prompt"))
+        rid, now, model_id = new_id("cmpl"), int(time.time()), self.model_id
+        if req.stream:
+            return EventStream(_completion_events(job, self.engine, rid, now, model_id, req.include_usage))
+        text, fin = await self.collect(job, request)
+        return JSONResponse(CompletionResponse(id=rid, created=now, model=model_id, usage=_usage(fin), choices=[
+            CompletionChoice(text=text, finish_reason=fin.reason)]).model_dump())
+
+    async def chat_completions(self, request: Request):
+        check_api_key(request, self.key)
+        req = await self.parse(request, ChatCompletionRequest)
+        if self.model.tokenizer is None:
+            raise ApiError(400, "This model has no tokenizer, so it cannot read chat messages: use /v1/completions "
+                           "with token ids.", param="messages", code="no_tokenizer")
+        try:
+            chat = chat_prompt(self.model, [(m.role, m.text) for m in req.messages])
+        except CflowError as e:  # the model's template refused these messages (e.g. roles out of order)
+            raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
+        if isinstance(chat.prompt, str):
+            ids = self.encode(chat.prompt, "messages")
+        else:
+            ids = check_ids(chat.prompt, "messages", self.vocab)
+        params = sampling_params(req, len(ids), self.context, None, "messages")
+        if chat.stops or chat.stop_ids:
+            params = dataclasses.replace(params, stops=tuple(dict.fromkeys(params.stops + chat.stops)),
+                                         stop_ids=chat.stop_ids)
+        job = self.submit(ids, params)
+        rid, now, model_id = new_id("chatcmpl"), int(time.time()), self.model_id
+        if req.stream:
+            return EventStream(_chat_events(job, self.engine, rid, now, model_id, req.include_usage))
+        text, fin = await self.collect(job, request)
+        return JSONResponse(ChatCompletionResponse(id=rid, created=now, model=model_id, usage=_usage(fin), choices=[
+            ChatChoice(message=AssistantMessage(content=text), finish_reason=fin.reason)]).model_dump())
+
+
 def create_app(engine: Engine, model, model_id: str, api_key: str | None = None, metrics=None,
                instance: str | None = None, owns_engine: bool = False) -> FastAPI:
     """The app for `engine`, whose slots run `model` (a CompiledModel: tokenizer, context, chat template).
@@ -131,206 +361,13 @@ def create_app(engine: Engine, model, model_id: str, api_key: str | None = None,
     app = FastAPI(title="cflow", summary="OpenAI-compatible server of a compiled cflow model", docs_url="/docs",
                   redoc_url=None, lifespan=lifespan)
     app.state.engine, app.state.model, app.state.model_id = engine, model, model_id
-    created = int(time.time())
-    context = int(model.session.max_seq)
-    vocab = int(model.config.vocab_size)
-    key = api_key.encode() if api_key else None
+    routes = Routes(engine, model, model_id, api_key, metrics, instance)
     if instance:
         app.add_middleware(_InstanceHeader, instance=instance)
-
-    # --- errors ---------------------------------------------------------------------------------------
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}", kind), e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
-
-    def authorize(request: Request) -> None:
-        if key is None:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
-            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key given "
-                           "to cflow serve --api-key", "invalid_request_error", None, "invalid_api_key")
-
-    async def parse(request: Request, cls):
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > MAX_BODY:
-            raise ApiError(413, f"The request body is {int(size)} bytes; at most {MAX_BODY} are accepted.")
-        chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > MAX_BODY:
-                raise ApiError(413, f"The request body is more than {MAX_BODY} bytes.")
-            chunks.append(chunk)
-        body = b"".join(chunks)
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            where = f" (line {e.lineno} column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
-            raise ApiError(400, f"We could not parse the JSON body of your request{where}.") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, f"The request body must be a JSON object, not {type(data).__name__}.")
-        try:
-            req = cls.model_validate(data)
-        except ValidationError as e:
-            message, param = describe_validation_error(e)
-            raise ApiError(400, message, param=param) from None
-        if req.model != model_id:
-            raise ApiError(404, f"The model '{req.model}' does not exist: this server serves '{model_id}'.",
-                           param="model", code="model_not_found")
-        return req
-
-    # --- prompts --------------------------------------------------------------------------------------
-    def check_ids(ids: list[int], param: str) -> list[int]:
-        if not ids:
-            raise ApiError(400, "The prompt encodes to no tokens.", param=param)
-        bad = next((i for i in ids if not 0 <= i < vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"Token id {bad} is out of range 0..{vocab - 1}.", param=param)
-        return ids
-
-    def encode(text: str, param: str) -> list[int]:
-        if model.tokenizer is None:
-            from ..runtime.tokenizer import parse_id_prompt
-
-            try:
-                return check_ids(parse_id_prompt(text, vocab), param)
-            except CflowError as e:
-                raise ApiError(400, f"{e}.", param=param) from None
-        return check_ids(model.tokenizer.encode(text), param)
-
-    def sampling(req, n_prompt: int, default_max: int | None, param: str) -> SamplingParams:
-        if n_prompt >= context:
-            raise ApiError(400, f"The prompt is {n_prompt} tokens long; this model's maximum context length is "
-                           f"{context} tokens, which leaves no room for a completion.", param=param,
-                           code="context_length_exceeded")
-        room = context - n_prompt
-        if req.max_tokens is None:
-            max_tokens = room if default_max is None else min(default_max, room)
-        elif req.max_tokens > room:
-            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
-                           f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the prompt, {req.max_tokens} for the "
-                           "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
-                           code="context_length_exceeded")
-        else:
-            max_tokens = req.max_tokens
-        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
-                              stops=req.stops)
-
-    def submit(ids: list[int], params: SamplingParams) -> Job:
-        job = Job(ids, params, model.tokenizer)
-        try:
-            engine.submit(job)
-        except QueueFull as e:
-            raise ApiError(429, str(e), "rate_limit_error", None, "queue_full",
-                           headers={"Retry-After": str(e.retry_after)}) from None
-        except EngineStopped as e:
-            raise ApiError(503, str(e), "server_error", None, "engine_stopped") from None
-        return job
-
-    async def collect(job: Job, request: Request) -> tuple[str, Finish]:
-        """All of a job's text; a client that leaves cancels it."""
-        async def watch():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            engine.cancel(job)
-
-        watcher = asyncio.create_task(watch())
-        parts: list[str] = []
-        try:
-            async for ev in job.events():
-                if isinstance(ev, Piece):
-                    parts.append(ev.text)
-                else:
-                    fin = ev
-        finally:
-            watcher.cancel()
-            engine.cancel(job)
-        if fin.reason == "error":
-            raise ApiError(500, f"generation failed: {fin.error}", "server_error")
-        return "".join(parts), fin
-
-    # --- endpoints ------------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        st = engine.stats()
-        body = {"status": "ok" if st.alive else "error", "model": model_id, "waiting": st.waiting,
-                "active": st.active, "slots": st.slots}
-        if instance:
-            body["instance"] = instance
-        return JSONResponse(body, 200 if st.alive else 503)
-
-    @app.get("/metrics")
-    async def prometheus():
-        if metrics is None:
-            raise ApiError(404, "metrics are off", "not_found_error")
-        from .metrics import CONTENT_TYPE
-
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    def card() -> ModelCard:
-        return ModelCard(id=model_id, created=created, max_model_len=context)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
-        return JSONResponse(ModelList(data=[card()]).model_dump())
-
-    @app.get("/v1/models/{name:path}")
-    async def one_model(name: str, request: Request):
-        authorize(request)
-        if name != model_id:
-            raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
-        return JSONResponse(card().model_dump())
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        authorize(request)
-        req = await parse(request, CompletionRequest)
-        prompt = req.prompt
-        ids = encode(prompt, "prompt") if isinstance(prompt, str) else check_ids(list(prompt), "prompt")
-        job = submit(ids, sampling(req, len(ids), DEFAULT_COMPLETION_TOKENS, "prompt"))
-        rid, now = new_id("cmpl"), int(time.time())
-        if req.stream:
-            return EventStream(_completion_events(job, engine, rid, now, model_id, req.include_usage))
-        text, fin = await collect(job, request)
-        return JSONResponse(CompletionResponse(id=rid, created=now, model=model_id, usage=_usage(fin), choices=[
-            CompletionChoice(text=text, finish_reason=fin.reason)]).model_dump())
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        authorize(request)
-        req = await parse(request, ChatCompletionRequest)
-        if model.tokenizer is None:
-            raise ApiError(400, "This model has no tokenizer, so it cannot read chat messages: use /v1/completions "
-                           "with token ids.", param="messages", code="no_tokenizer")
-        try:
-            chat = chat_prompt(model, [(m.role, m.text) for m in req.messages])
-        except CflowError as e:  # the model's template refused these messages (e.g. roles out of order)
-            raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
-        ids = encode(chat.prompt, "messages") if isinstance(chat.prompt, str) else check_ids(chat.prompt, "messages")
-        params = sampling(req, len(ids), None, "messages")
-        if chat.stops or chat.stop_ids:
-            params = dataclasses.replace(params, stops=tuple(dict.fromkeys(params.stops + chat.stops)),
-                                         stop_ids=chat.stop_ids)
-        job = submit(ids, params)
-        rid, now = new_id("chatcmpl"), int(time.time())
-        if req.stream:
-            return EventStream(_chat_events(job, engine, rid, now, model_id, req.include_usage))
-        text, fin = await collect(job, request)
-        return JSONResponse(ChatCompletionResponse(id=rid, created=now, model=model_id, usage=_usage(fin), choices=[
-            ChatChoice(message=AssistantMessage(content=text), finish_reason=fin.reason)]).model_dump())
-
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _bug)
+    routes.register(app)
     return app
 
 
