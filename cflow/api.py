@@ -86,7 +86,7 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str | None = No
 def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
          experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async",
          weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64, max_batch: int = 1,
-         kv: str = "auto") -> CompiledModel:
+         kv: str = "auto", draft=None) -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
@@ -107,15 +107,24 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
             'bf16' (as many bytes, f32's range; attention's q.k and weighted sum as bf16 dot products), or
             'auto' (default): f16 for Q4 / Q8 weights, where it measured equal in perplexity, f32 for f16 / f32
             weights (runtime.session.resolve_kv). `CompiledModel.kv` is the type in use.
+        draft: a smaller compiled model of the same vocabulary (a path, or a loaded CompiledModel) that drafts
+            tokens for `speculate="draft"` (runtime/speculate.py); loaded with the same threads.
     """
     from .runtime.session import Session
 
     p = Path(path)
     if not p.is_file():
         raise CflowError(f"{p}: no such file")
-    return CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
-                                 expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
-                                 read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch, kv=kv))
+    m = CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
+                              expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
+                              read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch, kv=kv))
+    if draft is not None:
+        try:
+            m.set_draft(draft if isinstance(draft, CompiledModel) else load(draft, threads=m.threads))
+        except BaseException:
+            m.close()
+            raise
+    return m
 
 
 class CompiledModel:
@@ -145,6 +154,9 @@ class CompiledModel:
         self._ctx: list[int] = []  # the tokens whose keys and values the session's KV cache holds, in order
         self.reused_tokens = 0  # prompt tokens the last generation found in the KV cache (a chat's earlier turns)
         self._eot: frozenset | None = None
+        self.draft: CompiledModel | None = None  # drafts for speculate="draft" (set_draft)
+        self._ngrams = None  # prompt lookup's table, shared by this model's streams (speculate="ngram")
+        self.speculation = None  # the last speculative generation's Speculation: acceptance, passes
 
     # --- introspection ----------------------------------------------------------------------
     @property
@@ -293,18 +305,49 @@ class CompiledModel:
         return logits
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, stop: bool = True) -> Iterator:
+               top_p: float = 1.0, seed: int | None = None, stop: bool = True,
+               speculate: str | None = None) -> Iterator:
         """Yield new tokens as they come: text pieces for a text prompt with a tokenizer, else ids.
 
+        speculate: None (plain decode), "ngram" (prompt lookup drafts) or "draft" (the draft model of
+        load(..., draft=)): the same tokens greedily, the same distribution sampled, faster when drafts stand.
         The arguments are checked here (check_request); the model is held from the first token on."""
         ids = self.check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed)
-        return self._stream(prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop)
+        self._check_speculate(speculate)
+        return self._stream(prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, speculate=speculate)
+
+    def set_draft(self, draft: CompiledModel) -> None:
+        """Use `draft` (a loaded model with this model's vocabulary) for speculate="draft"."""
+        if draft.config.vocab_size != self.config.vocab_size:
+            raise CflowError(f"draft model {draft.path}: vocabulary of {draft.config.vocab_size} tokens, this model "
+                             f"has {self.config.vocab_size}: a draft must share the tokenizer")
+        if self.tokenizer is not None and draft.tokenizer is not None:
+            probe = "The quick brown fox, 12 + 30 = 42;\n\tdef f(x): return x  # ünïcode"
+            if self.tokenizer.encode(probe) != draft.tokenizer.encode(probe):
+                raise CflowError(f"draft model {draft.path}: its tokenizer encodes text differently from this "
+                                 "model's: a draft must share the tokenizer")
+        self.draft = draft
+
+    def _check_speculate(self, speculate) -> None:
+        if speculate not in (None, "ngram", "draft"):
+            raise CflowError(f"speculate must be None, 'ngram' or 'draft', not {_short(speculate)}")
+        if speculate is None:
+            return
+        if self.session.tmax < 2:
+            raise CflowError("speculative decoding checks drafts with the multi-token body: load with "
+                             "prefill_block >= 2 and the weights in RAM")
+        if speculate == "draft" and self.draft is None:
+            raise CflowError("speculate='draft' needs a draft model: load(path, draft='small.vflow')")
 
     def _stream(self, prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, reuse: bool = False,
-                stop_ids: frozenset = frozenset()) -> Iterator:
+                stop_ids: frozenset = frozenset(), speculate: str | None = None) -> Iterator:
         from .runtime.sampling import Sampler
 
         sampler = Sampler(temperature, top_k, top_p, seed)
+        if speculate is not None:
+            yield from self._speculative(prompt, ids, max_new_tokens, sampler, seed, stop, reuse, stop_ids,
+                                         speculate)
+            return
         text_mode = isinstance(prompt, str) and self.tokenizer is not None
         dec = None
         if text_mode:
@@ -315,10 +358,7 @@ class CompiledModel:
         with self._generation() as s:
             logits = self._feed(s, ids, reuse)
             for i in range(max_new_tokens):
-                top = float(np.max(logits))
-                if not math.isfinite(top):  # NaN or +Inf: overflowing weights or activations (a crafted file)
-                    raise RuntimeFault(f"{self.path}: the logits at position {s.pos} are not finite ({top}): the "
-                                       "model's weights or activations overflow")
+                self._finite(logits, s.pos)
                 tok = sampler(logits)
                 if stop and tok in stops:
                     return
@@ -330,10 +370,58 @@ class CompiledModel:
                 logits = s.step(tok)
                 self._ctx.append(tok)
 
+    def _finite(self, logits: np.ndarray, pos: int) -> None:
+        top = float(np.max(logits))
+        if not math.isfinite(top):  # NaN or +Inf: overflowing weights or activations (a crafted file)
+            raise RuntimeFault(f"{self.path}: the logits at position {pos} are not finite ({top}): the "
+                               "model's weights or activations overflow")
+
+    def _speculative(self, prompt, ids, max_new_tokens, sampler, seed, stop, reuse, stop_ids, speculate):
+        from .runtime import speculate as sp
+        from .runtime.sampling import Sampler
+
+        if speculate == "ngram":
+            if self._ngrams is None:
+                self._ngrams = sp.NgramTable()
+            drafter = sp.NgramDrafter(self._ngrams)
+        else:
+            draft_seed = None if seed is None else (int(seed) * 0x9E3779B1 + 1) % 2**64  # its own stream of draws
+            drafter = sp.ModelDrafter(self.draft.session, Sampler(sampler.temperature, sampler.top_k,
+                                                                  sampler.top_p, draft_seed))
+        spec = self.speculation = sp.Speculation()
+        text_mode = isinstance(prompt, str) and self.tokenizer is not None
+        dec = None
+        if text_mode:
+            from .runtime.tokenizer import StreamDecoder
+
+            dec = StreamDecoder(self.tokenizer, ids[-16:] if reuse else ids)
+        stops = self.eos_ids | stop_ids
+        draft_lock = self.draft._generation() if speculate == "draft" else contextlib.nullcontext()
+        with self._generation() as s, draft_lock:
+            logits = self._feed(s, ids, reuse)
+            out = list(ids)
+
+            def check(rows):
+                if self._closed:
+                    raise CflowError(f"{self.path}: the model was closed during this stream")
+                self._finite(rows, s.pos)
+
+            tokens = sp.decode(s, logits, sampler, drafter, spec, list(ids), max_new_tokens, check)
+            try:
+                for tok in tokens:
+                    if stop and tok in stops:
+                        return
+                    out.append(tok)
+                    yield dec.push(tok) if text_mode else tok
+            finally:
+                tokens.close()
+                self._ctx = out[: s.pos]  # what the KV cache holds: the fed prefix of prompt and output
+
     def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop: bool = True):
-        """The continuation: a string for a text prompt (with a tokenizer), else a list of new token ids."""
-        out = list(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop))
+                 top_p: float = 1.0, seed: int | None = None, stop: bool = True, speculate: str | None = None):
+        """The continuation: a string for a text prompt (with a tokenizer), else a list of new token ids.
+        speculate: see stream()."""
+        out = list(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, speculate))
         if isinstance(prompt, str) and self.tokenizer is not None:
             return "".join(out)
         return out
@@ -462,7 +550,8 @@ class CompiledModel:
         return chat_prompt
 
     def stream_chat(self, messages, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, seed: int | None = None, stop: bool = True, **template_kwargs) -> Iterator[str]:
+                    top_p: float = 1.0, seed: int | None = None, stop: bool = True, speculate: str | None = None,
+                    **template_kwargs) -> Iterator[str]:
         """Yield the assistant's reply to `messages` as text pieces; stops at the template's end-of-turn token
         (or an eos). The KV cache keeps the conversation: a follow-up call whose rendered prompt extends the
         previous one (plus the reply) feeds only the new tokens."""
@@ -473,15 +562,18 @@ class CompiledModel:
             raise CflowError("the chat prompt encodes to no tokens")
         n = min(max_new_tokens, self.session.max_seq - len(ids) + 1)
         self.check_request(ids, max(n, 0), temperature, top_k, top_p, seed)
+        self._check_speculate(speculate)
         if self._eot is None:
             self._eot = frozenset(t.end_of_turn_ids(self.tokenizer))
-        return self._stream(text, ids, n, temperature, top_k, top_p, seed, stop, reuse=True, stop_ids=self._eot)
+        return self._stream(text, ids, n, temperature, top_k, top_p, seed, stop, reuse=True, stop_ids=self._eot,
+                            speculate=speculate)
 
     def chat(self, messages, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None, stop: bool = True, **template_kwargs) -> str:
+             top_p: float = 1.0, seed: int | None = None, stop: bool = True, speculate: str | None = None,
+             **template_kwargs) -> str:
         """The assistant's reply to `messages` (see stream_chat)."""
         return "".join(self.stream_chat(messages, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                                        **template_kwargs))
+                                        speculate, **template_kwargs))
 
     def close(self) -> None:
         """Free the worker threads and buffers; waits for another thread's running generation. A stream still

@@ -42,11 +42,16 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         """The next token: the argmax if greedy, else one draw (a single uniform number) from the distribution."""
+        return self.draw(logits, None if self.greedy else self.rng.random())
+
+    def draw(self, logits: np.ndarray, u: float | None) -> int:
+        """The token uniform `u` in [0, 1) selects (the argmax if greedy): __call__ with its uniform given, so
+        that a caller can tie each generated position to its own draw (speculative decoding)."""
         x = _vector(logits)
         if self.greedy:
             return int(np.argmax(x))  # ties: the lowest id
         ids, w = self._support(x)
-        i = _pick(w, self.rng.random())
+        i = _pick(w, u)
         return i if ids is None else int(ids[i])
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:

@@ -1,0 +1,303 @@
+"""Speculative decoding: draft a few tokens cheaply, check them all in one pass of the multi-token body.
+
+A decode step reads every weight once for one token; the multi-token body (the prompt's) reads them once for a
+block, so checking k drafted tokens costs about one step while it can emit up to k + 1 tokens. The pass feeds
+the pending token and the drafts, [t, d1 .. dk], and returns the logits after each; draft d(i+1) stands if it is
+what the model itself would have chosen after t, d1 .. di, and the first one that is not is replaced by the
+model's own choice. The KV cache keeps the positions of the tokens that stood; the rest are overwritten later.
+
+Exactness. The block's rows are bitwise those of single steps (tests/runtime/test_prefill.py), and every
+generated position draws with its own uniform, the one plain decode would use there (`Uniforms`). With greedy
+decoding or deterministic drafts (prompt lookup), each position's token is the model's own, computed exactly as
+plain decode computes it, and a draft stands when it equals that token: the output is plain decode's, token for
+token, for the same seed, whatever was drafted. Drafts a draft model samples from its distribution q follow the
+standard rejection rule (Leviathan et al.; Chen et al.): d stands with probability min(1, p(d) / q(d)), a fallen
+one is replaced by a draw from max(p - q, 0) renormalised, so every token is distributed as plain sampling's.
+
+Drafters:
+- `NgramDrafter` (prompt lookup): the tokens that followed the latest earlier occurrence of the longest suffix
+  of the text so far (prompt and generated), backed by `NgramTable`, a bounded table shared across requests.
+- `ModelDrafter`: a smaller compiled model with the same tokenizer, its own KV cache kept in step.
+
+`Speculation` (one per stream) adapts the draft length to the acceptance and turns itself off while drafting
+does not pay: it times its passes against plain steps and pauses for a growing number of steps when the
+emitted tokens per second of its passes fall below the plain steps' (a paused stream decodes exactly as
+without speculation). Greedy output does not depend on those decisions; only the speed does.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from ..errors import CflowError
+from .sampling import Sampler
+
+MAX_DRAFT = 8  # drafted tokens per pass at most (the block's cost grows past ~8 tokens on 2 cores)
+NGRAM_MAX = 4  # longest suffix prompt lookup tries to match
+TABLE_N = 3  # the shared table's key length
+TABLE_ENTRIES = 1 << 16  # shared table size bound (least recently used entries go first)
+PAUSE_STEPS = 16  # plain steps after drafting stopped paying, doubled at each further loss, up to PAUSE_MAX
+PAUSE_MAX = 1024
+RETIME = 32  # drafting passes between two timed plain steps (what drafting is compared with)
+EMA = 0.2  # weight of the newest pass in the running timings and acceptance
+
+
+class NgramTable:
+    """Continuations seen after TABLE_N-token keys, shared by the streams of one model (bounded, LRU)."""
+
+    def __init__(self, entries: int = TABLE_ENTRIES):
+        self.entries = entries
+        self._d: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def learn(self, ids: list[int], k: int = MAX_DRAFT) -> None:
+        """Record what followed each key in `ids` (a finished text: its prompt and what was generated)."""
+        d = self._d
+        for i in range(TABLE_N, len(ids)):
+            key = tuple(ids[i - TABLE_N : i])
+            d[key] = tuple(ids[i : i + k])
+            d.move_to_end(key)
+        while len(d) > self.entries:
+            d.popitem(last=False)
+
+    def get(self, key: tuple) -> tuple:
+        cont = self._d.get(key, ())
+        if cont:
+            self._d.move_to_end(key)
+        return cont
+
+
+class NgramDrafter:
+    """Prompt lookup over one stream's text, incrementally indexed: for each n <= NGRAM_MAX, the latest position
+    that followed each n-gram. The longest suffix with an earlier occurrence proposes what came after it."""
+
+    deterministic = True
+
+    def __init__(self, table: NgramTable | None = None, max_n: int = NGRAM_MAX):
+        self.table, self.max_n = table, max_n
+        self._index: list[dict[tuple, int]] = [{} for _ in range(max_n + 1)]
+        self._ids: list[int] = []
+        self._done = 0  # continuation starts indexed so far: positions 1 .. _done - 1 ... (see _extend)
+
+    def start(self, ids: list[int]) -> None:
+        self._index = [{} for _ in range(self.max_n + 1)]
+        self._ids, self._done = [], 0
+        self._extend(ids)
+
+    def _extend(self, ids: list[int]) -> None:
+        self._ids.extend(ids)
+        s = self._ids
+        # position i (a continuation start) is indexed once a token follows it: i <= len - 1
+        for i in range(max(self._done, 1), len(s)):
+            for n in range(1, min(self.max_n, i) + 1):
+                self._index[n][tuple(s[i - n : i])] = i
+        self._done = max(self._done, len(s))
+
+    def accept(self, ids: list[int]) -> None:
+        """Tokens appended to the stream's text (emitted)."""
+        self._extend(ids)
+
+    def propose(self, k: int) -> tuple[list[int], None]:
+        s = self._ids
+        for n in range(min(self.max_n, len(s)), 0, -1):
+            if n == TABLE_N - 1 and self.table is not None:  # no long local match: the shared table first
+                cont = self.table.get(tuple(s[-TABLE_N:]))
+                if cont:
+                    return list(cont[:k]), None
+            i = self._index[n].get(tuple(s[-n:]))
+            if i is not None:
+                return s[i : i + k], None
+        return [], None
+
+    def finish(self) -> None:
+        if self.table is not None:
+            self.table.learn(self._ids)
+
+
+class ModelDrafter:
+    """A smaller model of the same vocabulary drafts greedily (or by sampling, for a sampled stream), with its
+    own KV cache kept to the stream's text: only tokens it has not seen are fed before each draft."""
+
+    deterministic = False
+
+    def __init__(self, session, sampler: Sampler):
+        self.s = session
+        self.sampler = sampler
+        self.deterministic = sampler.greedy
+        self._ids: list[int] = []  # the stream's text
+        self._held: list[int] = []  # the tokens whose keys and values the draft's KV cache holds
+
+    def start(self, ids: list[int]) -> None:
+        self._ids, self._held = list(ids), []
+        self.s.reset()
+
+    def accept(self, ids: list[int]) -> None:
+        self._ids.extend(ids)
+
+    def propose(self, k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        ids, s = self._ids, self.s
+        k = min(k, s.max_seq - len(ids))
+        if k <= 0 or not ids:
+            return [], None
+        common = 0
+        n = min(len(self._held), len(ids) - 1)  # at least one token fed, for its logits
+        while common < n and self._held[common] == ids[common]:
+            common += 1
+        s.pos = common
+        logits = s.prefill(ids[common:])
+        out, qs = [], []
+        for i in range(k):
+            if self.deterministic:
+                t = int(np.argmax(logits))
+            else:
+                qs.append(self.sampler.probabilities(logits))
+                t = int(self.sampler.rng.choice(qs[-1].size, p=qs[-1]))
+            out.append(t)
+            if i + 1 < k:
+                logits = s.step(t)
+        self._held = ids + out[:-1]
+        return out, (None if self.deterministic else qs)
+
+    def finish(self) -> None:
+        pass
+
+
+class Speculation:
+    """The draft length and the on/off decision for one stream, from its own acceptance and timings."""
+
+    def __init__(self, k: int = 4, k_max: int = MAX_DRAFT, clock: Callable[[], float] = time.perf_counter):
+        self.k, self.k_max, self.clock = k, k_max, clock
+        self.step_s: float | None = None  # running time of a plain step
+        self.pass_rate: float | None = None  # running emitted tokens per second of drafting passes
+        self.pause = 0  # plain steps left before drafting again
+        self._since_step = 0  # drafting passes since the last timed plain step
+        self.losses = 0
+        self.proposed = self.accepted = self.passes = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def length(self) -> int:
+        """Tokens to draft for the next pass; 0 = a plain step (paused, or a plain step is due to be timed)."""
+        if self.pause:
+            self.pause -= 1
+            return 0
+        if self.step_s is None or self._since_step >= RETIME:
+            self._since_step = 0
+            return 0
+        self._since_step += 1
+        return self.k
+
+    def stepped(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else (1 - EMA) * self.step_s + EMA * seconds
+
+    def checked(self, drafted: int, stood: int, seconds: float) -> None:
+        """One pass: `drafted` tokens proposed, `stood` of them accepted, in `seconds` (drafting included)."""
+        self.proposed += drafted
+        self.accepted += stood
+        self.passes += 1
+        self.k = min(self.k_max, self.k + 1) if stood == drafted else max(1, min(self.k, stood + 1))
+        rate = (stood + 1) / seconds
+        self.pass_rate = rate if self.pass_rate is None else (1 - EMA) * self.pass_rate + EMA * rate
+        if self.step_s is not None and self.passes >= 3 and self.pass_rate * self.step_s < 1.0:
+            self.losses += 1
+            self.pause = min(PAUSE_MAX, PAUSE_STEPS << (self.losses - 1))
+            self.pass_rate = None  # judged afresh after the pause
+        elif self.pass_rate * (self.step_s or 0.0) >= 1.0:
+            self.losses = max(0, self.losses - 1)
+
+
+class Uniforms:
+    """The sampler's uniforms by generated position: the n-th token uses the n-th number its generator gives,
+    as in plain decode, however many passes and drafts it took to reach it."""
+
+    def __init__(self, sampler: Sampler):
+        self.rng, self._u = sampler.rng, []
+
+    def __getitem__(self, n: int) -> float:
+        while len(self._u) <= n:
+            self._u.append(self.rng.random())
+        return self._u[n]
+
+
+def verify(rows: np.ndarray, drafts: list[int], qs, sampler: Sampler, u: Uniforms | None = None,
+           n: int = 0) -> tuple[int, int]:
+    """(drafts that stand, the next token): rows[i] are the logits after the pending token and drafts[:i], the
+    first of them the model's n-th generated position.
+
+    Deterministic drafts (qs None): the model's own token at each position, drawn with that position's uniform
+    `u[n + i]` exactly as plain decode draws it; a draft stands when it is that token (probability p(d), as the
+    rejection rule with q = one-hot(d)), so the output is plain decode's, token for token, for the same seed.
+    Drafts drawn from q (a sampling draft model): the rejection rule, with the sampler's generator."""
+    for i, d in enumerate(drafts):
+        if qs is None:
+            t = sampler.draw(rows[i], None if sampler.greedy else u[n + i])
+            if t != d:
+                return i, t
+            continue
+        p = sampler.probabilities(rows[i])
+        if sampler.rng.random() * qs[i][d] < p[d]:  # accept with probability min(1, p(d) / q(d))
+            continue
+        r = np.maximum(p - qs[i], 0.0)
+        total = r.sum()
+        if total <= 0.0:  # p <= q everywhere means p == q: nothing to correct towards
+            r, total = p, p.sum()
+        return i, int(sampler.rng.choice(r.size, p=r / total))
+    k = len(drafts)
+    if qs is None:
+        return k, sampler.draw(rows[k], None if sampler.greedy else u[n + k])
+    return k, sampler(rows[k])
+
+
+def decode(s, logits: np.ndarray, sampler: Sampler, drafter, spec: Speculation, ids: list[int],
+           max_new: int, check: Callable[[np.ndarray], None] = lambda rows: None) -> Iterator[int]:
+    """Yield up to `max_new` tokens after `ids` (fed; `logits` the last row) on session `s`, drafting with
+    `drafter`; `check(logits)` runs on every pass's logits before they are used (and may raise). Whenever the
+    consumer stops, s.pos counts exactly the tokens whose keys and values the cache holds: a prefix of ids and
+    the emitted tokens."""
+    drafter.start(ids)
+    tmax = s.tmax
+    if tmax < 2:
+        raise CflowError("speculative decoding needs the multi-token body (prefill_block >= 2, weights in RAM)")
+    uniforms = Uniforms(sampler)
+    check(logits)
+    tok = sampler.draw(logits, None if sampler.greedy else uniforms[0])
+    emitted = 0
+    try:
+        while True:
+            yield tok
+            emitted += 1
+            drafter.accept([tok])
+            left = max_new - emitted
+            if left <= 0:
+                return
+            k = min(spec.length(), left - 1, tmax - 1, s.max_seq - s.pos - 1)
+            t0 = spec.clock()
+            drafts, qs = drafter.propose(k) if k > 0 else ([], None)
+            drafts, qs = drafts[:k], (qs[:k] if qs is not None else None)
+            if not drafts:
+                logits = s.step(tok)
+                spec.stepped(spec.clock() - t0)
+                check(logits)
+                tok = sampler.draw(logits, None if sampler.greedy else uniforms[emitted])
+                continue
+            p0 = s.pos
+            rows = s.prefill([tok, *drafts], all_logits=True)
+            check(rows)
+            stood, nxt = verify(rows, drafts, qs, sampler, uniforms, emitted)
+            s.pos = p0 + 1 + stood
+            spec.checked(len(drafts), stood, spec.clock() - t0)
+            for d in drafts[:stood]:  # k < left: the pass never emits past max_new
+                yield d
+                emitted += 1
+                drafter.accept([d])
+            tok = nxt
+    finally:
+        drafter.finish()
