@@ -119,9 +119,14 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
                               expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
                               read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch, kv=kv))
     if draft is not None:
+        d = None
         try:
-            m.set_draft(draft if isinstance(draft, CompiledModel) else load(draft, threads=m.threads))
+            d = draft if isinstance(draft, CompiledModel) else load(draft, threads=m.threads)
+            m.set_draft(d)
+            m._owns_draft = d is not draft
         except BaseException:
+            if d is not None and d is not draft:
+                d.close()
             m.close()
             raise
     return m
@@ -155,6 +160,7 @@ class CompiledModel:
         self.reused_tokens = 0  # prompt tokens the last generation found in the KV cache (a chat's earlier turns)
         self._eot: frozenset | None = None
         self.draft: CompiledModel | None = None  # drafts for speculate="draft" (set_draft)
+        self._owns_draft = False  # the draft was loaded by load(..., draft=PATH): closed with this model
         self._ngrams = None  # prompt lookup's table, shared by this model's streams (speculate="ngram")
         self.speculation = None  # the last speculative generation's Speculation: acceptance, passes
 
@@ -378,16 +384,10 @@ class CompiledModel:
 
     def _speculative(self, prompt, ids, max_new_tokens, sampler, seed, stop, reuse, stop_ids, speculate):
         from .runtime import speculate as sp
-        from .runtime.sampling import Sampler
 
-        if speculate == "ngram":
-            if self._ngrams is None:
-                self._ngrams = sp.NgramTable()
-            drafter = sp.NgramDrafter(self._ngrams)
-        else:
-            draft_seed = None if seed is None else (int(seed) * 0x9E3779B1 + 1) % 2**64  # its own stream of draws
-            drafter = sp.ModelDrafter(self.draft.session, Sampler(sampler.temperature, sampler.top_k,
-                                                                  sampler.top_p, draft_seed))
+        if speculate == "ngram" and self._ngrams is None:
+            self._ngrams = sp.NgramTable()
+        drafter = sp.drafter_for(speculate, sampler, seed, self._ngrams, self.draft and self.draft.session)
         spec = self.speculation = sp.Speculation()
         text_mode = isinstance(prompt, str) and self.tokenizer is not None
         dec = None
@@ -580,6 +580,8 @@ class CompiledModel:
         open in this thread fails cleanly on its next token."""
         if self._closed:
             return
+        if self._owns_draft:
+            self.draft.close()
         if self._busy_thread == threading.get_ident():
             self._closed = True
             self.session.close()

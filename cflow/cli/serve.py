@@ -39,6 +39,11 @@ def add_args(p):
     p.add_argument("--kv", choices=KV_CHOICES, default="auto",
                    help="KV cache element type (f32, f16, bf16); auto: f16 for q4/q8 weights (measured equal in "
                    "perplexity), f32 for f16/f32 weights (default auto)")
+    p.add_argument("--speculate", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding for a request decoding alone: drafts from prompt lookup (ngram) or "
+                   "from --draft, checked in one pass; the same tokens as without (default: off)")
+    p.add_argument("--draft", default=None, metavar="FILE",
+                   help="a smaller compiled model with the same tokenizer, for --speculate draft")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level; 'warning' hides the access log (default info)")
 
@@ -81,6 +86,8 @@ def run(args) -> int:
         raise CflowError("--expert-cache-mb needs --experts-on-disk")
     if not os.path.isfile(args.file):
         raise CflowError(f"{args.file}: no such file")
+    if args.draft is not None and args.speculate != "draft":
+        raise CflowError("--draft is the draft model of --speculate draft: give both")
     api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None
     if not is_loopback(args.host) and not api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use the "
@@ -88,13 +95,15 @@ def run(args) -> int:
     app = build_app(args.file, threads=args.threads, max_batch=args.max_batch, max_queue=args.max_queue,
                     api_key=api_key, model_id=args.model_name,
                     experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
-                    weights="disk" if args.weights_on_disk else "ram", kv=args.kv)
+                    weights="disk" if args.weights_on_disk else "ram", kv=args.kv, speculate=args.speculate,
+                    **({"draft": args.draft} if args.draft else {}))
     st = app.state.engine.stats()
     m = app.state.model
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving {args.file} as '{app.state.model_id}' on http://{host}:{args.port}/v1 | {st.slots} "
           f"sequence{'s' if st.slots > 1 else ''} at once, queue {args.max_queue}, {m.threads} threads, context "
-          f"{m.session.max_seq} tokens, {m.kv} KV cache{', API key required' if api_key else ''}", file=sys.stderr,
+          f"{m.session.max_seq} tokens, {m.kv} KV cache{', API key required' if api_key else ''}"
+          f"{', speculative decoding (' + args.speculate + ')' if args.speculate else ''}", file=sys.stderr,
           flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=5)

@@ -168,6 +168,17 @@ class ModelDrafter:
         pass
 
 
+def drafter_for(kind: str, sampler: Sampler, seed: int | None, table: NgramTable | None = None,
+                draft_session=None):
+    """The drafter a stream asks for: "ngram" (prompt lookup with the shared `table`) or "draft" (the draft
+    model's session, sampling with the stream's options from a generator of its own, so that the stream's
+    uniforms stay the stream's)."""
+    if kind == "ngram":
+        return NgramDrafter(table)
+    draft_seed = None if seed is None else (int(seed) * 0x9E3779B1 + 1) % 2**64
+    return ModelDrafter(draft_session, Sampler(sampler.temperature, sampler.top_k, sampler.top_p, draft_seed))
+
+
 class Speculation:
     """The draft length and the on/off decision for one stream, from its own acceptance and timings."""
 
@@ -256,48 +267,72 @@ def verify(rows: np.ndarray, drafts: list[int], qs, sampler: Sampler, u: Uniform
     return k, sampler(rows[k])
 
 
+class Speculator:
+    """One stream's speculative decode on slot `slot` of session `s`, pass by pass: `first` the token the
+    prompt predicts, then `advance(tok)` feeds the pending token (and drafts) and returns the tokens that
+    follow it. `draw` is for a caller that ran a plain step for this stream itself (a server's batched step):
+    the token at the stream's next position, with that position's uniform, noted as emitted."""
+
+    def __init__(self, s, sampler: Sampler, drafter, spec: Speculation, ids: list[int], slot: int = 0,
+                 check: Callable[[np.ndarray], None] = lambda rows: None):
+        if s.tmax < 2:
+            raise CflowError("speculative decoding needs the multi-token body (prefill_block >= 2, weights in RAM)")
+        self.s, self.sampler, self.drafter, self.spec, self.slot, self.check = s, sampler, drafter, spec, slot, check
+        self.uniforms = Uniforms(sampler)
+        self.emitted = 0  # tokens generated so far: the next one is the stream's position `emitted`
+        drafter.start(ids)
+
+    def draw(self, logits: np.ndarray) -> int:
+        self.check(logits)
+        tok = self.sampler.draw(logits, None if self.sampler.greedy else self.uniforms[self.emitted])
+        self.emitted += 1
+        self.drafter.accept([tok])
+        return tok
+
+    first = draw
+
+    def advance(self, tok: int, left: int) -> list[int]:
+        """Feed `tok` (the last emitted token) and return the tokens after it, at most `left` (>= 1): the drafts
+        that stood and the model's own next token. The slot's position then counts exactly the fed tokens."""
+        s, spec, slot = self.s, self.spec, self.slot
+        pos = int(s.slot_pos[slot])
+        k = min(spec.length(), left - 1, s.tmax - 1, s.max_seq - pos - 1)
+        t0 = spec.clock()
+        drafts, qs = self.drafter.propose(k) if k > 0 else ([], None)
+        drafts, qs = drafts[:k], (qs[:k] if qs is not None else None)
+        if not drafts:
+            logits = s.step(tok) if slot == 0 else s.prefill([tok], slot=slot)
+            spec.stepped(spec.clock() - t0)
+            return [self.draw(logits)]
+        rows = s.prefill([tok, *drafts], slot=slot, all_logits=True)
+        self.check(rows)
+        stood, nxt = verify(rows, drafts, qs, self.sampler, self.uniforms, self.emitted)
+        s.slot_pos[slot] = pos + 1 + stood
+        spec.checked(len(drafts), stood, spec.clock() - t0)
+        out = [*drafts[:stood], nxt]
+        self.emitted += len(out)
+        self.drafter.accept(out)
+        return out
+
+    def finish(self) -> None:
+        self.drafter.finish()
+
+
 def decode(s, logits: np.ndarray, sampler: Sampler, drafter, spec: Speculation, ids: list[int],
            max_new: int, check: Callable[[np.ndarray], None] = lambda rows: None) -> Iterator[int]:
-    """Yield up to `max_new` tokens after `ids` (fed; `logits` the last row) on session `s`, drafting with
-    `drafter`; `check(logits)` runs on every pass's logits before they are used (and may raise). Whenever the
-    consumer stops, s.pos counts exactly the tokens whose keys and values the cache holds: a prefix of ids and
-    the emitted tokens."""
-    drafter.start(ids)
-    tmax = s.tmax
-    if tmax < 2:
-        raise CflowError("speculative decoding needs the multi-token body (prefill_block >= 2, weights in RAM)")
-    uniforms = Uniforms(sampler)
-    check(logits)
-    tok = sampler.draw(logits, None if sampler.greedy else uniforms[0])
-    emitted = 0
+    """Yield up to `max_new` tokens after `ids` (fed; `logits` the last row) on session `s` (slot 0), drafting
+    with `drafter`; `check(logits)` runs on every pass's logits before they are used (and may raise). Whenever
+    the consumer stops, s.pos counts exactly the tokens whose keys and values the cache holds: a prefix of ids
+    and the emitted tokens."""
+    sp = Speculator(s, sampler, drafter, spec, ids, check=check)
     try:
-        while True:
-            yield tok
-            emitted += 1
-            drafter.accept([tok])
-            left = max_new - emitted
-            if left <= 0:
-                return
-            k = min(spec.length(), left - 1, tmax - 1, s.max_seq - s.pos - 1)
-            t0 = spec.clock()
-            drafts, qs = drafter.propose(k) if k > 0 else ([], None)
-            drafts, qs = drafts[:k], (qs[:k] if qs is not None else None)
-            if not drafts:
-                logits = s.step(tok)
-                spec.stepped(spec.clock() - t0)
-                check(logits)
-                tok = sampler.draw(logits, None if sampler.greedy else uniforms[emitted])
-                continue
-            p0 = s.pos
-            rows = s.prefill([tok, *drafts], all_logits=True)
-            check(rows)
-            stood, nxt = verify(rows, drafts, qs, sampler, uniforms, emitted)
-            s.pos = p0 + 1 + stood
-            spec.checked(len(drafts), stood, spec.clock() - t0)
-            for d in drafts[:stood]:  # k < left: the pass never emits past max_new
-                yield d
-                emitted += 1
-                drafter.accept([d])
-            tok = nxt
+        if max_new <= 0:
+            return
+        tok = sp.first(logits)
+        yield tok
+        while sp.emitted < max_new:
+            new = sp.advance(tok, max_new - sp.emitted)
+            yield from new
+            tok = new[-1]
     finally:
-        drafter.finish()
+        sp.finish()

@@ -56,10 +56,11 @@ class StreamSlots:
     once by the page cache). A step advances the active slots one after another, each a full weight pass;
     with one slot this is one sequence at a time behind the queue."""
 
-    def __init__(self, models: Sequence):
+    def __init__(self, models: Sequence, speculate: str | None = None):
         if not models:
             raise CflowError("a backend needs at least one model")
         self.models = list(models)
+        self.speculate = speculate
         self.slots = len(self.models)
         self._gens: dict[int, object] = {}
         self._first: dict[int, int | None] = {}
@@ -71,7 +72,8 @@ class StreamSlots:
     def start(self, slot: int, job: Job) -> int:
         p = job.params
         gen = self.models[slot].stream(job.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
-                                       top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=True)
+                                       top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=True,
+                                       speculate=self.speculate)
         self._gens[slot] = gen
         self._first[slot] = next(gen, None)  # prefill and the first token, so that start is the prompt's time
         return 0  # `stream` reads the prompt in one go (the disk tiers read it token by token anyway)
@@ -112,7 +114,7 @@ class BatchedSlots:
     Sampling and stopping are `CompiledModel.stream`'s (the same Sampler, seed and end-of-text ids), so a
     request's tokens are the ones `m.generate` gives for it."""
 
-    def __init__(self, model):
+    def __init__(self, model, speculate: str | None = None):
         self.model = model
         self.slots = int(model.session.n_slots)
         self.chunk = model.prefill_block  # pieces of exactly one native call: the same calls as one batch_start
@@ -121,6 +123,25 @@ class BatchedSlots:
         self._last: dict[int, int] = {}
         self._first: dict[int, int | None] = {}
         self._prompt: dict[int, tuple[list[int], int]] = {}  # slot -> (prompt ids, how many are read)
+        # speculative decoding (speculate='ngram' | 'draft'): slot 0's stream drafts while it decodes alone
+        # (a lone client is always in slot 0); with other slots decoding, the batched step already reads each
+        # weight once for several tokens and slot 0 steps with them, drafting nothing
+        self.speculate = speculate
+        self._spec: dict[int, object] = {}  # slot 0 -> its Speculator
+        self._ready: dict[int, list[int]] = {}  # slot 0 -> tokens a pass computed, not yet handed out
+        self._left: dict[int, int] = {}  # slot -> tokens its job may still generate
+        self._ngrams = None
+
+    def _speculator(self, job: Job):
+        from ..runtime import speculate as sp
+
+        m = self.model
+        if self.speculate == "ngram" and self._ngrams is None:
+            self._ngrams = sp.NgramTable()
+        drafter = sp.drafter_for(self.speculate, self._sampler[0], job.params.seed, self._ngrams,
+                                 m.draft and m.draft.session)
+        return sp.Speculator(m.session, self._sampler[0], drafter, sp.Speculation(), job.prompt_ids,
+                             check=lambda rows: m._finite(rows, int(m.session.slot_pos[0])))
 
     def _sample(self, slot: int, logits) -> int | None:
         import numpy as np
@@ -131,11 +152,9 @@ class BatchedSlots:
         if not math.isfinite(top):
             raise RuntimeFault(f"the logits of slot {slot} are not finite ({top}): the model's weights or "
                                "activations overflow")
-        tok = self._sampler[slot](logits)
-        if tok in self._eos:
-            return None
-        self._last[slot] = tok
-        return tok
+        spec = self._spec.get(slot)
+        tok = spec.draw(logits) if spec is not None else self._sampler[slot](logits)
+        return self._emit(slot, tok)
 
     def start(self, slot: int, job: Job) -> int:
         from ..runtime.sampling import Sampler
@@ -143,6 +162,9 @@ class BatchedSlots:
         p = job.params
         self._sampler[slot] = Sampler(p.temperature, p.top_k, p.top_p, p.seed)
         self._prompt[slot] = (job.prompt_ids, 0)
+        self._left[slot] = p.max_tokens
+        if self.speculate and slot == 0:
+            self._spec[0] = self._speculator(job)
         return len(job.prompt_ids)
 
     def prefill(self, slot: int) -> int:
@@ -158,14 +180,30 @@ class BatchedSlots:
         self._first[slot] = self._sample(slot, logits)
         return 0
 
+    def _emit(self, slot: int, tok: int) -> int | None:
+        if tok in self._eos:
+            return None
+        self._last[slot] = tok
+        self._left[slot] -= 1
+        return tok
+
     def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]:
         out: dict[int, int | None | BaseException] = {}
         feed = []
         for s in slots:
             if s in self._first:
                 out[s] = self._first.pop(s)
+            elif self._ready.get(s):
+                out[s] = self._emit(s, self._ready[s].pop(0))
             else:
                 feed.append(s)
+        if feed == [0] and 0 in self._spec:  # decoding alone: a drafting pass
+            try:
+                new = self._spec[0].advance(self._last[0], max(1, self._left[0]))
+                out[0], self._ready[0] = self._emit(0, new[0]), new[1:]
+            except Exception as e:  # noqa: BLE001 -- that sequence fails, the model stays
+                out[0] = e
+            feed = []
         if feed:
             try:
                 if feed == [0]:
@@ -191,14 +229,18 @@ class BatchedSlots:
         return [out[s] for s in slots]
 
     def stop(self, slot: int) -> None:
-        for d in (self._sampler, self._last, self._first, self._prompt):
+        spec = self._spec.pop(slot, None)
+        if spec is not None:
+            spec.finish()
+        for d in (self._sampler, self._last, self._first, self._prompt, self._ready, self._left):
             d.pop(slot, None)
 
     def close(self) -> None:
         self.model.close()
 
 
-def load_backend(path: str, threads: int | None = None, slots: int = 1, **load_kwargs) -> Backend:
+def load_backend(path: str, threads: int | None = None, slots: int = 1, speculate: str | None = None,
+                 **load_kwargs) -> Backend:
     """The backend for `slots` sequences at once: one sequence -> StreamSlots over one model (m.generate's path);
     several -> BatchedSlots over one model loaded with max_batch=slots, or, with experts or weights on disk
     (no batched decode there), StreamSlots over `slots` loaded models. load_kwargs go to `cflow.load`; without
@@ -208,8 +250,15 @@ def load_backend(path: str, threads: int | None = None, slots: int = 1, **load_k
     if slots < 1:
         raise CflowError(f"--max-batch must be >= 1, not {slots}")
     disk = load_kwargs.get("experts", "ram") == "disk" or load_kwargs.get("weights", "ram") == "disk"
+    if speculate not in (None, "ngram", "draft"):
+        raise CflowError(f"--speculate must be ngram or draft, not {speculate!r}")
+    if speculate and disk:
+        raise CflowError("--speculate checks drafts with the multi-token body, which needs the weights in RAM "
+                         "(not with --experts-on-disk or --weights-on-disk)")
+    if speculate == "draft" and load_kwargs.get("draft") is None:
+        raise CflowError("--speculate draft needs a draft model (--draft FILE)")
     if slots > 1 and not disk:
-        return BatchedSlots(cflow.load(path, threads=threads, max_batch=slots, **load_kwargs))
+        return BatchedSlots(cflow.load(path, threads=threads, max_batch=slots, **load_kwargs), speculate)
     models = []
     try:
         for _ in range(slots):
@@ -218,4 +267,4 @@ def load_backend(path: str, threads: int | None = None, slots: int = 1, **load_k
         for m in models:
             m.close()
         raise
-    return StreamSlots(models)
+    return StreamSlots(models, speculate)

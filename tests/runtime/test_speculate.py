@@ -203,4 +203,3 @@ def test_draft_model_greedy_identical(tmp_path):
             assert spec.passes > 0
             if draft == "arch2_4_combined":
                 assert spec.accepted == spec.proposed
-            m.draft.close()
