@@ -57,19 +57,62 @@ def test_readme_using_it_runs(tmp_path, capsys, monkeypatch):
             from tests.codegen.test_tune import small_space
 
             monkeypatch.setattr(tune, "space", small_space)
-        if "|" in line or argv[:2] in (["cflow", "bench"], ["cflow", "serve"]):
-            continue  # the emit list is a synopsis; bench and serve have their own tests (serve never returns)
+        if argv[:2] in (["cflow", "bench"], ["cflow", "serve"]):
+            continue  # bench and serve have their own tests (serve never returns)
         main = cflowc_main if argv[0] == "cflowc" else cflow_main
         code, out, err = run(main, argv[1:], capsys)
         assert code == 0, f"{line}: {err}"
+        if argv[:2] == ["cflow", "tune"]:  # its columns explained above the tables
+            assert "  pass     which step" in out and "  GB/s     packed weights" in out and "<- chosen  the" in out
         ran += 1
-    assert ran == 6
+    assert ran == 7
 
 
 def test_preset_prompt_text_explains(tiny, capsys):
     code, out, err = run(cflow_main, ["run", tiny, "--prompt", "Once upon a time", "--threads", 1], capsys)
     one_line_error(code, err, "no tokenizer", "presets", "--prompt '1 2 3'")
     assert out == ""
+
+
+# --- what FILE may be: a compiled file, or a directory holding exactly one ---------------------------------
+def test_run_takes_a_directory_holding_one_compiled_file(tiny, tmp_path, capsys):
+    d = tmp_path / "out"
+    d.mkdir()
+    (d / "tiny.vflow").symlink_to(tiny)
+    (d / "notes.txt").write_text("not a model")
+    code, out, err = run(cflow_main, ["run", d, "--prompt", "1 2 3", "-n", 2, "--threads", 1], capsys)
+    assert code == 0, err
+    assert out.split()[:3] == ["1", "2", "3"] and len(out.split()) == 5
+
+
+@pytest.mark.parametrize("content, needles", [
+    ({}, ["a directory without a compiled model", ".vflow or .cflow"]),
+    ({"a.vflow": None, "b.cflow": None}, ["2 compiled models", "a.vflow, b.cflow", "give one of them"]),
+    ({"config.json": "{}"}, ["a model directory", "cflowc"]),
+])
+@pytest.mark.parametrize("command", ["run", "bench", "tune"])
+def test_a_directory_without_one_compiled_file_says_what_it_needs(tiny, tmp_path, capsys, content, needles,
+                                                                   command):
+    for name, text in content.items():
+        if text is None:
+            (tmp_path / name).symlink_to(tiny)
+        else:
+            (tmp_path / name).write_text(text)
+    code, out, err = run(cflow_main, [command, tmp_path], capsys)
+    one_line_error(code, err, str(tmp_path), *needles)
+    assert out == ""
+
+
+# --- the prompt from standard input --------------------------------------------------------------------------
+def test_prompt_file_dash_reads_standard_input(tiny, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("4 5 6\n"))
+    code, out, err = run(cflow_main, ["run", tiny, "-f", "-", "-n", 2, "--threads", 1], capsys)
+    assert code == 0, err
+    assert out.split()[:3] == ["4", "5", "6"] and len(out.split()) == 5
+    code, out, err = run(cflow_main, ["run", tiny, "-f", "-", "--chat"], capsys)
+    one_line_error(code, err, "-f -", "--chat", "standard input")
 
 
 # --- output paths: checked (directories created) before any work -----------------------------------------

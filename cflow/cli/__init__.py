@@ -100,6 +100,31 @@ def number(lo: float, hi: float | None = None, *, lo_open: bool = False):
 MAX_THREADS = 1024  # as cflow.runtime.session.MAX_THREADS (not imported: the parser stays light)
 
 
+COMPILED_SUFFIXES = (".vflow", ".cflow")
+
+
+def compiled_file(path: str) -> str:
+    """The compiled model a FILE argument names: the file itself, or the one .vflow/.cflow file inside a directory.
+
+    A directory holding none or several, or a model directory not yet compiled, is one error saying what to give
+    instead. Anything else goes to cflow.load as it is (a missing file is its error)."""
+    import os
+
+    if not os.path.isdir(path):
+        return path
+    found = sorted(e.name for e in os.scandir(path) if e.is_file() and e.name.endswith(COMPILED_SUFFIXES))
+    if len(found) == 1:
+        return os.path.join(path, found[0])
+    if found:
+        raise CflowError(f"{path}: a directory with {len(found)} compiled models ({', '.join(found)}): "
+                         "give one of them")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        raise CflowError(f"{path}: a model directory, not a compiled model: compile it first with "
+                         f"`cflowc {path} -o model.vflow`, then give model.vflow")
+    raise CflowError(f"{path}: a directory without a compiled model: give a .vflow or .cflow file written by cflowc "
+                     "(or a directory holding exactly one)")
+
+
 def add_version(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", action="version", version=VERSION, help="print the version and exit")
 

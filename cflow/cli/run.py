@@ -1,6 +1,6 @@
 """cflow run FILE --prompt TEXT: generate, printing tokens as they come, then prompt and decode speed.
 
---prompt - reads the prompt from standard input, -f FILE from a file; --chat is an interactive loop with the
+--prompt - or -f - reads the prompt from standard input, -f FILE from a file; --chat is an interactive loop with the
 model's chat template (read a line, stream the answer, keep the conversation's KV cache).
 """
 
@@ -12,12 +12,12 @@ DEFAULT_NEW_TOKENS = 128
 def add_args(p):
     from . import KV_CHOICES, MAX_THREADS, number, whole
 
-    p.add_argument("file", help="compiled model (.vflow or .cflow)")
+    p.add_argument("file", help="compiled model (.vflow or .cflow), or a directory holding exactly one")
     p.add_argument("--prompt", "-p", default="Once upon a time",
                    help="text, or space-separated token ids if the model has no tokenizer (a preset has none) "
                    "(default \"Once upon a time\")")
     p.add_argument("-f", "--prompt-file", metavar="FILE", default=None,
-                   help="read the prompt from FILE (default: --prompt)")
+                   help="read the prompt from FILE; - reads standard input (default: --prompt)")
     p.add_argument("--chat", action="store_true",
                    help="interactive chat with the model's chat template: each line read from standard input is a "
                    "user turn, the answer streams back; the KV cache keeps the conversation (/reset starts over, "
@@ -71,6 +71,7 @@ def run(args) -> int:
     import cflow
 
     from ..errors import CflowError
+    from . import compiled_file
 
     # Every option is checked before the model is loaded (ranges by the parser, combinations here).
     if (args.expert_cache_mb is not None or args.expert_io != "async") and not (args.experts_on_disk or
@@ -80,7 +81,12 @@ def run(args) -> int:
         raise CflowError("--read-ahead needs --weights-on-disk")
     if args.system is not None and not args.chat:
         raise CflowError("--system needs --chat")
-    if args.prompt_file is not None:
+    if args.chat and args.prompt_file == "-":
+        raise CflowError("-f - and --chat both read standard input: give the prompt file a name")
+    path = compiled_file(args.file)
+    if args.prompt_file == "-":
+        args.prompt = sys.stdin.read().removesuffix("\n")
+    elif args.prompt_file is not None:
         try:
             with open(args.prompt_file, encoding="utf-8") as fh:
                 args.prompt = fh.read().removesuffix("\n")
@@ -88,7 +94,7 @@ def run(args) -> int:
             raise CflowError(f"-f {args.prompt_file}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     elif args.prompt == "-" and not args.chat:
         args.prompt = sys.stdin.read().removesuffix("\n")
-    m = cflow.load(args.file, threads=args.threads, verify=args.verify, max_seq=args.max_seq,
+    m = cflow.load(path, threads=args.threads, verify=args.verify, max_seq=args.max_seq,
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                    expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
                    read_ahead=args.read_ahead, kv=args.kv)

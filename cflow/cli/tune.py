@@ -2,6 +2,20 @@
 attention core's prefetch distance for its attention geometry, in a time budget, cache the choices (later loads
 read them; without them a load uses the choices shipped for its microarchitecture) and print the tables."""
 
+# printed under the opening paragraph, above the tables
+LEGEND = """\
+Each table is one kernel shape, TYPE:COLUMNS:TILE:KIND (q4:5632:128x256:plain), with the search's wall time.
+  pass     which step timed the variant: s1, s2, ... the descent from the start, o1, ... from the other loop kind,
+           final the start, the default and each descent's end head to head
+  variant  the kernel's knobs: uN block units per loop iteration with gN row groups per pass, or gloop (one row
+           group per iteration); pfN software prefetch N bytes ahead (pf0 none; /S one every S bytes); L0-L3 the
+           prefetch's locality hint (L3 = prefetcht0, L0 = prefetchnta); v256 256-bit integer dots; shift the
+           shift unpack of Q4 nibbles
+  GB/s     packed weights streamed per second by one thread, median of the rounds (higher is faster)
+  <- chosen  the variant cached for this CPU and used by later loads
+attn:HEADSxKV_HEADSxHEAD_DIM:KV tables time the attention core's prefetch distance (kv_prefetch N: N bytes ahead,
+0 none), in GB/s of K/V cache read."""
+
 HELP = ("measure and cache this CPU's fastest mat-vec kernel variant for each kernel shape of a compiled model, "
         "and the attention core's prefetch distance")
 
@@ -9,7 +23,7 @@ HELP = ("measure and cache this CPU's fastest mat-vec kernel variant for each ke
 def add_args(p):
     from . import whole
 
-    p.add_argument("file", help="compiled model (.vflow or .cflow)")
+    p.add_argument("file", help="compiled model (.vflow or .cflow), or a directory holding exactly one")
     p.add_argument("--force", action="store_true",
                    help="measure again even where this CPU's cache has a choice (default: reuse cached choices)")
     # the default is codegen.tune.ROUNDS, resolved in run(): --help must not import numpy/llvmlite
@@ -37,6 +51,7 @@ def run(args) -> int:
     from ..passes.pipeline import plan_from_header
     from ..runtime.format import FileReader
     from ..util import atomic_write_text, check_output_path
+    from . import compiled_file
 
     if args.rounds is None:
         args.rounds = tune.ROUNDS
@@ -46,9 +61,10 @@ def run(args) -> int:
 
     if args.json:
         check_output_path(args.json, "--json")
+    path = compiled_file(args.file)
     from ..runtime.session import resolve_kv
 
-    with FileReader(args.file) as r:
+    with FileReader(path) as r:
         plan = plan_from_header(r.header, r.path)
         tensors = plan.tensors.values()
         kv = resolve_kv(args.kv, r.header["quant"])
@@ -64,6 +80,7 @@ def run(args) -> int:
           f"each (pass N: the choice so far and each one-knob change; a variant must beat it by "
           f"{tune.MARGIN:.0%}), then the start against the default and each descent's end ('final'); "
           + (f"{budget:.0f} s for the model's searches in all" if budget else "no time limit"))
+    print(LEGEND)
     if not tune.enabled():
         print("note: CFLOW_TUNE=off: cflow.load uses the defaults and ignores this table while it is set")
     records = {}

@@ -240,7 +240,7 @@ def stream_span(nbytes: int) -> int:
     least twice the last-level cache, so a window has left the cache before it is read again, as decode's
     weights have. A fixed 64 MiB set streamed from DRAM on the Zen hosts (32 MiB L3) but stayed in the AMX Xeon
     VM's 480 MiB L3, where the search then timed L3 speed (up to 28.9 GB/s against 18.5 from DRAM:
-    docs/results/tune_table_intel_l3.json)."""
+    docs/results/intel-amx/tune_table_intel_l3.json)."""
     from .target import last_level_cache
 
     return max(nbytes, min(2 * last_level_cache()[1], MAX_SPAN))

@@ -54,12 +54,12 @@ _UNIT = {"group_loop": 0, "unroll": 2, "max_groups": 8, "prefetch_locality": 3, 
 FAMILIES: dict[str, Family] = {
     # the AMX Xeon VM (Intel Xeon, family 6 model 167 masked, AMX): all six shapes of the TinyLlama geometry
     # chose the group loop, Q4 one unit and a line ahead, Q8 a quarter unit ahead
-    "intel-amx": Family("avx512vnni", "docs/results/tune_table_intel_s15.json",
+    "intel-amx": Family("avx512vnni", "docs/results/intel-amx/tune_table_intel_s15.json",
                         {"q4": {**_GLOOP, "prefetch": Pf(1, 1)},
                          "q8": {**_GLOOP, "prefetch": Pf(Fraction(1, 4))}},
                         {"f16": 1024}),
     # AMD EPYC Zen 5: the group loop four Q4 units ahead; Q8 two units ahead (two of its three shapes)
-    "znver5": Family("avx512vnni", "docs/results/tune_table_zen5_s18.json",
+    "znver5": Family("avx512vnni", "docs/results/znver5/tune_table_zen5_s18.json",
                      {"q4": {**_GLOOP, "prefetch": Pf(4)},
                       "q8": {**_GLOOP, "prefetch": Pf(2)}},
                      {"f16": 16384}),

@@ -78,7 +78,7 @@ def build_graph(
     g.add(Embedding(name=N.EMBED, inputs=(INPUT,), weight="tok_embeddings", vocab=c.vocab_size, dim=d))
     stream = N.EMBED  # the residual stream x_{l-1} entering the next layer
     experts: dict[int, str] = {}  # e_l by layer
-    for l in range(1, L + 1):  # noqa: E741 (layer index, as in DESIGN's equations)
+    for l in range(1, L + 1):  # noqa: E741 (layer index, as in docs/DESIGN.md's equations)
         p = f"blocks.{c.block_of(l)}"
         g.add(RMSNorm(name=N.attn_norm(l), inputs=(stream,), layer=l, weight=f"{p}.attn_norm", dim=d,
                       eps=c.norm_eps))

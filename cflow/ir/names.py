@@ -11,7 +11,7 @@ FLUSH = "flush"  # x_L plus the expert outputs still pending after the last laye
 FINAL_NORM = "final_norm"
 
 
-def attn_norm(l: int) -> str:  # noqa: E743 (layer index, as in DESIGN's equations)
+def attn_norm(l: int) -> str:  # noqa: E743 (layer index, as in docs/DESIGN.md's equations)
     return f"attn_norm.{l}"
 
 
