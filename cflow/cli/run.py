@@ -62,6 +62,11 @@ def add_args(p):
     p.add_argument("--expert-io", choices=("async", "sync"), default="async",
                    help="with --experts-on-disk: start reads when the router chooses (async) or read when "
                    "needed, blocking (sync) (default async)")
+    p.add_argument("--speculate", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: drafts from prompt lookup (ngram) or from --draft, checked in one "
+                   "pass; the same tokens as without, faster when drafts stand (default: off)")
+    p.add_argument("--draft", default=None, metavar="FILE",
+                   help="a smaller compiled model with the same tokenizer, for --speculate draft")
 
 
 def run(args) -> int:
@@ -81,6 +86,12 @@ def run(args) -> int:
         raise CflowError("--read-ahead needs --weights-on-disk")
     if args.system is not None and not args.chat:
         raise CflowError("--system needs --chat")
+    if args.draft is not None and args.speculate != "draft":
+        raise CflowError("--draft is the draft model of --speculate draft: give both")
+    if args.speculate == "draft" and args.draft is None:
+        raise CflowError("--speculate draft needs a draft model: --draft FILE")
+    if args.speculate and (args.experts_on_disk or args.weights_on_disk):
+        raise CflowError("--speculate checks drafts with the multi-token body, which needs the weights in RAM")
     if args.chat and args.prompt_file == "-":
         raise CflowError("-f - and --chat both read standard input: give the prompt file a name")
     path = compiled_file(args.file)
@@ -97,7 +108,8 @@ def run(args) -> int:
     m = cflow.load(path, threads=args.threads, verify=args.verify, max_seq=args.max_seq,
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                    expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
-                   read_ahead=args.read_ahead, kv=args.kv)
+                   read_ahead=args.read_ahead, kv=args.kv,
+                   draft=compiled_file(args.draft) if args.draft else None)
     try:
         if args.chat:
             return _chat(m, args)
@@ -121,7 +133,7 @@ def run(args) -> int:
         n_new = 0
         t_first = None
         for piece in m.stream(ids if not text else args.prompt, n, args.temperature, args.top_k, args.top_p,
-                              args.seed, stop=not args.no_stop):
+                              args.seed, stop=not args.no_stop, speculate=args.speculate):
             if t_first is None:
                 t_first = time.perf_counter()
             n_new += 1
@@ -134,6 +146,8 @@ def run(args) -> int:
         print(f"prompt: {len(ids)} tokens, {len(ids) / prompt_s:.1f} tok/s | decode: {n_new} tokens, "
               f"{(n_new - 1) / decode_s if n_new > 1 and decode_s > 0 else 0:.1f} tok/s | {m.threads} threads, "
               f"{m.bytes_per_token / 1e6:.1f} MB/token, {m.kv} KV cache", file=sys.stderr)
+        if args.speculate:
+            _describe_speculation(m.speculation, args.speculate)
         st = m.expert_stats
         if st is not None:
             steps = max(1, len(ids) + n_new - 1)
@@ -174,7 +188,7 @@ def _chat(m, args) -> int:
         t0, pieces, count = time.perf_counter(), [], 0
         try:
             for piece in m.stream_chat(turn, n, args.temperature, args.top_k, args.top_p, args.seed,
-                                       stop=not args.no_stop):
+                                       stop=not args.no_stop, speculate=args.speculate):
                 count += 1
                 pieces.append(piece)
                 sys.stdout.write(piece)
@@ -191,6 +205,17 @@ def _chat(m, args) -> int:
         print(f"[{m.reused_tokens} prompt tokens reused from the cache, {count} new tokens, "
               f"{count / dt if dt > 0 else 0:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _describe_speculation(spec, kind: str) -> None:
+    import sys
+
+    if spec is None:
+        return
+    print(f"speculation ({kind}): {spec.passes} drafting passes, {spec.accepted} of {spec.proposed} drafted tokens "
+          f"accepted ({100 * spec.acceptance:.0f}%), {spec.accepted / max(1, spec.passes):.2f} extra tokens per "
+          f"pass{', paused ' + str(spec.pauses) + ' times (drafts did not pay)' if spec.pauses else ''}",
+          file=sys.stderr)
 
 
 def _describe_tiers(m, args) -> None:

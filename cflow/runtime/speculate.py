@@ -188,7 +188,8 @@ class Speculation:
         self.pass_rate: float | None = None  # running emitted tokens per second of drafting passes
         self.pause = 0  # plain steps left before drafting again
         self._since_step = 0  # drafting passes since the last timed plain step
-        self.losses = 0
+        self.losses = 0  # recent passes judged slower than plain steps (sets the pause length)
+        self.pauses = 0  # times drafting paused
         self.proposed = self.accepted = self.passes = 0
 
     @property
@@ -219,6 +220,7 @@ class Speculation:
         self.pass_rate = rate if self.pass_rate is None else (1 - EMA) * self.pass_rate + EMA * rate
         if self.step_s is not None and self.passes >= 3 and self.pass_rate * self.step_s < 1.0:
             self.losses += 1
+            self.pauses += 1
             self.pause = min(PAUSE_MAX, PAUSE_STEPS << (self.losses - 1))
             self.pass_rate = None  # judged afresh after the pause
         elif self.pass_rate * (self.step_s or 0.0) >= 1.0:

@@ -203,3 +203,25 @@ def test_draft_model_greedy_identical(tmp_path):
             assert spec.passes > 0
             if draft == "arch2_4_combined":
                 assert spec.accepted == spec.proposed
+
+
+def test_cflow_run_speculate(tmp_path, capsys):
+    """`cflow run --speculate ngram` prints the same tokens as without, then the acceptance; bad combinations
+    are one clear error each."""
+    from cflow.cli import cflow_main
+
+    p = tmp_path / "m.vflow"
+    compile_file(load_graph("preset:arch2_4_combined@tiny"), p, "q4")
+    prompt = " ".join(["5 6 7 8 9"] * 5)
+    outs = []
+    for extra in ([], ["--speculate", "ngram"], ["--speculate", "draft", "--draft", str(p)]):
+        assert cflow_main(["run", str(p), "-p", prompt, "-n", "24", "--threads", "1", "--no-stop", *extra]) == 0
+        cap = capsys.readouterr()
+        outs.append(cap.out)
+        if extra:
+            assert f"speculation ({extra[1]}):" in cap.err and "drafted tokens accepted" in cap.err
+    assert outs[0] == outs[1] == outs[2]
+    for argv, needle in ((["--draft", str(p)], "give both"), (["--speculate", "draft"], "needs a draft model"),
+                         (["--speculate", "ngram", "--weights-on-disk"], "weights in RAM")):
+        assert cflow_main(["run", str(p), "-p", "1 2", *argv]) != 0
+        assert needle in capsys.readouterr().err
