@@ -12,7 +12,7 @@ from cflow.errors import CflowError, FormatError
 from cflow.frontend.load import load_graph
 from cflow.runtime.format import FileReader
 from cflow.runtime.format.header import written_by
-from cflow.runtime.session import Session
+from cflow.runtime.native_step import NativeStep
 
 from . import Container
 
@@ -30,7 +30,7 @@ def no_jit(monkeypatch):
     def fail(self, cache):
         raise AssertionError("reached the JIT")
 
-    monkeypatch.setattr(Session, "_build", fail)
+    monkeypatch.setattr(NativeStep, "_build", fail)
 
 
 def craft(base: bytes, tmp_path, edit=None, text=None):

@@ -1,0 +1,180 @@
+"""The threads that run a model's step: how many, when to run on one alone, and the workers themselves.
+
+Worker threads 1..n-1 live in native code (the step's worker entry); Python starts them, kicks them each call
+through a futex in a control block, and stops them. Under load the default thread count backs off to the
+caller's thread alone (Backoff). Workers that outlive a close are parked with what they may still touch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+import warnings
+
+import numpy as np
+
+from ..codegen.abi import CTL_WORDS, KICK_SYMBOL, STEP_SYMBOL, WORKER_SYMBOL, CtlWord
+from ..layout.tile import aligned_empty
+
+
+class OversubscribedWarning(UserWarning):
+    """More worker threads were asked for than this process may run on (os.sched_getaffinity)."""
+
+
+def thread_count(threads: int | None) -> int:
+    """The worker threads of a model: by default the cores this process may run on (its affinity mask, which
+    taskset, cgroups' cpusets and container limits narrow; os.cpu_count() would count the whole machine).
+    Asking for more still works (the barriers sleep instead of spinning) but every extra thread shares a core,
+    so it warns; Python's default filter shows a given warning once per process."""
+    usable = len(os.sched_getaffinity(0))
+    if threads is None:
+        return usable
+    if threads > usable:
+        warnings.warn(f"threads={threads} but this process may run on {usable} core{'s' * (usable != 1)} "
+                      f"(os.sched_getaffinity): threads will share cores; the default is {usable}",
+                      OversubscribedWarning, stacklevel=3)
+    return int(threads)
+
+
+def cores_taken(threads: int) -> bool:
+    """Would `threads` threads not each get a core right now? The runnable tasks other than this calling thread
+    (/proc/loadavg's count includes it; the workers sleep while the backoff runs single-threaded), plus `threads`,
+    against the cores this process may run on. False where it cannot be read (then the probe decides)."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+        cores = len(os.sched_getaffinity(0))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return False
+    return running - 1 + threads > cores
+
+
+class Backoff:
+    """The default thread count under load: back off to one thread while the workers are being descheduled.
+
+    With another process busy on a core, a stage barrier waits for a worker that is not running, once per stage,
+    so the default (every usable core) decodes many times slower than one thread (docs/journal/performance.md, "Under
+    load"); no spin budget fixes that (the waiter either burns the core the worker needs or pays a wake-up per
+    stage). The barrier counts the waits that ended in futex_wait (BarrierWord.NAPS). NAPS such sleeps within
+    WINDOW multi-threaded calls (one per call on average; a quiet host shows 0-0.6, a loaded one 1-40) mean a
+    worker is being descheduled, and the calls of the next `backoff` seconds run on the caller's thread alone
+    (nthreads = 1: the same arithmetic, bit-identical results; the workers stay asleep). Then multi-threaded
+    calls probe again, and the first one under load usually decides at once; the backoff doubles up to MOST
+    seconds while the load lasts (so probing costs little) and resets after a quiet window. In seconds, not
+    calls: a call takes 50 us on a tiny model, 30 ms on a 1B one. A probe under load costs a call that naps at
+    its barriers (~2-3% of a 114m decode measured over 1 s), so when a backoff ends and other tasks are runnable
+    right then (`busy`: /proc/loadavg's count of runnable tasks says the threads would not each get a core),
+    the probe is skipped and the backoff doubles as if it had failed; the barrier's naps stay the judge
+    otherwise (a quiet moment still probes, and other tenants of a VM, invisible here, are caught as before).
+    Only the default thread count adapts; an explicit `threads=N` is taken as asked."""
+
+    WINDOW = 8  # multi-threaded calls per probe window
+    NAPS = 8  # barrier sleeps in a window that mean descheduled workers
+    # Seconds on one thread after a failed window, doubling from FIRST up to MOST. FIRST is short because bursts
+    # of other work (another job for 50 ms) also trip the window, and staying single-threaded past their end
+    # costs; MOST is long because each probe under load costs a call that waits for a descheduled worker.
+    FIRST, MOST = 0.02, 2.0
+
+    def __init__(self, clock=time.perf_counter, busy=None):
+        self.clock = clock
+        self.busy = busy if busy is not None else (lambda: False)  # other tasks runnable now? (skip a probe)
+        self.skipped = 0  # probes skipped because `busy` said so
+        self.until = 0.0  # run single-threaded until this time
+        self.backoff = self.FIRST
+        self.calls = self.naps = 0
+        self.seen = 0  # BarrierWord.NAPS after the last multi-threaded call
+        self.solo_calls = 0  # calls run single-threaded since load (reported by Session.solo_calls)
+
+    def solo(self) -> bool:
+        """Run the next call on the caller's thread alone?"""
+        if self.until:
+            now = self.clock()
+            if now >= self.until and self.busy():  # the load is still there: skip the probe, back off longer
+                self.until = now + self.backoff
+                self.backoff = min(2 * self.backoff, self.MOST)
+                self.skipped += 1
+            if now < self.until:
+                self.solo_calls += 1
+                return True
+        self.until = 0.0
+        return False
+
+    def after(self, naps: int) -> None:
+        """After a multi-threaded call: `naps` = BarrierWord.NAPS now."""
+        self.naps += naps - self.seen
+        self.seen = naps
+        self.calls += 1
+        if self.naps >= self.NAPS:  # at once, not at the window's end: under load one call already shows it
+            self.until = self.clock() + self.backoff
+            self.backoff = min(2 * self.backoff, self.MOST)
+        elif self.calls < self.WINDOW:
+            return
+        else:
+            self.backoff = self.FIRST
+        self.calls = self.naps = 0
+
+
+# Workers that were still alive when their session closed (join timed out: a thread descheduled for long), with
+# everything they may still touch: the control block they wait on, the step's argument buffers and the JIT-compiled
+# code they run. Kept alive here, never freed under a running thread; entries go once all their threads have ended.
+_PARKED: list[tuple[list[threading.Thread], tuple]] = []
+_PARK_LOCK = threading.Lock()
+JOIN_TIMEOUT = 5.0  # seconds close() waits for each worker before parking it
+
+
+def _reap_parked() -> None:
+    with _PARK_LOCK:
+        _PARKED[:] = [(ts, keep) for ts, keep in _PARKED if any(t.is_alive() for t in ts)]
+
+
+def parked_workers() -> int:
+    """Worker threads of closed sessions still running (normally 0)."""
+    _reap_parked()
+    with _PARK_LOCK:
+        return sum(t.is_alive() for ts, _ in _PARKED for t in ts)
+
+
+class Workers:
+    """Worker threads 1..n-1 live in native code (cflow_worker): each token, worker 0 (the caller)
+    kicks them through a futex and runs its share; the step's final barrier means all are done.
+    Python only starts them (one thread each, ctypes releases the GIL) and stops them."""
+
+    def __init__(self, library, args, n: int, keep: tuple = ()):
+        self.n = n
+        # the code the workers run and the buffers args points into: they must outlive the threads (close parks
+        # them if a worker lingers)
+        self.library, self.keep = library, keep
+        self.ctl = aligned_empty(4 * CTL_WORDS, 64, zero=True).view(np.int32)
+        vp = ctypes.c_void_p
+        self.worker = library.get_cfunc(WORKER_SYMBOL, None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp, vp)
+        self.kick = library.get_cfunc(KICK_SYMBOL, None, vp)
+        self.step = library.get_cfunc(STEP_SYMBOL, None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp)
+        self.args = args
+        ctl = ctypes.c_void_p(self.ctl.ctypes.data)
+        self._ctl = ctl
+        self.threads = [threading.Thread(target=self.worker, args=(args[0], args[1], t, n, args[2], ctl), daemon=True,
+                                         name=f"cflow-worker-{t}") for t in range(1, n)]
+        for t in self.threads:
+            t.start()
+
+    def run(self) -> None:
+        self.kick(self._ctl)
+        self.step(self.args[0], self.args[1], 0, self.n, self.args[2])
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the workers. Between tokens a worker only waits on the control block (and the barrier), so one
+        that has not ended after the join timeout is parked with the control block, the argument buffers and
+        the code, rather than having them freed under it; it ends as soon as it runs again and sees STOP."""
+        self.ctl[CtlWord.STOP] = 1  # then wake everyone
+        self.kick(self._ctl)
+        for t in self.threads:
+            t.join(timeout=JOIN_TIMEOUT if timeout is None else timeout)
+        alive = [t for t in self.threads if t.is_alive()]
+        if alive:
+            with _PARK_LOCK:
+                keep = (self.library, self.keep, self.ctl, self._ctl, self.args, self.worker, self.kick)
+                _PARKED.append((alive, keep))
+        _reap_parked()
+
