@@ -21,7 +21,7 @@ def _delays(text: str) -> tuple[int, int]:
 
 
 def _tile(text: str) -> tuple[int, int]:
-    from ..runtime.format.header import tile_problem
+    from ..layout.tile import tile_problem
 
     try:
         r, c = (int(v) for v in text.lower().split("x"))

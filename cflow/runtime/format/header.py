@@ -21,6 +21,7 @@ import json
 import numbers
 
 from cflow.errors import CflowError, FormatError
+from cflow.layout.tile import tile_problem
 
 from . import spec as F
 
@@ -134,19 +135,6 @@ def check_header(reader) -> object:
         raise bad("schedule", f"{_short(h['schedule'])}: expected an object")
     check_budget(cfg, reader)
     return cfg
-
-
-def tile_problem(tile) -> str | None:
-    """Why a tile shape cannot be compiled or loaded, or None (cflowc --tile and the header share the rule)."""
-    from cflow.layout.quant import BLOCK
-    from cflow.layout.tile import GROUP_ROWS
-
-    tr, tc = tile
-    if not (1 <= tr <= F.MAX_TILE_ROWS and tr % GROUP_ROWS == 0):
-        return f"rows {tr}: expected a multiple of {GROUP_ROWS} in {GROUP_ROWS}..{F.MAX_TILE_ROWS}"
-    if not (1 <= tc <= F.MAX_TILE_COLS and tc % BLOCK == 0):
-        return f"cols {tc}: expected a multiple of {BLOCK} in {BLOCK}..{F.MAX_TILE_COLS}"
-    return None
 
 
 def check_budget(cfg, reader) -> None:
