@@ -47,6 +47,7 @@ import numpy as np
 from ..errors import CflowError, UnsupportedModelError
 from ..ir import Graph, build_graph, verify, weight_shapes
 from ..ir.config import ModelConfig
+from ..ir.gguf_names import BLOCK_TENSORS, EXPERT_TENSORS, FFN_NORMS, GLOBAL_TENSORS, rope_row_unpermutation
 from ..ir.meta import special_tokens
 from ..ir.rope import yarn_attention_factor
 from ..layout.blocks import BlockTensor, is_block_type
@@ -321,15 +322,6 @@ def _permute_rows(w, perm):
     if isinstance(w, QTensor):
         return QTensor(dtype=w.dtype, rows=w.rows, cols=w.cols, scales=w.scales[perm], q=w.q[perm])
     return np.ascontiguousarray(w[perm])
-
-
-def _rope_unpermute(n_heads: int, head_dim: int) -> np.ndarray:
-    """Rows of llama.cpp's adjacent-pair q/k layout back to Hugging Face's rotate-half layout: HF row
-    h*hd + j*hd/2 + i is GGUF row h*hd + 2i + j (the inverse of runtime/format/gguf.rope_row_permutation)."""
-    half = head_dim // 2
-    h, i, j = np.meshgrid(np.arange(n_heads), np.arange(half), np.arange(2), indexing="ij")
-    fwd = (h * head_dim + j * half + i).reshape(-1)  # GGUF row r holds HF row fwd[r]
-    return np.argsort(fwd)
 
 
 class _Loader:
@@ -626,17 +618,9 @@ def _windows(f: GGUFFile, arch: str, L: int, ctx: int, theta: float, scaled: boo
     return kw
 
 
-_BLOCK = {  # GGUF tensor in blk.N -> IR weight in blocks.N (dense / attention)
-    "attn_norm.weight": "attn_norm", "attn_q.weight": "attn.wq", "attn_k.weight": "attn.wk",
-    "attn_v.weight": "attn.wv", "attn_output.weight": "attn.wo", "attn_q.bias": "attn.bq",
-    "attn_k.bias": "attn.bk", "attn_v.bias": "attn.bv", "attn_q_norm.weight": "attn.q_norm",
-    "attn_k_norm.weight": "attn.k_norm", "ffn_gate.weight": "ffn.w_gate", "ffn_up.weight": "ffn.w_up",
-    "ffn_down.weight": "ffn.w_down", "ffn_gate_inp.weight": "moe.router",
-    "ffn_gate_shexp.weight": "moe.shared.w_gate", "ffn_up_shexp.weight": "moe.shared.w_up",
-    "ffn_down_shexp.weight": "moe.shared.w_down", "ffn_gate_inp_shexp.weight": "moe.shared_gate",
-    "post_attention_norm.weight": "attn.post_norm", "post_ffw_norm.weight": "ffn.post_norm",
-}
-_EXPERTS = {"ffn_gate_exps.weight": "w_gate", "ffn_up_exps.weight": "w_up", "ffn_down_exps.weight": "w_down"}
+# GGUF tensor in blk.N -> IR weight in blocks.N (ffn_norm.weight, which names either norm, is read by the layer's kind)
+_BLOCK = {g: ir for ir, g in BLOCK_TENSORS.items() if ir not in FFN_NORMS}
+_EXPERTS = {g: role for role, g in EXPERT_TENSORS.items()}  # stacked GGUF tensor -> the expert matrix it holds
 _RESIDUAL = ("attn.wo", "ffn.w_down", "moe.shared.w_down")  # the branch outputs Granite's residual_scale multiplies
 
 
@@ -647,7 +631,7 @@ def _plan(f: GGUFFile, c: ModelConfig, arch: str, extra: dict) -> dict:
     folds = extra["folds"]
     hd = c.head_dim
     if arch in _PERMUTED:
-        perm_q, perm_k = _rope_unpermute(c.n_heads, hd), _rope_unpermute(c.n_kv_heads, hd)
+        perm_q, perm_k = rope_row_unpermutation(c.n_heads, hd), rope_row_unpermutation(c.n_kv_heads, hd)
         perm_qn = perm_kn = None
     elif c.rope_dim != hd:  # partial rotary (Phi-4-mini): the rotated pairs first in each half, as ir/rope.py wants
         head = partial_rotary_permutation(hd, c.rope_dim)
@@ -680,8 +664,7 @@ def _plan(f: GGUFFile, c: ModelConfig, arch: str, extra: dict) -> dict:
             return folds["q"]
         return folds["residual"] if role in _RESIDUAL else 1.0
 
-    globals_ = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm", "output.weight": "lm_head"}
-    for gname, ir in globals_.items():
+    for ir, gname in GLOBAL_TENSORS.items():
         if gname in f.tensors and (ir != "lm_head" or not c.tie_embeddings):
             add(ir, f.tensors[gname], scale=scales.get(ir, 1.0))
     q_rows, kv_rows = c.n_heads * hd, c.n_kv_heads * hd
@@ -709,9 +692,10 @@ def _plan(f: GGUFFile, c: ModelConfig, arch: str, extra: dict) -> dict:
                                 f"metadata implies {(c.d_model, 2 * I)} (gate rows, then up rows)")
             add(f"blocks.{i}.ffn.w_gate", up, rows=(0, I))
             add(f"blocks.{i}.ffn.w_up", up, rows=(I, I))
-        norm = f.tensors.get(f"blk.{i}.ffn_norm.weight")
+        ffn_norm = "moe_norm" if moe_layer else "ffn_norm"
+        norm = f.tensors.get(f"blk.{i}.{BLOCK_TENSORS[ffn_norm]}")
         if norm is not None:
-            add(f"blocks.{i}.{'moe_norm' if moe_layer else 'ffn_norm'}", norm)
+            add(f"blocks.{i}.{ffn_norm}", norm)
         for suffix, role in _EXPERTS.items():
             t = f.tensors.get(f"blk.{i}.{suffix}")
             if t is None:
