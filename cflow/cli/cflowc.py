@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..errors import CflowError
-from ..layout import DEFAULT_TILE
+from ..layout import DEFAULT_TILE, QUANTS
 
 EMITS = ("ir", "analysis", "schedule", "dot", "llvm", "cflow", "vflow")
 
@@ -47,7 +47,7 @@ def cflowc_parser() -> argparse.ArgumentParser:
                    "for a text --emit (default: text emits go to standard output)")
     p.add_argument("--emit", choices=EMITS, help="what to produce (default: cflow or vflow, from the suffix of -o)")
     p.add_argument("--json", action="store_true", help="machine-readable --emit analysis (default: a table)")
-    p.add_argument("--quant", default=None, choices=("q4", "q8", "f16", "f32", "stored"),
+    p.add_argument("--quant", default=None, choices=QUANTS,
                    help="weight type; stored keeps a GGUF's own types, tensor by tensor (default: stored for a .gguf, "
                    "q4 otherwise)")
     p.add_argument("--tile", type=_tile, default=None, metavar="ROWSxCOLS",

@@ -21,6 +21,7 @@ import json
 import numbers
 
 from cflow.errors import CflowError, FormatError
+from cflow.layout import QUANTS  # stored: each weight at its GGUF's type (the header's weight_dtypes says which)
 from cflow.layout.tile import tile_problem
 
 from . import spec as F
@@ -28,7 +29,6 @@ from . import spec as F
 # The keys of the version stamp (FileWriter adds them to every header it writes).
 VERSION_KEYS = ("cflow_version", "format_version", "plan_version")
 
-QUANTS = ("q4", "q8", "f16", "f32", "stored")  # stored: each weight at its GGUF's type (weight_dtypes says which)
 MAX_NAME = 1024  # characters of the model name
 MAX_TOKENIZER = 256 << 20  # characters of the tokenizer JSON
 
