@@ -47,7 +47,7 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str | None = No
     from .layout.packed import FileLayout
 
     layout = FileLayout.parse(layout)
-    from .runtime.format.header import tile_problem
+    from .layout.tile import tile_problem
 
     if tile is not None:
         try:

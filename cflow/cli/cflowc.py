@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..errors import CflowError
-from ..layout import DEFAULT_TILE
+from ..layout import DEFAULT_TILE, QUANTS
 
 EMITS = ("ir", "analysis", "schedule", "dot", "llvm", "cflow", "vflow")
 
@@ -21,7 +21,7 @@ def _delays(text: str) -> tuple[int, int]:
 
 
 def _tile(text: str) -> tuple[int, int]:
-    from ..runtime.format.header import tile_problem
+    from ..layout.tile import tile_problem
 
     try:
         r, c = (int(v) for v in text.lower().split("x"))
@@ -47,7 +47,7 @@ def cflowc_parser() -> argparse.ArgumentParser:
                    "for a text --emit (default: text emits go to standard output)")
     p.add_argument("--emit", choices=EMITS, help="what to produce (default: cflow or vflow, from the suffix of -o)")
     p.add_argument("--json", action="store_true", help="machine-readable --emit analysis (default: a table)")
-    p.add_argument("--quant", default=None, choices=("q4", "q8", "f16", "f32", "stored"),
+    p.add_argument("--quant", default=None, choices=QUANTS,
                    help="weight type; stored keeps a GGUF's own types, tensor by tensor (default: stored for a .gguf, "
                    "q4 otherwise)")
     p.add_argument("--tile", type=_tile, default=None, metavar="ROWSxCOLS",
@@ -116,8 +116,6 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
     from ..frontend.load import load_graph
     from ..passes.delays import set_delays
     from ..passes.manager import Pipeline
-    from ..passes.pipeline import lowering
-    from ..passes.state import CompileState
 
     g = load_graph(args.model, weights=binary)
     from ..passes.quantize import STORED, default_quant, fit_tile
@@ -143,24 +141,18 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
 
         a = analyze(g, args.quant, args.tile)  # padded to the tile: the bytes/token `cflowc -o` reports
         return _write_text(args.output, a.to_json() + "\n" if args.json else a.table() + "\n")
-    from ..passes.pipeline import check_native
+    from ..compiler import compile_file
 
-    check_native(g)  # the lowering targets the native runtime: refuse what it cannot run yet, before any work
-    passes = [lowering(args.quant, args.delays)]
+    target = None
     if emit == "llvm":
-        from ..codegen.step import emit_step
         from ..codegen.target import host_target
 
         target = host_target()
-        passes.append(emit_step(target.isa))
-    if binary:
-        from ..runtime.emit import emit_file
-
-        passes.append(emit_file(args.output, tokenizer or g.meta.tokenizer, g.meta.eos_token_ids,
-                                progress=_progress_bar(args)))
-    state = Pipeline(passes, name="compile")(CompileState(graph=g, tile=args.tile, layout=emit if binary else "vflow"),
-                                             ctx)
-    state.verify()
+    # the lowering (refusing first what the native runtime cannot run), then the step or the file the emit asks for
+    state = compile_file(g, args.output if binary else None, args.quant, args.tile, args.delays,
+                         emit if binary else None, tokenizer or g.meta.tokenizer, g.meta.eos_token_ids,
+                         progress=_progress_bar(args) if binary else None, ctx=ctx,
+                         isa=target.isa if target is not None else None)
     if emit == "schedule":
         from ..passes.analysis import analyze
 

@@ -12,6 +12,7 @@ HELP = "perplexity of a text (llama-perplexity's protocol), and KL divergence ag
 
 
 def add_args(p):
+    from ..layout import QUANTS
     from . import KV_CHOICES, MAX_THREADS, whole
 
     p.add_argument("model", help="compiled model (.vflow / .cflow), a .gguf or a model directory (compiled first)")
@@ -28,7 +29,7 @@ def add_args(p):
     p.add_argument("--kl-divergence", action="store_true",
                    help="score against --kl-divergence-base FILE: mean KLD, percentiles, Δp, same top token "
                    "(default: perplexity only)")
-    p.add_argument("--quant", default=None, choices=("q4", "q8", "f16", "f32", "stored"),
+    p.add_argument("--quant", default=None, choices=QUANTS,
                    help="with a .gguf or a directory: the weight type to compile at (default: cflowc's, stored for a "
                    ".gguf)")
     p.add_argument("--threads", type=whole(1, MAX_THREADS), default=None,

@@ -47,6 +47,7 @@ import numpy as np
 from ..errors import CflowError, UnsupportedModelError
 from ..ir import Graph, build_graph, verify, weight_shapes
 from ..ir.config import ModelConfig
+from ..ir.gguf_names import BLOCK_TENSORS, EXPERT_TENSORS, FFN_NORMS, GLOBAL_TENSORS, rope_row_unpermutation
 from ..ir.meta import special_tokens
 from ..ir.rope import yarn_attention_factor
 from ..layout.blocks import BlockTensor, is_block_type
@@ -323,15 +324,6 @@ def _permute_rows(w, perm):
     return np.ascontiguousarray(w[perm])
 
 
-def _rope_unpermute(n_heads: int, head_dim: int) -> np.ndarray:
-    """Rows of llama.cpp's adjacent-pair q/k layout back to Hugging Face's rotate-half layout: HF row
-    h*hd + j*hd/2 + i is GGUF row h*hd + 2i + j (the inverse of runtime/format/gguf.rope_row_permutation)."""
-    half = head_dim // 2
-    h, i, j = np.meshgrid(np.arange(n_heads), np.arange(half), np.arange(2), indexing="ij")
-    fwd = (h * head_dim + j * half + i).reshape(-1)  # GGUF row r holds HF row fwd[r]
-    return np.argsort(fwd)
-
-
 class _Loader:
     """Loads one IR weight from the file: the whole tensor, expert `e` of a 3-D one, or a block of rows of a fused
     2-D one (Phi-3's attn_qkv and gate+up ffn_up); 1-D weights may be reshaped (the shared-expert gate [d] -> [1, d]);
@@ -422,31 +414,73 @@ _SWA = {"gemma2": 2, "gemma3": 6}  # llama.cpp's set_swa_pattern(n): layer il sl
 _BIG_GEMMA = {"gemma2": 46, "gemma3": 62}  # the 27B layer counts: llama.cpp scales q by 1/sqrt(d / H) there
 
 
-def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple[ModelConfig, dict]:
-    """ModelConfig from the metadata, as llama.cpp reads it for `arch`, and the extras the weight plan needs:
-    'consumed' (tensors turned into config, e.g. RoPE factors) and 'folds' (scalars folded into the weights)."""
-    def k(key, kind, default=None, required=False):
-        return f.get(f"{arch}.{key}", kind, default, required)
+class _ArchKeys:
+    """The `{arch}.*` metadata keys of a file, read as llama.cpp reads them for that architecture."""
 
-    def scalar_or_uniform(key, default=None):
-        v = f.meta.get(f"{arch}.{key}", default)
+    def __init__(self, f: GGUFFile, arch: str):
+        self.f, self.arch = f, arch
+
+    def __call__(self, key: str, kind, default=None, required: bool = False):
+        return self.f.get(f"{self.arch}.{key}", kind, default, required)
+
+    def uniform(self, key: str, default=None) -> int | None:
+        """An integer key that some converters write per layer: an array must hold one value."""
+        f, full = self.f, f"{self.arch}.{key}"
+        v = f.meta.get(full, default)
         if isinstance(v, np.ndarray):  # per-layer arrays (some converters): must be uniform
             if v.size == 0 or (v != v[0]).any():
-                raise UnsupportedModelError(f"{f.path}: metadata '{arch}.{key}' differs per layer: not modelled")
+                raise UnsupportedModelError(f"{f.path}: metadata '{full}' differs per layer: not modelled")
             v = int(v[0])
         if v is None:
             return None
         if not isinstance(v, int) or isinstance(v, bool):
-            raise GGUFError(f"{f.path}: metadata '{arch}.{key}' at offset {f.meta_at[f'{arch}.{key}']:#x}: "
-                            "expected an integer")
+            raise GGUFError(f"{f.path}: metadata '{full}' at offset {f.meta_at[full]:#x}: expected an integer")
         return v
 
+
+def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple[ModelConfig, dict]:
+    """ModelConfig from the metadata, as llama.cpp reads it for `arch`, and the extras the weight plan needs:
+    'consumed' (tensors turned into config, e.g. RoPE factors) and 'folds' (scalars folded into the weights)."""
+    k = _ArchKeys(f, arch)
+    d, L, H, KV, hd = _dims(k)
+    kw: dict = {}
+    consumed: set = set()
+    rope_dim = _rope_dim(k, hd)
+    if rope_dim != hd:
+        kw["rope_dim"] = rope_dim  # NEOX order, as Hugging Face's: the rows are reordered in the plan
+    eps = k("attention.layer_norm_rms_epsilon", float, required=True)
+    theta = k("rope.freq_base", float, 10000.0)
+    ctx_file = k("context_length", int, MAX_CONTEXT)
+    ctx = int(max_seq_len or min(ctx_file, MAX_CONTEXT))
+    emb = f.tensors.get("token_embd.weight")
+    if emb is None or len(emb.dims) != 2 or emb.dims[0] != d:
+        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' missing or not [vocab, {d}]")
+    scaling = _rope_scaling(k, rope_dim, ctx, consumed)
+    if scaling is not None:
+        kw["rope_scaling"] = scaling
+    kw.update(_ffn(k, L))
+    kw.update(_variants(k, hd))
+    kw.update(_windows(f, arch, L, ctx, theta, "rope_scaling" in kw))
+    folds = _folds(k, d, L, H, hd)
+    try:
+        c = ModelConfig(name=name, vocab_size=emb.dims[1], d_model=d, n_layers=L, n_heads=H, n_kv_heads=KV,
+                        head_dim=hd, rope_theta=theta, norm_eps=eps, max_seq_len=ctx,
+                        tie_embeddings="output.weight" not in f.tensors,
+                        attn_bias="blk.0.attn_q.bias" in f.tensors, **kw)
+    except CflowError as e:
+        raise GGUFError(f"{f.path}: the metadata does not describe a valid model: {e}") from None
+    return c, {"consumed": consumed, "folds": folds}
+
+
+def _dims(k: _ArchKeys) -> tuple[int, int, int, int, int]:
+    """(d_model, layers, heads, kv heads, head dim), each bounded."""
+    f, arch = k.f, k.arch
     d = k("embedding_length", int, required=True)
     L = k("block_count", int, required=True)
-    H = scalar_or_uniform("attention.head_count")
+    H = k.uniform("attention.head_count")
     if H is None:
         raise GGUFError(f"{f.path}: metadata '{arch}.attention.head_count' is missing")
-    KV = scalar_or_uniform("attention.head_count_kv", H)
+    KV = k.uniform("attention.head_count_kv", H)
     for key, v in (("embedding_length", d), ("block_count", L), ("attention.head_count", H),
                    ("attention.head_count_kv", KV)):
         if not 1 <= v <= 1 << 20:
@@ -454,8 +488,12 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
     hd = k("attention.key_length", int, d // H)
     if k("attention.value_length", int, hd) != hd:
         raise UnsupportedModelError(f"{f.path}: '{arch}.attention.value_length' != key_length: not modelled")
-    kw: dict = {}
-    consumed: set = set()
+    return d, L, H, KV, hd
+
+
+def _rope_dim(k: _ArchKeys, hd: int) -> int:
+    """The rotated dimensions of a head (partial rotary below hd), and the RoPE the IR cannot model refused."""
+    f, arch = k.f, k.arch
     rope_dim = k("rope.dimension_count", int, hd)
     if rope_dim != hd:
         if arch in _PERMUTED:
@@ -464,27 +502,27 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
         if not (2 <= rope_dim < hd and rope_dim % 2 == 0):
             raise GGUFError(f"{f.path}: metadata '{arch}.rope.dimension_count'={rope_dim}: expected an even count "
                             f"up to the head dim {hd}")
-        kw["rope_dim"] = rope_dim  # NEOX order, as Hugging Face's: the rows are reordered in the plan
     if arch == "granite" and f.get("granite.rope.scaling.finetuned", bool, True) is False:
         raise UnsupportedModelError(f"{f.path}: 'granite.rope.scaling.finetuned'=false: attention without RoPE is "
                                     "not modelled")
-    eps = k("attention.layer_norm_rms_epsilon", float, required=True)
-    theta = k("rope.freq_base", float, 10000.0)
-    ctx_file = k("context_length", int, MAX_CONTEXT)
-    ctx = int(max_seq_len or min(ctx_file, MAX_CONTEXT))
-    emb = f.tensors.get("token_embd.weight")
-    if emb is None or len(emb.dims) != 2 or emb.dims[0] != d:
-        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' missing or not [vocab, {d}]")
+    return rope_dim
+
+
+def _rope_scaling(k: _ArchKeys, rope_dim: int, ctx: int, consumed: set) -> dict | None:
+    """The config's rope_scaling: from `{arch}.rope.scaling.*` (linear, yarn), or from factor tensors (Llama 3.1's
+    rope_freqs, Phi-3's long/short factors: longrope), which are added to `consumed`; None: unscaled."""
+    f, arch = k.f, k.arch
+    scaling = None
     stype = k("rope.scaling.type", str, "none")
     if stype == "linear":
-        kw["rope_scaling"] = {"rope_type": "linear", "factor": k("rope.scaling.factor", float, required=True)}
+        scaling = {"rope_type": "linear", "factor": k("rope.scaling.factor", float, required=True)}
     elif stype == "yarn":
         factor = k("rope.scaling.factor", float, required=True)
         orig = k("rope.scaling.original_context_length", int, required=True)
-        kw["rope_scaling"] = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
-                              "attention_factor": k("rope.scaling.attn_factor", float, yarn_attention_factor(factor)),
-                              "beta_fast": k("rope.scaling.yarn_beta_fast", float, 32.0),
-                              "beta_slow": k("rope.scaling.yarn_beta_slow", float, 1.0)}
+        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
+                   "attention_factor": k("rope.scaling.attn_factor", float, yarn_attention_factor(factor)),
+                   "beta_fast": k("rope.scaling.yarn_beta_fast", float, 32.0),
+                   "beta_slow": k("rope.scaling.yarn_beta_slow", float, 1.0)}
     elif stype != "none":
         raise UnsupportedModelError(f"{f.path}: '{arch}.rope.scaling.type'={stype!r} is not modelled "
                                     "(none, linear, yarn)")
@@ -501,23 +539,31 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
 
     rf = f.tensors.get("rope_freqs.weight")
     long_, short = f.tensors.get("rope_factors_long.weight"), f.tensors.get("rope_factors_short.weight")
-    if (rf is not None or long_ is not None or short is not None) and "rope_scaling" in kw:
+    if (rf is not None or long_ is not None or short is not None) and scaling is not None:
         raise UnsupportedModelError(f"{f.path}: RoPE factor tensors together with '{arch}.rope.scaling.type'")
     if rf is not None:  # Llama 3.1+: per-frequency divisors, i.e. longrope with one factor set and no attention factor
         fs = factors(rf)
-        kw["rope_scaling"] = {"rope_type": "longrope", "short_factor": fs, "long_factor": fs,
-                              "original_max_position_embeddings": max(ctx, 1), "attention_factor": 1.0}
+        scaling = {"rope_type": "longrope", "short_factor": fs, "long_factor": fs,
+                   "original_max_position_embeddings": max(ctx, 1), "attention_factor": 1.0}
     elif long_ is not None or short is not None:  # Phi-3 longrope: short factors up to the original context
         if long_ is None or short is None:
             raise GGUFError(f"{f.path}: only one of rope_factors_long.weight / rope_factors_short.weight")
         orig = k("rope.scaling.original_context_length", int, required=True)
-        kw["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors(short), "long_factor": factors(long_),
-                              "original_max_position_embeddings": orig,
-                              "attention_factor": k("rope.scaling.attn_factor", float, 1.0)}
+        scaling = {"rope_type": "longrope", "short_factor": factors(short), "long_factor": factors(long_),
+                   "original_max_position_embeddings": orig,
+                   "attention_factor": k("rope.scaling.attn_factor", float, 1.0)}
         if ctx > orig:
             warnings.warn(f"{f.path}: longrope uses its long factors at every position for a context of {ctx} > "
                           f"{orig} tokens, as llama.cpp does (transformers uses the short ones for shorter "
-                          f"sequences; compile with max_seq_len <= {orig} for them)", stacklevel=3)
+                          f"sequences; compile with max_seq_len <= {orig} for them)", stacklevel=4)
+    return scaling
+
+
+def _ffn(k: _ArchKeys, L: int) -> dict:
+    """Config fields of the feed-forward blocks: which layers are dense and which expert banks (found by their
+    tensors), the widths, the expert count, top-k, its renormalisation and the shared expert."""
+    f, arch = k.f, k.arch
+    kw: dict = {}
     fused_up = arch == "phi3"  # Phi-3's ffn_up holds the gate rows, then the up rows (llama.cpp's SWIGLU split)
     dense = [i + 1 for i in range(L) if f"blk.{i}.ffn_gate.weight" in f.tensors
              or (fused_up and f"blk.{i}.ffn_up.weight" in f.tensors)]
@@ -529,33 +575,40 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
     if missing:
         raise GGUFError(f"{f.path}: block {missing[0] - 1} has no feed-forward tensors (blk.{missing[0] - 1}.ffn_gate "
                         "or ffn_gate_inp)")
-    if moe:
-        if arch not in ("llama", "qwen2moe", "qwen3moe", "olmoe"):
-            raise UnsupportedModelError(f"{f.path}: architecture {arch!r} with expert tensors is not modelled")
-        E = k("expert_count", int, required=True)
-        # Mixtral ('llama' with experts) and OLMoE: convert_hf_to_gguf writes the experts' width as
-        # feed_forward_length and no expert_feed_forward_length; llama.cpp renormalises Mixtral's top-k weights
-        # (as transformers does), never OLMoE's (its graph passes norm_w = false whatever the metadata says)
-        width_is_ff = arch in ("llama", "olmoe")
-        if arch == "llama" and dense:
-            raise UnsupportedModelError(f"{f.path}: architecture 'llama' mixing dense and expert blocks is not "
-                                        "modelled")
-        edim = k("expert_feed_forward_length", int, None)
-        if edim is None:
-            edim = k("feed_forward_length" if width_is_ff else "expert_feed_forward_length", int, required=True)
-        norm_topk = False if arch == "olmoe" else f.get(f"{arch}.expert_weights_norm", bool, arch in ("llama",
-                                                                                                     "qwen3moe"))
-        kw.update(n_experts=E, top_k=k("expert_used_count", int, required=True), expert_dim=edim, norm_topk=norm_topk)
-        shexp = k("expert_shared_feed_forward_length", int, 0)
-        if "blk.0.ffn_gate_shexp.weight" in f.tensors:
-            kw.update(shared_expert_dim=shexp or f.tensors["blk.0.ffn_gate_shexp.weight"].dims[1],
-                      shared_expert_gate="blk.0.ffn_gate_inp_shexp.weight" in f.tensors)
-        if dense:
-            kw.update(ffn_dim=k("feed_forward_length", int, required=True), dense_layers=dense, moe_layers=moe)
-    else:
+    if not moe:
         kw["ffn_dim"] = k("feed_forward_length", int, required=True)
-    qk = "blk.0.attn_q_norm.weight" in f.tensors
-    if qk:
+        return kw
+    if arch not in ("llama", "qwen2moe", "qwen3moe", "olmoe"):
+        raise UnsupportedModelError(f"{f.path}: architecture {arch!r} with expert tensors is not modelled")
+    E = k("expert_count", int, required=True)
+    # Mixtral ('llama' with experts) and OLMoE: convert_hf_to_gguf writes the experts' width as
+    # feed_forward_length and no expert_feed_forward_length; llama.cpp renormalises Mixtral's top-k weights
+    # (as transformers does), never OLMoE's (its graph passes norm_w = false whatever the metadata says)
+    width_is_ff = arch in ("llama", "olmoe")
+    if arch == "llama" and dense:
+        raise UnsupportedModelError(f"{f.path}: architecture 'llama' mixing dense and expert blocks is not "
+                                    "modelled")
+    edim = k("expert_feed_forward_length", int, None)
+    if edim is None:
+        edim = k("feed_forward_length" if width_is_ff else "expert_feed_forward_length", int, required=True)
+    norm_topk = False if arch == "olmoe" else f.get(f"{arch}.expert_weights_norm", bool, arch in ("llama",
+                                                                                                 "qwen3moe"))
+    kw.update(n_experts=E, top_k=k("expert_used_count", int, required=True), expert_dim=edim, norm_topk=norm_topk)
+    shexp = k("expert_shared_feed_forward_length", int, 0)
+    if "blk.0.ffn_gate_shexp.weight" in f.tensors:
+        kw.update(shared_expert_dim=shexp or f.tensors["blk.0.ffn_gate_shexp.weight"].dims[1],
+                  shared_expert_gate="blk.0.ffn_gate_inp_shexp.weight" in f.tensors)
+    if dense:
+        kw.update(ffn_dim=k("feed_forward_length", int, required=True), dense_layers=dense, moe_layers=moe)
+    return kw
+
+
+def _variants(k: _ArchKeys, hd: int) -> dict:
+    """Config fields of the per-family variants: q/k norms (found by their tensors) and Gemma's activation, sandwich
+    norms and soft-caps."""
+    f, arch = k.f, k.arch
+    kw: dict = {}
+    if "blk.0.attn_q_norm.weight" in f.tensors:
         qn = f.tensors["blk.0.attn_q_norm.weight"]
         kw["qk_norm"] = "head" if qn.dims == (hd,) else "proj"
     # Gemma: GeGLU (ggml_gelu is the tanh approximation), norms already stored as 1 + w by the converter,
@@ -569,7 +622,13 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
                   final_softcap=k("final_logit_softcapping", float, 30.0))
     elif arch == "gemma3":
         kw["final_softcap"] = k("final_logit_softcapping", float, 0.0)
-    kw.update(_windows(f, arch, L, ctx, theta, "rope_scaling" in kw))
+    return kw
+
+
+def _folds(k: _ArchKeys, d: int, L: int, H: int, hd: int) -> dict:
+    """Scalars folded into the weights: Gemma's sqrt(d) embedding scale (and the 27B's query scale), Granite's
+    embedding, residual, logit and attention multipliers."""
+    f, arch = k.f, k.arch
     folds = {"embed": 1.0, "logit": 1.0, "residual": 1.0, "q": 1.0}
     if arch in _GEMMA:
         folds["embed"] = float(np.sqrt(np.float32(d)))
@@ -585,14 +644,7 @@ def _config(f: GGUFFile, arch: str, name: str, max_seq_len: int | None) -> tuple
         attn = k("attention.scale", float, 0.0)
         if attn:
             folds["q"] = attn * float(np.sqrt(hd))
-    try:
-        c = ModelConfig(name=name, vocab_size=emb.dims[1], d_model=d, n_layers=L, n_heads=H, n_kv_heads=KV,
-                        head_dim=hd, rope_theta=theta, norm_eps=eps, max_seq_len=ctx,
-                        tie_embeddings="output.weight" not in f.tensors,
-                        attn_bias="blk.0.attn_q.bias" in f.tensors, **kw)
-    except CflowError as e:
-        raise GGUFError(f"{f.path}: the metadata does not describe a valid model: {e}") from None
-    return c, {"consumed": consumed, "folds": folds}
+    return folds
 
 
 def _windows(f: GGUFFile, arch: str, L: int, ctx: int, theta: float, scaled: bool) -> dict:
@@ -626,17 +678,9 @@ def _windows(f: GGUFFile, arch: str, L: int, ctx: int, theta: float, scaled: boo
     return kw
 
 
-_BLOCK = {  # GGUF tensor in blk.N -> IR weight in blocks.N (dense / attention)
-    "attn_norm.weight": "attn_norm", "attn_q.weight": "attn.wq", "attn_k.weight": "attn.wk",
-    "attn_v.weight": "attn.wv", "attn_output.weight": "attn.wo", "attn_q.bias": "attn.bq",
-    "attn_k.bias": "attn.bk", "attn_v.bias": "attn.bv", "attn_q_norm.weight": "attn.q_norm",
-    "attn_k_norm.weight": "attn.k_norm", "ffn_gate.weight": "ffn.w_gate", "ffn_up.weight": "ffn.w_up",
-    "ffn_down.weight": "ffn.w_down", "ffn_gate_inp.weight": "moe.router",
-    "ffn_gate_shexp.weight": "moe.shared.w_gate", "ffn_up_shexp.weight": "moe.shared.w_up",
-    "ffn_down_shexp.weight": "moe.shared.w_down", "ffn_gate_inp_shexp.weight": "moe.shared_gate",
-    "post_attention_norm.weight": "attn.post_norm", "post_ffw_norm.weight": "ffn.post_norm",
-}
-_EXPERTS = {"ffn_gate_exps.weight": "w_gate", "ffn_up_exps.weight": "w_up", "ffn_down_exps.weight": "w_down"}
+# GGUF tensor in blk.N -> IR weight in blocks.N (ffn_norm.weight, which names either norm, is read by the layer's kind)
+_BLOCK = {g: ir for ir, g in BLOCK_TENSORS.items() if ir not in FFN_NORMS}
+_EXPERTS = {g: role for role, g in EXPERT_TENSORS.items()}  # stacked GGUF tensor -> the expert matrix it holds
 _RESIDUAL = ("attn.wo", "ffn.w_down", "moe.shared.w_down")  # the branch outputs Granite's residual_scale multiplies
 
 
@@ -647,7 +691,7 @@ def _plan(f: GGUFFile, c: ModelConfig, arch: str, extra: dict) -> dict:
     folds = extra["folds"]
     hd = c.head_dim
     if arch in _PERMUTED:
-        perm_q, perm_k = _rope_unpermute(c.n_heads, hd), _rope_unpermute(c.n_kv_heads, hd)
+        perm_q, perm_k = rope_row_unpermutation(c.n_heads, hd), rope_row_unpermutation(c.n_kv_heads, hd)
         perm_qn = perm_kn = None
     elif c.rope_dim != hd:  # partial rotary (Phi-4-mini): the rotated pairs first in each half, as ir/rope.py wants
         head = partial_rotary_permutation(hd, c.rope_dim)
@@ -680,8 +724,7 @@ def _plan(f: GGUFFile, c: ModelConfig, arch: str, extra: dict) -> dict:
             return folds["q"]
         return folds["residual"] if role in _RESIDUAL else 1.0
 
-    globals_ = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm", "output.weight": "lm_head"}
-    for gname, ir in globals_.items():
+    for ir, gname in GLOBAL_TENSORS.items():
         if gname in f.tensors and (ir != "lm_head" or not c.tie_embeddings):
             add(ir, f.tensors[gname], scale=scales.get(ir, 1.0))
     q_rows, kv_rows = c.n_heads * hd, c.n_kv_heads * hd
@@ -709,9 +752,10 @@ def _plan(f: GGUFFile, c: ModelConfig, arch: str, extra: dict) -> dict:
                                 f"metadata implies {(c.d_model, 2 * I)} (gate rows, then up rows)")
             add(f"blocks.{i}.ffn.w_gate", up, rows=(0, I))
             add(f"blocks.{i}.ffn.w_up", up, rows=(I, I))
-        norm = f.tensors.get(f"blk.{i}.ffn_norm.weight")
+        ffn_norm = "moe_norm" if moe_layer else "ffn_norm"
+        norm = f.tensors.get(f"blk.{i}.{BLOCK_TENSORS[ffn_norm]}")
         if norm is not None:
-            add(f"blocks.{i}.{'moe_norm' if moe_layer else 'ffn_norm'}", norm)
+            add(f"blocks.{i}.{ffn_norm}", norm)
         for suffix, role in _EXPERTS.items():
             t = f.tensors.get(f"blk.{i}.{suffix}")
             if t is None:

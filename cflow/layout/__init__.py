@@ -10,3 +10,7 @@ nothing from cflow but errors, so the compile walk goes down into it and never b
 """
 
 DEFAULT_TILE = (128, 256)  # rows x inputs of a tile: 18,432 B at Q4, L2-sized with its activations (numpy-free here)
+# The weight types a compile takes (cflowc --quant) and a file's header names, numpy-free here too (--help stays
+# light): quant.QUANT_TARGETS are the first four as DTypes; STORED keeps each weight at its source's (a GGUF's) type.
+STORED = "stored"
+QUANTS = ("q4", "q8", "f16", "f32", STORED)

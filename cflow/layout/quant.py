@@ -21,6 +21,8 @@ import enum
 import attrs
 import numpy as np
 
+from . import QUANTS, STORED
+
 BLOCK = 32  # inputs per quantisation block (Q4_0 / Q8_0)
 
 
@@ -67,10 +69,11 @@ class DType(enum.IntEnum):
         try:
             return cls[key]
         except KeyError:
-            raise ValueError(f"unknown quantisation {text!r} (expected one of q4, q8, f16, f32)") from None
+            raise ValueError(f"unknown quantisation {text!r} (expected one of "
+                             f"{', '.join(d.label for d in QUANT_TARGETS)})") from None
 
 
-QUANT_TARGETS = (DType.Q4, DType.Q8, DType.F16, DType.F32)  # what quantize() (and cflowc --quant) produce
+QUANT_TARGETS = tuple(DType.parse(q) for q in QUANTS if q != STORED)  # what quantize() (and cflowc --quant) produce
 
 
 # dtype -> (elements per block, bytes per block); sizes written as field sums.

@@ -64,6 +64,10 @@ from .quant import BLOCK, BLOCK_SIZES, DType, QTensor, dequantize, padded, quant
 
 GROUP_ROWS = 16  # rows interleaved per 64-byte vector (16 x int32 lanes)
 ALIGN = 64  # byte alignment of buffers returned by pack (cache line, zmm width)
+# A model's tile shape (header "tile", cflowc --tile): the kernels sweep tall tiles in unrolled passes, so JIT
+# time grows with the rows (1024-row tiles take ~15 s for a tiny model); these bounds keep it seconds.
+MAX_TILE_ROWS = 512
+MAX_TILE_COLS = 4096
 
 
 def check_tile(tile) -> tuple[int, int]:
@@ -77,6 +81,16 @@ def check_tile(tile) -> tuple[int, int]:
     if tc <= 0 or tc % BLOCK:
         raise ConfigError(f"tile cols must be a positive multiple of {BLOCK}, got {tc}")
     return tr, tc
+
+
+def tile_problem(tile) -> str | None:
+    """Why a tile shape cannot be compiled or loaded, or None (cflowc --tile and the file header share the rule)."""
+    tr, tc = tile
+    if not (1 <= tr <= MAX_TILE_ROWS and tr % GROUP_ROWS == 0):
+        return f"rows {tr}: expected a multiple of {GROUP_ROWS} in {GROUP_ROWS}..{MAX_TILE_ROWS}"
+    if not (1 <= tc <= MAX_TILE_COLS and tc % BLOCK == 0):
+        return f"cols {tc}: expected a multiple of {BLOCK} in {BLOCK}..{MAX_TILE_COLS}"
+    return None
 
 
 @attrs.frozen

@@ -17,7 +17,7 @@ from .delays import set_delays
 from .manager import Pass, PassContext, Pipeline
 from .order import order_tensors
 from .pack import plan_packing
-from .quantize import quantize_weights
+from .quantize import STORED, quantize_weights
 from .schedule import schedule_stages
 from .state import CompileState
 
@@ -89,8 +89,8 @@ def plan_from_header(h: dict, path: str) -> CompileState:
     try:
         g = build_graph(cfg, None, name=h.get("name", cfg.name),
                         trained_delays=tuple(h.get("trained_delays", cfg.delays)))
-        dtypes = h.get("weight_dtypes") if h["quant"] == "stored" else None
-        if h["quant"] == "stored" and not isinstance(dtypes, dict):
+        dtypes = h.get("weight_dtypes") if h["quant"] == STORED else None
+        if h["quant"] == STORED and not isinstance(dtypes, dict):
             raise FormatError(f"{path}: header field weight_dtypes missing: a file compiled as stored needs it")
         return lower(g, h["quant"], tuple(h["tile"]), None, dtypes=dtypes)
     except CflowError as e:

@@ -20,12 +20,12 @@ import attrs
 
 from ..errors import CflowError, UnsupportedModelError
 from ..ir import Graph
+from ..layout import STORED  # quantize_weights(STORED): every weight at the type its source stores it in
 from ..layout.blocks import BlockTensor, is_block_type
 from ..layout.quant import BLOCK_SIZES, DType, QTensor, dequantize, quantize
 from .manager import Pass, graph_pass
 
 F32_SUFFIXES = (".router", ".shared_gate")
-STORED = "stored"  # quantize_weights(STORED): every weight at the type its source stores it in
 
 
 class RequantiseWarning(UserWarning):

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 
+from ..layout import STORED
 from ..passes.manager import Pass, state_pass
 from ..passes.state import CompileState
 from .format import FileWriter
@@ -28,7 +29,7 @@ def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None
         "delays": list(m.delays),
         "trained_delays": list(m.trained_delays),
         "routing": m.routing,
-        "quant": "stored" if m.stored else m.quant.label,
+        "quant": STORED if m.stored else m.quant.label,
         "tile": list(state.tile),
         "weight_dtypes": {n: d.label for n, d in m.weight_dtypes.items()},
         "packing": {n: t.to_json() for n, t in state.tensors.items()},

@@ -8,6 +8,8 @@ import numpy as np
 from ..codegen.abi import KV_BYTES
 from ..errors import CflowError
 from ..ir.config import ModelConfig
+from ..layout import STORED
+from ..layout.quant import QUANT_TARGETS
 
 MAX_THREADS = 1024  # worker threads of one model
 MAX_BATCH = 4096  # sequences decoded together (each its own KV cache)
@@ -15,7 +17,7 @@ MAX_BATCH = 4096  # sequences decoded together (each its own KV cache)
 # model's perplexity, benchmarks/long_context.py --text: Q8 weights 8.3391 with an f32 cache vs 8.3397 with f16,
 # Q4 8.5117 vs 8.5100; docs/journal/performance.md, "Long contexts"); f16 / f32 weights keep the exact f32 cache (not
 # measured, and there the cache's rounding would be the largest error left).
-KV_AUTO = {"q4": "f16", "q8": "f16", "f16": "f32", "f32": "f32", "stored": "f16"}  # stored: a GGUF's types
+KV_AUTO = {dt.label: "f16" if dt.quantised else "f32" for dt in QUANT_TARGETS} | {STORED: "f16"}  # stored: GGUF types
 
 
 def resolve_kv(kv: str, quant: str) -> str:

@@ -7,17 +7,8 @@ import math
 
 import numpy as np
 
+from cflow.ir.gguf_names import BLOCK_TENSORS, EXPERT_TENSORS, rope_row_permutation
 from cflow.layout.quant import QTensor, to_gguf_bytes
-from cflow.runtime.format.gguf import rope_row_permutation
-
-_BLOCK = {"attn_norm": "attn_norm.weight", "attn.wq": "attn_q.weight", "attn.wk": "attn_k.weight",
-          "attn.wv": "attn_v.weight", "attn.wo": "attn_output.weight", "attn.bq": "attn_q.bias",
-          "attn.bk": "attn_k.bias", "attn.bv": "attn_v.bias", "attn.q_norm": "attn_q_norm.weight",
-          "attn.k_norm": "attn_k_norm.weight", "ffn_norm": "ffn_norm.weight", "moe_norm": "ffn_norm.weight",
-          "ffn.w_gate": "ffn_gate.weight", "ffn.w_up": "ffn_up.weight", "ffn.w_down": "ffn_down.weight",
-          "moe.router": "ffn_gate_inp.weight", "moe.shared.w_gate": "ffn_gate_shexp.weight",
-          "moe.shared.w_up": "ffn_up_shexp.weight", "moe.shared.w_down": "ffn_down_shexp.weight",
-          "moe.shared_gate": "ffn_gate_inp_shexp.weight"}
 
 
 def _payload(w, qtype):
@@ -90,7 +81,7 @@ def write_gguf(graph, path, arch: str, qtype=None, extra_tensors=None, tokenizer
     tensors = [("token_embd.weight", graph.weights["tok_embeddings"])]
     for i in range(c.n_layers):
         p = f"blocks.{i}."
-        for ir, gname in _BLOCK.items():
+        for ir, gname in BLOCK_TENSORS.items():
             if p + ir in graph.weights:
                 x = graph.weights[p + ir]
                 if ir in perm:
@@ -100,8 +91,8 @@ def write_gguf(graph, path, arch: str, qtype=None, extra_tensors=None, tokenizer
                     x = np.asarray(x).reshape(-1)
                 tensors.append((f"blk.{i}.{gname}", x))
         if c.has_moe(i + 1):
-            for role, gname in (("w_gate", "ffn_gate_exps"), ("w_up", "ffn_up_exps"), ("w_down", "ffn_down_exps")):
-                tensors.append((f"blk.{i}.{gname}.weight",
+            for role, gname in EXPERT_TENSORS.items():
+                tensors.append((f"blk.{i}.{gname}",
                                 np.stack([graph.weights[f"{p}moe.experts.{e}.{role}"] for e in range(c.n_experts)])))
     tensors.append(("output_norm.weight", graph.weights["norm"]))
     if head != "tok_embeddings" and not c.tie_embeddings:

@@ -13,8 +13,9 @@ from cflow.errors import UnsupportedModelError
 from cflow.ir import Interpreter, build_graph, interpret
 from cflow.ir.build import weight_shapes
 from cflow.ir.config import ModelConfig
+from cflow.ir.gguf_names import rope_row_permutation
 from cflow.layout.quant import QTensor, to_gguf_bytes
-from cflow.runtime.format.gguf import export_gguf, rope_row_permutation, synthetic_spm_vocab  # imports gguf lazily
+from cflow.runtime.format.gguf import export_gguf, synthetic_spm_vocab  # imports gguf lazily
 
 gguf = pytest.importorskip("gguf")
 
@@ -120,12 +121,6 @@ def gguf_forward(path, ids) -> np.ndarray:
         x = x + (g / (1 + np.exp(-g)) * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
     head = W.get("output.weight", W["token_embd.weight"])
     return (rms(x, W["output_norm.weight"]) @ head.T).astype(np.float32)
-
-
-def test_rope_row_permutation_pairs_halves():
-    perm = rope_row_permutation(2, 8)
-    # head 0: rows (0, 4), (1, 5), (2, 6), (3, 7) become adjacent pairs; head 1 likewise, offset by 8
-    assert perm.tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
 
 
 def test_q4_export_metadata_layout_and_bits(tmp_path):

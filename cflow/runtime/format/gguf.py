@@ -6,7 +6,7 @@ For the peer benchmark (benchmarks/peers.py): cflow's Q4/Q8 have exactly GGUF Q4
 each quantised matrix is written block for block from its QTensor (`to_gguf_bytes`): llama.cpp and
 cflow then stream bit-identical weights. Only the PyPI `gguf` package is needed (GGUFWriter).
 
-What is written (architecture "llama", the tensor names llama.cpp's llama arch loads):
+What is written (architecture "llama", the tensor names llama.cpp's llama arch loads: ir/gguf_names.py):
   token_embd.weight          tok_embeddings at its stored type (F16 for q4/q8/f16 graphs, F32 for f32)
   blk.N.attn_norm/ffn_norm   F32
   blk.N.attn_q/k/v/output    Q4_0 / Q8_0 / F16 / F32 as stored in the graph (attn_q/k rows permuted, below)
@@ -28,7 +28,8 @@ renormalised to sum to 1), so only configs with norm_topk, no shared expert and 
 RoPE layout: cflow (like Hugging Face) rotates halves: dimension i of a head pairs with i + head_dim/2.
 llama.cpp's llama arch rotates adjacent pairs (2i, 2i+1). Like llama.cpp's convert_hf_to_gguf.py,
 the rows of attn_q (per query head) and attn_k (per kv head) are reordered so that row 2i + j of a
-head is HF row j * head_dim/2 + i. Only whole rows move, so every Q4_0/Q8_0 block stays bit-identical.
+head is HF row j * head_dim/2 + i (ir/gguf_names.py's rope_row_permutation, whose inverse the GGUF importer
+applies). Only whole rows move, so every Q4_0/Q8_0 block stays bit-identical.
 
 Metadata: context/embedding/feed-forward length, block count, head counts, key/value length, rope
 dimension count and base, RMS eps, vocab size, file type (MOSTLY_Q4_0 etc.) and a tokenizer:
@@ -53,31 +54,11 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import CflowError, UnsupportedModelError
+from ...ir.gguf_names import BLOCK_TENSORS, EXPERT_TENSORS, GLOBAL_TENSORS, rope_row_permutation
 from ...layout.quant import BLOCK, BLOCK_SIZES, DType, QTensor, to_gguf_bytes
 from ...util import atomic_path
 
 ARCH = "llama"
-
-# IR weight suffix -> GGUF tensor name inside block N
-_BLOCK_NAMES = {
-    "attn_norm": "attn_norm.weight",
-    "attn.wq": "attn_q.weight",
-    "attn.wk": "attn_k.weight",
-    "attn.wv": "attn_v.weight",
-    "attn.wo": "attn_output.weight",
-    "attn.bq": "attn_q.bias",
-    "attn.bk": "attn_k.bias",
-    "attn.bv": "attn_v.bias",
-    "ffn_norm": "ffn_norm.weight",
-    "ffn.w_gate": "ffn_gate.weight",
-    "ffn.w_up": "ffn_up.weight",
-    "ffn.w_down": "ffn_down.weight",
-    "moe_norm": "ffn_norm.weight",  # MoE-only layers (Mixtral): the norm before the router and experts
-    "moe.router": "ffn_gate_inp.weight",
-}
-# expert matrix -> the stacked GGUF tensor in block N holding it for every expert
-_EXPERT_NAMES = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight", "w_down": "ffn_down_exps.weight"}
-
 
 def _gguf():
     try:
@@ -87,31 +68,22 @@ def _gguf():
     return gguf
 
 
-def rope_row_permutation(n_heads: int, head_dim: int) -> np.ndarray:
-    """Row order that turns HF rotate-half Q/K projections into llama.cpp's adjacent-pair layout.
-
-    Output row h*head_dim + 2i + j is input row h*head_dim + j*(head_dim/2) + i (j in {0, 1})."""
-    half = head_dim // 2
-    h, i, j = np.meshgrid(np.arange(n_heads), np.arange(half), np.arange(2), indexing="ij")
-    return (h * head_dim + j * half + i).reshape(-1)
-
-
 def gguf_tensor_names(config) -> dict[str, str]:
     """IR weight name -> GGUF tensor name for a Llama-family config (head: see export_gguf). Every expert's
     w_gate of block N maps to the one stacked blk.N.ffn_gate_exps.weight (likewise up, down)."""
     from ...ir.build import weight_shapes
 
-    out = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
+    out = dict(GLOBAL_TENSORS)
     for name in weight_shapes(config):
         if name.startswith("blocks."):
             _, i, rest = name.split(".", 2)
             parts = rest.split(".")
-            if len(parts) == 4 and parts[:2] == ["moe", "experts"] and parts[3] in _EXPERT_NAMES:
-                out[name] = f"blk.{int(i)}.{_EXPERT_NAMES[parts[3]]}"
+            if len(parts) == 4 and parts[:2] == ["moe", "experts"] and parts[3] in EXPERT_TENSORS:
+                out[name] = f"blk.{int(i)}.{EXPERT_TENSORS[parts[3]]}"
                 continue
-            if rest not in _BLOCK_NAMES:
+            if rest not in BLOCK_TENSORS:
                 raise UnsupportedModelError(f"GGUF export: weight {name} has no llama.cpp counterpart")
-            out[name] = f"blk.{int(i)}.{_BLOCK_NAMES[rest]}"
+            out[name] = f"blk.{int(i)}.{BLOCK_TENSORS[rest]}"
     return out
 
 

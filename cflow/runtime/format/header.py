@@ -21,13 +21,14 @@ import json
 import numbers
 
 from cflow.errors import CflowError, FormatError
+from cflow.layout import QUANTS  # stored: each weight at its GGUF's type (the header's weight_dtypes says which)
+from cflow.layout.tile import tile_problem
 
 from . import spec as F
 
 # The keys of the version stamp (FileWriter adds them to every header it writes).
 VERSION_KEYS = ("cflow_version", "format_version", "plan_version")
 
-QUANTS = ("q4", "q8", "f16", "f32", "stored")  # stored: each weight at its GGUF's type (weight_dtypes says which)
 MAX_NAME = 1024  # characters of the model name
 MAX_TOKENIZER = 256 << 20  # characters of the tokenizer JSON
 
@@ -134,19 +135,6 @@ def check_header(reader) -> object:
         raise bad("schedule", f"{_short(h['schedule'])}: expected an object")
     check_budget(cfg, reader)
     return cfg
-
-
-def tile_problem(tile) -> str | None:
-    """Why a tile shape cannot be compiled or loaded, or None (cflowc --tile and the header share the rule)."""
-    from cflow.layout.quant import BLOCK
-    from cflow.layout.tile import GROUP_ROWS
-
-    tr, tc = tile
-    if not (1 <= tr <= F.MAX_TILE_ROWS and tr % GROUP_ROWS == 0):
-        return f"rows {tr}: expected a multiple of {GROUP_ROWS} in {GROUP_ROWS}..{F.MAX_TILE_ROWS}"
-    if not (1 <= tc <= F.MAX_TILE_COLS and tc % BLOCK == 0):
-        return f"cols {tc}: expected a multiple of {BLOCK} in {BLOCK}..{F.MAX_TILE_COLS}"
-    return None
 
 
 def check_budget(cfg, reader) -> None:

@@ -19,6 +19,7 @@ from cflow.layout.blocks import is_block_type
 # format constant is reachable from this one module.
 from cflow.layout.packed import FileLayout
 from cflow.layout.quant import BLOCK, BLOCK_SIZES, DType, matrix_bytes, padded  # noqa: F401
+from cflow.layout.tile import MAX_TILE_COLS, MAX_TILE_ROWS  # noqa: F401  (a model's tile bounds: tile_problem)
 
 # PNG-style magic: the high-bit first byte catches 7-bit transfers, "\r\n" catches newline
 # translation. Both layouts share it; the layout is a preamble flag.
@@ -43,10 +44,6 @@ MAX_NDIM = 4
 MAX_DIM = 2**31 - 1
 MAX_ELEMENTS = 2**48
 MAX_TILE = 2**20
-# A model's tile shape (header "tile", cflowc --tile): the kernels sweep tall tiles in unrolled passes, so JIT
-# time grows with the rows (1024-row tiles take ~15 s for a tiny model); these bounds keep it seconds.
-MAX_TILE_ROWS = 512
-MAX_TILE_COLS = 4096
 MAX_NAME = 1024  # bytes of UTF-8
 MAX_ID = 2**31 - 1  # layer, expert, stage: -1 (none) .. MAX_ID
 DTYPE_IDS = {int(d) for d in DType}
