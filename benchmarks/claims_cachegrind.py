@@ -1,6 +1,6 @@
 """L1-d read misses of the tile layout against row-major Q4 on the same matrix, counted by cachegrind.
 
-    python benchmarks/claims_cachegrind.py [--shape 2048x2048] [--reps 4] [--json docs/results/claims_cachegrind.json]
+    python -m benchmarks.claims_cachegrind [--shape 2048x2048] [--reps 4] [--json [FILE]]
 
 The paper claims that its tile layout takes 7.29x fewer L1-d read misses than a row-major kernel. Three kernels
 multiply the same Q4 matrix (GGUF Q4_0 codes and fp16 scales) by the same int8 activation:

@@ -1,6 +1,6 @@
 """Explicit software prefetch in the Q4 mat-vec against none, same run, same weights.
 
-    python benchmarks/claims_prefetch.py [--layers 8] [--threads 1,2] [--rounds 7] [--json FILE]
+    python -m benchmarks.claims_prefetch [--layers 8] [--threads 1,2] [--rounds 7] [--json [FILE]]
 
 The paper found that an explicit PREFETCHT0 gave no gain and up to 4% loss; cflow's kernel prefetches one Q4
 unit (2304 B) ahead into L1 (kernels.DEFAULT_PREFETCH, DEFAULT_PREFETCH_LOCALITY = 3, tuned on an Intel host).

@@ -1,7 +1,7 @@
 """Why arch1 vs arch2_4_combined at 114m depends on the text: the experts each greedy token routes to, and how
 much of a token's stream a last-level cache of a given size could hold (an LRU model, not a measurement).
 
-    python benchmarks/claims_routes.py --tokens 128
+    python -m benchmarks.claims_routes --tokens 128
 
 The tokens are the compiled Q4 model's own greedy decode (the files claims_schedule.py times, same 4-token
 prompt); the routes are the Q4 interpreter's, teacher-forced on those tokens. At 114m a token streams 28.4 MB,

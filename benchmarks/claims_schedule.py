@@ -1,9 +1,9 @@
 """What the delays buy the schedule: barriers per token, critical path and expert bytes per preset, and decode
 tok/s of arch1 against arch2_4_combined at equal bytes per token, with a per-stage profile of both.
 
-    python benchmarks/claims_schedule.py --static                      # the tables only (no timing, seconds)
-    python benchmarks/claims_schedule.py --size 114m --threads 1,2 --rounds 5 --json docs/results/claims_schedule.json
-    python benchmarks/claims_schedule.py --size 114m --scale 2 ...    # every width doubled: 4x the bytes per token
+    python -m benchmarks.claims_schedule --static                      # the tables only (no timing, seconds)
+    python -m benchmarks.claims_schedule --size 114m --threads 1,2 --rounds 5 --json
+    python -m benchmarks.claims_schedule --size 114m --scale 2 ...    # every width doubled: 4x the bytes per token
 
 Static part (analytic, per preset at --size, Q4): stages per token (build_schedule: one barrier after each
 stage, codegen/step.py), the critical-path reduction (passes/analysis.py, as docs/analysis.md), and the weight

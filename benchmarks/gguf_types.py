@@ -1,7 +1,7 @@
 """Each GGUF block type's decode mat-vec against the machine's read bandwidth, Q4_0 as the yardstick, one run.
 
-    python benchmarks/gguf_types.py [--threads 1,2] [--rounds 3] [--set-gb 1.5] [--types Q4_0,Q4_K,...]
-                                    [--tune] [--json docs/results/gguf_types.json]
+    python -m benchmarks.gguf_types [--threads 1,2] [--rounds 3] [--set-gb 1.5] [--types Q4_0,Q4_K,...]
+                                    [--tune] [--json [FILE]]
 
 For every type: TinyLlama's down projection shape (2048 outputs x 5632 inputs; IQ4_NL and the legacy types the
 same) of random blocks (every code pattern, small finite scales), copied into distinct buffers until the set is

@@ -1,8 +1,8 @@
 """JIT time of the compiled step against depth, weight sharing and tile rows (issue 14: "JIT time bounded").
 
-    python benchmarks/jit_time.py                    # the table in docs/reliability.md ("Limits")
-    python benchmarks/jit_time.py --json out.json
-    python benchmarks/jit_time.py --stages           # stage functions vs stages and emit time, no JIT
+    python -m benchmarks.jit_time                    # the table in docs/reliability.md ("Limits")
+    python -m benchmarks.jit_time --json
+    python -m benchmarks.jit_time --stages           # stage functions vs stages and emit time, no JIT
 
 Each row compiles a tiny model (the presets' `tiny` geometry: d_model 64, 4 heads, 4 experts of 64, vocab 256,
 random weights, q4) with cflowc's lowering, then loads it in a fresh subprocess with an empty program and object

@@ -1,6 +1,6 @@
 """Instructions per 64-byte line of weights in the mat-vec kernel's inner loop, from the JIT's own assembly.
 
-    python benchmarks/kernel_asm.py [--cols 5632] [--knobs unroll=1,prefetch=4608]
+    python -m benchmarks.kernel_asm [--cols 5632] [--knobs unroll=1,prefetch=4608]
 
 Builds the decode mat-vec (codegen.kernels.emit_matvec, this host's ISA) for Q4 and Q8 with the given knobs
 through codegen.library.Library (the optimisation pipeline the runtime uses), takes the optimised module's

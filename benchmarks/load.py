@@ -1,10 +1,10 @@
 """Decode speed with the machine quiet and with another process busy: the default thread count against 1 and 2.
 
-    python benchmarks/load.py                                   # tiny and 114m (arch1, Q4), 3 rounds
-    python benchmarks/load.py --models small --spins 0,2000000000   # the futex barrier vs one that never sleeps
-    python benchmarks/load.py --models 114m --rounds 5 --json docs/results/load.json
-    python benchmarks/load.py --baseline /tmp/cflow_old         # the same runs with another cflow tree, interleaved
-    python benchmarks/load.py --spins 0,100,1000,10000 --threads 2   # tune the barrier's spin budget
+    python -m benchmarks.load                                   # tiny and 114m (arch1, Q4), 3 rounds
+    python -m benchmarks.load --models small --spins 0,2000000000   # the futex barrier vs one that never sleeps
+    python -m benchmarks.load --models 114m --rounds 5 --json
+    python -m benchmarks.load --baseline /tmp/cflow_old         # the same runs with another cflow tree, interleaved
+    python -m benchmarks.load --spins 0,100,1000,10000 --threads 2   # tune the barrier's spin budget
 
 The load generator (`start_load`): `spin` is one process running `python -c 'while True: pass'`, placed by
 the scheduler; `spin-pinned` is the same process pinned to the last CPU this process may run on. On a

@@ -7,13 +7,13 @@ L3). One generated driver per thread runs every layer's kernels over its half of
 then the mat-vec, so both see the same machine state; rounds during which other processes used
 the CPU are discarded and retried (up to --max-wait); each number is the best quiet round.
 
-    python benchmarks/matvec.py [--layers 22] [--threads 1,2] [--rounds 5] [--emit asm]
+    python -m benchmarks.matvec [--layers 22] [--threads 1,2] [--rounds 5] [--emit asm]
 
 --l1-limit (1 thread) runs each decode kernel over the SAME cache-resident weights (one L1-sized tile-row,
 and one tile-row of the TinyLlama gate+up and down matrices, which stays in L2) and over >= 1 GB of distinct
 copies streamed from DRAM, and the read loop, back to back per round; prints medians and the ratios:
 
-    python benchmarks/matvec.py --l1-limit --rounds 3 [--json docs/results/matvec_l1_limit.json]
+    python -m benchmarks.matvec --l1-limit --rounds 3 [--json [FILE]]
 """
 
 from __future__ import annotations

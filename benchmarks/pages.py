@@ -1,7 +1,7 @@
 """Decode from the same weights in small page-cache folios vs 2 MiB folios, in alternating rounds of one run.
 
-    python benchmarks/pages.py [--threads 1,2] [--rounds 5] [--tokens 32] [--json out.json]
-    python benchmarks/pages.py --report FILE [FILE ...]    # how much of each file maps in 2 MiB folios now
+    python -m benchmarks.pages [--threads 1,2] [--rounds 5] [--tokens 32] [--json [FILE]]
+    python -m benchmarks.pages --report FILE [FILE ...]    # how much of each file maps in 2 MiB folios now
 
 cflow maps a model file with MADV_HUGEPAGE (runtime/format/folios.py), so pages read from disk come in 2 MiB folios
 where the file system keeps large folios (ext4 since Linux 6.16); FileWriter drops what it wrote from the page

@@ -1,7 +1,7 @@
 """Prompts and batches through the multi-token kernels: prompt tok/s and batched decode, against the limits.
 
-    python benchmarks/prefill.py --quick                       # < 5 minutes
-    python benchmarks/prefill.py --json docs/results/prefill.json
+    python -m benchmarks.prefill --quick                       # < 5 minutes
+    python -m benchmarks.prefill --json
 
 TinyLlama-1.1B geometry (benchmarks/decode.py's random weights; --models tinyllama,moe adds the MoE
 geometry), Q4 and Q8 (Q4 only with --quick), 1 and 2 threads. In one run: the machine's int8 dot-product
@@ -434,7 +434,7 @@ def main(argv=None) -> None:
     print(f"# {seconds:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "isa": isa, "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:]),
+            json.dump({"cpu": cpu, "isa": isa, "command": "python -m benchmarks.prefill " + " ".join(sys.argv[1:]),
                        "llama_cpp": llama_version if have_llama else None, "seconds": seconds,
                        "machine": {str(k): v for k, v in machine.items()}, "records": records, "rss": rss,
                        "profiles": profiles},

@@ -1,7 +1,7 @@
 """Dense weights streamed from disk: .vflow (stage-major) vs .cflow (layer-major) read-ahead, cold file.
 
-    python benchmarks/read_ahead.py --quick              # < 5 minutes
-    python benchmarks/read_ahead.py --json docs/results/read_ahead.json
+    python -m benchmarks.read_ahead --quick              # < 5 minutes
+    python -m benchmarks.read_ahead --json
 
 The paper left ".vflow read-ahead" inconclusive: its scheduler had no asynchronous I/O for the dense
 weights. Here `--weights-on-disk` streams every dense matrix from the file in schedule-stage order with

@@ -1,6 +1,6 @@
 """The MoE gate alone (codegen.ops.router: logits, softmax, top-k) in microseconds per call.
 
-    python benchmarks/router.py [--d 2048] [--experts 8] [--top-k 2] [--calls 20000]
+    python -m benchmarks.router [--d 2048] [--experts 8] [--top-k 2] [--calls 20000]
 
 Every thread runs the router itself before its experts' mat-vecs (codegen/step.py), once per MoE layer and
 token, so its time is added to every MoE layer of every token whatever the thread count. The call goes through

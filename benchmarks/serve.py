@@ -1,9 +1,9 @@
 """Load test of `cflow serve`: N concurrent streaming clients against one server, for a bounded time.
 
-    python benchmarks/serve.py --models 114m --threads 1 --json docs/results/serve_114m.json #  N = 1 4 16 64, 20 s each
-    python benchmarks/serve.py --quick --threads 1 --json docs/results/serve_quick.json   # 5 s per level, ~2 min
-    python benchmarks/serve.py --engine-only --models 114m,bundled --max-batch 1,2,4,8,16,32 --threads 1 --repeat 3 \
-        --json docs/results/serve_engine_t1.json                       # what a shared step buys (no HTTP)
+    python -m benchmarks.serve --models 114m --threads 1 --json       # N = 1 4 16 64, 20 s each
+    python -m benchmarks.serve --quick --threads 1 --json             # 5 s per level, ~2 min
+    python -m benchmarks.serve --engine-only --models 114m,bundled --max-batch 1,2,4,8,16,32 --threads 1 --repeat 3 \
+        --json                                                        # what a shared step buys (no HTTP)
 
 For each model the server is `cflow serve` in a process of its own on 127.0.0.1 (a free port). For each N,
 N clients each loop for --duration seconds: send a streaming /v1/completions request (--max-tokens tokens,
@@ -32,8 +32,7 @@ batch_step, the multi-token program). --repeat R runs the whole sweep R times; e
 arrives. It is read once at once (one prefill call) and once a prefill block per loop turn (chunked prefill):
 the running stream's longest gap between tokens, its tokens while the prompt is read, the new request's TTFT.
 
-    python benchmarks/serve.py --chunked-prefill 900 --models 114m --threads 1 --repeat 2 \
-        --json docs/results/serve_chunked_prefill.json
+    python -m benchmarks.serve --chunked-prefill 900 --models 114m --threads 1 --repeat 2 --json
 
 --json FILE writes {"command", "cpu", "usable_cores", "records": [...]} with one record per level (server runs)
 or per B and run (--engine-only).
@@ -447,7 +446,7 @@ def main(argv=None) -> int:
             for batch in batches:
                 records += run_server(which, path, batch, counts, args, cpu, hdr, tmp)
     if args.json:
-        out = {"command": "python benchmarks/serve.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        out = {"command": "python -m benchmarks.serve " + " ".join(sys.argv[1:] if argv is None else argv),
                "cpu": cpu, "usable_cores": len(os.sched_getaffinity(0)), "records": records}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

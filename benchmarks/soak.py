@@ -1,7 +1,7 @@
 """Long runs stay flat: RSS, open file descriptors and threads over many requests and many load/unload cycles.
 
-    python benchmarks/soak.py                          # 10,000 tokens over ~100 requests, then 200 load/unload cycles
-    python benchmarks/soak.py --tokens 2000 --cycles 40 --json out.json
+    python -m benchmarks.soak                          # 10,000 tokens over ~100 requests, then 200 load/unload cycles
+    python -m benchmarks.soak --tokens 2000 --cycles 40 --json
 
 Phase 1 loads the bundled model (q4, with its tokenizer) once and serves requests of 20..200 new tokens (text
 prompts, greedy and sampled, streamed and whole) until --tokens tokens have been generated, in one process.

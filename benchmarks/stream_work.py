@@ -1,7 +1,7 @@
 """How work per cache line changes one core's streaming rate: the read loop with k extra vector ops per 64-byte line.
 
-    python benchmarks/stream_work.py [--ops 0,2,4,8,16] [--kind alu,indep,dp] [--prefetch 0,4608] [--lines 8,36]
-                                     [--rounds 2] [--json out.json]
+    python -m benchmarks.stream_work [--ops 0,2,4,8,16] [--kind alu,indep,dp] [--prefetch 0,4608] [--lines 8,36]
+                                     [--rounds 2] [--json [FILE]]
 
 Each variant is codegen.bandwidth's read loop itself (8 independent 64-byte loads per iteration) where every loaded
 vector also goes through k ops before it is folded into its accumulator: `alu`, k alternating XOR / ADD with

@@ -8,8 +8,8 @@ decode step splits them (Python threads calling the JIT-compiled kernel through 
 started together, until the last one finishes), interleaved round by round, medians printed
 with the plain read loop's bandwidth of the same round. Numbers only: nothing is cached or chosen here.
 
-    python benchmarks/tune_threads.py --shape q4:2048:plain --threads 2 --rounds 9
-    python benchmarks/tune_threads.py --shape q4:5632:plain --knobs prefetch_stride=128 --knobs unroll=2,prefetch=2304
+    python -m benchmarks.tune_threads --shape q4:2048:plain --threads 2 --rounds 9
+    python -m benchmarks.tune_threads --shape q4:5632:plain --knobs prefetch_stride=128 --knobs unroll=2,prefetch=2304
 
 --knobs adds a candidate: the choice with those knobs changed (any of codegen.tune.KNOBS), e.g. to time a knob
 the one-knob neighbours leave fixed (unroll, max_groups, unpack, group_loop).
