@@ -25,11 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from cflow.models.presets import ARCHS
+from cflow.models.train import TrainConfig
 
-from cflow.models.presets import ARCHS  # noqa: E402
-from cflow.models.train import TrainConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_DATA = "/work/shared/data/tinystories_val.txt"
 NOISE_PRESET = "arch2_4_combined"
