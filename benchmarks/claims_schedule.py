@@ -127,8 +127,12 @@ def main(argv=None) -> None:
         print(f"| {r['preset']} | {r['stages']} | {r['critical_path_reduction']:.2f}x | "
               f"{r['bytes_per_token_topk'] / 1e6:.2f} | {r['bytes_per_token_all_experts'] / 1e6:.2f} | "
               f"{r['bytes_per_token_all_experts'] / r['bytes_per_token_topk']:.2f}x |")
-    out = {"size": args.size, "scale": args.scale, "last_level_cache": last_level_cache_text(), "static": table}
-    records = []
+    out = {"size": args.size, "scale": args.scale, "last_level_cache": last_level_cache_text()}
+    tag = args.size if args.scale == 1 else f"{args.size}x{args.scale}"
+    # the analytic rows: no timing, bytes per token with the router's top-k experts
+    records = [run.record(engine="cflow", model=f"{r['preset']}@{tag}", quant="q4", isa_path=None,
+                          variant="static", bytes_per_token=r["bytes_per_token_topk"],
+                          **{k: v for k, v in r.items() if k != "preset"}) for r in table]
     if not args.static:
         import cflow
         from benchmarks.common.profile import profile
@@ -177,10 +181,9 @@ def main(argv=None) -> None:
                   f"{summary[t]['ratio_median_of_rounds']:.3f} (median of per-round ratios, "
                   f"range {min(per_round):.2f}..{max(per_round):.2f}; other load up to {other:.0%})")
         out.update(bytes_per_token=bpt, summary=summary)
-        tag = args.size if args.scale == 1 else f"{args.size}x{args.scale}"
-        records = [run.record(engine="cflow", model=f"{r['preset']}@{tag}", quant="q4", threads=r["threads"],
-                              tok_s=r["tok_s"], bytes_per_token=bpt[r["preset"]],
-                              read_gbs=r["read_gbps"], round=r["round"], other_load=r["other_load"]) for r in rec]
+        records += [run.record(engine="cflow", model=f"{r['preset']}@{tag}", quant="q4", threads=r["threads"],
+                               tok_s=r["tok_s"], bytes_per_token=bpt[r["preset"]],
+                               read_gbs=r["read_gbps"], round=r["round"], other_load=r["other_load"]) for r in rec]
         if not args.no_profile:
             profiles = {}
             for t in threads:

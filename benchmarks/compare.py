@@ -71,8 +71,13 @@ def table(a: list[dict], b: list[dict], metric: str = "tok_s") -> str:
     """The markdown table of the pairs (and a line per key found in one run only)."""
     ka, kb = by_key(a, metric), by_key(b, metric)
     keys = [k for k in ka if k in kb]
+    only = []
+    for label, ks in (("A", [k for k in ka if k not in kb]), ("B", [k for k in kb if k not in ka])):
+        if ks:
+            only.append(f"only in {label}: " + "; ".join(", ".join(_fmt(x) for x in k if x is not None) for k in ks))
     if not keys:
-        return f"no records with {metric} in both runs share (engine, model, quant, isa_path, threads, variant)"
+        return "\n".join([f"no records with {metric} in both runs share (engine, model, quant, isa_path, threads, "
+                          "variant)", *only])
     varying = [i for i in range(len(KEY)) if len({k[i] for k in keys}) > 1]
     same = [f"{LABELS[KEY[i]]} {keys[0][i]}" for i in range(len(KEY)) if i not in varying and keys[0][i] is not None]
     reads = any(ka[k]["of_read"] is not None and kb[k]["of_read"] is not None for k in keys)
@@ -89,11 +94,7 @@ def table(a: list[dict], b: list[dict], metric: str = "tok_s") -> str:
     lines = ([f"same in every row: {', '.join(same)}", ""] if same else []) + [
         "| " + " | ".join(head) + " |", "|" + "|".join("---" if i < len(varying) else "---:" for i in range(len(head)))
         + "|"] + ["| " + " | ".join(r) + " |" for r in rows]
-    for label, only in (("A", [k for k in ka if k not in kb]), ("B", [k for k in kb if k not in ka])):
-        if only:
-            lines.append(f"only in {label}: " + "; ".join(", ".join(_fmt(x) for x in k if x is not None)
-                                                          for k in only))
-    return "\n".join(lines)
+    return "\n".join(lines + only)
 
 
 def describe(label: str, path: str, records: list[dict]) -> str:

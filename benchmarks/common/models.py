@@ -35,7 +35,7 @@ MODELS = {
     "moe2g": ModelConfig(name="moe2g_geometry", vocab_size=32000, d_model=2048, n_layers=20, n_heads=32,
                          n_kv_heads=4, n_experts=8, top_k=2, expert_dim=3584, max_seq_len=2048),
 }
-# TinyLlama's geometry with a 4096-token context (benchmarks/long_context.py; decode.py --context)
+# TinyLlama's geometry with a 4096-token context (benchmarks.long_context; benchmarks.decode --context)
 MODELS["tinyllama_4k"] = attrs.evolve(MODELS["tinyllama"], name="tinyllama_geometry_4k", max_seq_len=4096)
 LAZY_MODELS = {"moe2g"}  # geometries whose weights come from LazyWeights instead of random_weights
 
