@@ -148,10 +148,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", action="store_true", help="stage functions and emit time only (no JIT)")
     ap.add_argument("--one", nargs=2, metavar=("FILE", "PREFILL_BLOCK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    run = Run("jit_time", argv)
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]))))
         return 0
+    run = Run("jit_time", argv)
     if args.stages:
         return stages_table(args.prefill_block, args.json, run)
     print(f"# {cpu_model()}; prefill block {args.prefill_block}; tiny geometry, q4, 1 thread, empty caches, "
