@@ -367,8 +367,8 @@ def schema_records(run: Run, rec: dict) -> list[dict]:
     """A file's result as two records of the schema: cflow (the checks in its extra) and llama.cpp."""
     common = dict(model=rec["model"], quant=rec["header_quant"], threads=rec["threads"],
                   bytes_per_token=rec["bytes_per_token"])
-    extra = {k: v for k, v in rec.items() if k not in ("model", "threads", "bytes_per_token", "cpu", "isa")}
-    return [run.record(engine="cflow", tok_s=rec["tok_s"]["cflow"], **common, **extra),
+    extra = {k: v for k, v in rec.items() if k not in ("model", "threads", "bytes_per_token", "cpu", "isa", "tok_s")}
+    return [run.record(engine="cflow", tok_s=rec["tok_s"]["cflow"], decode_tok_s=rec["tok_s"], **common, **extra),
             run.record(engine="llama.cpp", tok_s=rec["tok_s"]["llama.cpp"], file=rec["file"], **common)]
 
 
@@ -377,7 +377,8 @@ def report_rows(doc) -> list[dict]:
     list as it is."""
     if isinstance(doc, list):
         return doc
-    return [{**r["extra"], "model": r["model"]} for r in doc["records"] if r["engine"] == "cflow"]
+    return [{**r["extra"], "model": r["model"], "tok_s": r["extra"]["decode_tok_s"]} for r in doc["records"]
+            if r["engine"] == "cflow"]
 
 
 if __name__ == "__main__":
