@@ -41,11 +41,12 @@ from benchmarks.common.record import Run, add_json_argument
 from cflow.codegen import kernels as K
 from cflow.codegen.cgutils import Loop, V, c64, f32, half_to_float, i8, i16, i32, intrinsic, new_function, ptr
 from cflow.codegen.library import Library
+from cflow.codegen.target import ISA as KernelISA
 from cflow.codegen.target import host_target, init_llvm
 from cflow.layout.quant import BLOCK, DType, quantize, quantize_activation_q8
 from cflow.layout.tile import TileLayout, pack
 
-ISA = "avx2"
+ISA = KernelISA.AVX2  # the kernels' unit code takes the enum (its .vnni), not the name
 CPU = "haswell"  # no AVX-512: valgrind 3.19 cannot decode it
 GGUF_BLOCK = 18  # Q4_0: fp16 scale + 16 code bytes per 32 weights
 KERNELS = ("tile", "rows16", "row1")
