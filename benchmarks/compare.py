@@ -20,6 +20,7 @@ were a package runs its script as `python benchmarks/NAME.py` instead.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -47,12 +48,17 @@ def of_read(record: dict) -> float | None:
     return t * b / 1e9 / r if t and b and r else None
 
 
+def _hashable(v):
+    """A key field as it can be compared (an older file may hold a list or an object where the schema has text)."""
+    return v if v is None or isinstance(v, (str, int, float)) else json.dumps(v, sort_keys=True)
+
+
 def by_key(records: list[dict], metric: str) -> dict[tuple, dict]:
     """key -> {"value": median of the metric, "of_read": median fraction of read, "n": records}."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        if isinstance(metric_of(r, metric), (int, float)):
-            groups.setdefault(tuple(r.get(k) for k in KEY), []).append(r)
+        if isinstance(metric_of(r, metric), (int, float)) and not isinstance(metric_of(r, metric), bool):
+            groups.setdefault(tuple(_hashable(r.get(k)) for k in KEY), []).append(r)
     out = {}
     for key, rs in groups.items():
         fr = [f for f in map(of_read, rs) if f is not None]
