@@ -1,9 +1,9 @@
 """Train the five pipeline-native presets on the same tokens and compare them (docs/architectures.md).
 
-    nice -n 19 python benchmarks/architectures.py              # train what is missing, write table + plot
-    nice -n 19 python benchmarks/architectures.py --bundle --long arch4_async_experts
+    nice -n 19 python -m benchmarks.architectures              # train what is missing, write table + plot
+    nice -n 19 python -m benchmarks.architectures --bundle --long arch4_async_experts
         # ... and train arch2_4_combined 3x longer, ship it as cflow/data/default, and train arch4 as long
-    python benchmarks/architectures.py --report-only           # rebuild table/plot/samples from finished runs
+    python -m benchmarks.architectures --report-only           # rebuild table/plot/samples from finished runs
 
 Every preset trains at one size (`small`) with the same tokenizer, data, step count, batch, sequence
 length, learning-rate schedule and seed; a second seed of arch2_4_combined measures seed noise. Runs
@@ -25,11 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from cflow.models.presets import ARCHS
+from cflow.models.train import TrainConfig
 
-from cflow.models.presets import ARCHS  # noqa: E402
-from cflow.models.train import TrainConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_DATA = "/work/shared/data/tinystories_val.txt"
 NOISE_PRESET = "arch2_4_combined"

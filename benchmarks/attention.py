@@ -1,6 +1,6 @@
 """The attention core alone (codegen/ops.py:attention): one decode token's attention over a long KV cache.
 
-    python benchmarks/attention.py --contexts 16,1024,2048,4064 --kv f16,f32,bf16 --json out.json
+    python -m benchmarks.attention --contexts 16,1024,2048,4064 --kv f16,f32,bf16 [--json [FILE]]
 
 TinyLlama-1.1B's attention geometry by default (32 query heads, 4 KV heads of 64, max_seq 4096): the compiled
 function runs for every kv head on one thread at position P, over a cache filled with random K/V, and is timed
@@ -17,21 +17,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bandwidth import measure_read_bandwidth  # noqa: E402
-
-from cflow.codegen.attn_tune import AttentionBench  # noqa: E402
-from cflow.codegen.cgutils import P, f32, i64  # noqa: E402
-from cflow.codegen.library import Library  # noqa: E402
-from cflow.codegen.ops import KV_PREFETCH  # noqa: E402
-from cflow.codegen.target import cpu_model, host_target  # noqa: E402
+from benchmarks.common.bandwidth import read_gbs
+from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen.attn_tune import AttentionBench
+from cflow.codegen.cgutils import P, f32, i64
+from cflow.codegen.library import Library
+from cflow.codegen.ops import KV_PREFETCH
+from cflow.codegen.target import cpu_model, host_target
 
 
 def _peak(name: str, step, reps: int) -> float:
@@ -110,10 +106,11 @@ def main(argv=None) -> None:
                     help="the K/V scans' prefetch distances to time, bytes (default: the built-in default; this "
                          "host's tuned choice is in `cflow tune`)")
     ap.add_argument("--layers", type=int, default=1, help="caches called in turn (22: TinyLlama's, from DRAM)")
-    ap.add_argument("--json", help="write the records here")
+    add_json_argument(ap, "write one record per cache type, prefetch distance and position")
     a = ap.parse_args(argv)
+    run = Run("attention", argv)
     H, KV, hd, S = a.heads, a.kv_heads, a.head_dim, a.max_seq
-    bw = measure_read_bandwidth(1, 1 << 30)
+    bw = read_gbs(1)
     peak = fma_rate()
     bf_peak = bf16_rate() if host_target().has_avx512_bf16 else 0.0
     bf = f", {bf_peak / 1e9:.1f} G with VDPBF16PS (bf16's floor)" if bf_peak else ""
@@ -142,16 +139,14 @@ def main(argv=None) -> None:
                 label = kv + (f"/{bench.unit}" if bench.unit else "")  # bf16: amx, dpbf16 or the emulation
                 print(f"  {label:<11} {pf:>6} {pos:>5} {1e6 * best:9.1f} {nbytes / 1e6:7.2f} {rate:6.2f} "
                       f"{100 * rate / bw:6.1f}% {1e6 * floor:12.1f} {100 * floor / best:12.1f}%", flush=True)
-                recs.append({"kv": kv, "bf16_unit": bench.unit,
-                             "kv_prefetch": pf, "pos": pos, "us": round(1e6 * best, 2), "kv_bytes": nbytes,
-                             "gbps": round(rate, 3), "layers": a.layers, "read_gbps": round(bw, 3),
-                             "fma_per_s": round(peak), "bf16_dot_per_s": round(bf_peak),
-                             "fma_floor_us": round(1e6 * floor, 2),
-                             "cpu": cpu_model(), "heads": H, "kv_heads": KV, "head_dim": hd})
+                recs.append(run.record(
+                    engine="attention core", model=f"heads {H}/{KV} of {hd}, max_seq {S}", threads=1,
+                    variant=f"{label} pf {pf} pos {pos}", read_gbs=round(bw, 3), kv=kv, bf16_unit=bench.unit,
+                    kv_prefetch=pf, pos=pos, us=round(1e6 * best, 2), kv_bytes=nbytes, gbps=round(rate, 3),
+                    layers=a.layers, fma_per_s=round(peak), bf16_dot_per_s=round(bf_peak),
+                    fma_floor_us=round(1e6 * floor, 2), heads=H, kv_heads=KV, head_dim=hd))
             del bench
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(recs, f, indent=2)
+    run.write(a.json, recs)
 
 
 if __name__ == "__main__":

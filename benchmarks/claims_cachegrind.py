@@ -1,6 +1,6 @@
 """L1-d read misses of the tile layout against row-major Q4 on the same matrix, counted by cachegrind.
 
-    python benchmarks/claims_cachegrind.py [--shape 2048x2048] [--reps 4] [--json docs/results/claims_cachegrind.json]
+    python -m benchmarks.claims_cachegrind [--shape 2048x2048] [--reps 4] [--json [FILE]]
 
 The paper claims that its tile layout takes 7.29x fewer L1-d read misses than a row-major kernel. Three kernels
 multiply the same Q4 matrix (GGUF Q4_0 codes and fp16 scales) by the same int8 activation:
@@ -29,28 +29,24 @@ cachegrind guesses about the CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 import numpy as np
+from llvmlite import ir
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen import kernels as K
+from cflow.codegen.cgutils import Loop, V, c64, f32, half_to_float, i8, i16, i32, intrinsic, new_function, ptr
+from cflow.codegen.library import Library
+from cflow.codegen.target import ISA as KernelISA
+from cflow.codegen.target import host_target, init_llvm
+from cflow.layout.quant import BLOCK, DType, quantize, quantize_activation_q8
+from cflow.layout.tile import TileLayout, pack
 
-from llvmlite import ir  # noqa: E402
-
-from cflow.codegen import kernels as K  # noqa: E402
-from cflow.codegen.cgutils import Loop, V, c64, f32, half_to_float, i8, i16, i32, intrinsic, new_function, ptr  # noqa: E402
-from cflow.codegen.library import Library  # noqa: E402
-from cflow.codegen.target import host_target, init_llvm  # noqa: E402
-from cflow.layout.quant import BLOCK, DType, quantize, quantize_activation_q8  # noqa: E402
-from cflow.layout.tile import TileLayout, pack  # noqa: E402
-
-ISA = "avx2"
+ISA = KernelISA.AVX2  # the kernels' unit code takes the enum (its .vnni), not the name
 CPU = "haswell"  # no AVX-512: valgrind 3.19 cannot decode it
 GGUF_BLOCK = 18  # Q4_0: fp16 scale + 16 code bytes per 32 weights
 KERNELS = ("tile", "rows16", "row1")
@@ -244,8 +240,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=4, help="mat-vecs per kernel under cachegrind")
     ap.add_argument("--D1", default="32768,8,64", help="simulated L1-d: size,assoc,line (the host's)")
     ap.add_argument("--LL", default="33554432,16,64", help="simulated last level: size,assoc,line (the host's L3)")
-    ap.add_argument("--json", metavar="FILE")
+    add_json_argument(ap, "write one record per kernel (no timing: tok_s is null)")
     args = ap.parse_args(argv)
+    run = Run("claims_cachegrind", argv)
     rows, cols = (int(v) for v in args.shape.lower().split("x"))
     L = TileLayout(DType.Q4, rows, cols)
     if rows % L.tr or cols % L.tile[1]:
@@ -280,14 +277,12 @@ def main(argv=None) -> None:
     ratios = {k: res[k]["D1mr"] / res["tile"]["D1mr"] for k in KERNELS[1:]}
     for k, r in ratios.items():
         print(f"{k} / tile D1 read misses: {r:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"shape": [rows, cols], "cpu_for_kernels": CPU, "isa": ISA, "reps": args.reps,
-                       "D1": args.D1, "LL": args.LL, "valgrind": subprocess.run(["valgrind", "--version"],
-                                                                                capture_output=True,
-                                                                                text=True).stdout.strip(),
-                       "per_matvec": res, "d1mr_ratio_vs_tile": ratios, "argv": sys.argv[1:]}, f, indent=1)
-            f.write("\n")
+    records = [run.record(engine="q4 mat-vec", model=f"{rows}x{cols}", quant="q4", isa_path=ISA, threads=1,
+                          variant=k, per_matvec=res[k], d1mr_ratio_vs_tile=ratios.get(k, 1.0)) for k in KERNELS]
+    if args.json is not None:
+        valgrind = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
+        run.write(args.json, records, {"shape": [rows, cols], "cpu_for_kernels": CPU, "reps": args.reps,
+                                       "D1": args.D1, "LL": args.LL, "valgrind": valgrind})
 
 
 if __name__ == "__main__":

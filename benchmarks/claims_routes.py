@@ -1,9 +1,9 @@
 """Why arch1 vs arch2_4_combined at 114m depends on the text: the experts each greedy token routes to, and how
 much of a token's stream a last-level cache of a given size could hold (an LRU model, not a measurement).
 
-    python benchmarks/claims_routes.py --tokens 128
+    python -m benchmarks.claims_routes --tokens 128
 
-The tokens are the compiled Q4 model's own greedy decode (the files claims_schedule.py times, same 4-token
+The tokens are the compiled Q4 model's own greedy decode (the files benchmarks.claims_schedule times, same 4-token
 prompt); the routes are the Q4 interpreter's, teacher-forced on those tokens. At 114m a token streams 28.4 MB,
 less than a 32 MiB L3: a token whose experts are the previous token's is served largely from the cache, so a
 preset whose random-weight text repeats itself decodes faster. The LRU model streams each token's weights in
@@ -14,20 +14,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-
-from claims_schedule import PROMPT, compiled  # noqa: E402
-
-import cflow  # noqa: E402
-from cflow.compiler import lower  # noqa: E402
-from cflow.frontend.load import load_graph  # noqa: E402
-from cflow.ir import Interpreter  # noqa: E402
-from cflow.ir.nodes import Router  # noqa: E402
+import cflow
+from benchmarks.claims_schedule import PROMPT, compiled
+from benchmarks.common.record import Run, add_json_argument
+from cflow.compiler import lower
+from cflow.frontend.load import load_graph
+from cflow.ir import Interpreter
+from cflow.ir.nodes import Router
 
 PIECE = 1 << 16
 
@@ -87,20 +81,31 @@ def main(argv=None) -> None:
     ap.add_argument("--size", default="114m")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--cache-mb", default="16,24,28,32")
+    add_json_argument(ap, "write one record per preset (no timing: tok_s is null)")
     args = ap.parse_args(argv)
+    run = Run("claims_routes", argv)
+    records = []
     for name in ("arch1", "arch2_4_combined"):
         toks, routes, expert, total = routes_of(name, args.size, args.tokens)
         layers = sorted(routes[0])
         fixed = total - expert * sum(len(e) for e in routes[0].values())  # the weights every token streams
         same = sum(routes[i][lay] == routes[i - 1][lay] for i in range(1, len(routes)) for lay in layers)
         print(f"{name}: {len(toks)} greedy tokens, {len(set(toks))} distinct; first 16: {toks[:16]}")
-        print(f"  same experts as the previous token in {100 * same / ((len(routes) - 1) * len(layers)):.0f}% of "
+        same_share = same / ((len(routes) - 1) * len(layers))
+        distinct = [len({e for r in routes for e in r[lay]}) for lay in layers]
+        print(f"  same experts as the previous token in {100 * same_share:.0f}% of "
               f"(token, layer); distinct experts per layer over the run: "
-              f"{[len({e for r in routes for e in r[lay]}) for lay in layers]}")
+              f"{distinct}")
         print(f"  {total / 1e6:.2f} MB per token ({fixed / 1e6:.2f} MB non-expert, {expert / 1e6:.3f} MB per expert)")
+        misses = {}
         for mb in (int(x) for x in args.cache_mb.split(",")):
-            miss = lru_miss(routes, fixed, expert, mb << 20)
+            misses[mb] = miss = lru_miss(routes, fixed, expert, mb << 20)
             print(f"  LRU of {mb} MiB: {100 * miss:.1f}% of the streamed bytes miss")
+        records.append(run.record(engine="cflow", model=f"{name}@{args.size}", quant="q4", threads=1,
+                                  bytes_per_token=total, tokens=toks, same_experts_share=same_share,
+                                  distinct_experts_per_layer=distinct, non_expert_bytes=fixed, expert_bytes=expert,
+                                  lru_miss_share_by_mib=misses))
+    run.write(args.json, records)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """What the delays buy the schedule: barriers per token, critical path and expert bytes per preset, and decode
 tok/s of arch1 against arch2_4_combined at equal bytes per token, with a per-stage profile of both.
 
-    python benchmarks/claims_schedule.py --static                      # the tables only (no timing, seconds)
-    python benchmarks/claims_schedule.py --size 114m --threads 1,2 --rounds 5 --json docs/results/claims_schedule.json
-    python benchmarks/claims_schedule.py --size 114m --scale 2 ...    # every width doubled: 4x the bytes per token
+    python -m benchmarks.claims_schedule --static                      # the tables only (no timing, seconds)
+    python -m benchmarks.claims_schedule --size 114m --threads 1,2 --rounds 5 --json   # a record per measurement
+    python -m benchmarks.claims_schedule --size 114m --scale 2 ...    # every width doubled: 4x the bytes per token
 
 Static part (analytic, per preset at --size, Q4): stages per token (build_schedule: one barrier after each
 stage, codegen/step.py), the critical-path reduction (passes/analysis.py, as docs/analysis.md), and the weight
@@ -12,40 +12,36 @@ bytes per token with the router's top-k experts against reading every expert (co
 Timed part: both presets compiled to Q4 .vflow (out/bench/), each measurement a fresh greedy decode of
 --tokens steps after a 4-token prompt, best of 3 sequences; the two presets alternate within every round,
 so their ratio is a same-run figure; medians over rounds. Each round first measures the read bandwidth
-(benchmarks/bandwidth.py's loop over --gib), and each preset's bytes/token x tok/s is printed against it: a
+(benchmarks/common/bandwidth.py, over --gib), and each preset's bytes/token x tok/s is printed against it: a
 token whose weights fit in the last-level cache (114m: 28.4 MB against Zen 5's 32 MiB L3) streams above the
 DRAM read rate, so how much of it stays cached, which depends on the experts the generated tokens route to,
 moves the comparison. --scale K multiplies d_model, the head counts (head_dim kept), the FFN and the expert
-widths by K (K^2 the bytes per token, random weights from benchmarks/decode.py, the same for both presets)
+widths by K (K^2 the bytes per token, random weights of benchmarks/common/models.py, the same for both presets)
 to compare them where every token comes from DRAM. Then one profiling build of each (per-stage cycle
-stamps, benchmarks/decode.py::profile) at each thread count, grouped by what the stages do.
+stamps, benchmarks/common/profile.py) at each thread count, grouped by what the stages do.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
+import attrs
 
-import attrs  # noqa: E402
-from bandwidth import measure_read_bandwidth  # noqa: E402
-from decode import random_weights, time_decode  # noqa: E402
+from benchmarks.common import OUT
+from benchmarks.common.bandwidth import read_gbs
+from benchmarks.common.models import random_weights
+from benchmarks.common.record import Run, add_json_argument
+from benchmarks.common.timing import cpu_ticks, other_load, time_decode
+from cflow.codegen.target import cpu_model, last_level_cache
+from cflow.ir import build_graph
+from cflow.layout import DEFAULT_TILE
+from cflow.layout.quant import DType
+from cflow.models import PRESETS, get_preset
+from cflow.passes.analysis import _tensor_bytes, analyze
+from cflow.passes.pipeline import lower
 
-from cflow.codegen.target import cpu_model, last_level_cache  # noqa: E402
-from cflow.ir import build_graph  # noqa: E402
-from cflow.layout import DEFAULT_TILE  # noqa: E402
-from cflow.layout.quant import DType  # noqa: E402
-from cflow.models import PRESETS, get_preset  # noqa: E402
-from cflow.passes.analysis import _tensor_bytes, analyze  # noqa: E402
-from cflow.passes.pipeline import lower  # noqa: E402
-
-OUT = os.path.join(HERE, "..", "out", "bench")
 PROMPT = [1, 2, 3, 4]
 
 
@@ -103,7 +99,7 @@ def compiled(name: str, size: str, scale: int = 1) -> str:
 
 
 def tok_s(m, tokens: int) -> float:
-    return time_decode(m, PROMPT, tokens, reps=3)  # benchmarks/decode.py's best-of-reps greedy decode
+    return time_decode(m, PROMPT, tokens, reps=3)  # the best-of-reps greedy decode (benchmarks/common/timing.py)
 
 
 def main(argv=None) -> None:
@@ -116,8 +112,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--json", metavar="FILE")
+    add_json_argument(ap, "write one record per round, thread count and preset, the tables in the run's extra")
     args = ap.parse_args(argv)
+    run = Run("claims_schedule", argv)
     if args.scale < 1:
         ap.error("--scale must be >= 1")
     table = static(args.size, args.scale)
@@ -130,13 +127,15 @@ def main(argv=None) -> None:
         print(f"| {r['preset']} | {r['stages']} | {r['critical_path_reduction']:.2f}x | "
               f"{r['bytes_per_token_topk'] / 1e6:.2f} | {r['bytes_per_token_all_experts'] / 1e6:.2f} | "
               f"{r['bytes_per_token_all_experts'] / r['bytes_per_token_topk']:.2f}x |")
-    out = {"size": args.size, "scale": args.scale, "cpu": cpu_model(), "last_level_cache": last_level_cache_text(),
-           "static": table, "argv": sys.argv[1:]}
+    out = {"size": args.size, "scale": args.scale, "last_level_cache": last_level_cache_text()}
+    tag = args.size if args.scale == 1 else f"{args.size}x{args.scale}"
+    # the analytic rows: no timing, bytes per token with the router's top-k experts
+    records = [run.record(engine="cflow", model=f"{r['preset']}@{tag}", quant="q4", isa_path=None,
+                          variant="static", bytes_per_token=r["bytes_per_token_topk"],
+                          **{k: v for k, v in r.items() if k != "preset"}) for r in table]
     if not args.static:
-        from decode import profile
-        from load import _ticks  # CPU time of other processes meanwhile (0..1 of all cores)
-
         import cflow
+        from benchmarks.common.profile import profile
 
         names = ("arch1", "arch2_4_combined")
         paths = {n: compiled(n, args.size, args.scale) for n in names}
@@ -148,15 +147,13 @@ def main(argv=None) -> None:
         rec, reads = [], {t: [] for t in threads}
         for rnd in range(args.rounds):
             for t in threads:
-                reads[t].append(measure_read_bandwidth(t, int(args.gib * (1 << 30))))
+                reads[t].append(read_gbs(t, args.gib))
                 order = names if rnd % 2 == 0 else names[::-1]
                 for n in order:
-                    a = _ticks([])
+                    a = cpu_ticks()
                     v = tok_s(models[(n, t)], args.tokens)
-                    z = _ticks([])
-                    total, idle, mine = (z[i] - a[i] for i in range(3))
                     rec.append({"round": rnd, "preset": n, "threads": t, "tok_s": v, "read_gbps": reads[t][-1],
-                                "other_load": max(0.0, (total - idle - mine) / max(total, 1))})
+                                "other_load": other_load(a, cpu_ticks())})
         for m in models.values():
             m.close()
         summary = {}
@@ -183,7 +180,10 @@ def main(argv=None) -> None:
                   f"({100 * frac['arch2_4_combined']:.1f}%)   arch2_4 / arch1 = "
                   f"{summary[t]['ratio_median_of_rounds']:.3f} (median of per-round ratios, "
                   f"range {min(per_round):.2f}..{max(per_round):.2f}; other load up to {other:.0%})")
-        out.update(bytes_per_token=bpt, records=rec, summary=summary)
+        out.update(bytes_per_token=bpt, summary=summary)
+        records += [run.record(engine="cflow", model=f"{r['preset']}@{tag}", quant="q4", threads=r["threads"],
+                               tok_s=r["tok_s"], bytes_per_token=bpt[r["preset"]],
+                               read_gbs=r["read_gbps"], round=r["round"], other_load=r["other_load"]) for r in rec]
         if not args.no_profile:
             profiles = {}
             for t in threads:
@@ -192,10 +192,7 @@ def main(argv=None) -> None:
                     profiles[f"{n}/{t}"] = text
                     print(f"\n## {n}, {t} thread(s)\n{text}")
             out["profiles"] = profiles
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+    run.write(args.json, records, out)
 
 
 if __name__ == "__main__":

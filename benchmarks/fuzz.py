@@ -1,8 +1,8 @@
 """Hostile files at scale: a structure-aware fuzzer of the .vflow/.cflow reader, loader and CLI.
 
-    python benchmarks/fuzz.py --cases 100000              # the long run (docs/reliability.md records the result)
-    python benchmarks/fuzz.py --seconds 25 --quick        # the short budget tests/runtime/test_fuzz_harness.py runs
-    python benchmarks/fuzz.py --replay 7:1234             # rebuild case 1234 of seed 7 and run it in this process
+    python -m benchmarks.fuzz --cases 100000              # the long run (docs/reliability.md records the result)
+    python -m benchmarks.fuzz --seconds 25 --quick        # the short budget tests/runtime/test_fuzz_harness.py runs
+    python -m benchmarks.fuzz --replay 7:1234             # rebuild case 1234 of seed 7 and run it in this process
 
 Cases are small real model files (tiny presets, the bundled model with its tokenizer) with one hostile edit each:
 a header field (config fields one at a time with hostile values: wrong JSON kinds, zero, negative, huge, 2^63,
@@ -46,9 +46,9 @@ import traceback
 import zlib
 from contextlib import redirect_stderr, redirect_stdout
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from cflow.runtime.format import spec as F  # noqa: E402
+from benchmarks.common.process import child_env, module_command
+from benchmarks.common.record import Run, add_json_argument
+from cflow.runtime.format import spec as F
 
 FAILURES = ("bug", "crash", "hang")
 
@@ -643,8 +643,8 @@ class Worker:
         self.start()
 
     def start(self) -> None:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads", str(self.args.threads),
-               "--mem-gb", str(self.args.mem_gb)]
+        cmd = module_command("benchmarks.fuzz", "--worker", "--threads", self.args.threads, "--mem-gb",
+                             self.args.mem_gb)
         nice = self.args.nice
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=self.env, bufsize=1, preexec_fn=(lambda: os.nice(nice)) if nice else None)
@@ -754,10 +754,10 @@ def case_for(seed: int, i: int, blobs: dict[str, tuple[str, bytes]], muts: Mutat
 
 
 # --- the run ----------------------------------------------------------------------------------------------------
-def run(args, argv_used: list[str] | None = None) -> dict:
+def run(args, bench: Run) -> dict:
     tmp = tempfile.mkdtemp(prefix="cflow-fuzz-")
     keep = args.keep or os.path.join(tmp, "failures")
-    env = dict(os.environ)
+    env = child_env()
     env.setdefault("CFLOW_CACHE_DIR", os.path.join(tmp, "cache"))
     os.environ["CFLOW_CACHE_DIR"] = env["CFLOW_CACHE_DIR"]
     t_start = time.monotonic()
@@ -800,8 +800,8 @@ def run(args, argv_used: list[str] | None = None) -> dict:
 
         elapsed = time.monotonic() - t0 - paused
         return {
-            "command": " ".join(["python", "benchmarks/fuzz.py"] + (argv_used or [])),
-            "cflow_version": cflow.__version__, "seed": args.seed, "targets": list(args.targets),
+            "command": bench.command, "cflow_version": cflow.__version__, "seed": args.seed,
+            "targets": list(args.targets),
             "bases": sorted(blobs), "cases": done, "first_case": args.start, "interrupted": bool(stop),
             "seconds": round(elapsed, 1), "paused_seconds": round(paused, 1), "setup_seconds": round(setup, 1),
             "cases_per_second": round(done / elapsed, 2) if elapsed else 0.0,
@@ -827,7 +827,7 @@ def run(args, argv_used: list[str] | None = None) -> dict:
             name = f"{outcome}-{args.seed}-{case['id']}"
             shutil.copy(w.path, os.path.join(keep, f"{name}.{case['target']}"))
             entry = {**case, "outcome": outcome, "detail": detail, "seconds": round(dt, 1),
-                     "replay": f"python benchmarks/fuzz.py --seed {args.seed} --replay {case['id']}"
+                     "replay": f"python -m benchmarks.fuzz --seed {args.seed} --replay {case['id']}"
                                + (" --quick" if args.quick else "") + f" --targets {','.join(args.targets)}"}
             with open(os.path.join(keep, name + ".json"), "w") as f:
                 json.dump(entry, f, indent=2)
@@ -835,9 +835,8 @@ def run(args, argv_used: list[str] | None = None) -> dict:
             print(f"FAIL {outcome}: case {case['id']} ({case['kind']}: {case['desc']}): {detail}", file=sys.stderr)
         if args.progress and done % args.progress == 0:
             print(f"{done} cases, {time.monotonic() - t0 - paused:.0f} s: {counts}", file=sys.stderr, flush=True)
-            if args.json:  # a long run's partial result survives anything
-                with open(args.json, "w") as f:
-                    json.dump(summary(), f, indent=2)
+            if args.json is not None:  # a long run's partial result survives anything
+                write(bench, args.json, summary())
 
     try:
         while True:
@@ -887,6 +886,12 @@ def run(args, argv_used: list[str] | None = None) -> dict:
     return result
 
 
+def write(bench: Run, path: str | None, result: dict) -> None:
+    """The result as one record (no timing: the speed fields are null; extra: the result without its command)."""
+    extra = {k: v for k, v in result.items() if k != "command"}
+    bench.write(path, [bench.record(engine="cflow", isa_path=None, **extra)])
+
+
 def replay(args) -> int:
     tmp = tempfile.mkdtemp(prefix="cflow-fuzz-replay-")
     names = QUICK_BASES if args.quick else tuple(BASES)
@@ -920,7 +925,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warm", dest="warm", action="store_false",
                     help="do not pre-load the bases into the program cache (default: pre-load)")
     ap.add_argument("--keep", metavar="DIR", help="where failing cases are kept (default: a temp directory)")
-    ap.add_argument("--json", metavar="FILE", help="also write the result to this file (default: stdout only)")
+    add_json_argument(ap, "also write the result as one record (default: stdout only)")
     ap.add_argument("--progress", type=int, default=0, metavar="N",
                     help="a progress line every N cases (default: none)")
     ap.add_argument("--pause-while", metavar="FILE", action="append",
@@ -940,12 +945,10 @@ def main(argv=None) -> int:
         return replay(args)
     if args.cases is None and args.seconds is None:
         args.cases = 1000
-    result = run(args, list(argv) if argv is not None else sys.argv[1:])
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    bench = Run("fuzz", argv)
+    result = run(args, bench)
+    print(json.dumps(result, indent=2))
+    write(bench, args.json, result)
     return 1 if any(result[k] for k in ("crashes", "hangs", "bugs")) else 0
 
 

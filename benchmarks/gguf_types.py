@@ -1,7 +1,7 @@
 """Each GGUF block type's decode mat-vec against the machine's read bandwidth, Q4_0 as the yardstick, one run.
 
-    python benchmarks/gguf_types.py [--threads 1,2] [--rounds 3] [--set-gb 1.5] [--types Q4_0,Q4_K,...]
-                                    [--tune] [--json docs/results/gguf_types.json]
+    python -m benchmarks.gguf_types [--threads 1,2] [--rounds 3] [--set-gb 1.5] [--types Q4_0,Q4_K,...]
+                                    [--tune] [--json [FILE]]
 
 For every type: TinyLlama's down projection shape (2048 outputs x 5632 inputs; IQ4_NL and the legacy types the
 same) of random blocks (every code pattern, small finite scales), copied into distinct buffers until the set is
@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
 import sys
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-
-from cflow.codegen import kernels as K  # noqa: E402
-from cflow.codegen.bandwidth import measure_read_bandwidth, run_threads  # noqa: E402
-from cflow.codegen.target import cpu_model, host_target  # noqa: E402
-from cflow.layout import blocks as B  # noqa: E402
-from cflow.layout.quant import DType, quantize  # noqa: E402
-from cflow.layout.tile import TileLayout, aligned_empty, pack  # noqa: E402
+from benchmarks.common.bandwidth import measure_read_bandwidth, run_threads
+from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen import kernels as K
+from cflow.codegen.target import cpu_model, host_target
+from cflow.layout import blocks as B
+from cflow.layout.quant import DType, quantize
+from cflow.layout.tile import TileLayout, aligned_empty, pack
 
 ROWS, COLS = 2048, 5632
 TYPES = [DType.Q4, DType.Q8, *B.FORMATS]
@@ -88,8 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tile", default="128x256")
     ap.add_argument("--tune", action="store_true",
                     help="each type with this host's tuned knobs (cflow tune's; measured now where not cached)")
-    ap.add_argument("--json", default=None)
+    add_json_argument(ap, "write one record per thread count and block type")
     args = ap.parse_args(argv)
+    run = Run("gguf_types", argv)
     tile = tuple(int(v) for v in args.tile.split("x"))
     target = host_target()
     types = [DType.parse(t) for t in args.types.split(",")]
@@ -109,9 +106,8 @@ def main(argv=None) -> int:
         c.run(threads[0])  # page in, warm the code
         cases.append(c)
         print(f"{dt.gguf_name:7s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {knobs}", file=sys.stderr)
-    rec = {"cpu": cpu_model(), "isa": str(target.isa), "tile": list(tile), "shape": [ROWS, COLS],
-           "set_gb": args.set_gb, "tuned": args.tune, "results": {}}
-    print(f"cpu: {rec['cpu']}  isa: {rec['isa']}  {ROWS}x{COLS} per matrix, {args.set_gb} GB per type, best of "
+    records = []
+    print(f"cpu: {cpu_model()}  isa: {target.isa}  {ROWS}x{COLS} per matrix, {args.set_gb} GB per type, best of "
           f"{args.rounds} rounds")
     for n in threads:
         best: dict = {}
@@ -123,17 +119,16 @@ def main(argv=None) -> int:
         q4 = best.get(DType.Q4, 0) / best["read"] if DType.Q4 in best else None
         print(f"\n{n} thread(s): read bandwidth {best['read']:.2f} GB/s")
         print(f"{'type':8} {'bits/w':>6} {'GB/s':>7} {'of read':>8} {'/ Q4_0':>7}")
-        res = rec["results"][n] = {"read_gbps": best["read"], "types": {}}
         for c in cases:
             frac = best[c.dt] / best["read"]
             bits = 8 * c.layout.unit_nbytes / c.layout.tr / c.layout.unit_cols
             print(f"{c.dt.gguf_name:8} {bits:6.2f} {best[c.dt]:7.2f} {frac:8.1%} "
                   f"{frac / q4 if q4 else float('nan'):7.3f}")
-            res["types"][c.dt.gguf_name] = {"gbps": best[c.dt], "of_read": frac, "over_q4_0": frac / q4 if q4 else None,
-                                            "bits_per_weight": bits}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rec, f, indent=1)
+            records.append(run.record(engine="mat-vec", model=f"{ROWS}x{COLS}", quant=c.dt.gguf_name, threads=n,
+                                      read_gbs=best["read"], gbps=best[c.dt],
+                                      of_read=frac, over_q4_0=frac / q4 if q4 else None, bits_per_weight=bits,
+                                      knobs=c.knobs, copies=c.n))
+    run.write(args.json, records, {"tile": list(tile), "set_gb": args.set_gb, "tuned": args.tune})
     return 0
 
 

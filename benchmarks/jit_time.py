@@ -1,8 +1,8 @@
 """JIT time of the compiled step against depth, weight sharing and tile rows (issue 14: "JIT time bounded").
 
-    python benchmarks/jit_time.py                    # the table in docs/reliability.md ("Limits")
-    python benchmarks/jit_time.py --json out.json
-    python benchmarks/jit_time.py --stages           # stage functions vs stages and emit time, no JIT
+    python -m benchmarks.jit_time                    # the table in docs/reliability.md ("Limits")
+    python -m benchmarks.jit_time --json
+    python -m benchmarks.jit_time --stages           # stage functions vs stages and emit time, no JIT
 
 Each row compiles a tiny model (the presets' `tiny` geometry: d_model 64, 4 heads, 4 experts of 64, vocab 256,
 random weights, q4) with cflowc's lowering, then loads it in a fresh subprocess with an empty program and object
@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from cflow.codegen.target import cpu_model  # noqa: E402
+from benchmarks.common.process import child_env, module_command
+from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen.target import cpu_model
 
 # (label, preset, n_layers, n_blocks or None = unshared, tile)
 ROWS = [
@@ -99,16 +99,15 @@ STAGE_ROWS = [(p, size, (4, 8, 32, 128)) for p in ("arch1", "arch2_4_combined", 
 def stage_config(preset: str, size: str | None, n_layers: int):
     from cflow.models.presets import get_preset
 
-    if size is None:  # a benchmarks/decode.py geometry
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from decode import MODELS
+    if size is None:  # a decode geometry (benchmarks/common/models.py)
+        from benchmarks.common.models import MODELS
 
         return MODELS[preset].evolve(n_layers=n_layers)
     c = get_preset(preset, size)
     return c.evolve(n_layers=n_layers, n_blocks=n_layers // 2 if c.n_blocks < c.n_layers else n_layers)
 
 
-def stages_table(prefill_block: int, json_path: str | None) -> int:
+def stages_table(prefill_block: int, json_path: str | None, run: Run) -> int:
     from cflow.codegen.step import build_step
     from cflow.codegen.target import host_target
     from cflow.compiler import lower
@@ -134,9 +133,9 @@ def stages_table(prefill_block: int, json_path: str | None) -> int:
             rows.append(r)
             print(f"{preset:<17} {r['size']:<9} {n_layers:>6} {stages:>6} {dec:>10} {multi:>9} {lines:>9} "
                   f"{r['emit_s']:>7} {r['emit_ms_per_layer']:>8}", flush=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"cpu": cpu_model(), "prefill_block": prefill_block, "rows": rows}, f, indent=2)
+    run.write(json_path, [run.record(engine="cflow", model=f"{r['model']}@{r['size']}", quant="q4",
+                                     variant=f"{r['n_layers']} layers", prefill_block=prefill_block,
+                                     **{k: v for k, v in r.items() if k != "model"}) for r in rows])
     return 0
 
 
@@ -145,15 +144,16 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-block", type=int, default=64,
                     help="tokens per prefill call: 1 = the decode body only; > 1 adds the multi-token body "
                     "(default 64, what cflow.load uses)")
-    ap.add_argument("--json", metavar="FILE", help="also write the rows to this file (default: stdout only)")
+    add_json_argument(ap, "also write one record per row")
     ap.add_argument("--stages", action="store_true", help="stage functions and emit time only (no JIT)")
     ap.add_argument("--one", nargs=2, metavar=("FILE", "PREFILL_BLOCK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]))))
         return 0
+    run = Run("jit_time", argv)
     if args.stages:
-        return stages_table(args.prefill_block, args.json)
+        return stages_table(args.prefill_block, args.json, run)
     print(f"# {cpu_model()}; prefill block {args.prefill_block}; tiny geometry, q4, 1 thread, empty caches, "
           f"CFLOW_TUNE={os.environ.get('CFLOW_TUNE', 'off')}")
     print(f"{'what':<10} {'preset':<17} {'layers':>6} {'blocks':>6} {'tile':>7} {'fns/stages':>10} {'IR lines':>9} "
@@ -165,9 +165,8 @@ def main(argv=None) -> int:
             write_model(path, preset, n_layers, n_blocks, tile)
             # CFLOW_TUNE=off: the per-host kernel search (codegen/tune.py) is a one-time cost per CPU and kernel
             # shape, cached apart from the program; with an empty cache it would run in every row
-            env = dict(os.environ, CFLOW_CACHE_DIR=tempfile.mkdtemp(dir=tmp), CFLOW_TUNE=os.environ.get("CFLOW_TUNE",
-                                                                                                      "off"))
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", path, str(args.prefill_block)],
+            env = child_env(CFLOW_CACHE_DIR=tempfile.mkdtemp(dir=tmp), CFLOW_TUNE=os.environ.get("CFLOW_TUNE", "off"))
+            out = subprocess.run(module_command("benchmarks.jit_time", "--one", path, args.prefill_block),
                                  capture_output=True, text=True, env=env, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             assert not r["cache_hit"], "the cache directory was not empty"
@@ -177,9 +176,10 @@ def main(argv=None) -> int:
             print(f"{label:<10} {preset:<17} {n_layers:>6} {r['n_blocks']:>6} {tile[0]:>3}x{tile[1]:<3} {fs:>10} "
                   f"{r['ir_lines']:>9} {r['emit_s']:>7} {r['optimise_s']:>6} {r['codegen_s']:>9} {r['load_s']:>7}",
                   flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_model(), "prefill_block": args.prefill_block, "rows": rows}, f, indent=2)
+    run.write(args.json, [run.record(engine="cflow", model=f"{r['preset']}@tiny", quant="q4", threads=1,
+                                     variant=f"{r['what']}: {r['n_layers']} layers, {r['n_blocks']} blocks, tile "
+                                             f"{r['tile'][0]}x{r['tile'][1]}", prefill_block=args.prefill_block, **r)
+                          for r in rows])
     return 0
 
 

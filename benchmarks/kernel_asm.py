@@ -1,6 +1,6 @@
 """Instructions per 64-byte line of weights in the mat-vec kernel's inner loop, from the JIT's own assembly.
 
-    python benchmarks/kernel_asm.py [--cols 5632] [--knobs unroll=1,prefetch=4608]
+    python -m benchmarks.kernel_asm [--cols 5632] [--knobs unroll=1,prefetch=4608]
 
 Builds the decode mat-vec (codegen.kernels.emit_matvec, this host's ISA) for Q4 and Q8 with the given knobs
 through codegen.library.Library (the optimisation pipeline the runtime uses), takes the optimised module's
@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from llvmlite import ir
 
-from llvmlite import ir  # noqa: E402
-
-from cflow.codegen import kernels as K  # noqa: E402
-from cflow.codegen import tune  # noqa: E402
-from cflow.codegen.bandwidth import CHUNK, read_kernel_module  # noqa: E402
-from cflow.codegen.library import Library  # noqa: E402
-from cflow.codegen.target import cpu_model, host_target  # noqa: E402
-from cflow.layout.quant import DType  # noqa: E402
-from cflow.layout.tile import TileLayout  # noqa: E402
+from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen import kernels as K
+from cflow.codegen import tune
+from cflow.codegen.bandwidth import CHUNK, read_kernel_module
+from cflow.codegen.library import Library
+from cflow.codegen.target import cpu_model, host_target
+from cflow.layout.quant import DType
+from cflow.layout.tile import TileLayout
 
 
 def loop_body(asm: str) -> list[str]:
@@ -63,7 +60,9 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cols", type=int, default=5632)
     ap.add_argument("--knobs", default="", help="K=V,... over codegen.tune.DEFAULT (e.g. unroll=1,prefetch=4608)")
+    add_json_argument(ap, "write one record per kernel (a static count: tok_s is null)")
     args = ap.parse_args(argv)
+    run = Run("kernel_asm", argv)
     knobs = dict(tune.DEFAULT)
     for kv in filter(None, args.knobs.split(",")):
         k, _, v = kv.partition("=")
@@ -91,6 +90,10 @@ def main(argv=None) -> list[dict]:
         top = ", ".join(f"{op} {n}" for op, n in r["top"])
         print(f"{r['kernel']:<10} {r['instructions']:4d} instructions per iteration of {r['lines']:g} lines = "
               f"{r['per_line']:.1f} per 64-byte line   ({top})")
+    loop = "read loop"
+    run.write(args.json, [run.record(engine=loop if r["kernel"] == loop else "mat-vec", model=f"128x{args.cols}",
+                                     quant=None if r["kernel"] == loop else r["kernel"], variant=tune.label(knobs),
+                                     **r) for r in rows])
     return rows
 
 

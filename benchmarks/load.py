@@ -1,10 +1,10 @@
 """Decode speed with the machine quiet and with another process busy: the default thread count against 1 and 2.
 
-    python benchmarks/load.py                                   # tiny and 114m (arch1, Q4), 3 rounds
-    python benchmarks/load.py --models small --spins 0,2000000000   # the futex barrier vs one that never sleeps
-    python benchmarks/load.py --models 114m --rounds 5 --json docs/results/load.json
-    python benchmarks/load.py --baseline /tmp/cflow_old         # the same runs with another cflow tree, interleaved
-    python benchmarks/load.py --spins 0,100,1000,10000 --threads 2   # tune the barrier's spin budget
+    python -m benchmarks.load                                   # tiny and 114m (arch1, Q4), 3 rounds
+    python -m benchmarks.load --models small --spins 0,2000000000   # the futex barrier vs one that never sleeps
+    python -m benchmarks.load --models 114m --rounds 5 --json
+    python -m benchmarks.load --baseline /tmp/cflow_old         # the same runs with another cflow tree, interleaved
+    python -m benchmarks.load --spins 0,100,1000,10000 --threads 2   # tune the barrier's spin budget
 
 The load generator (`start_load`): `spin` is one process running `python -c 'while True: pass'`, placed by
 the scheduler; `spin-pinned` is the same process pinned to the last CPU this process may run on. On a
@@ -38,9 +38,11 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.join(HERE, "..")
-OUT = os.path.join(ROOT, "out", "bench")
+from benchmarks.common import OUT
+from benchmarks.common.process import child_env, module_command
+from benchmarks.common.record import Run, add_json_argument
+from benchmarks.common.timing import cpu_ticks, other_load
+
 MODELS = {"tiny": "preset:arch1@tiny", "small": "preset:arch1@small", "114m": "preset:arch1@114m"}
 PROMPT = [1, 2, 3, 4]
 
@@ -67,21 +69,6 @@ def stop_load(p: subprocess.Popen | None) -> None:
 
 
 # --- one measurement, in a child process -----------------------------------------------------------------------
-def _ticks(pids: list[int]) -> tuple[int, int, int]:
-    """(all CPU ticks, idle + iowait ticks, ticks of this process and `pids`) from /proc."""
-    with open("/proc/stat") as f:
-        v = list(map(int, f.readline().split()[1:]))
-    mine = 0
-    for pid in ["self", *pids]:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                s = f.read().rsplit(")", 1)[1].split()
-            mine += int(s[11]) + int(s[12])
-        except OSError:
-            pass
-    return sum(v), v[3] + v[4], mine
-
-
 def worker(path: str, threads: int, tokens: int, seconds: float, spin: int, exclude: list[int]) -> dict:
     import numpy as np
 
@@ -104,19 +91,18 @@ def worker(path: str, threads: int, tokens: int, seconds: float, spin: int, excl
         return time.perf_counter() - t0
 
     sequence()  # warm-up: page in the weights, start the workers
-    a = _ticks(exclude)
+    a = cpu_ticks(exclude)
     naps = getattr(s, "barrier_naps", 0)  # an older --baseline tree has no counter
     solo = getattr(s, "solo_calls", 0)
     spent, done = 0.0, 0
     while spent < seconds:
         spent += sequence()
         done += n
-    z = _ticks(exclude)
+    z = cpu_ticks(exclude)
     naps = getattr(s, "barrier_naps", 0) - naps  # barrier waits that ended in futex_wait, in the timed part
     solo = getattr(s, "solo_calls", 0) - solo  # calls the default thread count ran on one thread (backed off)
-    total, idle, mine = (z[i] - a[i] for i in range(3))
     out = {"threads": m.threads, "tok_s": done / spent, "tokens": done, "seconds": spent,
-           "other_load": max(0.0, (total - idle - mine) / max(total, 1)), "naps_per_token": naps / max(done, 1),
+           "other_load": other_load(a, z), "naps_per_token": naps / max(done, 1),
            "solo_share": solo / max(done, 1),
            "cflow": os.path.dirname(cflow.__file__)}
     m.close()
@@ -124,12 +110,9 @@ def worker(path: str, threads: int, tokens: int, seconds: float, spin: int, excl
 
 
 def run_child(path: str, threads: int, args, spin: int, tree: str | None, exclude: list[int]) -> dict:
-    env = dict(os.environ)
-    if tree:
-        env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
-        env["CFLOW_CACHE_DIR"] = os.path.join(tree, ".cflow-cache")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", path, str(threads), str(args.tokens),
-           str(args.seconds), str(spin), ",".join(map(str, exclude))]
+    env = child_env(tree, **({"CFLOW_CACHE_DIR": os.path.join(tree, ".cflow-cache")} if tree else {}))
+    cmd = module_command("benchmarks.load", "--worker", path, threads, args.tokens, args.seconds, spin,
+                         ",".join(map(str, exclude)))
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise SystemExit(f"worker failed ({' '.join(cmd)}):\n{r.stderr}")
@@ -164,7 +147,7 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=1.0, help="decode time per measurement")
     p.add_argument("--spins", default="0", help="barrier spin budgets to measure (0 = compiled-in default)")
     p.add_argument("--baseline", metavar="DIR", help="another cflow tree to measure in the same run")
-    p.add_argument("--json", metavar="FILE", help="write every measurement and the summary here")
+    add_json_argument(p, "write one record per measurement, the summary in the run's extra")
     p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -175,7 +158,7 @@ def main(argv=None) -> None:
         print(json.dumps(rec))
         return
 
-    sys.path.insert(0, ROOT)
+    run = Run("load", argv)
     settings = [0 if t == "default" else int(t) for t in args.threads.split(",")]
     loads = args.load.split(",")
     spins = [int(x) for x in args.spins.split(",")]
@@ -241,11 +224,12 @@ def main(argv=None) -> None:
                     if tree == "baseline":
                         print(f"{'':35}new/baseline: " + ", ".join(f"{s} {v:.2f}" for s, v in
                                                                    rec["new/baseline"].items() if v))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_model(), "cpus": os.cpu_count(), "argv": sys.argv[1:], "summary": summary,
-                       "records": records}, f, indent=1)
-            f.write("\n")
+    run.write(args.json, [
+        run.record(engine="cflow", model=MODELS.get(r["model"], r["model"]), quant="q4", threads=r["threads"],
+                   variant=f"{r['setting']} threads, load {r['load']}" + (f", spin {r['spin']}" if r["spin"] else "")
+                   + (", baseline" if r["tree"] == "baseline" else ""), tok_s=r["tok_s"],
+                   **{k: v for k, v in r.items() if k not in ("threads", "tok_s", "model")}) for r in records],
+        {"cpus": os.cpu_count(), "summary": summary})
 
 
 if __name__ == "__main__":

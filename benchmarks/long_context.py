@@ -1,15 +1,15 @@
 """Decode at long contexts: tok/s after a prompt of P tokens, against (weight + KV bytes read) / read bandwidth.
 
-    python benchmarks/long_context.py                     # contexts 16,1024,2048,4064; f32 and f16 KV; 1,2 threads
-    python benchmarks/long_context.py --quick             # contexts 16,4064; 2 threads
-    python benchmarks/long_context.py --json docs/results/long_context.json
+    python -m benchmarks.long_context                     # contexts 16,1024,2048,4064; f32 and f16 KV; 1,2 threads
+    python -m benchmarks.long_context --quick             # contexts 16,4064; 2 threads
+    python -m benchmarks.long_context --json
 
-TinyLlama-1.1B geometry (benchmarks/decode.py's random weights) with a 4096-token context, Q4. For each KV cache
-type, thread count and context P: prefill P random tokens (the multi-token path), then time --tokens greedy
-decode steps; the bytes one step reads are the weights (bytes_per_token) plus the K and V rows of every layer
-up to its position (2 x layers x kv_heads x head_dim x positions x 2 or 4 bytes, averaged over the timed steps).
-The bound is those bytes at the read bandwidth measured in the same run at the same thread count (best of a
-measurement before and after), and each record has the fraction of it reached.
+TinyLlama-1.1B geometry (benchmarks/common/models.py's random weights) with a 4096-token context, Q4. For each
+KV cache type, thread count and context P: prefill P random tokens (the multi-token path), then time --tokens
+greedy decode steps; the bytes one step reads (a record's bytes_per_token) are the weights plus the K and V rows
+of every layer up to its position (2 x layers x kv_heads x head_dim x positions x 2 or 4 bytes, averaged over the
+timed steps). The bound is those bytes at the read bandwidth measured in the same run at the same thread count
+(best of a measurement before and after), and each record has the fraction of it reached.
 
 Quality of the f16 cache: random weights amplify any rounding (the largest logit difference to the f32 cache is
 printed, but a random network's logits move as much from int8 activation rounding alone), so --text FILE also
@@ -20,21 +20,18 @@ full-context windows, teacher-forced token by token, with each cache type and ea
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bandwidth import measure_read_bandwidth  # noqa: E402
-from decode import compiled_model, time_decode  # noqa: E402
-
-import cflow  # noqa: E402
-from cflow.codegen.abi import KV_BYTES  # noqa: E402
-from cflow.codegen.attn_tune import host_unit  # noqa: E402
-from cflow.codegen.target import cpu_model, host_target  # noqa: E402
+import cflow
+from benchmarks.common.bandwidth import read_gbs
+from benchmarks.common.models import compiled_model
+from benchmarks.common.record import Run, add_json_argument
+from benchmarks.common.timing import time_decode
+from cflow.codegen.abi import KV_BYTES
+from cflow.codegen.attn_tune import host_unit
+from cflow.codegen.target import cpu_model, host_target
 
 
 def kv_bytes_read(cfg, first_pos: int, steps: int, kv: str) -> float:
@@ -54,8 +51,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="contexts 16,4064, 2 threads, one rep")
     ap.add_argument("--text", help="also the bundled model's perplexity over this text, f32 vs f16 KV cache")
     ap.add_argument("--windows", type=int, default=16, help="context windows of --text evaluated (default 16)")
-    ap.add_argument("--json", help="write the records to this file")
+    add_json_argument(ap, "write one record per thread count, cache type and context")
     args = ap.parse_args(argv)
+    run = Run("long_context", argv)
     if args.quick:
         args.contexts, args.threads, args.reps = "16,4064", "2", 1
     path, c = compiled_model("tinyllama_4k")
@@ -69,7 +67,7 @@ def main(argv=None) -> None:
     print(f"# {cpu_model()}; {cfg.name}, q4, context {cfg.max_seq_len}", flush=True)
     records, first_logits = [], {}
     for threads in (int(t) for t in args.threads.split(",")):
-        bw = measure_read_bandwidth(threads, int(args.gib * (1 << 30)))
+        bw = read_gbs(threads, args.gib)
         rows = []
         for kv in args.kv.split(","):
             with cflow.load(path, threads=threads, kv=kv) as m:
@@ -81,16 +79,16 @@ def main(argv=None) -> None:
                     tps = time_decode(m, prompts[p], args.tokens, args.reps, prompt_logits=logits)
                     first_logits.setdefault((kv, p), logits[0])
                     rows.append((kv, p, tps, weights + kv_bytes_read(cfg, p, args.tokens, kv), unit))
-        read = max(bw, measure_read_bandwidth(threads, int(args.gib * (1 << 30))))
+        read = max(bw, read_gbs(threads, args.gib))
         print(f"## {threads} thread(s): read bandwidth {read:.2f} GB/s; weights {weights / 1e6:.0f} MB per token",
               flush=True)
         for kv, p, tps, nbytes, unit in rows:
             bound = read * 1e9 / nbytes
-            rec = {"engine": "cflow", "geometry": cfg.name, "quant": "q4", "kv": kv, "bf16_unit": unit,
-                   "threads": threads, "context": p,
-                   "tok_s": round(tps, 3), "bytes_per_token": int(nbytes), "read_gbps": round(read, 3),
-                   "bound_tok_s": round(bound, 3), "fraction": round(tps / bound, 4)}
-            records.append(rec)
+            records.append(run.record(engine="cflow", model=cfg.name, quant="q4", threads=threads,
+                                      variant=f"kv {kv} context {p}", tok_s=round(tps, 3), bytes_per_token=nbytes,
+                                      read_gbs=round(read, 3), kv=kv, bf16_unit=unit, context=p,
+                                      weight_bytes_per_token=weights, bound_tok_s=round(bound, 3),
+                                      fraction=round(tps / bound, 4)))
             label = kv + (f"/{unit}" if unit else "")
             print(f"   kv {label}  context {p:5d}: {tps:7.2f} tok/s, {nbytes / 1e6:7.1f} MB/token read -> bound "
                   f"{bound:6.2f} tok/s: {100 * tps / bound:5.1f}%", flush=True)
@@ -103,10 +101,7 @@ def main(argv=None) -> None:
                 quality.setdefault(kv, {})[p] = {"max_abs_logit_diff": round(d, 5), "same_argmax": same}
                 print(f"# {kv} vs f32 KV after {p} tokens: max |logit diff| {d:.4f}, same argmax: {same}")
     ppl = perplexities(args.text, args.windows, args.kv.split(",")) if args.text else {}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": cpu_model(), "records": records, "vs_f32": quality, "perplexity": ppl}, f,
-                      indent=2)
+    run.write(args.json, records, {"vs_f32": quality, "perplexity": ppl})
 
 
 def perplexities(text_path: str, windows: int, kvs: list[str]) -> dict:

@@ -7,13 +7,13 @@ L3). One generated driver per thread runs every layer's kernels over its half of
 then the mat-vec, so both see the same machine state; rounds during which other processes used
 the CPU are discarded and retried (up to --max-wait); each number is the best quiet round.
 
-    python benchmarks/matvec.py [--layers 22] [--threads 1,2] [--rounds 5] [--emit asm]
+    python -m benchmarks.matvec [--layers 22] [--threads 1,2] [--rounds 5] [--emit asm]
 
 --l1-limit (1 thread) runs each decode kernel over the SAME cache-resident weights (one L1-sized tile-row,
 and one tile-row of the TinyLlama gate+up and down matrices, which stays in L2) and over >= 1 GB of distinct
 copies streamed from DRAM, and the read loop, back to back per round; prints medians and the ratios:
 
-    python benchmarks/matvec.py --l1-limit --rounds 3 [--json docs/results/matvec_l1_limit.json]
+    python -m benchmarks.matvec --l1-limit --rounds 3 [--json [FILE]]
 """
 
 from __future__ import annotations
@@ -21,26 +21,22 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
+from llvmlite import ir
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-
-import bandwidth  # noqa: E402
-from llvmlite import ir  # noqa: E402
-
-from cflow.codegen import kernels as K  # noqa: E402
-from cflow.codegen.cache import ObjectCache  # noqa: E402
-from cflow.codegen.cgutils import Loop  # noqa: E402
-from cflow.codegen.library import Library  # noqa: E402
-from cflow.codegen.target import cpu_model, host_target  # noqa: E402
-from cflow.layout.quant import DType, quantize, quantize_activation_q8  # noqa: E402
-from cflow.layout.tile import TileLayout, aligned_empty, pack, pack_concat, pack_gate_up  # noqa: E402
+from benchmarks.common.bandwidth import measure_read_bandwidth, run_threads
+from benchmarks.common.record import Run, add_json_argument
+from benchmarks.common.timing import measure_rounds
+from cflow.codegen import kernels as K
+from cflow.codegen.cache import ObjectCache
+from cflow.codegen.cgutils import Loop
+from cflow.codegen.library import Library
+from cflow.codegen.target import cpu_model, host_target
+from cflow.layout.quant import DType, quantize, quantize_activation_q8
+from cflow.layout.tile import TileLayout, aligned_empty, pack, pack_concat, pack_gate_up
 
 D, FF, KV = 2048, 5632, 256
 SHAPES = {"qkv": (D + 2 * KV, D), "o": (D, D), "gate_up": (FF, D), "down": (D, FF)}
@@ -144,11 +140,9 @@ def build_repeat(tile, isa, tuning):
     return mod
 
 
-def l1_limit(args, tile, target, isa, tuning):
+def l1_limit(args, tile, target, isa, tuning, run: Run):
     """Cache-resident GB/s (the instruction-throughput limit of one core), DRAM-streaming GB/s of the
     same kernel and the read bandwidth, 1 thread, one round = all of them back to back; medians."""
-    import json
-
     lib = Library(name="bench_matvec_limit", target=target)
     lib.add_ir(build_repeat(tile, isa, tuning))
     lib.finalize()
@@ -184,7 +178,7 @@ def l1_limit(args, tile, target, isa, tuning):
         return time.perf_counter() - t0
 
     def one_round():
-        out = [bandwidth.measure_read_bandwidth(1, reps=1)]
+        out = [measure_read_bandwidth(1, reps=1)]
         for c in cases.values():
             out.append(c["hot_bytes"] * c["reps"] / call(c, c["hot"], 1, c["reps"], c["hot_rows"]) / 1e9)
             out.append(c["cold_bytes"] / call(c, c["cold"], c["n_copies"], 1, c["rows"]) / 1e9)
@@ -193,8 +187,8 @@ def l1_limit(args, tile, target, isa, tuning):
     for c in cases.values():  # warm up: page in every copy, warm the code
         call(c, c["cold"], c["n_copies"], 1, c["rows"])
         call(c, c["hot"], 1, 10, c["hot_rows"])
-    r = bandwidth.measure_rounds(one_round, args.rounds, args.max_wait)
-    used = r._used()
+    r = measure_rounds(one_round, args.rounds, args.max_wait)
+    used = r.used()
     med = np.median(np.array(used), axis=0)
     bw = float(med[0])
     cpu = cpu_model()
@@ -202,23 +196,22 @@ def l1_limit(args, tile, target, isa, tuning):
           f"medians of {len(used)} rounds ({r.describe()})")
     print(f"read bandwidth (cflow.codegen.bandwidth, 1 GiB): {bw:6.2f} GB/s")
     print(f"kernel tuning: {tuning}")
-    rec = dict(cpu=cpu, isa=str(isa), tile=list(tile), tuning=tuning, threads=1, rounds=len(used), quality=r.describe(),
-               other_load_max=r.worst, read_gbps=bw, read_gbps_rounds=[v[0] for v in used], cases={})
+    extra = dict(tile=list(tile), tuning=tuning, rounds=len(used), quality=r.describe(), other_load_max=r.worst,
+                 read_gbps_rounds=[v[0] for v in used])
+    records = []
     print(f"{'kernel':24} {'resident set':>12} {'resident GB/s':>13} {'DRAM set':>9} {'DRAM GB/s':>9} "
           f"{'DRAM/resident':>13} {'DRAM/read':>9}")
     for k, (name, c) in enumerate(cases.items()):
         hot, cold = float(med[1 + 2 * k]), float(med[2 + 2 * k])
         print(f"{name:24} {c['hot_bytes'] / 1024:9.0f} KiB {hot:13.2f} {c['cold_bytes'] / 1e9:7.2f} GB {cold:9.2f} "
               f"{cold / hot:13.1%} {cold / bw:9.1%}")
-        rec["cases"][name] = dict(
-            layout=c["layout"], resident_bytes=c["hot_bytes"], resident_reps=c["reps"], dram_bytes=c["cold_bytes"],
+        records.append(run.record(
+            engine="q4 mat-vec", model=c["layout"], quant="q4", isa_path=str(isa), threads=1, variant=name,
+            read_gbs=bw, resident_bytes=c["hot_bytes"], resident_reps=c["reps"], dram_bytes=c["cold_bytes"],
             dram_copies=c["n_copies"], resident_gbps=hot, dram_gbps=cold, dram_over_resident=cold / hot,
             dram_over_read=cold / bw, resident_over_read=hot / bw,
-            resident_gbps_rounds=[v[1 + 2 * k] for v in used], dram_gbps_rounds=[v[2 + 2 * k] for v in used])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rec, f, indent=1)
-        print(f"wrote {args.json}")
+            resident_gbps_rounds=[v[1 + 2 * k] for v in used], dram_gbps_rounds=[v[2 + 2 * k] for v in used]))
+    run.write(args.json, records, extra)
 
 
 def main(argv=None):
@@ -240,8 +233,9 @@ def main(argv=None):
                     help="1 thread: decode kernels on cache-resident weights vs streamed from DRAM vs read bandwidth")
     ap.add_argument("--stream-bytes", type=float, default=1.1e9, help="--l1-limit: DRAM set per kernel (bytes)")
     ap.add_argument("--hot-bytes", type=float, default=2e9, help="--l1-limit: bytes consumed per resident timing")
-    ap.add_argument("--json", default=None, help="--l1-limit: write the record here")
+    add_json_argument(ap, "write one record per thread count (per kernel with --l1-limit)")
     args = ap.parse_args(argv)
+    run = Run("matvec", argv)
     tile = tuple(int(v) for v in args.tile.lower().split("x"))
     target = host_target()
     isa = args.isa or target.isa
@@ -249,7 +243,7 @@ def main(argv=None):
                   prefetch_locality=args.prefetch_locality, group_loop=args.group_loop)
     if args.l1_limit:
         args.stream_bytes = int(args.stream_bytes)
-        return l1_limit(args, tile, target, isa, tuning)
+        return l1_limit(args, tile, target, isa, tuning, run)
     threads = [int(t) for t in args.threads.split(",")]
 
     t0 = time.perf_counter()
@@ -299,16 +293,22 @@ def main(argv=None):
         calls = [lambda r=r: drive(table, args.layers, r, vp(act[0].xq.ctypes.data), vp(act[0].xd.ctypes.data),
                                    vp(act[0].xs.ctypes.data), vp(act[1].xq.ctypes.data), vp(act[1].xd.ctypes.data),
                                    vp(act[1].xs.ctypes.data), vp(y.ctypes.data)) for r in rs]
-        return nbytes / bandwidth.run_threads(calls) / 1e9
+        return nbytes / run_threads(calls) / 1e9
 
     run_matvec(1)  # warm up: page in everything once
+    records = []
     for t in threads:
         # One round = read loop then mat-vec, back to back; rounds disturbed by other processes are retried.
-        r = bandwidth.measure_rounds(lambda t=t: (bandwidth.measure_read_bandwidth(t, reps=1), run_matvec(t)),
-                                     args.rounds, args.max_wait)
+        r = measure_rounds(lambda t=t: (measure_read_bandwidth(t, reps=1), run_matvec(t)), args.rounds,
+                           args.max_wait)
         bw, mv = r.best()
         print(f"threads={t}  read {bw:6.2f} GB/s   q4 matvec {mv:6.2f} GB/s   = {mv / bw:5.1%} of read bandwidth"
               f"   (median of per-round ratios {r.median_ratio(1, 0):.1%}; {r.describe()})")
+        records.append(run.record(engine="q4 mat-vec", model=f"TinyLlama-1.1B layer shapes x {args.layers}",
+                                  quant="q4", isa_path=str(isa), threads=t, read_gbs=bw, gbps=mv,
+                                  of_read=mv / bw, median_ratio=r.median_ratio(1, 0), quality=r.describe(),
+                                  tile=list(tile), tuning=tuning))
+    run.write(args.json, records)
 
 
 if __name__ == "__main__":

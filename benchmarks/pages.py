@@ -1,12 +1,12 @@
 """Decode from the same weights in small page-cache folios vs 2 MiB folios, in alternating rounds of one run.
 
-    python benchmarks/pages.py [--threads 1,2] [--rounds 5] [--tokens 32] [--json out.json]
-    python benchmarks/pages.py --report FILE [FILE ...]    # how much of each file maps in 2 MiB folios now
+    python -m benchmarks.pages [--threads 1,2] [--rounds 5] [--tokens 32] [--json [FILE]]
+    python -m benchmarks.pages --report FILE [FILE ...]    # how much of each file maps in 2 MiB folios now
 
 cflow maps a model file with MADV_HUGEPAGE (runtime/format/folios.py), so pages read from disk come in 2 MiB folios
 where the file system keeps large folios (ext4 since Linux 6.16); FileWriter drops what it wrote from the page
 cache, and a load drops the parts of a file cached in small folios (folios.mend), to be read back in 2 MiB ones.
-This script makes three copies of the TinyLlama-geometry Q4 file (benchmarks/decode.py builds it), two of them
+This script makes three copies of the TinyLlama-geometry Q4 file (benchmarks/common/models.py builds it), two of them
 written with 128 KiB writes and left in the cache (small folios, as a file just copied or written by another
 tool): `small` is loaded with CFLOW_FOLIOS=keep (the cache as it was), `mended` loaded as cflow.load does by
 default; `huge` is dropped from the cache and read back through cflow's mapping. It prints what each load's
@@ -17,23 +17,21 @@ of all three in alternating rounds with the read bandwidth of each round.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from bandwidth import busy_fraction, measure_read_bandwidth  # noqa: E402
-from decode import MODELS, OUT, compiled_model, time_decode  # noqa: E402
-
-import cflow  # noqa: E402
-from cflow.codegen.target import cpu_model  # noqa: E402
-from cflow.runtime.format.folios import drop_cached, survey  # noqa: E402
+import cflow
+from benchmarks.common import OUT
+from benchmarks.common.bandwidth import read_gbs
+from benchmarks.common.models import MODELS, compiled_model
+from benchmarks.common.record import Run, add_json_argument
+from benchmarks.common.timing import busy_fraction, time_decode
+from cflow.codegen.target import cpu_model
+from cflow.runtime.format.folios import drop_cached, survey
 
 
 def pmd_mapped_kib(path: str) -> tuple[int, int]:
@@ -87,16 +85,17 @@ def copies(src: str) -> dict[str, str]:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--gib", type=float, default=1.0, help="read-bandwidth buffer")
-    ap.add_argument("--json")
+    add_json_argument(ap, "write one record per page kind and thread count")
     ap.add_argument("--report", nargs="+", metavar="FILE", help="only print how much of these files maps in 2 MiB "
                     "folios (no decode)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    run = Run("pages", argv)
     if args.report:
         report(args.report)
         return
@@ -125,7 +124,7 @@ def main() -> None:
         tps = {k: [] for k in files}
         reads, loads = [], []
         for r in range(args.rounds):
-            reads.append(measure_read_bandwidth(threads, int(args.gib * 2**30)))
+            reads.append(read_gbs(threads, args.gib))
             for k in (files if r % 2 == 0 else reversed(list(files))):
                 t, busy = busy_fraction(lambda m=models[k]: time_decode(m, prompt, args.tokens, 2))
                 tps[k].append(t)
@@ -140,11 +139,11 @@ def main() -> None:
             t = float(np.median(tps[k]))
             print(f"  {k:<6} PMD-mapped {pmd / 1024:7.1f} of {rss / 1024:7.1f} MiB   {t:7.2f} tok/s  "
                   f"{100 * t * bpt / 1e9 / read:5.1f}% of read")
-            records.append({"pages": k, "threads": threads, "tok_s": round(t, 3), "tok_s_rounds": tps[k],
-                            "read_gbps": round(read, 3), "read_rounds": reads, "bytes_per_token": bpt,
-                            "rss_kib": rss, "pmd_mapped_kib": pmd, "other_load": round(max(loads), 3),
-                            "cpu": cpu_model(), "tuning": models[k].session.tuning,
-                            "load_survey": str(models[k].session.folios)})
+            records.append(run.record(engine="cflow", model=config.name, quant="q4", threads=threads,
+                                      variant=f"pages {k}", tok_s=round(t, 3), bytes_per_token=bpt,
+                                      read_gbs=round(read, 3), pages=k, tok_s_rounds=tps[k], read_rounds=reads,
+                                      rss_kib=rss, pmd_mapped_kib=pmd, other_load=round(max(loads), 3),
+                                      tuning=models[k].session.tuning, load_survey=str(models[k].session.folios)))
         for k, rs in ratios.items():
             print(f"  {k} / small: median of per-round ratios {np.median(rs):.3f} "
                   f"(rounds {', '.join(f'{x:.2f}' for x in rs)})")
@@ -152,9 +151,7 @@ def main() -> None:
             m.close()
     for p in files.values():
         os.unlink(p)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    run.write(args.json, records)
 
 
 if __name__ == "__main__":

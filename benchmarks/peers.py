@@ -1,10 +1,11 @@
 """cflow against peers on identical weights: llama.cpp, ONNX Runtime GenAI int4 and PyTorch eager.
 
-    python benchmarks/peers.py [--model tinyllama] [--threads 1,2] [--tokens 32] [--reps 3] [--quick]
-                               [--no-llama] [--no-ortgenai] [--no-torch] [--no-bf16] [--no-q8] [--json out.json]
+    python -m benchmarks.peers [--model tinyllama] [--threads 1,2] [--tokens 32] [--reps 3] [--quick]
+                               [--no-llama] [--no-ortgenai] [--no-torch] [--no-bf16] [--no-q8] [--json [FILE]]
+    python -m benchmarks.peers --gguf FILE                # a real GGUF: cflow on its own types against llama.cpp
 
-Weights: benchmarks/decode.py's fixed random model (TinyLlama-1.1B geometry, seed 0), generated once at f32
-and shared by every engine:
+Weights: the fixed random model of benchmarks/common/models.py (TinyLlama-1.1B geometry, seed 0), generated once
+at f32 and shared by every engine:
   - cflow Q4 and Q8: compiled once to out/bench/<name>_{q4,q8}.vflow;
   - llama.cpp (llama-cpp-python) Q4_0 and Q8_0: the lowered Q4/Q8 graphs exported to GGUF
     (cflow.runtime.format.gguf; blocks copied bit-identically, Q/K rows permuted for llama.cpp's RoPE layout);
@@ -14,27 +15,26 @@ and shared by every engine:
   - PyTorch eager: the float weights in cflow's reference model (KV cache), at f32 and bf16.
 Then, for each thread count: the machine's read bandwidth (llvmlite STREAM-like loop, same thread count) before
 and after; each engine's greedy decode tok/s (best of reps over `tokens` steps after an 8-token prompt). Every
-measurement carries the CPU share other processes used meanwhile (bandwidth.busy_fraction) and is repeated, up
-to --retries more times, while that share exceeds --max-load (10%); the least-loaded attempt is kept.
+measurement carries the CPU share other processes used meanwhile (benchmarks/common/timing.py) and is repeated,
+up to --retries more times, while that share exceeds --max-load (10%); the least-loaded attempt is kept.
 Effective GB/s = bytes per token x tok/s: cflow's m.bytes_per_token (llama.cpp streams the same blocks), the
 built ONNX model's MatMulNBits weights + scales (+ zero points), torch's f32/bf16 matrices.
 Correctness: llama.cpp's logits at the first prompt positions against cflow's on the same ids, at Q4 and Q8;
 greedy-token agreement over --agree-steps (128) steps, cflow Q4 vs llama.cpp Q4_0 (and vs ORT GenAI int4).
 --f32-check adds the strict check: the same weights exported at F32, llama.cpp against cflow's NumPy interpreter.
---model moe (decode.py's Mixtral-like geometry): cflow and llama.cpp only, bytes per token of the routed experts.
---model moe2g (the same shape of model at 2.26 GB at Q4, 3.84 G parameters): its weights are decode.LazyWeights,
+--model moe (the Mixtral-like geometry): cflow and llama.cpp only, bytes per token of the routed experts.
+--model moe2g (the same shape of model at 2.26 GB at Q4, 3.84 G parameters): its weights are LazyWeights,
 generated per tensor on access, so the compiles and GGUF exports hold one tensor at a time (15.4 GB if at f32);
 --build-only writes the files and exits; the peak RSS of the setup (the builds) and of the run are printed and
-recorded in the meta JSON.
---json PATH writes a list of records (engine, geometry, quant, threads, tok_s, bytes_per_token, read_gbps,
-other_load); the checks go to PATH's stem + "_meta.json".
+recorded with the checks.
+--json writes one record per engine, weight type and thread count (extra: other_load, attempts); the checks,
+the prompt and the peak RSS go to the file's run-level extra.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import sys
@@ -42,90 +42,27 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import cflow
+from benchmarks.common import OUT
+from benchmarks.common.bandwidth import read_gbs
+from benchmarks.common.models import LAZY_MODELS, MODELS, model_weights
+from benchmarks.common.peers import (
+    gguf_file,
+    llama_next,
+    llama_open,
+    llama_position_logits,
+    llama_time_decode,
+    ort_genai_forced,
+    ort_genai_greedy,
+    ort_genai_open,
+    ort_genai_time_decode,
+)
+from benchmarks.common.record import Run, add_json_argument
+from benchmarks.common.timing import measure_quiet, time_decode
+from cflow.codegen.target import cpu_model, isa_path
+from cflow.runtime.format.gguf import export_gguf
 
-from bandwidth import measure_read_bandwidth  # noqa: E402
-from decode import LAZY_MODELS, MODELS, OUT, model_weights, time_decode  # noqa: E402
-
-import cflow  # noqa: E402
-from cflow.codegen.target import cpu_model, isa_path  # noqa: E402
-from cflow.runtime.format.gguf import export_gguf  # noqa: E402
-
-try:  # optional: the share of CPU other processes used while measuring (bandwidth.py, if it has it)
-    from bandwidth import busy_fraction  # noqa: E402
-except ImportError:  # pragma: no cover
-    busy_fraction = None
-
-
-def measured(fn):
-    """(fn(), share of CPU other processes used meanwhile or None)."""
-    if busy_fraction is None:
-        return fn(), None
-    return busy_fraction(fn)
-
-
-# --- llama.cpp -----------------------------------------------------------------------------------
-
-def llama_open(path: str, threads: int, extra_bufts: bool = True, **kw):
-    """llama.cpp on `path` (kw: Llama's own arguments, e.g. n_ctx, n_batch); extra_bufts=False turns off
-    llama.cpp's extra buffer types (its AMX path, which in llama-cpp-python 0.3.36 crashes on the first decode of
-    a K-quant file, and in a 512-token Q4_0 prompt, on the AMX Xeon VM)."""
-    import llama_cpp
-    from llama_cpp import Llama
-    from llama_cpp import llama as _ll
-
-    orig = llama_cpp.llama_model_default_params
-
-    def params():
-        p = orig()
-        p.use_extra_bufts = extra_bufts
-        return p
-
-    _ll.llama_cpp.llama_model_default_params = params
-    try:
-        return Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, logits_all=False,
-                     verbose=False, **{"n_ctx": 512, **kw})
-    finally:
-        _ll.llama_cpp.llama_model_default_params = orig
-
-
-def llama_last_logits(llm) -> np.ndarray:
-    """Logits of the last evaluated token (with logits_all=False, Llama.eval no longer fills llm.scores)."""
-    import llama_cpp
-
-    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(np.float32, copy=True)
-
-
-def _llama_next(llm) -> int:
-    import llama_cpp
-
-    return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
-
-
-def llama_time_decode(llm, prompt: list[int], tokens: int, reps: int = 3) -> float:
-    """Best-of-reps greedy decode tok/s: eval the prompt, then `tokens` single-token evals."""
-    best = 0.0
-    for _ in range(reps):
-        llm.reset()
-        llm.eval(prompt)
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            llm.eval([_llama_next(llm)])
-        best = max(best, tokens / (time.perf_counter() - t0))
-    return best
-
-
-def llama_position_logits(llm, ids: list[int]) -> np.ndarray:
-    """Logits [len(ids), vocab] after each prefix, one token per eval (the decode path)."""
-    llm.reset()
-    out = []
-    for t in ids:
-        llm.eval([int(t)])
-        out.append(llama_last_logits(llm))
-    return np.stack(out)
-
+# --- checks against llama.cpp --------------------------------------------------------------------------------
 
 def cflow_position_logits(m, ids: list[int]) -> np.ndarray:
     s = m.session
@@ -346,77 +283,11 @@ def ort_genai_bytes_per_token(model_dir: str) -> dict:
     return out
 
 
-def ort_genai_open(model_dir: str, threads: int):
-    """og.Model with the CPU provider and `threads` intra-op threads (Config.overlay onto the decoder's
-    session options; intra_op_num_threads is an integer session option of genai_config.json in 0.18)."""
-    import onnxruntime_genai as og
-
-    cfg = og.Config(model_dir)
-    cfg.clear_providers()
-    cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": int(threads)}}}}))
-    return og.Model(cfg)
-
-
-def ort_genai_greedy(model, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    """(tok/s, generated ids) of one greedy run: the prompt appended, then `tokens` generate_next_token calls."""
-    import onnxruntime_genai as og
-
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + tokens + 1)
-    gen = og.Generator(model, params)
-    gen.append_tokens(prompt)
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        gen.generate_next_token()
-    dt = time.perf_counter() - t0
-    seq = [int(t) for t in gen.get_sequence(0)]
-    return tokens / dt, seq[len(prompt):]
-
-
-def ort_genai_forced(model, prompt: list[int], ids: list[int]) -> list[int]:
-    """ORT GenAI's argmax at each step when fed `ids` (teacher-forced: the prompt, then one id per step)."""
-    import onnxruntime_genai as og
-
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + len(ids) + 1)
-    gen = og.Generator(model, params)
-    gen.append_tokens(prompt)
-    out = []
-    for t in ids:
-        lg = np.asarray(gen.get_logits())
-        out.append(int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1])))
-        gen.append_tokens([int(t)])
-    return out
-
-
-def ort_genai_time_decode(model, prompt: list[int], tokens: int, reps: int = 3) -> float:
-    """Best-of-reps greedy tok/s with the Generator API (model from ort_genai_open)."""
-    return max(ort_genai_greedy(model, prompt, tokens)[0] for _ in range(reps))
-
-
-def record(engine: str, geometry: str, quant: str, threads: int, tok_s: float, bpt: int, read: float,
-           other_load) -> dict:
-    """One --json record with the keys of issue 10, item 4."""
-    return {"engine": engine, "geometry": geometry, "quant": quant, "threads": threads, "tok_s": round(tok_s, 3),
-            "bytes_per_token": int(bpt), "read_gbps": round(read, 3),
-            "other_load": None if other_load is None else round(other_load, 3), "isa": isa_path()}
-
-
 # --- main ----------------------------------------------------------------------------------------
 
-def gguf_file(key: str, c, rebuild: bool = False, quant: str = "q4") -> str:
-    """The GGUF export of lowered plan `c` (quantised as `quant`: q4 -> Q4_0, q8 -> Q8_0), written once."""
-    path = os.path.join(OUT, f"{MODELS[key].name}_{quant}.gguf")
-    if rebuild or not os.path.exists(path):
-        info = export_gguf(c.graph, path)
-        print(f"# exported {path}: {info['file_bytes'] / 1e9:.2f} GB, {info['tensors']} tensors, "
-              f"{info['file_type']}, {info['seconds']:.1f} s", flush=True)
-    return path
-
-
 def cflow_file(key: str, quant: str, weights: dict):
-    """(path to the compiled .vflow, lowered plan) of MODELS[key] at `quant` on the given float weights (decode.py's
-    compiled_model, but sharing one set of weights between Q4 and Q8); the file is built once."""
+    """(path to the compiled .vflow, lowered plan) of MODELS[key] at `quant` on the given float weights
+    (models.compiled_model, but sharing one set of weights between Q4 and Q8); the file is built once."""
     from cflow.compiler import compile_file, lower
     from cflow.ir import build_graph
     from cflow.runtime.format import FileReader
@@ -453,20 +324,6 @@ def active_bytes_per_token(graph, quant: str) -> int:
     return int(total)
 
 
-def measure_quiet(fn, threshold: float = 0.10, retries: int = 2):
-    """(value, other load, attempts): fn() measured with the CPU share other processes used meanwhile; repeated
-    (up to `retries` more times) while that share exceeds `threshold`. The attempt with the least other load is
-    kept (the faster one on a tie)."""
-    tries = []
-    for _ in range(1 + retries):
-        v, busy = measured(fn)
-        tries.append((v, busy))
-        if busy is None or busy <= threshold:
-            break
-    v, busy = min(tries, key=lambda t: (t[1] or 0.0, -t[0]))
-    return v, busy, len(tries)
-
-
 def greedy_agreement(m, llm, prompt: list[int], steps: int = 128) -> dict:
     """cflow's greedy tokens against llama.cpp's over `steps` steps after the same prompt: free-running (each
     runtime feeds its own tokens back: agreeing prefix, then positionwise agreement) and teacher-forced
@@ -485,13 +342,13 @@ def greedy_agreement(m, llm, prompt: list[int], steps: int = 128) -> dict:
     llm.eval(prompt)
     theirs = []
     for _ in range(steps):
-        theirs.append(_llama_next(llm))
+        theirs.append(llama_next(llm))
         llm.eval([theirs[-1]])
     llm.reset()
     llm.eval(prompt)
     forced = []
     for t in ours:
-        forced.append(_llama_next(llm))
+        forced.append(llama_next(llm))
         llm.eval([t])
     prefix = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), steps)
     forced_off = [i for i in range(steps) if ours[i] != forced[i]]
@@ -513,7 +370,7 @@ def describe_agreement(label: str, a: dict) -> str:
             + f" (median margin {a['median_margin']})")
 
 
-def run_gguf(args) -> None:
+def run_gguf(args, run: Run) -> None:
     """--gguf FILE: cflow on the file's own types (cflowc FILE) against llama.cpp on the same file, per thread count:
     the read bandwidth, each engine's greedy decode tok/s (best of reps, quiet attempts), bytes per token (cflow's:
     the same blocks llama.cpp streams) and the fraction of the read bandwidth that makes."""
@@ -535,32 +392,29 @@ def run_gguf(args) -> None:
           flush=True)
     quiet = dict(threshold=args.max_load, retries=args.retries)
     records = []
-    nbytes = int(args.gib * (1 << 30))
     for threads in (int(t) for t in args.threads.split(",")):
-        bw, busy_bw, _ = measure_quiet(lambda threads=threads: measure_read_bandwidth(threads, nbytes), **quiet)
+        bw, busy_bw, _ = measure_quiet(lambda threads=threads: read_gbs(threads, args.gib), **quiet)
         m = cflow.load(path, threads=threads)
         bpt = m.bytes_per_token
         tps, busy, n = measure_quiet(lambda m=m: time_decode(m, prompt, args.tokens, args.reps), **quiet)
         m.close()
-        rows = [("cflow", tps, busy)]
+        rows = [("cflow", tps, busy, n)]
         if not args.no_llama:
             llm = llama_open(args.gguf, threads, extra_bufts=False)
-            ltps, lbusy, _ = measure_quiet(lambda llm=llm: llama_time_decode(llm, prompt, args.tokens, args.reps),
-                                           **quiet)
-            rows.append(("llama.cpp", ltps, lbusy))
+            ltps, lbusy, ln = measure_quiet(lambda llm=llm: llama_time_decode(llm, prompt, args.tokens, args.reps),
+                                            **quiet)
+            rows.append(("llama.cpp", ltps, lbusy, ln))
             del llm
         print(f"\n{threads} thread(s): read bandwidth {bw:.2f} GB/s (other load {busy_bw or 0:.0%})")
         print(f"{'engine':10} {'tok/s':>8} {'GB/s':>7} {'of read':>8}")
-        for eng, t, b in rows:
+        for eng, t, b, attempts in rows:
             print(f"{eng:10} {t:8.2f} {t * bpt / 1e9:7.2f} {t * bpt / 1e9 / bw:8.1%}   (other load {b or 0:.0%})")
-            records.append({"engine": eng, "file": os.path.basename(args.gguf), "types": types, "threads": threads,
-                            "tok_s": t, "bytes_per_token": bpt, "read_gbps": bw, "other_load": b, "cpu": cpu_model(),
-                            "isa": isa_path()})
+            records.append(run.record(engine=eng, model=os.path.basename(args.gguf), quant="/".join(types),
+                                      threads=threads, tok_s=t, bytes_per_token=bpt, read_gbs=bw,
+                                      other_load=round(b, 3), attempts=attempts, read_other_load=round(busy_bw, 3)))
         if len(rows) == 2:
             print(f"cflow / llama.cpp: {rows[0][1] / rows[1][1]:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    run.write(args.json, records)
 
 
 def main(argv=None) -> None:
@@ -592,18 +446,19 @@ def main(argv=None) -> None:
     ap.add_argument("--f32-check", action="store_true",
                     help="also export the weights at F32 and compare llama.cpp with cflow's interpreter without any "
                          "quantisation (strict check of the export; the file is 4 B/weight, 4.4 GB for tinyllama)")
-    ap.add_argument("--json", help="write the records (a list); the checks go to <PATH without .json>_meta.json")
+    add_json_argument(ap, "write one record per engine, weight type and thread count, the checks in the run's extra")
     ap.add_argument("--interp-check", action="store_true",
                     help="also compare cflow Q4's logits over --check-positions with the NumPy interpreter's on the "
                          "same Q4 weights (one prefill; minutes on the >= 2 GB geometry)")
     ap.add_argument("--build-only", action="store_true",
                     help="write the model files (cflow .vflow, GGUF) that do not exist yet, print the peak RSS, exit")
     args = ap.parse_args(argv)
+    run = Run("peers", argv)
     if args.quick:
         args.tokens, args.reps, args.torch_tokens, args.gib = min(args.tokens, 16), min(args.reps, 2), \
             min(args.torch_tokens, 4), min(args.gib, 0.5)
     if args.gguf:
-        run_gguf(args)
+        run_gguf(args, run)
         return
     t_start = time.perf_counter()
 
@@ -673,11 +528,7 @@ def main(argv=None) -> None:
     tbytes = torch_bytes_per_token(weights) if tmodels else 0  # (on LazyWeights it would generate every tensor)
 
     meta = {"model": config.name, "prompt": prompt, "tokens": args.tokens, "reps": args.reps,
-            "torch_tokens": args.torch_tokens, "max_load": args.max_load,
-            "argv": sys.argv[1:] if argv is None else list(argv),
-            "cpu": cpu_model(), "isa": isa_path(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cflow": _git_state(),
-            "peak_rss_setup_mb": round(rss_build)}
+            "torch_tokens": args.torch_tokens, "max_load": args.max_load, "peak_rss_setup_mb": round(rss_build)}
     if args.f32_check and have_llama:
         meta["cross_check_f32"] = f32_check(args.model, weights, check_ids,
                                             max(int(t) for t in args.threads.split(",")), args.rebuild_gguf)
@@ -690,14 +541,13 @@ def main(argv=None) -> None:
         m.close()
         print(describe_check(f"interpreter check Q4, cflow runtime vs NumPy interpreter (int8 activations) logits "
                              f"[{time.perf_counter() - t0:.0f} s]", meta["interp_check_q4"]), flush=True)
-    print(f"# setup {time.perf_counter() - t_start:.1f} s; cflow {meta['cflow']}; CPU {meta['cpu']}", flush=True)
+    print(f"# setup {time.perf_counter() - t_start:.1f} s; cflow {run.commit}; CPU {run.cpu_model}", flush=True)
 
     records = []
-    read_bytes = int(args.gib * (1 << 30))
     quiet = dict(threshold=args.max_load, retries=args.retries)
     for threads in (int(t) for t in args.threads.split(",")):
         t_thr = time.perf_counter()
-        bw, busy_bw, _ = measure_quiet(lambda threads=threads: measure_read_bandwidth(threads, read_bytes), **quiet)
+        bw, busy_bw, _ = measure_quiet(lambda threads=threads: read_gbs(threads, args.gib), **quiet)
         rows = []  # (engine, quant, tok/s, bytes per token, other load, attempts)
         for q in quants:
             m = cflow.load(plans[q][0], threads=threads)
@@ -749,8 +599,7 @@ def main(argv=None) -> None:
             tps, busy, n = measure_quiet(
                 lambda tm=tm, threads=threads: torch_time_decode(tm, prompt, args.torch_tokens, threads), **quiet)
             rows.append(("torch-eager", dt, tps, tbytes // (2 if dt == "bf16" else 1), busy, n))
-        bw_after, busy_bw2, _ = measure_quiet(lambda threads=threads: measure_read_bandwidth(threads, read_bytes),
-                                              **quiet)
+        bw_after, busy_bw2, _ = measure_quiet(lambda threads=threads: read_gbs(threads, args.gib), **quiet)
         read = max(bw, bw_after)  # the machine's best in this run: the honest denominator
         print(f"threads={threads}  read bandwidth {read:6.2f} GB/s (before {bw:.2f}, after {bw_after:.2f}; other load "
               f"{_pct(busy_bw)}, {_pct(busy_bw2)})   [{time.perf_counter() - t_thr:.0f} s]", flush=True)
@@ -760,7 +609,9 @@ def main(argv=None) -> None:
             eff = b * t / 1e9
             print(f"  {eng:12s} {q:6s} {t:8.2f} {b / 1e6:9.1f} {eff:7.2f} {100 * eff / read:6.1f}%  {_pct(busy)}"
                   + (f" ({n} attempts)" if n > 1 else ""), flush=True)
-            records.append(record(eng, config.name, q, threads, t, b, read, busy))
+            records.append(run.record(engine=eng, model=config.name, quant=q, threads=threads, tok_s=round(t, 3),
+                                      bytes_per_token=b, read_gbs=round(read, 3), other_load=round(busy, 3),
+                                      attempts=n))
         by = {(eng, q): t for eng, q, t, *_ in rows}
         for a, b in ((("cflow", "Q4"), ("llama.cpp", "Q4_0")), (("cflow", "Q8"), ("llama.cpp", "Q8_0")),
                      (("cflow", "Q4"), ("ort-genai", "int4")), (("cflow", "Q4"), ("torch-eager", "f32")),
@@ -770,31 +621,11 @@ def main(argv=None) -> None:
     meta["peak_rss_mb"] = round(peak_rss_mb())
     print(f"# total {time.perf_counter() - t_start:.0f} s; peak RSS {meta['peak_rss_mb']} MB (mapped model files "
           "count while resident)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-        meta_path = (args.json[:-5] if args.json.endswith(".json") else args.json) + "_meta.json"
-        with open(meta_path, "w") as f:
-            json.dump(meta, f, indent=1)
+    run.write(args.json, records, meta)
 
 
 def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
-
-
-def _git_state() -> str:
-    """The commit of the cflow tree this script runs from, and whether cflow/ has uncommitted changes."""
-    import subprocess
-
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "cflow"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "not a git checkout") + (" + uncommitted changes in cflow/" if dirty else "")
 
 
 if __name__ == "__main__":

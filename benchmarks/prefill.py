@@ -1,9 +1,9 @@
 """Prompts and batches through the multi-token kernels: prompt tok/s and batched decode, against the limits.
 
-    python benchmarks/prefill.py --quick                       # < 5 minutes
-    python benchmarks/prefill.py --json docs/results/prefill.json
+    python -m benchmarks.prefill --quick                       # < 5 minutes
+    python -m benchmarks.prefill --json
 
-TinyLlama-1.1B geometry (benchmarks/decode.py's random weights; --models tinyllama,moe adds the MoE
+TinyLlama-1.1B geometry (benchmarks/common/models.py's random weights; --models tinyllama,moe adds the MoE
 geometry), Q4 and Q8 (Q4 only with --quick), 1 and 2 threads. In one run: the machine's int8 dot-product
 peak on the ISA path in use (independent chains of the kernels' integer dot on registers: vpdpbusd at 512 or 256
 bits, or AVX2's vpmaddubsw/vpmaddwd; llvmlite) and read bandwidth per thread
@@ -19,9 +19,10 @@ the B tokens choose; expected union under uniform routing, E * (1 - (1 - k/E)^B)
 int8 peak. --rss runs a prompt of that length in a child process and reports its peak RSS against the
 KV cache plus one block's buffers (Session.memory_parts), the weights being file-backed (mmapped).
 
-Every record: engine, geometry, quant, threads, prompt_tokens, batch, tok_s, plus the peak, bandwidth
-and fractions it was judged against; the JSON's "machine" block holds the per-thread-count peak and
-bandwidth, "rss" the memory measurement.
+Every record (the schema of benchmarks/common/record.py): its variant says what tok_s counts ("prompt 512",
+"prompt 128, token by token", "decode step", "batch 8"); extra holds prompt_tokens, batch, the int8 peak and the
+fractions it was judged against. The run's extra: "machine", the per-thread-count peak and bandwidth; "rss",
+the memory measurement; "profiles".
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bandwidth import measure_read_bandwidth  # noqa: E402
-from decode import MODELS, OUT, compiled_model  # noqa: E402
-
-import cflow  # noqa: E402
-from cflow.codegen.target import cpu_model, isa_path  # noqa: E402
+import cflow
+from benchmarks.common import OUT
+from benchmarks.common.bandwidth import read_gbs
+from benchmarks.common.memory import proc_status
+from benchmarks.common.models import MODELS, compiled_model
+from benchmarks.common.process import child_env, module_command
+from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen.target import cpu_model, isa_path
 
 
 def int8_peak(threads: int, seconds: float = 0.5) -> float:
@@ -147,9 +149,8 @@ def cflow_prompt(path, threads: int, n: int, block: int, reps: int) -> float:
 
 def llama_prompt(gguf: str, threads: int, n: int, reps: int) -> float:
     """llama.cpp's prompt tok/s; its AMX buffers off where the CPU has AMX (they crash the process there:
-    peers.llama_open)."""
-    from peers import llama_open
-
+    common.peers.llama_open)."""
+    from benchmarks.common.peers import llama_open
     from cflow.codegen.target import _cpuinfo
 
     amx = "amx_tile" in _cpuinfo().get("flags", "").split()
@@ -276,12 +277,7 @@ def print_profile(p: dict, label: str) -> None:
 def rss_child(path: str, threads: int, n: int, block: int) -> None:
     """In its own process: load, feed an n-token prompt, print one JSON line with the memory figures."""
     def status():
-        out = {}
-        for ln in open("/proc/self/status"):
-            k, v = ln.split(":", 1)
-            if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[k] = int(v.split()[0]) * 1024
-        return out
+        return proc_status("VmHWM", "VmRSS", "RssAnon", "RssFile")
 
     before = status()
     with cflow.load(path, threads=threads, prefill_block=block, max_seq=n) as m:
@@ -296,8 +292,8 @@ def rss_child(path: str, threads: int, n: int, block: int) -> None:
 def measure_rss(path: str, threads: int, n: int, block: int) -> dict:
     import subprocess
 
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss-child", path, str(threads), str(n),
-                          str(block)], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(module_command("benchmarks.prefill", "--rss-child", path, threads, n, block), check=True,
+                         capture_output=True, text=True, env=child_env()).stdout
     r = json.loads(out.strip().splitlines()[-1])
     parts = r["memory_parts"]
     kv = next(v for k, v in parts.items() if k.startswith("the KV cache"))
@@ -327,8 +323,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if installed")
     ap.add_argument("--quick", action="store_true",
                     help="Q4, lengths 128 and 512, batches 1,4,8, one rep, RSS at 512 (< 5 minutes)")
-    ap.add_argument("--json", help="write the records to this file")
+    add_json_argument(ap, "write one record per engine, model, weight type, thread count and prompt or batch")
     args = ap.parse_args(argv)
+    run = Run("prefill", argv)
     if args.quick:
         args.quants, args.lengths, args.batches, args.reps, args.steps = "q4", "128,512", "1,4,8", 1, 8
         args.rss = min(args.rss, 512)
@@ -347,7 +344,7 @@ def main(argv=None) -> None:
     threads_list = [int(t) for t in args.threads.split(",")]
     machine = {}
     for threads in threads_list:
-        machine[threads] = {"int8_peak_gops": int8_peak(threads), "read_gbs": measure_read_bandwidth(threads)}
+        machine[threads] = {"int8_peak_gops": int8_peak(threads), "read_gbs": read_gbs(threads)}
         print(f"# {threads} thread(s): int8 peak {machine[threads]['int8_peak_gops']:.0f} GOP/s (the path's dot), "
               f"read bandwidth {machine[threads]['read_gbs']:.1f} GB/s", flush=True)
     records, rss, profiles = [], [], []
@@ -357,7 +354,7 @@ def main(argv=None) -> None:
             path, c = compiled_model(model, quant)
             gguf = None
             if have_llama and quant in ("q4", "q8"):
-                from peers import gguf_file  # the exporter writes bit-identical Q4_0 / Q8_0
+                from benchmarks.common.peers import gguf_file  # the exporter writes bit-identical Q4_0 / Q8_0
 
                 try:
                     gguf = gguf_file(model, c, quant=quant)
@@ -374,29 +371,31 @@ def main(argv=None) -> None:
                     if n > geom.max_seq_len:
                         print(f"   prompt {n}: skipped (context {geom.max_seq_len})")
                         continue
-                    row = {"geometry": model, "quant": quant, "threads": threads, "prompt_tokens": n, "batch": 1,
-                           "int8_peak_gops": peak, "read_gbs": read}
+                    row = dict(model=geom.name, quant=quant, threads=threads, bytes_per_token=bpt, read_gbs=read,
+                               prompt_tokens=n, batch=1, int8_peak_gops=peak)
                     pre = cflow_prompt(path, threads, n, args.block, args.reps)
                     one = cflow_prompt(path, threads, min(n, 128), 1, 1)  # token by token (128 tokens is enough)
                     frac = pre * ops / 1e9 / peak
-                    records += [{**row, "engine": "cflow", "tok_s": pre, "frac_int8_peak": frac},
-                                {**row, "engine": "cflow-token-by-token", "tok_s": one,
-                                 "frac_int8_peak": one * ops / 1e9 / peak}]
+                    records += [run.record(engine="cflow", variant=f"prompt {n}", tok_s=pre, frac_int8_peak=frac,
+                                           **row),
+                                run.record(engine="cflow", variant=f"prompt {n}, token by token", tok_s=one,
+                                           frac_int8_peak=one * ops / 1e9 / peak, **row)]
                     line = (f"   prompt {n:5d}: cflow {pre:7.1f} tok/s ({frac:5.1%} of int8 peak), "
                             f"token by token {one:6.1f}")
                     if gguf:
                         lp = llama_prompt(gguf, threads, n, args.reps)
-                        records.append({**row, "engine": "llama.cpp", "tok_s": lp,
-                                        "frac_int8_peak": lp * ops / 1e9 / peak, "cflow_over_llama": pre / lp})
+                        records.append(run.record(engine="llama.cpp", variant=f"prompt {n}", tok_s=lp,
+                                                  frac_int8_peak=lp * ops / 1e9 / peak, cflow_over_llama=pre / lp,
+                                                  **row))
                         line += f", llama.cpp {lp:6.1f} (cflow {pre / lp:.2f}x)"
                     print(line, flush=True)
                 batches = [int(x) for x in args.batches.split(",") if x]
                 if batches:
                     single = cflow_single(path, threads, args.steps * 2, args.reps)
-                    records.append({"engine": "cflow-decode-step", "geometry": model, "quant": quant,
-                                    "threads": threads, "prompt_tokens": 0, "batch": 1, "tok_s": single,
-                                    "int8_peak_gops": peak, "read_gbs": read,
-                                    "bandwidth_bound_tok_s": read * 1e9 / bpt})
+                    records.append(run.record(engine="cflow", model=geom.name, quant=quant, threads=threads,
+                                              variant="decode step", tok_s=single, bytes_per_token=bpt,
+                                              read_gbs=read, prompt_tokens=0, batch=1, int8_peak_gops=peak,
+                                              bandwidth_bound_tok_s=read * 1e9 / bpt))
                     print(f"   single-stream decode (Session.step): {single:7.1f} tok/s "
                           f"({single * bpt / 1e9 / read:5.1%} of the read bandwidth)", flush=True)
                 for bsz in batches:
@@ -405,11 +404,13 @@ def main(argv=None) -> None:
                     mem = read * 1e9 / nbytes * bsz  # tok/s if the step is bound by reading its weights
                     comp = peak * 1e9 / ops  # tok/s if bound by the int8 peak
                     bound = min(mem, comp)
-                    records.append({"engine": "cflow", "geometry": model, "quant": quant, "threads": threads,
-                                    "prompt_tokens": 0, "batch": bsz, "tok_s": agg, "int8_peak_gops": peak,
-                                    "read_gbs": read, "step_weight_bytes": nbytes, "bandwidth_bound_tok_s": mem,
-                                    "compute_bound_tok_s": comp, "binds": "bandwidth" if mem <= comp else "compute",
-                                    "frac_bound": agg / bound, "x_single_stream": agg / single})
+                    records.append(run.record(engine="cflow", model=geom.name, quant=quant, threads=threads,
+                                              variant=f"batch {bsz}", tok_s=agg, bytes_per_token=bpt,
+                                              read_gbs=read, prompt_tokens=0, batch=bsz, int8_peak_gops=peak,
+                                              step_weight_bytes=nbytes, bandwidth_bound_tok_s=mem,
+                                              compute_bound_tok_s=comp,
+                                              binds="bandwidth" if mem <= comp else "compute",
+                                              frac_bound=agg / bound, x_single_stream=agg / single))
                     print(f"   batch {bsz:3d}: {agg:7.1f} tok/s aggregate ({agg / single:4.2f}x single stream), "
                           f"{agg / bound:5.1%} of the {'bandwidth' if mem <= comp else 'compute'} limit "
                           f"({bound:.0f} tok/s; {nbytes / 1e6:.0f} MB read per step)", flush=True)
@@ -432,13 +433,9 @@ def main(argv=None) -> None:
                           f"{'within' if r['within_target'] else 'ABOVE'} the target", flush=True)
     seconds = time.perf_counter() - t_start
     print(f"# {seconds:.0f} s", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "isa": isa, "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:]),
-                       "llama_cpp": llama_version if have_llama else None, "seconds": seconds,
-                       "machine": {str(k): v for k, v in machine.items()}, "records": records, "rss": rss,
-                       "profiles": profiles},
-                      f, indent=1)
+    run.write(args.json, records, {"llama_cpp": llama_version if have_llama else None, "seconds": seconds,
+                                   "machine": {str(k): v for k, v in machine.items()}, "rss": rss,
+                                   "profiles": profiles})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Dense weights streamed from disk: .vflow (stage-major) vs .cflow (layer-major) read-ahead, cold file.
 
-    python benchmarks/read_ahead.py --quick              # < 5 minutes
-    python benchmarks/read_ahead.py --json docs/results/read_ahead.json
+    python -m benchmarks.read_ahead --quick              # < 5 minutes
+    python -m benchmarks.read_ahead --json
 
 The paper left ".vflow read-ahead" inconclusive: its scheduler had no asynchronous I/O for the dense
 weights. Here `--weights-on-disk` streams every dense matrix from the file in schedule-stage order with
@@ -23,13 +23,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 
 import numpy as np
 
-# the expert tier's geometries, model builder and RSS reader
-from expert_tier import GEOMETRIES, _peak_rss, compile_random, geometry_config
+from benchmarks.common.memory import peak_rss
+from benchmarks.common.models import GEOMETRIES, compile_random, geometry_config
+from benchmarks.common.process import child_env, module_command
+from benchmarks.common.record import Run, add_json_argument
 
 
 def build(geometry: str, suffix: str, out_dir: str) -> str:
@@ -52,7 +53,7 @@ def worker(path: str, depth: int, tokens: int, threads: int) -> dict:
         for _ in range(tokens):
             logits = s.step(int(np.argmax(logits)))
         dt = time.perf_counter() - t0
-        rec = {"tok_s": tokens / dt, "peak_rss": _peak_rss()}
+        rec = {"tok_s": tokens / dt, "peak_rss": peak_rss()}
         if st:
             rec.update(disk_bytes_per_token=(st.bytes_read - base[0]) / tokens,
                        requests_per_token=(st.requests - base[1]) / tokens,
@@ -62,8 +63,8 @@ def worker(path: str, depth: int, tokens: int, threads: int) -> dict:
 
 
 def run_one(path: str, depth: int, tokens: int, threads: int) -> dict:
-    cmd = [sys.executable, __file__, "--worker", path, str(depth), str(tokens), str(threads)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = module_command("benchmarks.read_ahead", "--worker", path, depth, tokens, threads)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if r.returncode:
         raise SystemExit(f"worker failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -95,7 +96,7 @@ def disk_rate(path: str, chunk: int, n: int = 48) -> tuple[float, float]:
     return one, two
 
 
-def main() -> None:
+def main(argv=None) -> None:
     from cflow.codegen.target import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -107,13 +108,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the 114m geometry, 2 runs each (under 5 minutes)")
     ap.add_argument("--out-dir", default=os.environ.get("CFLOW_BENCH_DIR", "/tmp/cflow-bench"),
                     help="where the compiled models go (default /tmp/cflow-bench)")
-    ap.add_argument("--json", help="write one record per layout and depth to this file")
+    add_json_argument(ap, "write one record per layout and depth")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.worker:
         path, depth, tokens, threads = args.worker
         print(json.dumps(worker(path, int(depth), int(tokens), int(threads))))
         return
+    run = Run("read_ahead", argv)
     if args.quick:
         args.geometry, args.reps = "114m", 2
     os.makedirs(args.out_dir, exist_ok=True)
@@ -142,18 +144,17 @@ def main() -> None:
             rs = sorted(runs[(layout, depth)], key=lambda r: r["tok_s"])
             r = rs[len(rs) // 2]
             gbps = r["tok_s"] * r["disk_bytes_per_token"] / 1e9
-            rec = {"layout": layout, "read_ahead": depth, "tok_s": r["tok_s"], "tok_s_runs": [x["tok_s"] for x in rs],
-                   "disk_bytes_per_token": r["disk_bytes_per_token"], "requests_per_token": r["requests_per_token"],
-                   "wait_ms_per_token": r["wait_ms_per_token"], "read_gbps": gbps, "disk_gbps_one": one,
-                   "disk_gbps_two": two, "ram_tok_s": ram[layout], "peak_rss": r["peak_rss"], "cpu": cpu,
-                   "geometry": args.geometry, "threads": args.threads, "tokens": args.tokens}
-            records.append(rec)
+            records.append(run.record(
+                engine="cflow", model=f"arch2_4_combined {args.geometry}", quant="q4", threads=args.threads,
+                variant=f"{layout}, read-ahead {depth}", tok_s=r["tok_s"], bytes_per_token=r["disk_bytes_per_token"],
+                layout=layout, read_ahead=depth, tok_s_runs=[x["tok_s"] for x in rs],
+                requests_per_token=r["requests_per_token"], wait_ms_per_token=r["wait_ms_per_token"],
+                disk_read_gbps=gbps, disk_gbps_one=one, disk_gbps_two=two, ram_tok_s=ram[layout],
+                peak_rss=r["peak_rss"], tokens=args.tokens))
             print(f"{layout:>6} {depth:>5} {r['tok_s']:>7.2f} {r['disk_bytes_per_token'] / 1e6:>7.1f} "
                   f"{r['requests_per_token']:>7.1f} {r['wait_ms_per_token']:>11.1f} {gbps:>9.2f} "
                   f"{gbps / max(one, two):>6.0%} {r['peak_rss'] / 2**20:>11.0f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    run.write(args.json, records)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The MoE gate alone (codegen.ops.router: logits, softmax, top-k) in microseconds per call.
 
-    python benchmarks/router.py [--d 2048] [--experts 8] [--top-k 2] [--calls 20000]
+    python -m benchmarks.router [--d 2048] [--experts 8] [--top-k 2] [--calls 20000] [--json [FILE]]
 
 Every thread runs the router itself before its experts' mat-vecs (codegen/step.py), once per MoE layer and
 token, so its time is added to every MoE layer of every token whatever the thread count. The call goes through
@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
-import sys
 import time
 
 import numpy as np
+from llvmlite import ir
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from llvmlite import ir  # noqa: E402
-
-from cflow.codegen import ops as O  # noqa: E402
-from cflow.codegen.library import Library  # noqa: E402
-from cflow.codegen.target import cpu_model, host_target  # noqa: E402
+from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen import ops as O
+from cflow.codegen.library import Library
+from cflow.codegen.target import cpu_model, host_target
 
 
 def router_fn(d: int, experts: int, top_k: int, normalize: bool = False):
@@ -46,7 +42,9 @@ def main(argv=None) -> float:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--calls", type=int, default=20000)
+    add_json_argument(ap, "write the record")
     args = ap.parse_args(argv)
+    run = Run("router", argv)
     f = router_fn(args.d, args.experts, args.top_k)
     rng = np.random.default_rng(0)
     x = rng.standard_normal(args.d).astype(np.float32)
@@ -64,6 +62,8 @@ def main(argv=None) -> float:
         best = min(best, (time.perf_counter() - t0) / args.calls)
     print(f"# {cpu_model()}; router d={args.d} experts={args.experts} top-k={args.top_k}: "
           f"{best * 1e6:.2f} us per call (best of 3 x {args.calls} calls)")
+    run.write(args.json, [run.record(engine="router", model=f"d {args.d}, {args.experts} experts, top {args.top_k}",
+                                     threads=1, us_per_call=best * 1e6, calls=args.calls)])
     return best
 
 

@@ -1,9 +1,9 @@
 """Load test of `cflow serve`: N concurrent streaming clients against one server, for a bounded time.
 
-    python benchmarks/serve.py --models 114m --threads 1 --json docs/results/serve_114m.json #  N = 1 4 16 64, 20 s each
-    python benchmarks/serve.py --quick --threads 1 --json docs/results/serve_quick.json   # 5 s per level, ~2 min
-    python benchmarks/serve.py --engine-only --models 114m,bundled --max-batch 1,2,4,8,16,32 --threads 1 --repeat 3 \
-        --json docs/results/serve_engine_t1.json                       # what a shared step buys (no HTTP)
+    python -m benchmarks.serve --models 114m --threads 1 --json       # N = 1 4 16 64, 20 s each
+    python -m benchmarks.serve --quick --threads 1 --json             # 5 s per level, ~2 min
+    python -m benchmarks.serve --engine-only --models 114m,bundled --max-batch 1,2,4,8,16,32 --threads 1 --repeat 3 \
+        --json                                                        # what a shared step buys (no HTTP)
 
 For each model the server is `cflow serve` in a process of its own on 127.0.0.1 (a free port). For each N,
 N clients each loop for --duration seconds: send a streaming /v1/completions request (--max-tokens tokens,
@@ -32,11 +32,10 @@ batch_step, the multi-token program). --repeat R runs the whole sweep R times; e
 arrives. It is read once at once (one prefill call) and once a prefill block per loop turn (chunked prefill):
 the running stream's longest gap between tokens, its tokens while the prompt is read, the new request's TTFT.
 
-    python benchmarks/serve.py --chunked-prefill 900 --models 114m --threads 1 --repeat 2 \
-        --json docs/results/serve_chunked_prefill.json
+    python -m benchmarks.serve --chunked-prefill 900 --models 114m --threads 1 --repeat 2 --json
 
---json FILE writes {"command", "cpu", "usable_cores", "records": [...]} with one record per level (server runs)
-or per B and run (--engine-only).
+--json writes one record (benchmarks/common/record.py) per level (server runs: tok_s is the aggregate), per B and
+run (--engine-only) or per run and mode (--chunked-prefill: no tok_s); the run's extra has the usable cores.
 """
 
 from __future__ import annotations
@@ -54,6 +53,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+
+from benchmarks.common.record import Run, add_json_argument
 
 STORY_PROMPTS = ["Once upon a time", "One day, a little girl named Lily", "Tom and his dog went to the park",
                  "The sun was shining and", "There was a big red ball", "Sue wanted to bake a cake"]
@@ -412,7 +413,7 @@ def main(argv=None) -> int:
                    help="server --max-batch values, one server each (default 1,8)")
     p.add_argument("--max-queue", type=int, default=64, help="server --max-queue (default 64)")
     p.add_argument("--quick", action="store_true", help="5 s per level, 30 s drain (default: off)")
-    p.add_argument("--json", default=None, help="write the records to this file (default: none)")
+    add_json_argument(p, "write the records")
     p.add_argument("--engine-only", action="store_true",
                    help="measure the backend alone, no server or clients (see above) (default: off)")
     p.add_argument("--steps", type=int, default=50, help="--engine-only: decode steps per round (default 50)")
@@ -422,6 +423,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="--engine-only, --chunked-prefill: runs, every one recorded (default 1)")
     args = p.parse_args(argv)
+    run = Run("serve", argv)
     if args.quick:
         args.duration, args.drain = 5.0, 30.0
     counts = [int(x) for x in args.clients.split(",")]
@@ -447,12 +449,23 @@ def main(argv=None) -> int:
                 continue
             for batch in batches:
                 records += run_server(which, path, batch, counts, args, cpu, hdr, tmp)
-    if args.json:
-        out = {"command": "python benchmarks/serve.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               "cpu": cpu, "usable_cores": len(os.sched_getaffinity(0)), "records": records}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    run.write(args.json, [schema_record(run, r) for r in records], {"usable_cores": len(os.sched_getaffinity(0))})
     return 0
+
+
+def schema_record(run: Run, r: dict) -> dict:
+    """One measurement of this benchmark as a record of the schema: the variant says which kind it is."""
+    if "clients" in r:
+        variant, tok_s = f"server, max-batch {r['max_batch']}, {r['clients']} clients", r["aggregate_tok_s"]
+    elif "prefill" in r:
+        variant, tok_s = f"{r['prompt_tokens']}-token prompt beside a stream, read {r['prefill']}", None
+    elif "slot" in r:
+        variant, tok_s = f"engine, max-batch {r['max_batch']}, slot {r['slot']} alone", r["aggregate_tok_s"]
+    else:
+        variant, tok_s = f"engine, max-batch {r['max_batch']}", r["aggregate_tok_s"]
+    model = "bundled" if r["model"] == "bundled" else f"arch2_4_combined@{r['model']}"
+    return run.record(engine="cflow", model=model, quant="q4", threads=r["threads"], variant=variant, tok_s=tok_s,
+                      **{k: v for k, v in r.items() if k not in ("model", "threads", "cpu")})
 
 
 if __name__ == "__main__":

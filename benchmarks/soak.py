@@ -1,7 +1,7 @@
 """Long runs stay flat: RSS, open file descriptors and threads over many requests and many load/unload cycles.
 
-    python benchmarks/soak.py                          # 10,000 tokens over ~100 requests, then 200 load/unload cycles
-    python benchmarks/soak.py --tokens 2000 --cycles 40 --json out.json
+    python -m benchmarks.soak                          # 10,000 tokens over ~100 requests, then 200 load/unload cycles
+    python -m benchmarks.soak --tokens 2000 --cycles 40 --json
 
 Phase 1 loads the bundled model (q4, with its tokenizer) once and serves requests of 20..200 new tokens (text
 prompts, greedy and sampled, streamed and whole) until --tokens tokens have been generated, in one process.
@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.common.record import Run, add_json_argument
 
 
 def snapshot() -> dict:
@@ -100,8 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="request mix seed (default 0)")
     ap.add_argument("--rss-slack-mb", type=float, default=16.0,
                     help="RSS growth from start to end still called flat (default 16)")
-    ap.add_argument("--json", metavar="FILE", help="also write the result here (default: stdout only)")
+    add_json_argument(ap, "also write the result as one record (default: stdout only)")
     args = ap.parse_args(argv)
+    run = Run("soak", argv)
 
     import cflow
     from cflow.compiler import compile_file
@@ -126,19 +127,16 @@ def main(argv=None) -> int:
         return e["fds"] == s["fds"] and e["threads"] == s["threads"] and e["rss_mb"] - s["rss_mb"] < args.rss_slack_mb
 
     result = {
-        "command": " ".join(["python", "benchmarks/soak.py"] + (argv if argv is not None else sys.argv[1:])),
-        "cflow_version": cflow.__version__, "model": "bundled arch2_4_combined (small), q4", "threads": args.threads,
+        "cflow_version": cflow.__version__,
         "process_before_loading": before,
         "requests": {"requests": n_req, "tokens": n_tok, "seconds": round(dt1, 1), "start": s1, "end": e1,
                      "peak_rss_mb": p1, "flat": flat(s1, e1)},
         "load_unload": {"cycles": args.cycles, "seconds": round(dt2, 1), "start": s2, "end": e2, "peak_rss_mb": p2,
                         "flat": flat(s2, e2)},
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    model = "bundled arch2_4_combined (small)"
+    print(json.dumps({"command": run.command, "model": f"{model}, q4", "threads": args.threads, **result}, indent=2))
+    run.write(args.json, [run.record(engine="cflow", model=model, quant="q4", threads=args.threads, **result)])
     os.remove(path)
     os.rmdir(tmp)
     return 0 if result["requests"]["flat"] and result["load_unload"]["flat"] else 1

@@ -1,7 +1,7 @@
 """How work per cache line changes one core's streaming rate: the read loop with k extra vector ops per 64-byte line.
 
-    python benchmarks/stream_work.py [--ops 0,2,4,8,16] [--kind alu,indep,dp] [--prefetch 0,4608] [--lines 8,36]
-                                     [--rounds 2] [--json out.json]
+    python -m benchmarks.stream_work [--ops 0,2,4,8,16] [--kind alu,indep,dp] [--prefetch 0,4608] [--lines 8,36]
+                                     [--rounds 2] [--json [FILE]]
 
 Each variant is codegen.bandwidth's read loop itself (8 independent 64-byte loads per iteration) where every loaded
 vector also goes through k ops before it is folded into its accumulator: `alu`, k alternating XOR / ADD with
@@ -22,23 +22,18 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
-import json
 import math
-import os
-import sys
 import time
 
 import numpy as np
+from llvmlite import ir
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from llvmlite import ir  # noqa: E402
-
-from cflow.codegen.bandwidth import read_kernel_module  # noqa: E402
-from cflow.codegen.cgutils import intrinsic  # noqa: E402
-from cflow.codegen.library import Library  # noqa: E402
-from cflow.codegen.target import ISA, cpu_model, host_target  # noqa: E402
-from cflow.layout.tile import aligned_empty  # noqa: E402
+from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen.bandwidth import read_kernel_module
+from cflow.codegen.cgutils import intrinsic
+from cflow.codegen.library import Library
+from cflow.codegen.target import ISA, cpu_model, host_target
+from cflow.layout.tile import aligned_empty
 
 
 def work(kind: str, k: int):
@@ -101,8 +96,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dram-bytes", type=int, default=1 << 30)
     ap.add_argument("--l2-bytes", type=int, default=256 << 10)
-    ap.add_argument("--json", default=None)
+    add_json_argument(ap, "write one record per round, loop kind, prefetch, line count and ops per line")
     a = ap.parse_args(argv)
+    run = Run("stream_work", argv)
     target = host_target()
     kinds = [x for x in a.kind.split(",") if x != "dp" or target.isa == ISA.AVX512VNNI]
     ops = [int(x) for x in a.ops.split(",")]
@@ -123,13 +119,12 @@ def main(argv=None) -> list[dict]:
             for k in ops:
                 f = fns[kd, k, pf, n]
                 dram, l2 = rate(f, big, big.size, 3), rate(f, small, 1 << 30, 3)
-                recs.append(dict(cpu=cpu_model(), round=r, kind=kd, ops_per_line=k, prefetch=pf, lines=n,
-                                 dram_gbps=round(dram, 2), l2_gbps=round(l2, 2)))
+                recs.append(run.record(engine="read loop", threads=1, variant=f"{kd} ops {k} pf {pf} lines {n}",
+                                       round=r, kind=kd, ops_per_line=k, prefetch=pf, lines=n,
+                                       dram_gbps=round(dram, 2), l2_gbps=round(l2, 2)))
                 row.append(f"{k:2d}: {dram:5.1f} / {l2:5.1f}")
             print(f"round {r} {kd:5} pf {pf:5d} lines {n:3d}  ops: DRAM / L2 GB/s   " + "   ".join(row), flush=True)
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(recs, fh, indent=1)
+    run.write(a.json, recs)
     return recs
 
 

@@ -8,8 +8,8 @@ decode step splits them (Python threads calling the JIT-compiled kernel through 
 started together, until the last one finishes), interleaved round by round, medians printed
 with the plain read loop's bandwidth of the same round. Numbers only: nothing is cached or chosen here.
 
-    python benchmarks/tune_threads.py --shape q4:2048:plain --threads 2 --rounds 9
-    python benchmarks/tune_threads.py --shape q4:5632:plain --knobs prefetch_stride=128 --knobs unroll=2,prefetch=2304
+    python -m benchmarks.tune_threads --shape q4:2048:plain --threads 2 --rounds 9 [--json [FILE]]
+    python -m benchmarks.tune_threads --shape q4:5632:plain --knobs prefetch_stride=128 --knobs unroll=2,prefetch=2304
 
 --knobs adds a candidate: the choice with those knobs changed (any of codegen.tune.KNOBS), e.g. to time a knob
 the one-knob neighbours leave fixed (unroll, max_groups, unpack, group_loop).
@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-from cflow.codegen import kernels as K  # noqa: E402
-from cflow.codegen import tune  # noqa: E402
-from cflow.codegen.bandwidth import measure_read_bandwidth, run_threads  # noqa: E402
-from cflow.codegen.target import cpu_model, host_target  # noqa: E402
-from cflow.layout.quant import DType  # noqa: E402
-from cflow.layout.tile import TileLayout  # noqa: E402
+from benchmarks.common.bandwidth import measure_read_bandwidth, run_threads
+from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen import kernels as K
+from cflow.codegen import tune
+from cflow.codegen.target import cpu_model, host_target
+from cflow.layout.quant import DType
+from cflow.layout.tile import TileLayout
 
 # the descent's choice on the Zen 4 host (docs/results/tune_descent.json), used when this host has no cached one
 RECORDED = {"q4:2048:plain": {"prefetch": 0, "vector_bits": 256},
@@ -73,7 +70,9 @@ def main(argv=None) -> int:
                     help="MiB of packed weights per call (default: 256 or twice the last-level cache, the larger)")
     ap.add_argument("--knobs", action="append", default=[], metavar="K=V[,K=V...]",
                     help="also time the choice with these knobs changed (repeatable)")
+    add_json_argument(ap, "write one record per candidate and thread count")
     args = ap.parse_args(argv)
+    run = Run("tune_threads", argv)
     dt, cols, kind = args.shape.split(":")
     gate_up = kind == "gate_up"
     layout = TileLayout(DType.parse(dt), 128, int(cols), (128, 256))
@@ -140,12 +139,20 @@ def main(argv=None) -> int:
           f"{np.median(read[args.threads]):.2f} GB/s")
     print(f"  {'variant':<30} {'1 thread':>9} {str(args.threads) + ' threads':>10} {'scaling':>8} "
           f"{'of read, 1 / ' + str(args.threads):>14}")
+    records = []
     for i, c in enumerate(cands):
         g1, gn = np.median(gbps[(i, 1)]), np.median(gbps[(i, args.threads)])
         # share of the read loop: the median of per-round ratios (each round measures both within a second)
         s1, sn = (np.median(np.array(gbps[(i, n)]) / np.array(read[n])) for n in counts)
         mark = " <- 1-thread choice" if c == chosen else (" (default)" if c == tune.DEFAULT else "")
         print(f"  {tune.label(c):<30} {g1:9.2f} {gn:10.2f} {gn / g1:7.2f}x {100 * s1:6.1f}% / {100 * sn:4.1f}%{mark}")
+        records += [run.record(engine="mat-vec", model=key, quant=dt, threads=n, variant=tune.label(c),
+                               read_gbs=float(np.median(read[n])), gbps=float(np.median(gbps[(i, n)])),
+                               of_read=float(share), gbps_rounds=gbps[(i, n)], read_rounds=read[n], knobs=c,
+                               chosen=c == chosen, default=c == tune.DEFAULT)
+                    for n, share in zip(counts, (s1, sn))]
+    run.write(args.json, records, {"mib_per_call": args.mb, "chunk": args.chunk, "backing": args.backing,
+                                   "phase": args.phase, "choice_from": "host cache" if rec else "recorded"})
     return cands
 
 

@@ -1,12 +1,6 @@
-"""benchmarks/kernel_asm.py finds the inner loops in the JIT's assembly and counts their instructions."""
+"""benchmarks.kernel_asm finds the inner loops in the JIT's assembly and counts their instructions."""
 
-import os
-import sys
-
-import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-kernel_asm = pytest.importorskip("kernel_asm")
+from benchmarks import kernel_asm
 
 
 def test_counts_the_loop_bodies(capsys):

@@ -1,20 +1,16 @@
-"""benchmarks/decode.py's LazyWeights (the per-tensor random weights of the >= 2 GB MoE geometry) and the
+"""benchmarks/common/models.py's LazyWeights (the per-tensor random weights of the >= 2 GB MoE geometry) and the
 compile / GGUF paths streaming them one tensor at a time. Tiny configs only: no big allocation, no timing."""
 
 import hashlib
-import os
-import sys
 import tracemalloc
 from collections.abc import Mapping
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-decode = pytest.importorskip("decode")
-
-from cflow.ir.build import weight_shapes  # noqa: E402
-from cflow.ir.config import ModelConfig  # noqa: E402
+from benchmarks.common import models
+from cflow.ir.build import weight_shapes
+from cflow.ir.config import ModelConfig
 
 TINY = ModelConfig(name="tiny_lazy_moe", vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                    n_experts=4, top_k=2, expert_dim=256, max_seq_len=64)
@@ -41,7 +37,7 @@ class Counting(Mapping):
 
 
 def test_keys_shapes_dtype_and_distribution():
-    w = decode.LazyWeights(TINY)
+    w = models.LazyWeights(TINY)
     shapes = weight_shapes(TINY)
     assert list(w) == list(shapes) and len(w) == len(shapes)
     for name in ("norm", "blocks.1.moe.experts.3.w_down", "lm_head", "tok_embeddings", "blocks.0.moe.router"):
@@ -57,20 +53,20 @@ def test_keys_shapes_dtype_and_distribution():
 
 
 def test_deterministic_and_independent_of_order():
-    a, b = decode.LazyWeights(TINY), decode.LazyWeights(TINY)
+    a, b = models.LazyWeights(TINY), models.LazyWeights(TINY)
     x = a["blocks.1.attn.wk"]
     a["lm_head"], a["blocks.0.moe.experts.2.w_up"]  # other lookups in between change nothing
     assert np.array_equal(x, a["blocks.1.attn.wk"]) and np.array_equal(x, b["blocks.1.attn.wk"])
     assert a["blocks.1.attn.wk"] is not a["blocks.1.attn.wk"]  # nothing cached: a fresh array each time
     assert not np.array_equal(a["blocks.0.attn.wk"], x[: a["blocks.0.attn.wk"].shape[0]])  # per-name seeds
-    assert not np.array_equal(decode.LazyWeights(TINY, seed=1)["blocks.1.attn.wk"], x)
+    assert not np.array_equal(models.LazyWeights(TINY, seed=1)["blocks.1.attn.wk"], x)
     # the seed is a stable hash of the name (blake2b), not Python's salted hash(): a fixed value
-    assert decode._name_seed("lm_head") == int.from_bytes(
+    assert models.name_seed("lm_head") == int.from_bytes(
         hashlib.blake2b(b"lm_head", digest_size=8).digest(), "little")
 
 
 def test_one_lookup_materialises_one_tensor():
-    w = decode.LazyWeights(TINY)
+    w = models.LazyWeights(TINY)
     one = 4 * int(np.prod(weight_shapes(TINY)["lm_head"]))  # 128 KiB; the whole model is ~40x that
     tracemalloc.start()
     try:
@@ -82,13 +78,13 @@ def test_one_lookup_materialises_one_tensor():
 
 
 def test_existing_geometries_keep_random_weights():
-    assert decode.LAZY_MODELS == {"moe2g"}
-    for key in decode.MODELS:
-        if key not in decode.LAZY_MODELS:
-            assert decode.MODELS[key].name != decode.MODELS["moe2g"].name
+    assert models.LAZY_MODELS == {"moe2g"}
+    for key in models.MODELS:
+        if key not in models.LAZY_MODELS:
+            assert models.MODELS[key].name != models.MODELS["moe2g"].name
     small = ModelConfig(name="s", vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
                         max_seq_len=16)
-    r = decode.random_weights(small)
+    r = models.random_weights(small)
     h = hashlib.sha256()
     for k, v in r.items():
         h.update(k.encode())
@@ -101,7 +97,7 @@ def test_moe2g_is_mixtral_like_and_2_to_2_5_gb_at_q4():
     from cflow.compiler import lower
     from cflow.ir import build_graph
 
-    c = decode.MODELS["moe2g"]
+    c = models.MODELS["moe2g"]
     assert (c.n_experts, c.top_k, c.vocab_size) == (8, 2, 32000)
     assert all(c.has_moe(layer) and not c.has_dense(layer) for layer in range(1, c.n_layers + 1))
     plan = lower(build_graph(c, None), "q4")
@@ -115,10 +111,10 @@ def test_compile_and_gguf_export_stream_each_weight_once(tmp_path):
     from cflow.compiler import compile_file, lower
     from cflow.ir import build_graph
 
-    lazy = Counting(decode.LazyWeights(TINY))
+    lazy = Counting(models.LazyWeights(TINY))
     compile_file(build_graph(TINY, lazy, name=TINY.name), tmp_path / "lazy.vflow", "q4")
     assert set(lazy.calls) == set(weight_shapes(TINY)) and max(lazy.calls.values()) == 1
-    eager = {k: decode.LazyWeights(TINY)[k] for k in weight_shapes(TINY)}
+    eager = {k: models.LazyWeights(TINY)[k] for k in weight_shapes(TINY)}
     compile_file(build_graph(TINY, eager, name=TINY.name), tmp_path / "eager.vflow", "q4")
     assert (tmp_path / "lazy.vflow").read_bytes() == (tmp_path / "eager.vflow").read_bytes()
 

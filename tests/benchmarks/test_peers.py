@@ -1,23 +1,10 @@
-"""benchmarks/peers.py helpers that need neither llama.cpp nor ONNX Runtime GenAI (no timing asserted)."""
-
-import os
-import sys
+"""benchmarks.peers helpers that need neither llama.cpp nor ONNX Runtime GenAI (no timing asserted)."""
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-peers = pytest.importorskip("peers")
-
-
-def test_record_has_the_issue_keys():
-    from cflow.codegen.target import host_target
-
-    r = peers.record("cflow", "g", "Q4", 2, 12.34567, 1000, 30.0, 0.05)
-    assert set(r) == {"engine", "geometry", "quant", "threads", "tok_s", "bytes_per_token", "read_gbps",
-                      "other_load", "isa"}
-    assert r["isa"].startswith(str(host_target().isa))  # the ISA path in use, "(forced: ...)" when forced
-    assert peers.record("cflow", "g", "Q4", 1, 1.0, 1, 1.0, None)["other_load"] is None
+from benchmarks import peers
+from benchmarks.common import models, timing
 
 
 @pytest.mark.parametrize("loads, attempts, kept", [([0.0], 1, 0.0), ([0.5, 0.3, 0.05], 3, 0.05),
@@ -30,8 +17,8 @@ def test_measure_quiet_repeats_while_loaded(monkeypatch, loads, attempts, kept):
         calls.append(1)
         return fn(), next(seq)
 
-    monkeypatch.setattr(peers, "measured", fake)
-    v, busy, n = peers.measure_quiet(lambda: len(calls), threshold=0.10, retries=2)
+    monkeypatch.setattr(timing, "busy_fraction", fake)
+    v, busy, n = timing.measure_quiet(lambda: len(calls), threshold=0.10, retries=2)
     assert (busy, n, len(calls)) == (kept, attempts, attempts)
     assert v == loads.index(kept) + 1
 
@@ -76,7 +63,7 @@ class _FakeLlama:
 
 
 def test_greedy_agreement_counts(monkeypatch):
-    monkeypatch.setattr(peers, "_llama_next", lambda llm: llm.next())
+    monkeypatch.setattr(peers, "llama_next", lambda llm: llm.next())
     m = type("M", (), {"session": _FakeSession()})()
     prompt = [3, 4]
     a = peers.greedy_agreement(m, _FakeLlama(flip=len(prompt) + 4), prompt, steps=20)
@@ -114,14 +101,13 @@ def test_ort_bytes_per_token_counts_matmulnbits(tmp_path):
 def test_interp_check_compares_steps_with_one_prefill():
     """interp_check: the runtime's per-step logits against the interpreter's prefill of the same ids, on the
     lowered Q4 graph; here the "runtime" is a second interpreter stepping token by token (same arithmetic)."""
-    decode = pytest.importorskip("decode")
     from cflow.compiler import lower
     from cflow.ir import Interpreter, build_graph
     from cflow.ir.config import ModelConfig
 
     cfg = ModelConfig(name="tiny_interp", vocab_size=64, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1,
                       n_experts=4, top_k=2, expert_dim=64, max_seq_len=16)
-    c = lower(build_graph(cfg, decode.LazyWeights(cfg), name=cfg.name), "q4")
+    c = lower(build_graph(cfg, models.LazyWeights(cfg), name=cfg.name), "q4")
 
     class Stepper:
         def reset(self):

@@ -1,14 +1,11 @@
-"""benchmarks/tune_threads.py runs end to end on a tiny buffer (numbers not asserted: a benchmark)."""
+"""benchmarks.tune_threads runs end to end on a tiny buffer (numbers not asserted: a benchmark)."""
 
-import os
-import sys
+import json
 
 import pytest
 
+from benchmarks import tune_threads
 from cflow.codegen import tune
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-tune_threads = pytest.importorskip("tune_threads")
 
 
 @pytest.fixture(autouse=True)
@@ -22,10 +19,14 @@ def small_space(monkeypatch):
 
 def test_runs_and_splits_exactly(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("CFLOW_CACHE_DIR", str(tmp_path))  # no cached choice: the recorded one
-    cands = tune_threads.main(["--shape", "q8:512:plain", "--threads", "2", "--rounds", "1", "--mb", "1"])
+    cands = tune_threads.main(["--shape", "q8:512:plain", "--threads", "2", "--rounds", "1", "--mb", "1",
+                               "--json", str(tmp_path / "t.json")])
     out = capsys.readouterr().out
     assert cands[0] == tune.DEFAULT and len(cands) >= 2  # the default and the choice's neighbours
     assert "2 threads" in out and "scaling" in out and "<- 1-thread choice" in out
+    recs = json.loads((tmp_path / "t.json").read_text())["records"]
+    assert [(r["threads"], r["variant"]) for r in recs] == [(n, tune.label(c)) for c in cands for n in (1, 2)]
+    assert all(r["read_gbs"] > 0 and r["extra"]["gbps"] > 0 for r in recs)
 
 
 def test_round_robin_chunks_cover_every_tile_row_once():

@@ -2,14 +2,10 @@
 its loop (whole groups of four 16-lane chains, left-over vectors, a scalar tail), with and without renormalising
 the top-k weights."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-import router  # noqa: E402  (benchmarks/router.py: the router JIT-compiled alone)
+from benchmarks import router  # the router JIT-compiled alone
 
 
 @pytest.mark.parametrize("d", [8, 40, 100, 1024, 2048])

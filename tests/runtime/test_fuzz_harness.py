@@ -13,18 +13,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-FUZZ = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fuzz_short_budget(tmp_path):
     seed = int(os.environ.get("CFLOW_FUZZ_SEED", "14"))
     out = tmp_path / "fuzz.json"
-    r = subprocess.run([sys.executable, str(FUZZ), "--quick", "--cases", "60", "--seed", str(seed), "--workers", "2",
-                        "--targets", "vflow,gguf,onnx",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.fuzz", "--quick", "--cases", "60", "--seed", str(seed),
+                        "--workers", "2", "--targets", "vflow,gguf,onnx",
                         "--keep", str(tmp_path / "failures"), "--json", str(out)],
-                       capture_output=True, text=True, env=dict(os.environ), timeout=900)
+                       capture_output=True, text=True, env=dict(os.environ), timeout=900, cwd=ROOT)
     assert out.exists(), r.stderr[-3000:]
-    d = json.loads(out.read_text())
+    d = json.loads(out.read_text())["records"][0]["extra"]  # the run as one record (benchmarks/common/record.py)
     failures = "\n".join(f"{f['outcome']}: {f['kind']}: {f['desc']}: {f['detail']} -> {f['replay']}"
                          for f in d["failures"])
     assert d["crashes"] == d["hangs"] == d["bugs"] == 0, failures
