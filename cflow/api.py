@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ import numpy as np
 
 from .errors import CflowError, RuntimeFault
 from .layout.tile import DEFAULT_TILE
+from .runtime.requests import check_draft, check_fits, check_sampling, check_speculate, prompt_ids
 
 
 def compile(model, delays: tuple[int, int] | None = None, quant: str | None = None, tokenizer: str | None = None,
@@ -216,56 +216,15 @@ class CompiledModel:
 
     # --- running ---------------------------------------------------------------------------
     def _ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                from .runtime.tokenizer import parse_id_prompt
-
-                ids = parse_id_prompt(prompt, self.config.vocab_size)
-                if not ids:
-                    raise CflowError("empty prompt")
-                return ids
-            ids = self.tokenizer.encode(prompt)
-            if not ids:
-                raise CflowError("the prompt encodes to no tokens")
-            return ids
-        try:
-            arr = np.asarray(prompt)
-        except (TypeError, ValueError):
-            arr = np.asarray([None])
-        if arr.size == 0:
-            raise CflowError("empty prompt")
-        if arr.dtype.kind not in "iu":
-            raise CflowError(f"a prompt is text or a list of token ids (integers), not {_short(prompt)}")
-        ids = [int(i) for i in arr.reshape(-1)]
-        if not ids:
-            raise CflowError("empty prompt")
-        bad = next((i for i in ids if not 0 <= i < self.config.vocab_size), None)
-        if bad is not None:
-            raise CflowError(f"token id {bad} out of range 0..{self.config.vocab_size - 1}")
-        return ids
+        return prompt_ids(prompt, self.tokenizer, self.config.vocab_size)
 
     def check_request(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                       top_p: float = 1.0, seed: int | None = None) -> list[int]:
         """The prompt's token ids, once every argument of a generation is checked (CflowError naming it): the
         sampling options, and that the prompt and `max_new_tokens` fit the context. Runs nothing."""
-        if not _whole(max_new_tokens) or max_new_tokens < 0:
-            raise CflowError(f"max_new_tokens must be a whole number >= 0, not {_short(max_new_tokens)}")
-        if not _real(temperature) or not math.isfinite(temperature) or temperature < 0:
-            raise CflowError(f"temperature must be a finite number >= 0 (0 = greedy), not {_short(temperature)}")
-        if not _whole(top_k) or top_k < 0:
-            raise CflowError(f"top_k must be a whole number >= 0 (0 = all tokens), not {_short(top_k)}")
-        if not _real(top_p) or not 0 < top_p <= 1:
-            raise CflowError(f"top_p must be a number in (0, 1], not {_short(top_p)}")
-        if seed is not None and (not _whole(seed) or not 0 <= seed < 2**128):
-            raise CflowError(f"seed must be a whole number >= 0 (or None: a fresh seed), not {_short(seed)}")
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         ids = self._ids(prompt)
-        n, ctx = len(ids), self.session.max_seq
-        if n > ctx:
-            raise RuntimeFault(f"the prompt is {n} tokens long; this model's context is {ctx} tokens")
-        if n + max_new_tokens - 1 > ctx:  # the last new token is sampled, never fed
-            raise RuntimeFault(f"the prompt ({n} tokens) and max_new_tokens={max_new_tokens} need "
-                               f"{n + max_new_tokens - 1} positions; this model's context is {ctx} tokens: "
-                               f"at most {ctx - n + 1} new tokens fit")
+        check_fits(len(ids), max_new_tokens, self.session.max_seq)
         return ids
 
     @contextlib.contextmanager
@@ -324,36 +283,18 @@ class CompiledModel:
 
     def set_draft(self, draft: CompiledModel) -> None:
         """Use `draft` (a loaded model with this model's vocabulary) for speculate="draft"."""
-        if draft.config.vocab_size != self.config.vocab_size:
-            raise CflowError(f"draft model {draft.path}: vocabulary of {draft.config.vocab_size} tokens, this model "
-                             f"has {self.config.vocab_size}: a draft must share the tokenizer")
-        if self.tokenizer is not None and draft.tokenizer is not None:
-            probe = "The quick brown fox, 12 + 30 = 42;\n\tdef f(x): return x  # ünïcode"
-            if self.tokenizer.encode(probe) != draft.tokenizer.encode(probe):
-                raise CflowError(f"draft model {draft.path}: its tokenizer encodes text differently from this "
-                                 "model's: a draft must share the tokenizer")
+        check_draft(self.config.vocab_size, self.tokenizer, draft.config.vocab_size, draft.tokenizer, draft.path)
         self.draft = draft
 
     def _check_speculate(self, speculate) -> None:
-        if speculate not in (None, "ngram", "draft"):
-            raise CflowError(f"speculate must be None, 'ngram' or 'draft', not {_short(speculate)}")
-        if speculate is None:
-            return
-        if self.session.tmax < 2:
-            raise CflowError("speculative decoding checks drafts with the multi-token body: load with "
-                             "prefill_block >= 2 and the weights in RAM")
-        if speculate == "draft" and self.draft is None:
-            raise CflowError("speculate='draft' needs a draft model: load(path, draft='small.vflow')")
+        check_speculate(speculate, self.session.tmax, self.draft)
 
     def _stream(self, prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, reuse: bool = False,
                 stop_ids: frozenset = frozenset(), speculate: str | None = None) -> Iterator:
+        from .runtime import generation
         from .runtime.sampling import Sampler
 
         sampler = Sampler(temperature, top_k, top_p, seed)
-        if speculate is not None:
-            yield from self._speculative(prompt, ids, max_new_tokens, sampler, seed, stop, reuse, stop_ids,
-                                         speculate)
-            return
         text_mode = isinstance(prompt, str) and self.tokenizer is not None
         dec = None
         if text_mode:
@@ -361,52 +302,27 @@ class CompiledModel:
 
             dec = StreamDecoder(self.tokenizer, ids[-16:] if reuse else ids)  # a chat: the tail is context enough
         stops = self.eos_ids | stop_ids
-        with self._generation() as s:
+        drafting = self.draft._generation() if speculate == "draft" else contextlib.nullcontext()
+        with self._generation() as s, drafting:
             logits = self._feed(s, ids, reuse)
-            for i in range(max_new_tokens):
-                self._finite(logits, s.pos)
-                tok = sampler(logits)
-                if stop and tok in stops:
-                    return
-                yield dec.push(tok) if text_mode else tok
-                if i + 1 == max_new_tokens:
-                    return
+
+            def guard():
                 if self._closed:
                     raise CflowError(f"{self.path}: the model was closed during this stream")
-                logits = s.step(tok)
-                self._ctx.append(tok)
-
-    def _finite(self, logits: np.ndarray, pos: int) -> None:
-        top = float(np.max(logits))
-        if not math.isfinite(top):  # NaN or +Inf: overflowing weights or activations (a crafted file)
-            raise RuntimeFault(f"{self.path}: the logits at position {pos} are not finite ({top}): the "
-                               "model's weights or activations overflow")
-
-    def _speculative(self, prompt, ids, max_new_tokens, sampler, seed, stop, reuse, stop_ids, speculate):
-        from .runtime import speculate as sp
-
-        if speculate == "ngram" and self._ngrams is None:
-            self._ngrams = sp.NgramTable()
-        drafter = sp.drafter_for(speculate, sampler, seed, self._ngrams, self.draft and self.draft.session)
-        spec = self.speculation = sp.Speculation()
-        text_mode = isinstance(prompt, str) and self.tokenizer is not None
-        dec = None
-        if text_mode:
-            from .runtime.tokenizer import StreamDecoder
-
-            dec = StreamDecoder(self.tokenizer, ids[-16:] if reuse else ids)
-        stops = self.eos_ids | stop_ids
-        draft_lock = self.draft._generation() if speculate == "draft" else contextlib.nullcontext()
-        with self._generation() as s, draft_lock:
-            logits = self._feed(s, ids, reuse)
-            out = list(ids)
 
             def check(rows):
-                if self._closed:
-                    raise CflowError(f"{self.path}: the model was closed during this stream")
-                self._finite(rows, s.pos)
+                top = float(np.max(rows))
+                if not math.isfinite(top):  # NaN or +Inf: overflowing weights or activations (a crafted file)
+                    raise RuntimeFault(f"{self.path}: the logits at position {s.pos} are not finite ({top}): the "
+                                       "model's weights or activations overflow")
 
-            tokens = sp.decode(s, logits, sampler, drafter, spec, list(ids), max_new_tokens, check)
+            if speculate is None:
+                tokens = generation.plain(s, logits, sampler, max_new_tokens, guard, check)
+            else:
+                drafter = self._drafter(speculate, sampler, seed)
+                tokens = generation.speculative(s, logits, sampler, drafter, self.speculation, list(ids),
+                                                max_new_tokens, guard, check)
+            out = list(ids)
             try:
                 for tok in tokens:
                     if stop and tok in stops:
@@ -416,6 +332,14 @@ class CompiledModel:
             finally:
                 tokens.close()
                 self._ctx = out[: s.pos]  # what the KV cache holds: the fed prefix of prompt and output
+
+    def _drafter(self, speculate: str, sampler, seed):
+        from .runtime import speculate as sp
+
+        self.speculation = sp.Speculation()
+        if speculate == "ngram" and self._ngrams is None:
+            self._ngrams = sp.NgramTable()
+        return sp.drafter_for(speculate, sampler, seed, self._ngrams, self.draft and self.draft.session)
 
     def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: bool = True, speculate: str | None = None):
@@ -601,16 +525,3 @@ class CompiledModel:
         return (f"<CompiledModel {self.session.header.get('name')} {c.n_layers}x{c.d_model} "
                 f"{self.session.header['quant']} kv={self.kv} delays={tuple(self.session.header['delays'])} "
                 f"threads={self.threads}>")
-
-
-def _whole(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
-def _short(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."

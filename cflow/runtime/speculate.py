@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 
@@ -276,10 +276,11 @@ class Speculator:
     the token at the stream's next position, with that position's uniform, noted as emitted."""
 
     def __init__(self, s, sampler: Sampler, drafter, spec: Speculation, ids: list[int], slot: int = 0,
-                 check: Callable[[np.ndarray], None] = lambda rows: None):
+                 guard: Callable[[], None] = lambda: None, check: Callable[[np.ndarray], None] = lambda rows: None):
         if s.tmax < 2:
             raise CflowError("speculative decoding needs the multi-token body (prefill_block >= 2, weights in RAM)")
-        self.s, self.sampler, self.drafter, self.spec, self.slot, self.check = s, sampler, drafter, spec, slot, check
+        self.s, self.sampler, self.drafter, self.spec, self.slot = s, sampler, drafter, spec, slot
+        self.guard, self.check = guard, check  # before each native call; on each row of logits
         self.uniforms = Uniforms(sampler)
         self.emitted = 0  # tokens generated so far: the next one is the stream's position `emitted`
         drafter.start(ids)
@@ -302,6 +303,7 @@ class Speculator:
         t0 = spec.clock()
         drafts, qs = self.drafter.propose(k) if k > 0 else ([], None)
         drafts, qs = drafts[:k], (qs[:k] if qs is not None else None)
+        self.guard()
         if not drafts:
             logits = s.step(tok) if slot == 0 else s.prefill([tok], slot=slot)
             spec.stepped(spec.clock() - t0)
@@ -318,23 +320,3 @@ class Speculator:
 
     def finish(self) -> None:
         self.drafter.finish()
-
-
-def decode(s, logits: np.ndarray, sampler: Sampler, drafter, spec: Speculation, ids: list[int],
-           max_new: int, check: Callable[[np.ndarray], None] = lambda rows: None) -> Iterator[int]:
-    """Yield up to `max_new` tokens after `ids` (fed; `logits` the last row) on session `s` (slot 0), drafting
-    with `drafter`; `check(logits)` runs on every pass's logits before they are used (and may raise). Whenever
-    the consumer stops, s.pos counts exactly the tokens whose keys and values the cache holds: a prefix of ids
-    and the emitted tokens."""
-    sp = Speculator(s, sampler, drafter, spec, ids, check=check)
-    try:
-        if max_new <= 0:
-            return
-        tok = sp.first(logits)
-        yield tok
-        while sp.emitted < max_new:
-            new = sp.advance(tok, max_new - sp.emitted)
-            yield from new
-            tok = new[-1]
-    finally:
-        sp.finish()

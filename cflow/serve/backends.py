@@ -141,17 +141,10 @@ class BatchedSlots:
         drafter = sp.drafter_for(self.speculate, self._sampler[0], job.params.seed, self._ngrams,
                                  m.draft and m.draft.session)
         return sp.Speculator(m.session, self._sampler[0], drafter, sp.Speculation(), job.prompt_ids,
-                             check=lambda rows: m._finite(rows, int(m.session.slot_pos[0])))
+                             check=lambda rows: _finite(rows, 0))
 
     def _sample(self, slot: int, logits) -> int | None:
-        import numpy as np
-
-        from ..errors import RuntimeFault
-
-        top = float(np.max(logits))
-        if not math.isfinite(top):
-            raise RuntimeFault(f"the logits of slot {slot} are not finite ({top}): the model's weights or "
-                               "activations overflow")
+        _finite(logits, slot)
         spec = self._spec.get(slot)
         tok = spec.draw(logits) if spec is not None else self._sampler[slot](logits)
         return self._emit(slot, tok)
@@ -268,3 +261,14 @@ def load_backend(path: str, threads: int | None = None, slots: int = 1, speculat
             m.close()
         raise
     return StreamSlots(models, speculate)
+
+
+def _finite(logits, slot: int) -> None:
+    import numpy as np
+
+    from ..errors import RuntimeFault
+
+    top = float(np.max(logits))
+    if not math.isfinite(top):
+        raise RuntimeFault(f"the logits of slot {slot} are not finite ({top}): the model's weights or "
+                           "activations overflow")

@@ -8,6 +8,7 @@ import cflow
 from cflow.compiler import compile_file
 from cflow.frontend import from_torch
 from cflow.frontend.load import load_graph
+from cflow.runtime import generation
 from cflow.runtime import speculate as sp
 from cflow.runtime.sampling import Sampler
 from tests.frontend._models import hf_model
@@ -49,7 +50,8 @@ def _spec_greedy(m, ids, n, drafter):
         logits = m._feed(s, ids, reuse=False)
         spec = sp.Speculation(k=3)
         spec.step_s = 1.0  # never judged slower: every pass drafts (the decision is the controller's test)
-        return list(sp.decode(s, logits, Sampler(), drafter, spec, list(ids), n)), spec
+        return list(generation.speculative(s, logits, Sampler(), drafter, spec, list(ids), n, lambda: None,
+                                           lambda rows: None)), spec
 
 
 def _check_exact(path, vocab):
