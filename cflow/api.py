@@ -163,6 +163,7 @@ class CompiledModel:
         self._owns_draft = False  # the draft was loaded by load(..., draft=PATH): closed with this model
         self._ngrams = None  # prompt lookup's table, shared by this model's streams (speculate="ngram")
         self.speculation = None  # the last speculative generation's Speculation: acceptance, passes
+        self._costs: dict = {}  # speculate kind -> runtime.speculate.Costs, what drafting costs with this model
 
     # --- introspection ----------------------------------------------------------------------
     @property
@@ -336,7 +337,7 @@ class CompiledModel:
     def _drafter(self, speculate: str, sampler, seed):
         from .runtime import speculate as sp
 
-        self.speculation = sp.Speculation()
+        self.speculation = sp.Speculation(self._costs.setdefault(speculate, sp.Costs()))
         if speculate == "ngram" and self._ngrams is None:
             self._ngrams = sp.NgramTable()
         return sp.drafter_for(speculate, sampler, seed, self._ngrams, self.draft and self.draft.session)

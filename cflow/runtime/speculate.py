@@ -43,7 +43,8 @@ TABLE_ENTRIES = 1 << 16  # shared table size bound (least recently used entries 
 PAUSE_STEPS = 16  # plain steps after drafting stopped paying, doubled at each further loss, up to PAUSE_MAX
 PAUSE_MAX = 1024
 RETIME = 32  # drafting passes between two timed plain steps (what drafting is compared with)
-EMA = 0.2  # weight of the newest pass in the running timings and acceptance
+EMA = 0.2  # weight of the newest time in the running timings
+DECAY = 0.8  # weight of the acceptance evidence before each new pass
 
 
 class NgramTable:
@@ -179,52 +180,109 @@ def drafter_for(kind: str, sampler: Sampler, seed: int | None, table: NgramTable
     return ModelDrafter(draft_session, Sampler(sampler.temperature, sampler.top_k, sampler.top_p, draft_seed))
 
 
-class Speculation:
-    """The draft length and the on/off decision for one stream, from its own acceptance and timings."""
+class Costs:
+    """What drafting costs with one model on this host, shared by its streams (CompiledModel.speculation_costs):
+    running times of a plain step, of a pass that checks k drafts, and of drafting one token."""
 
-    def __init__(self, k: int = 4, k_max: int = MAX_DRAFT, clock: Callable[[], float] = time.perf_counter):
-        self.k, self.k_max, self.clock = k, k_max, clock
-        self.step_s: float | None = None  # running time of a plain step
-        self.pass_rate: float | None = None  # running emitted tokens per second of drafting passes
+    def __init__(self, k_max: int = MAX_DRAFT):
+        self.step: float | None = None  # seconds of a plain decode step
+        self.check: list[float | None] = [None] * (k_max + 1)  # seconds of a pass feeding 1 + k tokens
+        self.draft_token = 0.0  # seconds to draft one token (a draft model's step; prompt lookup ~0)
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else (1 - EMA) * old + EMA * new
+
+    def stepped(self, seconds: float) -> None:
+        self.step = self._ema(self.step, seconds)
+
+    def checked(self, k: int, seconds: float, draft_seconds: float) -> None:
+        self.check[k] = self._ema(self.check[k], seconds)
+        self.draft_token = (1 - EMA) * self.draft_token + EMA * draft_seconds / k
+
+    def pass_steps(self, k: int) -> float:
+        """A pass drafting and checking k tokens, in plain steps; a length not timed yet is guessed from the
+        nearest timed one below it (a block's cost grows slowly with its tokens), else as one step."""
+        known = next((j for j in range(k, 0, -1) if self.check[j] is not None), None)
+        check = self.check[known] * (1 + 0.05 * (k - known)) if known else self.step
+        return (check + k * self.draft_token) / self.step
+
+
+class Speculation:
+    """The draft length for one stream's next pass, from the model's costs and the stream's acceptance.
+
+    The acceptance is a per-token estimate a (a recency-weighted count of drafts that stood against the first one
+    that fell in each pass, from a prior of one each); a pass of k drafts then emits (1 - a^(k+1)) / (1 - a) tokens
+    on average and costs Costs.pass_steps(k) plain steps. The length with the most tokens per step is drafted if
+    that beats a plain step; else the stream decodes plainly for a pause that doubles each time (16 .. 1024
+    steps), after which one short pass probes the acceptance again. Greedy output does not depend on any of it."""
+
+    def __init__(self, costs: Costs | None = None, k_max: int = MAX_DRAFT,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.costs = costs if costs is not None else Costs(k_max)
+        self.k_max, self.clock = k_max, clock
+        self.stood_w, self.fell_w = 1.0, 1.0  # recency-weighted evidence of the acceptance
         self.pause = 0  # plain steps left before drafting again
+        self.probe = False  # the next pass drafts whatever the estimate says (after a pause)
+        self.losses = 0  # pauses in a row (their length doubles)
         self._since_step = 0  # drafting passes since the last timed plain step
-        self.losses = 0  # recent passes judged slower than plain steps (sets the pause length)
         self.pauses = 0  # times drafting paused
         self.proposed = self.accepted = self.passes = 0
 
     @property
     def acceptance(self) -> float:
+        """Drafted tokens that stood, of all drafted (the whole stream)."""
         return self.accepted / self.proposed if self.proposed else 0.0
 
+    @property
+    def rate(self) -> float:
+        """The current estimate of the chance that the next drafted token stands."""
+        return self.stood_w / (self.stood_w + self.fell_w)
+
+    def best(self) -> tuple[int, float]:
+        """(k, expected tokens per plain step's time) of the best draft length."""
+        a, costs = min(self.rate, 0.999), self.costs
+        best = (1, 0.0)
+        for k in range(1, self.k_max + 1):
+            gain = (1 - a ** (k + 1)) / (1 - a) / costs.pass_steps(k)
+            if gain > best[1]:
+                best = (k, gain)
+        return best
+
     def length(self) -> int:
-        """Tokens to draft for the next pass; 0 = a plain step (paused, or a plain step is due to be timed)."""
+        """Tokens to draft for the next pass; 0 = a plain step (paused, not paying, or a step due to be timed)."""
         if self.pause:
             self.pause -= 1
             return 0
-        if self.step_s is None or self._since_step >= RETIME:
+        if self.costs.step is None or self._since_step >= RETIME:
             self._since_step = 0
             return 0
         self._since_step += 1
-        return self.k
+        k, gain = self.best()
+        if self.probe:
+            self.probe = False
+            return min(k, 2)
+        if gain < 1.0:
+            self.losses += 1
+            self.pauses += 1
+            self.pause = min(PAUSE_MAX, PAUSE_STEPS << (self.losses - 1)) - 1
+            self.probe = True
+            return 0
+        self.losses = 0
+        return k
 
     def stepped(self, seconds: float) -> None:
-        self.step_s = seconds if self.step_s is None else (1 - EMA) * self.step_s + EMA * seconds
+        self.costs.stepped(seconds)
 
-    def checked(self, drafted: int, stood: int, seconds: float) -> None:
-        """One pass: `drafted` tokens proposed, `stood` of them accepted, in `seconds` (drafting included)."""
+    def checked(self, drafted: int, stood: int, seconds: float, draft_seconds: float = 0.0) -> None:
+        """One pass: `drafted` tokens proposed, `stood` of them accepted; `seconds` checking, `draft_seconds`
+        drafting."""
         self.proposed += drafted
         self.accepted += stood
         self.passes += 1
-        self.k = min(self.k_max, self.k + 1) if stood == drafted else max(1, min(self.k, stood + 1))
-        rate = (stood + 1) / seconds
-        self.pass_rate = rate if self.pass_rate is None else (1 - EMA) * self.pass_rate + EMA * rate
-        if self.step_s is not None and self.passes >= 3 and self.pass_rate * self.step_s < 1.0:
-            self.losses += 1
-            self.pauses += 1
-            self.pause = min(PAUSE_MAX, PAUSE_STEPS << (self.losses - 1))
-            self.pass_rate = None  # judged afresh after the pause
-        elif self.pass_rate * (self.step_s or 0.0) >= 1.0:
-            self.losses = max(0, self.losses - 1)
+        self.stood_w = DECAY * self.stood_w + stood
+        self.fell_w = DECAY * self.fell_w + (stood < drafted)
+        self.costs.checked(drafted, seconds, draft_seconds)
 
 
 class Uniforms:
@@ -300,19 +358,23 @@ class Speculator:
         s, spec, slot = self.s, self.spec, self.slot
         pos = int(s.slot_pos[slot])
         k = min(spec.length(), left - 1, s.tmax - 1, s.max_seq - pos - 1)
-        t0 = spec.clock()
-        drafts, qs = self.drafter.propose(k) if k > 0 else ([], None)
-        drafts, qs = drafts[:k], (qs[:k] if qs is not None else None)
+        drafts, qs = [], None
+        if k > 0:
+            t0 = spec.clock()
+            drafts, qs = self.drafter.propose(k)
+            drafts, qs = drafts[:k], (qs[:k] if qs is not None else None)
         self.guard()
         if not drafts:
+            t1 = spec.clock()
             logits = s.step(tok) if slot == 0 else s.prefill([tok], slot=slot)
-            spec.stepped(spec.clock() - t0)
+            spec.stepped(spec.clock() - t1)
             return [self.draw(logits)]
+        t1 = spec.clock()
         rows = s.prefill([tok, *drafts], slot=slot, all_logits=True)
         self.check(rows)
         stood, nxt = verify(rows, drafts, qs, self.sampler, self.uniforms, self.emitted)
         s.slot_pos[slot] = pos + 1 + stood
-        spec.checked(len(drafts), stood, spec.clock() - t0)
+        spec.checked(len(drafts), stood, spec.clock() - t1, t1 - t0)
         out = [*drafts[:stood], nxt]
         self.emitted += len(out)
         self.drafter.accept(out)

@@ -131,6 +131,7 @@ class BatchedSlots:
         self._ready: dict[int, list[int]] = {}  # slot 0 -> tokens a pass computed, not yet handed out
         self._left: dict[int, int] = {}  # slot -> tokens its job may still generate
         self._ngrams = None
+        self._costs = None  # what drafting costs with this model (runtime.speculate.Costs), shared by requests
 
     def _speculator(self, job: Job):
         from ..runtime import speculate as sp
@@ -140,7 +141,9 @@ class BatchedSlots:
             self._ngrams = sp.NgramTable()
         drafter = sp.drafter_for(self.speculate, self._sampler[0], job.params.seed, self._ngrams,
                                  m.draft and m.draft.session)
-        return sp.Speculator(m.session, self._sampler[0], drafter, sp.Speculation(), job.prompt_ids,
+        if self._costs is None:
+            self._costs = sp.Costs()
+        return sp.Speculator(m.session, self._sampler[0], drafter, sp.Speculation(self._costs), job.prompt_ids,
                              check=lambda rows: _finite(rows, 0))
 
     def _sample(self, slot: int, logits) -> int | None:

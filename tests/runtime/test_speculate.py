@@ -44,12 +44,20 @@ class Oracle:
         pass
 
 
+class Cheap(sp.Costs):
+    """Costs under which drafting always pays: every pass drafts (the decision is the controller's test)."""
+
+    def pass_steps(self, k):
+        return 0.1
+
+
 def _spec_greedy(m, ids, n, drafter):
     s = m.session
     with m._generation():
         logits = m._feed(s, ids, reuse=False)
-        spec = sp.Speculation(k=3)
-        spec.step_s = 1.0  # never judged slower: every pass drafts (the decision is the controller's test)
+        costs = Cheap()
+        costs.step = 1.0
+        spec = sp.Speculation(costs)
         return list(generation.speculative(s, logits, Sampler(), drafter, spec, list(ids), n, lambda: None,
                                            lambda rows: None)), spec
 
@@ -111,21 +119,40 @@ def test_ngram_table_is_shared_and_bounded():
     assert table.get((10, 11, 12)) == ()
 
 
-def test_controller_pauses_when_drafting_does_not_pay():
-    clock = iter(np.arange(0, 1e6, 1.0))
-    spec = sp.Speculation(k=4, clock=lambda: next(clock))
+def test_controller_drafts_what_pays_and_pauses_when_nothing_does():
+    costs = sp.Costs(k_max=8)
+    spec = sp.Speculation(costs)
     assert spec.length() == 0  # the first plain step is timed
     spec.stepped(1.0)
-    for _ in range(3):
-        assert spec.length() > 0
-        spec.checked(4, 0, 1.5)  # every draft falls: one token per pass of 1.5 steps
-    assert spec.pause > 0 and spec.length() == 0
-    fast = sp.Speculation(k=2)
-    fast.stepped(1.0)
-    for _ in range(5):
-        fast.length()
-        fast.checked(fast.k, fast.k, 1.2)  # all stand: the draft grows, never paused
-    assert fast.pause == 0 and fast.k == 7
+    for k in range(1, 9):  # a pass costs one step and a little more per drafted token
+        costs.check[k] = 1.0 + 0.05 * k
+    for _ in range(20):  # every draft stands: long drafts pay most
+        k = spec.length()
+        assert k > 0
+        spec.checked(k, k, 1.0 + 0.05 * k)
+    assert spec.length() == 8 and spec.rate > 0.9
+    for _ in range(40):  # every draft falls: one token per pass of more than a step
+        k = spec.length()
+        if k == 0 and spec.pause:
+            break
+        if k == 0:  # a plain step due to be timed
+            spec.stepped(1.0)
+            continue
+        spec.checked(k, 0, 1.0 + 0.05 * k)
+    assert spec.pause > 0 and spec.pauses == 1
+    while spec.pause:
+        assert spec.length() == 0
+    assert 0 < spec.length() <= 2  # after the pause, one short pass probes the acceptance
+    spec.checked(2, 0, 1.1)
+    assert spec.length() == 0 and spec.pause >= 2 * sp.PAUSE_STEPS - 1  # still nothing stands: a longer pause
+    slow = sp.Costs()
+    slow.step = 1.0
+    slow.check[1] = 3.0  # checking costs three steps (a tiny model's per-call work)
+    s2 = sp.Speculation(slow)
+    s2.stood_w, s2.fell_w = 9.0, 1.0  # nine drafts in ten stand: only long drafts pay
+    assert s2.best()[0] == 8 and s2.best()[1] > 1.0
+    s2.stood_w, s2.fell_w = 1.0, 1.0  # one in two: nothing pays
+    assert s2.best()[1] < 1.0
 
 
 def _chi2_ok(counts, p, trials):
