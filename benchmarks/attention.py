@@ -1,4 +1,4 @@
-"""The attention core alone (codegen/ops.py:attention): one decode token's attention over a long KV cache.
+"""The attention core alone (codegen/attention.py:attention): one decode token's attention over a long KV cache.
 
     python benchmarks/attention.py --contexts 16,1024,2048,4064 --kv f16,f32,bf16 --json out.json
 
@@ -27,10 +27,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bandwidth import measure_read_bandwidth  # noqa: E402
 
+from cflow.codegen.attention import KV_PREFETCH  # noqa: E402
 from cflow.codegen.attn_tune import AttentionBench  # noqa: E402
 from cflow.codegen.cgutils import P, f32, i64  # noqa: E402
 from cflow.codegen.library import Library  # noqa: E402
-from cflow.codegen.ops import KV_PREFETCH  # noqa: E402
 from cflow.codegen.target import cpu_model, host_target  # noqa: E402
 
 

@@ -30,7 +30,8 @@ from ..layout.tile import TileLayout
 from ..passes.manager import Pass, state_pass
 from ..passes.pack import expert_tensor, post_norm_tensor, qkv_tensor, shared_tensor
 from ..passes.schedule import Phase, Pool
-from . import blockdot
+from . import attention as A
+from . import blockdot, threads
 from . import kernels as K
 from . import ops as O
 from .abi import (
@@ -47,7 +48,7 @@ from .abi import (
     scratch_layout,
 )
 from .attn_tune import attention_key
-from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i16, i32, i64, internal_function, intrinsic, softcap, void
+from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i16, i32, i64, intrinsic, void
 from .target import ISA
 from .tune import kernel_key
 
@@ -392,7 +393,7 @@ class _Emitter:
             b.call(call, [self.ptrs, self.params, self.tid, self.nth, self.bar, desc])
             self.arrive(b, si, n)
             # The last stage ends with a barrier too: when worker 0 returns, every worker is done.
-            b.call(O.barrier(self.m, self.isa), [self.bar, self.nth])
+            b.call(threads.barrier(self.m, self.isa), [self.bar, self.nth])
             self.stamp(b, b.add(si, c64(1)))
             if guard is not None:
                 guard.__exit__(None, None, None)
@@ -413,7 +414,7 @@ class _Emitter:
         eb = ir.IRBuilder(entry.append_basic_block("entry"))
         eb.call(body, list(entry.args))
         eb.ret_void()
-        O.emit_workers(self.m, body, self.isa, WORKER_SYMBOL, KICK_SYMBOL)
+        threads.emit_workers(self.m, body, self.isa, WORKER_SYMBOL, KICK_SYMBOL)
         return StepProgram(module=self.m, bindings=tuple(self.bindings), pool_strides=self.strides,
                            pool_slots={p: n for p, (n, _) in self.sched.pools.items()}, scratch=self.scratch,
                            kv_floats_per_layer=kv_floats_per_layer(self.cfg, self.max_seq),
@@ -526,10 +527,10 @@ class _Emitter:
                 pos = b.load(b.gep(self.positions, [self.t]))
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
                 kc, vc = b.gep(kv, [b.add(slot_off, k_off)]), b.gep(kv, [b.add(slot_off, v_off)])
-            unit = O.core_unit(self.kv, self.bf16_unit, n.n_heads // n.n_kv_heads, n.head_dim, self.max_seq)
+            unit = A.core_unit(self.kv, self.bf16_unit, n.n_heads // n.n_kv_heads, n.head_dim, self.max_seq)
             pf = self.tuning.get(attention_key(n.n_heads, n.n_kv_heads, n.head_dim, self.kv, unit), {}).get(
-                "kv_prefetch", O.KV_PREFETCH)
-            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_unit, pf),
+                "kv_prefetch", A.KV_PREFETCH)
+            b.call(A.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_unit, pf),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
                     cos, sin, self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])
@@ -707,7 +708,7 @@ class _Emitter:
         for field, g, words in (("xq", "gq", kmax // 4), ("xd", "gd", kb), ("xs", "gs", kb)):  # 4-byte words
             src = b.gep(self.scratch_ptr(b, field, i8), [b.mul(t, c64(self.scratch.token_bytes(field)))])
             dst = b.gep(self.scratch_ptr(b, g, i8), [b.mul(k, c64(self.scratch.token_bytes(field)))])
-            b.call(copy_words(self.m), [b.bitcast(dst, P(i32)), b.bitcast(src, P(i32)), c64(0), c64(words)])
+            b.call(O.copy_words(self.m), [b.bitcast(dst, P(i32)), b.bitcast(src, P(i32)), c64(0), c64(words)])
 
     def quantise_row(self, b, x, k, cols: int, dtype: DType):
         """Quantise x into gathered row k (the per-token quantisation, written where the mat-mat reads it)."""
@@ -741,7 +742,7 @@ class _Emitter:
                 with Loop(b, c64(0), cnt, "g") as k:  # this thread's rows into h[t][j]
                     t, j = b.load(b.gep(gtok, [k])), b.load(b.gep(gj, [k]))
                     dst = b.gep(h, [b.add(b.mul(t, c64(hs)), b.mul(j, c64(ip)))])
-                    b.call(copy_rows(self.m), [dst, b.gep(gy, [b.mul(k, c64(ip))]), rlo, rhi])
+                    b.call(O.copy_rows(self.m), [dst, b.gep(gy, [b.mul(k, c64(ip))]), rlo, rhi])
         if n.shared_hidden:  # the shared expert is a dense matrix: one mat-mat over every token
             st = self.tensors[shared_tensor(n.prefix, "w_gate_up")]
             lo_s, hi_s = self.rows(b, st.layout.n_tile_rows)
@@ -813,7 +814,7 @@ class _Emitter:
             lo, hi = b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
             hi = b.select(b.icmp_signed("<", hi, vocab), hi, vocab)
             with self.each_token(b, first):
-                b.call(softcap_rows(self.m, float(cap)), [self.value_ptr(b, step.writes[0]), lo, hi])
+                b.call(O.softcap_rows(self.m, float(cap)), [self.value_ptr(b, step.writes[0]), lo, hi])
 
 
 def _drop_function(m: ir.Module, fn: ir.Function) -> None:
@@ -832,41 +833,6 @@ def _const_array(m: ir.Module, name: str, ty, values) -> ir.GlobalVariable:
     return g
 
 
-def softcap_rows(m: ir.Module, cap: float):
-    """x[i] = cap * tanh(x[i] / cap) for i in [lo, hi) (the final logit soft-cap)."""
-
-    def build(b, x, lo, hi):
-        with Loop(b, lo, hi, "r") as i:
-            p = b.gep(x, [i])
-            b.store(softcap(b, b.load(p), cap), p)
-        b.ret_void()
-
-    return internal_function(m, ("softcap_rows", O._flt(cap)), (P(f32), i64, i64), build)
-
-
-def copy_words(m: ir.Module):
-    """dst[i] = src[i] for i in [lo, hi): 4-byte words (a gathered activation row: kmax is a multiple of 32,
-    so its int8 codes and its block scales are whole 4-byte words)."""
-
-    def build(b, dst, src, lo, hi):
-        with Loop(b, lo, hi, "w") as i:
-            b.store(b.load(b.gep(src, [i])), b.gep(dst, [i]))
-        b.ret_void()
-
-    return internal_function(m, ("copy_words",), (P(i32), P(i32), i64, i64), build)
-
-
-def copy_rows(m: ir.Module):
-    """dst[i] = src[i] for i in [lo, hi): floats (a thread's rows of one expert output)."""
-
-    def build(b, dst, src, lo, hi):
-        with Loop(b, lo, hi, "r") as i:
-            b.store(b.load(b.gep(src, [i])), b.gep(dst, [i]))
-        b.ret_void()
-
-    return internal_function(m, ("copy_rows",), (P(f32), P(f32), i64, i64), build)
-
-
 def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,
                tmax: int = 1, kv: str = "f32", tuning: dict | None = None,
                bf16_unit: str = "") -> StepProgram:
@@ -876,7 +842,7 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
         every stage's barrier (row 0), each thread's on reaching every barrier and on starting (row 1 + tid).
     segmented: each call runs only stages [params[STAGE_LO], params[STAGE_HI]) (the disk expert tier).
     tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
-    kv: the KV cache's element type, 'f32', 'f16' or 'bf16' (ops.attention).
+    kv: the KV cache's element type, 'f32', 'f16' or 'bf16' (attention.attention).
     bf16_unit: kv='bf16' attention's dot products on the tile unit ('amx'), AVX512_BF16's VDPBF16PS ('dpbf16') or
         an FMA emulation of it ('') (Target.bf16_unit).
     tuning: {kernel key: knobs} from codegen.tune (schedule knobs of the mat-vec kernels) and codegen.attn_tune (the
