@@ -130,7 +130,7 @@ class ScratchLayout:
     probs: int = 0  # f32[n_experts]: router probabilities
     route: int = 0  # [tmax][layer 0..n_layers]: i32 idx[k], f32 w[k], f32 shared gate
     # A multi-token call of an MoE model groups the block's tokens by the expert they chose, so each chosen
-    # expert's tiles are read once per call (step.py experts_*_grouped); these fields exist only then.
+    # expert's tiles are read once per call (moe.py experts_*_grouped); these fields exist only then.
     gq: int = 0  # i8[tmax][kmax]: the int8 inputs of one expert's tokens, gathered
     gd: int = 0  # f32[tmax][kmax/32]
     gs: int = 0  # i32[tmax][kmax/32]
