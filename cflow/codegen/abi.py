@@ -1,4 +1,4 @@
-"""The native step's ABI, defined once: what the emitter (step.py, ops.py) and the driver
+"""The native step's ABI, defined once: what the emitter (step.py and the modules it calls) and the driver
 (runtime/session.py) must agree on. Change a value here and both sides move together.
 
 Exported symbols (every address comes from the pointer table, so the object code is position-free):

@@ -142,8 +142,6 @@ def _amx_config(b: ir.IRBuilder, rep: int, head_dim: int) -> None:
     _tile(b, "ldtilecfg", at)
 
 
-
-
 class CoreShape:
     """The constants of one attention specialisation (attention()'s arguments but the module), in the names its
     docstring uses: H query and KV kv heads of hd dimensions, rep query heads per kv head, half = hd / 2; S cached
@@ -274,7 +272,8 @@ class CoreFrame:
         self.qkv, self.bq, self.bk, self.bv, self.qn, self.kn = qkv, bq, bk, bv, qn, kn
         self.kc, self.vc, self.cos, self.sin, self.att, self.scores, self.pos = kc, vc, cos, sin, att, scores, pos
         hd, rep = s.hd, s.rep
-        intrinsic(b.module, "llvm.sqrt.f32", f32, [f32])  # declared first, so where a q/k norm first uses it
+        # sqrt (inv_rms) declared up front: where the module text has always had it, with q/k norms or without
+        intrinsic(b.module, "llvm.sqrt.f32", f32, [f32])
         self.kr = b.bitcast(alloca_once(b, ir.ArrayType(f32, hd)), P(f32))
         self.row = b.mul(pos, c64(s.half))  # pos's row of the cos / sin tables
         self.vtail = None
