@@ -1,4 +1,4 @@
-"""The attention core alone (codegen/ops.py:attention): one decode token's attention over a long KV cache.
+"""The attention core alone (codegen/attention.py:attention): one decode token's attention over a long KV cache.
 
     python -m benchmarks.attention --contexts 16,1024,2048,4064 --kv f16,f32,bf16 [--json [FILE]]
 
@@ -23,10 +23,10 @@ import numpy as np
 
 from benchmarks.common.bandwidth import read_gbs
 from benchmarks.common.record import Run, add_json_argument
+from cflow.codegen.attention import KV_PREFETCH
 from cflow.codegen.attn_tune import AttentionBench
 from cflow.codegen.cgutils import P, f32, i64
 from cflow.codegen.library import Library
-from cflow.codegen.ops import KV_PREFETCH
 from cflow.codegen.target import cpu_model, host_target
 
 

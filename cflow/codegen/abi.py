@@ -1,4 +1,4 @@
-"""The native step's ABI, defined once: what the emitter (step.py, ops.py) and the driver
+"""The native step's ABI, defined once: what the emitter (step.py and the modules it calls) and the driver
 (runtime/session.py) must agree on. Change a value here and both sides move together.
 
 Exported symbols (every address comes from the pointer table, so the object code is position-free):
@@ -51,7 +51,7 @@ class BarrierWord(enum.IntEnum):
     """i32 words of the barrier block: the count and the generation live on different cache lines."""
 
     COUNT = 0  # arrivals at the current barrier (every arrival writes this line)
-    SPIN = 1  # pause rounds a waiter spins before it sleeps; 0 = ops.BARRIER_SPINS (set at run time to tune)
+    SPIN = 1  # pause rounds a waiter spins before it sleeps; 0 = threads.BARRIER_SPINS (set at run time to tune)
     GENERATION = 16  # bumped by the last arriver; waiters poll it and futex_wait on it
     SLEEPERS = 17  # waiters inside futex_wait: the last arriver calls FUTEX_WAKE only when non-zero. On the
     #               generation's line, which the last arriver has just written, so reading it costs no miss.
@@ -76,7 +76,7 @@ class Binding(enum.StrEnum):
 
     TENSOR = "tensor"  # a packed weight tensor of the file (name = tensor name)
     POOL = "pool"  # a buffer pool (name = passes.schedule.Pool)
-    KV = "kv"  # KV cache (f32, or f16 / bf16 bits): [slot][layer][K|V][kv_floats_per_layer] (ops.kv_layout)
+    KV = "kv"  # KV cache (f32, or f16 / bf16 bits): [slot][layer][K|V][kv_floats_per_layer] (attention.kv_layout)
     COS = "cos"  # f32 RoPE cos table [max_seq][head_dim / 2]
     SIN = "sin"  # f32 RoPE sin table [max_seq][head_dim / 2]
     SCRATCH = "scratch"  # per-thread scratch (ScratchLayout), nthreads copies
@@ -130,7 +130,7 @@ class ScratchLayout:
     probs: int = 0  # f32[n_experts]: router probabilities
     route: int = 0  # [tmax][layer 0..n_layers]: i32 idx[k], f32 w[k], f32 shared gate
     # A multi-token call of an MoE model groups the block's tokens by the expert they chose, so each chosen
-    # expert's tiles are read once per call (step.py experts_*_grouped); these fields exist only then.
+    # expert's tiles are read once per call (moe.py experts_*_grouped); these fields exist only then.
     gq: int = 0  # i8[tmax][kmax]: the int8 inputs of one expert's tokens, gathered
     gd: int = 0  # f32[tmax][kmax/32]
     gs: int = 0  # i32[tmax][kmax/32]
@@ -160,7 +160,7 @@ class ScratchLayout:
         self.xd = take(self.tmax * self.token_bytes("xd"))
         self.xs = take(self.tmax * self.token_bytes("xs"))
         self.tmp = take(4 * self.dp)
-        # ops.ATT_LANES of slack past the end (and a window's start)
+        # attention.ATT_LANES of slack past the end (and a window's start)
         self.scores = take(4 * self.att_rep * (self.max_seq + 32))
         self.probs = take(4 * max(self.n_experts, 1))
         self.route = take(self.tmax * self.token_bytes("route"))
@@ -215,7 +215,7 @@ def scratch_layout(config, tensors: dict, max_seq: int, tmax: int = 1) -> Scratc
 
 def kv_floats_per_layer(config, max_seq: int) -> int:
     """Entries of one layer's K (or V) cache: [max_seq][n_kv_heads * head_dim] (see Binding.KV), max_seq rounded
-    up to even (kv='bf16' keeps V in pairs of positions: ops.kv_layout)."""
+    up to even (kv='bf16' keeps V in pairs of positions: attention.kv_layout)."""
     return (max_seq + max_seq % 2) * config.n_kv_heads * config.head_dim
 
 
@@ -227,7 +227,7 @@ def kv_cache_bytes(config, max_seq: int, n_slots: int = 1, kv: str = "f32") -> i
     return KV_BYTES[kv] * n_slots * 2 * config.n_layers * kv_floats_per_layer(config, max_seq)
 
 
-# Linux futex, used by the worker wake-up (ops.emit_workers) and the stage barrier (ops.barrier). Syscall
+# Linux futex, used by the worker wake-up (threads.emit_workers) and the stage barrier (threads.barrier). Syscall
 # numbers are per architecture; the kernels are x86 only today, so only x86-64 is accepted, and any other
 # triple is refused here.
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129

@@ -1,4 +1,4 @@
-"""Per-host tuning of the attention core's prefetch distance (ops.attention's kv_prefetch), in tune.py's table.
+"""Per-host tuning of the attention core's prefetch distance (attention.attention's kv_prefetch), in tune.py's table.
 
 Stage: codegen (used by the runtime before it emits a step, next to tune.choices). The K and V scans of the
 attention core prefetch kv_prefetch bytes ahead. On the AMX Xeon VM 4 KiB ahead took the f16 core from 474 to
@@ -9,7 +9,7 @@ every distance in DISTANCES is compiled in one library and timed on 4,096-positi
 prefetch only matters at long contexts), each timed call running up to LAYERS layers' caches in turn (timed_set),
 the next ones of a set at least twice the last-level cache (tune.stream_span: from DRAM, as decode reads them),
 candidates interleaved round by round. The default
-(ops.KV_PREFETCH) stays unless another distance beats it by tune.MARGIN in the median per-round ratio
+(attention.KV_PREFETCH) stays unless another distance beats it by tune.MARGIN in the median per-round ratio
 (tune.choose). The choice is schedule-only: every candidate's output is checked bit-identical to the first's.
 Cached in tune.py's table under attention_key(); CFLOW_TUNE=off uses the default.
 """
@@ -26,7 +26,7 @@ from llvmlite import ir
 from ..errors import CflowError
 from . import tune
 from .abi import KV_BYTES, kv_floats_per_layer
-from .ops import KV_PREFETCH
+from .attention import KV_PREFETCH
 
 DISTANCES = (KV_PREFETCH, 0, 1024, 16384)  # bytes ahead; the first is the default
 TUNE_SEQ = 4096  # cache positions the timing runs at
@@ -37,15 +37,15 @@ ROUNDS = tune.ROUNDS
 
 def attention_key(n_heads: int, n_kv_heads: int, head_dim: int, kv: str, unit: str = "") -> str:
     """The table key of one attention geometry and cache type; unit: what the core's bf16 dot products run on
-    (ops.core_unit, resolved for the cache's max_seq): a core on the tile unit ('amx'; a different loop) has its
+    (attention.core_unit, resolved for the cache's max_seq): a core on the tile unit ('amx'; a different loop) has its
     own entry."""
     return f"attn:{n_heads}x{n_kv_heads}x{head_dim}:{kv}" + (":amx" if kv == "bf16" and unit == "amx" else "")
 
 
 def host_unit(geom: tuple[int, int, int], kv: str, target, max_seq: int) -> str:
-    """ops.core_unit for one geometry on this target. target.bf16_unit is asked for a bf16 cache only: on an AMX
+    """attention.core_unit for one geometry on this target. target.bf16_unit is asked for a bf16 cache only: on an AMX
     host asking requests the tile state for the process (target.amx_permitted), which other caches never need."""
-    from .ops import core_unit
+    from .attention import core_unit
 
     H, KV, hd = geom
     return core_unit(kv, target.bf16_unit if kv == "bf16" else "", H // KV, hd, max_seq)
@@ -67,7 +67,7 @@ class AttentionBench:
         from ..ir import Attention
         from ..layout.quant import bf16_bits
         from ..layout.tile import aligned_empty
-        from . import ops as O
+        from .attention import attention
         from .cgutils import P, f32, i16, i64
         from .library import Library
 
@@ -82,7 +82,7 @@ class AttentionBench:
         # bf16_unit: the unit to emit for (None: the host's, as a session of this max_seq would: host_unit)
         self.unit = host_unit((H, KV, hd), kv, target, S) if bf16_unit is None else bf16_unit
         for i, d in enumerate(distances):
-            fn = O.attention(m, n, offs, target.isa, kv, S, self.unit, d)
+            fn = attention(m, n, offs, target.isa, kv, S, self.unit, d)
             w = ir.Function(m, ir.FunctionType(ir.VoidType(), args), f"attn{i}")
             b = ir.IRBuilder(w.append_basic_block("entry"))
             b.call(fn, list(w.args))
@@ -135,7 +135,7 @@ def timed_set(geom: tuple[int, int, int], kv: str) -> tuple[int, int, int]:
 def measure(geom: tuple[int, int, int], kv: str, target, rounds: int = ROUNDS, distances=DISTANCES,
             check: bool = True, unit: str | None = None) -> list[dict]:
     """Time each distance (module docstring): [{"knobs": {"kv_prefetch": d}, "gbps" (median K/V read rate),
-    "samples"}] in `distances` order. unit: the bf16 core's unit to time (None: the host's; ops.core_unit)."""
+    "samples"}] in `distances` order. unit: the bf16 core's unit to time (None: the host's; attention.core_unit)."""
     H, KV, hd = geom
     _, layers, n_calls = timed_set(geom, kv)
     bench = AttentionBench(H, KV, hd, kv, TUNE_SEQ, target, distances, n_caches=layers * n_calls, bf16_unit=unit)
@@ -196,7 +196,7 @@ def choices(geoms, kv: str, target, search: bool = False, force: bool = False, r
     rules (tune.cached_choices: cached choices, else the distance shipped for this microarchitecture
     (tune_defaults); a search for missing ones when `search` is set; {} under CFLOW_TUNE=off unless ignore_env;
     the default's entries left out). on_result(key, record) sees each record. max_seq: the sessions' cache
-    positions, which decide whether a bf16 core runs on the tile unit (ops.core_unit). The search measures every
+    positions, which decide whether a bf16 core runs on the tile unit (attention.core_unit). The search measures every
     distance in DISTANCES, about a second per geometry (tune.ATTENTION_SECONDS, kept from a model's budget)."""
     from .tune_defaults import attention_choice
 

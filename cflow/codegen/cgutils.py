@@ -1,4 +1,4 @@
-"""IR-building helpers every emitter shares (kernels.py, ops.py, step.py): types, constants, loops,
+"""IR-building helpers every emitter shares (kernels.py, ops.py, attention.py, step.py): types, constants, loops,
 allocas, intrinsics and libc/syscall declarations, vector idioms. Pure llvmlite.ir; no target state.
 """
 

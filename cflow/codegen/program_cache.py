@@ -18,8 +18,9 @@ from ..util import atomic_write_text
 from .cache import _versions, default_cache_dir
 
 # Sources the emitted text depends on (relative to the cflow package): part of the fingerprint.
-GENERATORS = ("codegen/step.py", "codegen/ops.py", "codegen/kernels.py", "codegen/cgutils.py", "codegen/abi.py",
-              "codegen/tune.py", "layout/tile.py", "layout/packed.py")
+GENERATORS = ("codegen/step.py", "codegen/step_context.py", "codegen/moe.py", "codegen/ops.py", "codegen/attention.py",
+              "codegen/threads.py", "codegen/kernels.py", "codegen/cgutils.py", "codegen/abi.py", "codegen/tune.py",
+              "layout/tile.py", "layout/packed.py")
 
 
 def _source_digest() -> str:

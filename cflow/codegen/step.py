@@ -12,12 +12,16 @@ Per-thread scratch: the normalised activation, its int8 blocks, a temp vector, a
 router probabilities and each layer's top-k choice (private: every thread routes for itself, the
 same way, so no barrier is needed between routing and the expert mat-vecs). The multi-token body
 keeps a copy of the per-token fields for every token of the block (abi.ScratchLayout).
+
+The emission is in three parts: _Emitter here (stages, bodies, the dense steps), on a StepContext
+(codegen/step_context.py: pointer table, values, scratch, token loop, kernels) that MoEEmitter
+(codegen/moe.py: routing and the experts) shares; the ops it calls are in ops.py, attention.py,
+threads.py and kernels.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import attrs
 from llvmlite import ir
@@ -25,13 +29,11 @@ from llvmlite import ir
 from ..errors import CodegenError
 from ..ir import DenseFFN, ExpertBank
 from ..layout.packed import Form
-from ..layout.quant import BLOCK, DType, padded
-from ..layout.tile import TileLayout
 from ..passes.manager import Pass, state_pass
-from ..passes.pack import expert_tensor, post_norm_tensor, qkv_tensor, shared_tensor
+from ..passes.pack import post_norm_tensor, qkv_tensor
 from ..passes.schedule import Phase, Pool
-from . import blockdot
-from . import kernels as K
+from . import attention as A
+from . import blockdot, threads
 from . import ops as O
 from .abi import (
     KICK_SYMBOL,
@@ -44,19 +46,15 @@ from .abi import (
     Param,
     ScratchLayout,
     kv_floats_per_layer,
-    scratch_layout,
 )
 from .attn_tune import attention_key
-from .cgutils import Loop, P, alloca_once, c64, cf, f32, i8, i16, i32, i64, internal_function, intrinsic, softcap, void
+from .cgutils import Loop, P, c64, f32, i8, i16, i32, i64, intrinsic, void
+from .moe import MoEEmitter
+from .step_context import StepContext, tensor_key
 from .target import ISA
-from .tune import kernel_key
 
 STEP_ARGS = (P(P(i8)), P(i64), i64, i64, P(i32))  # see abi.py: ptrs, params, tid, nthreads, barrier
 STAGE_ARGS = STEP_ARGS + (P(i64),)  # a stage function's: the step's, then its descriptor (emit_body)
-
-
-def tensor_key(name: str) -> BindingKey:
-    return BindingKey(Binding.TENSOR, name)
 
 
 @attrs.frozen
@@ -91,202 +89,17 @@ class StepProgram:
                    stage_functions={k: tuple(v) for k, v in m["stage_functions"].items()})
 
 
-class _Emitter:
+class _Emitter(StepContext):
+    """The step module: one function per distinct stage, the bodies that run them (the decode step and the
+    multi-token call), the exported entry and the workers. The dense steps are emitted here, an expert bank's
+    by MoEEmitter; both on the StepContext this is."""
+
     def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False,
                  tmax: int = 1, kv: str = "f32", tuning: dict | None = None, bf16_unit: str = ""):
-        self.profile = profile
-        # this host's measured choices: {codegen.tune.kernel_key: mat-vec knobs, attn_tune.attention_key: the
-        # attention core's {"kv_prefetch": bytes}}
-        self.tuning = tuning or {}
-        self.kv = kv
-        self.bf16_unit = bf16_unit if kv == "bf16" else ""  # kv='bf16': the dot products' unit (Target.bf16_unit)
-        self.tmax = tmax  # tokens per prefill call (1: a decode-only program)
-        self.multi = False  # emitting the multi-token body (prefill) rather than the decode step
-        self.t = None  # the token index inside a multi-token loop (an IR value), else None: token 0
-        self.c = compiled
-        self.g = compiled.graph
-        self.cfg = self.g.config
-        self.sched = compiled.schedule
-        self.tensors = compiled.tensors
-        self.isa = ISA.parse(isa)
-        self.max_seq = max_seq
-        self.m = ir.Module(name="cflow_step")
-        self.bindings: list[BindingKey] = []
-        self.index: dict[BindingKey, int] = {}
-        self.fns: dict[tuple, ir.Function] = {}
-        tile = next(iter(t.tile for t in self.tensors.values()))
-        self.tr, self.tc = tile
-        self.unit = math.lcm(self.tr, self.tc)
-        cfg = self.cfg
-        self.d, self.dp = cfg.d_model, padded(cfg.d_model, self.unit)
-        self.scratch = scratch_layout(cfg, self.tensors, max_seq, tmax)  # the one the memory check sizes
-        self.strides = self._pool_strides()
-        self.routed_apart = {st.op for st in self.sched.steps() if st.phase == Phase.ROUTE}
+        super().__init__(compiled, isa, max_seq, profile, tmax, kv, tuning, bf16_unit)
         self.segmented = segmented
-        self.desc: list[int] | None = None  # the descriptor of the stage function being emitted (self.k)
-        self.desc_b = self.desc_arg = None
         self.stage_counts: dict[str, tuple[int, int]] = {}  # body -> (stages, distinct stage functions)
-
-    # --- binding table ---------------------------------------------------------------------
-    def slot(self, key: BindingKey) -> int:
-        if key not in self.index:
-            self.index[key] = len(self.bindings)
-            self.bindings.append(key)
-        return self.index[key]
-
-    def k(self, v: int, name: str = "d"):
-        """A layer-specific integer constant: in a stage function, the next entry of its descriptor (loaded in
-        the function's entry block; v is appended to the descriptor), so stages that differ only in such
-        constants print the same IR text and share one function (emit_body). Outside a stage: the constant."""
-        if self.desc is None:
-            return c64(v)
-        self.desc.append(int(v))
-        b = self.desc_b
-        b.position_at_end(b.function.entry_basic_block)  # (allocas inserted at its start move the end)
-        return b.load(b.gep(self.desc_arg, [c64(len(self.desc) - 1)]), name=name)
-
-    # Bindings whose table index is the same for every layer (one pool, one KV cache ...): a plain constant.
-    SHARED_BINDINGS = frozenset({Binding.POOL, Binding.KV, Binding.SCRATCH, Binding.PROF, Binding.EXPERT_ROWS,
-                                 Binding.TOKENS, Binding.POSITIONS, Binding.SLOTS})
-
-    def pointer(self, b, key: BindingKey, ty=f32):
-        i = self.slot(key)
-        p = b.load(b.gep(self.ptrs, [c64(i) if key.kind in self.SHARED_BINDINGS else self.k(i, "slot")]), align=8)
-        return b.bitcast(p, P(ty))
-
-    def _pool_strides(self) -> dict:
-        cfg, u = self.cfg, self.unit
-        qkv = max((t.concat.layout.rows_p for t in self.tensors.values() if t.form == Form.CONCAT), default=0)
-        return {
-            Pool.STREAM: self.dp, Pool.EXPERT: self.dp, Pool.QKV: padded(qkv, u),
-            Pool.ATTN: padded(cfg.n_heads * cfg.head_dim, u), Pool.FFN_H: padded(max(cfg.ffn_dim, 1), u),
-            Pool.MOE_H: cfg.top_k * padded(max(cfg.expert_dim, 1), u) + padded(max(cfg.shared_expert_dim, 1), u),
-            Pool.LOGITS: padded(cfg.vocab_size, u),
-        }
-
-    def value_ptr(self, b, value: str):
-        """Token self.t's row of a value (a pool slot holds tmax rows of its stride)."""
-        buf = self.sched.buffers[value]
-        base = self.pointer(b, BindingKey(Binding.POOL, buf.pool))
-        stride = self.strides[buf.pool]
-        p = b.gep(base, [self.k(buf.slot * self.tmax * stride, "pool_off")])
-        return p if self.t is None else b.gep(p, [b.mul(self.t, c64(stride))])
-
-    def scratch_ptr(self, b, field: str, ty=f32):
-        """This thread's scratch field; the per-token fields (xn, xq, xd, xs, route) at token self.t."""
-        off = getattr(self.scratch, field)
-        p = b.gep(self.my_scratch, [c64(off)])
-        if self.t is not None and field in ScratchLayout.PER_TOKEN:
-            p = b.gep(p, [b.mul(self.t, c64(self.scratch.token_bytes(field)))])
-        return b.bitcast(p, P(ty))
-
-    @contextlib.contextmanager
-    def each_token(self, b, first=None):
-        """Emit the body once per token [first, ntok) of a multi-token call (self.t = the token), or once."""
-        if not self.multi:
-            yield
-            return
-        with Loop(b, first if first is not None else c64(0), self.ntok, "tok") as t:
-            self.t = t
-            try:
-                yield
-            finally:
-                self.t = None
-
-    # --- kernels (emitted once per specialisation) ---------------------------------------
-    def gate_act(self, gate_up: bool) -> tuple[str, tuple]:
-        """The gate activation of a gate_up kernel (one per model: ModelConfig.activation covers the dense FFN,
-        the experts and the shared expert) and its name suffix (none for SiLU: the names predate the choice)."""
-        act = self.cfg.activation
-        return act, ((act,) if gate_up and act != "silu" else ())
-
-    def matmat_fn(self, layout: TileLayout, gate_up: bool = False):
-        # NOTE: keyed without the row count: one mat-mat serves every matrix of a width (JIT time).
-        act, suffix = self.gate_act(gate_up)
-        key = ("mm", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up)) + suffix
-        fn = self.fns.get(key)
-        if fn is None:
-            fn = K.emit_matmat(self.m, "_".join(map(str, key)), layout, self.isa, self.scratch.kmax,
-                               tail=self.matvec_fn(layout, gate_up), linkage="internal", gate_up=gate_up, act=act)
-            self.fns[key] = fn
-        return fn
-
-    def matvec_fn(self, layout: TileLayout, gate_up: bool = False):
-        act, suffix = self.gate_act(gate_up)
-        key = ("mv", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up)) + suffix  # rows: no matter
-        fn = self.fns.get(key)
-        if fn is None:
-            knobs = self.tuning.get(kernel_key(layout, gate_up), {})
-            fn = K.emit_matvec(self.m, "_".join(map(str, key)), layout, self.isa, linkage="internal", gate_up=gate_up,
-                               act=act, **knobs)
-            self.fns[key] = fn
-        return fn
-
-    def quant_fn(self, cols: int, cols_p: int):
-        key = ("quant", cols, cols_p)
-        fn = self.fns.get(key)
-        if fn is None:
-            fn = K.emit_quantize_act(self.m, "_".join(map(str, key)), cols, cols_p, linkage="internal")
-            self.fns[key] = fn
-        return fn
-
-    # --- the step function --------------------------------------------------------------------
-    def rows(self, b, n_tile_rows: int):
-        """This thread's tile-row range [lo, hi) of a matrix with n_tile_rows tile-rows."""
-        lo = b.udiv(b.mul(c64(n_tile_rows), self.tid), self.nth)
-        hi = b.udiv(b.mul(c64(n_tile_rows), b.add(self.tid, c64(1))), self.nth)
-        return lo, hi
-
-    def d_rows(self, b):
-        # NOTE: the same tile-row split as every mat-vec with d outputs (Wo, down, experts): a thread's
-        # residual adds then touch only rows it produced itself, so they need no barrier.
-        lo, hi = self.rows(b, padded(self.d, self.tr) // self.tr)
-        return b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
-
-    def cols_p(self, cols: int, dtype: DType) -> int:
-        """The padded input width the kernels of `dtype` read (TileLayout.cols_p: whole tiles, whole blocks)."""
-        return TileLayout(dtype, 1, cols, (self.tr, self.tc)).cols_p
-
-    def prologue(self, b, step, layout_cols: int, quantised: bool, dtype: DType | None = None, cols_p=None):
-        """Normalise (or copy) the step's input into this thread's xn, then int8-quantise it if needed (padded to
-        what `dtype`'s kernels read, or to cols_p)."""
-        src = step.full_reads[0]
-        xn = self.scratch_ptr(b, "xn")
-        if cols_p is None:
-            cols_p = self.cols_p(layout_cols, dtype) if dtype is not None else padded(layout_cols, self.tc)
-        if step.norm:
-            norm_w = self.pointer(b, tensor_key(step.norm))
-            b.call(O.rmsnorm(self.m, self.d, max(cols_p, self.dp), self.cfg.norm_eps),
-                   [self.value_ptr(b, src), norm_w, xn])
-        if quantised:
-            b.call(self.quant_fn(layout_cols, cols_p),
-                   [xn, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
-        return xn
-
-    def call_mv(self, b, layout, w, x, out, lo, hi, gate_up=False, x_stride=None, y_stride=None, first=None):
-        """out = W x for this thread's tile-rows: one token (decode, or inside a token loop), or, in a
-        multi-token body outside a token loop, every token [first, ntok) through the mat-mat kernel
-        (x and out then point at token 0's row; x_stride, y_stride: floats between tokens' rows)."""
-        xq, xd, xs = self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)
-        if not self.multi or self.t is not None:
-            b.call(self.matvec_fn(layout, gate_up), [w, x, xq, xd, xs, out, lo, hi])
-            return
-        kmax = self.scratch.kmax
-        n = self.ntok
-        if first is not None:
-            x, out = b.gep(x, [b.mul(first, c64(x_stride))]), b.gep(out, [b.mul(first, c64(y_stride))])
-            xq, xd, xs = (b.gep(xq, [b.mul(first, c64(kmax))]), b.gep(xd, [b.mul(first, c64(kmax // BLOCK))]),
-                          b.gep(xs, [b.mul(first, c64(kmax // BLOCK))]))
-            n = b.sub(n, first)
-        b.call(self.matmat_fn(layout, gate_up), [w, x, xq, xd, xs, out, lo, hi, n, c64(x_stride), c64(y_stride)])
-
-    def out_stride(self, value: str) -> int:
-        return self.strides[self.sched.buffers[value].pool]
-
-    def quantise_input(self, b, x, cols: int, dtype: DType):
-        if dtype.quantised:
-            b.call(self.quant_fn(cols, self.cols_p(cols, dtype)),
-                   [x, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
+        self.moe = MoEEmitter(self)
 
     # --- the body: a loop over a table of stage functions --------------------------------------
     # Each stage (its steps, without the barrier) is emitted as its own function stage_k(ptrs, params, tid,
@@ -314,7 +127,7 @@ class _Emitter:
         b = ir.IRBuilder(body)
         self.open_function(b, fn.args)
         emit_phase = {Phase.EMBED: self.step_embed, Phase.ADD: self.step_add, Phase.QKV: self.step_qkv,
-                      Phase.CORE: self.step_core, Phase.O: self.step_o, Phase.ROUTE: self.step_route,
+                      Phase.CORE: self.step_core, Phase.O: self.step_o, Phase.ROUTE: self.moe.route,
                       Phase.UP: self.step_up, Phase.DOWN: self.step_down, Phase.HEAD: self.step_head}
         for step in stage:
             emit_phase[step.phase](b, step)
@@ -323,20 +136,6 @@ class _Emitter:
         self.desc_b.branch(body)
         desc, self.desc, self.desc_b, self.desc_arg = self.desc, None, None, None
         return fn, desc
-
-    def open_function(self, b, args) -> None:
-        """The values every step reads: this thread's scratch, the token and position (multi: the call's)."""
-        self.ptrs, self.params, self.tid, self.nth, self.bar = args[:5]
-        self.my_scratch = b.gep(b.load(b.gep(self.ptrs, [c64(self.slot(BindingKey(Binding.SCRATCH)))])),
-                                [b.mul(self.tid, c64(self.scratch.nbytes))], name="scratch")
-        self.token = b.load(b.gep(self.params, [c64(Param.TOKEN)]), name="token")
-        self.pos = b.load(b.gep(self.params, [c64(Param.POS)]), name="pos")
-        if self.multi:
-            self.ntok = b.load(b.gep(self.params, [c64(Param.NTOK)]), name="ntok")
-            self.logits_from = b.load(b.gep(self.params, [c64(Param.LOGITS_FROM)]), name="logits_from")
-            self.tokens = self.pointer(b, BindingKey(Binding.TOKENS), i64)
-            self.positions = self.pointer(b, BindingKey(Binding.POSITIONS), i64)
-            self.slots = self.pointer(b, BindingKey(Binding.SLOTS), i64)
 
     def emit_body(self, name: str, multi: bool) -> ir.Function:
         """The decode step, or (multi) the multi-token call: its stage functions, tables and loop."""
@@ -392,7 +191,7 @@ class _Emitter:
             b.call(call, [self.ptrs, self.params, self.tid, self.nth, self.bar, desc])
             self.arrive(b, si, n)
             # The last stage ends with a barrier too: when worker 0 returns, every worker is done.
-            b.call(O.barrier(self.m, self.isa), [self.bar, self.nth])
+            b.call(threads.barrier(self.m, self.isa), [self.bar, self.nth])
             self.stamp(b, b.add(si, c64(1)))
             if guard is not None:
                 guard.__exit__(None, None, None)
@@ -413,7 +212,7 @@ class _Emitter:
         eb = ir.IRBuilder(entry.append_basic_block("entry"))
         eb.call(body, list(entry.args))
         eb.ret_void()
-        O.emit_workers(self.m, body, self.isa, WORKER_SYMBOL, KICK_SYMBOL)
+        threads.emit_workers(self.m, body, self.isa, WORKER_SYMBOL, KICK_SYMBOL)
         return StepProgram(module=self.m, bindings=tuple(self.bindings), pool_strides=self.strides,
                            pool_slots={p: n for p, (n, _) in self.sched.pools.items()}, scratch=self.scratch,
                            kv_floats_per_layer=kv_floats_per_layer(self.cfg, self.max_seq),
@@ -526,10 +325,10 @@ class _Emitter:
                 pos = b.load(b.gep(self.positions, [self.t]))
                 slot_off = b.mul(b.load(b.gep(self.slots, [self.t])), c64(2 * self.cfg.n_layers * per))
                 kc, vc = b.gep(kv, [b.add(slot_off, k_off)]), b.gep(kv, [b.add(slot_off, v_off)])
-            unit = O.core_unit(self.kv, self.bf16_unit, n.n_heads // n.n_kv_heads, n.head_dim, self.max_seq)
+            unit = A.core_unit(self.kv, self.bf16_unit, n.n_heads // n.n_kv_heads, n.head_dim, self.max_seq)
             pf = self.tuning.get(attention_key(n.n_heads, n.n_kv_heads, n.head_dim, self.kv, unit), {}).get(
-                "kv_prefetch", O.KV_PREFETCH)
-            b.call(O.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_unit, pf),
+                "kv_prefetch", A.KV_PREFETCH)
+            b.call(A.attention(self.m, n, tuple(offs), self.isa, self.kv, self.max_seq, self.bf16_unit, pf),
                    [self.value_ptr(b, step.full_reads[0]), bq, bk, bv, qn, kn, kc, vc,
                     cos, sin, self.value_ptr(b, step.writes[0]),
                     self.scratch_ptr(b, "scores"), pos, g0, g1])
@@ -554,71 +353,7 @@ class _Emitter:
             self.dense_mv(b, step, t, t.layout, t.dtype.quantised, gate_up=True)
             return
         assert isinstance(n, ExpertBank)
-        if self.grouped(n):
-            self.experts_up_grouped(b, step, n)
-            return
-        with self.each_token(b):  # experts: each token its own choice (per-token mat-vecs)
-            self.experts_up(b, step, n)
-
-    def experts_up(self, b, step, n: ExpertBank):
-        router = self.g[n.inputs[1]]
-        gu0 = self.tensors[expert_tensor(n.prefix, 0, "w_gate_up")]
-        L = gu0.layout
-        x = self.prologue(b, step, L.cols, False)
-        route = b.gep(self.scratch_ptr(b, "route", i8), [self.k(n.layer * self.scratch.route_stride, "route_off")])
-        if router.name not in self.routed_apart:  # else a ROUTE step chose the experts stages ago
-            self.call_router(b, router, x, route)
-        self.quantise_input(b, x, L.cols, gu0.dtype)
-        h = self.value_ptr(b, step.writes[0])
-        ip = padded(n.hidden, self.unit)
-        lo, hi = self.rows(b, L.n_tile_rows)
-        idx = b.bitcast(route, P(i32))
-        for j in range(n.top_k):
-            e = b.sext(b.load(b.gep(idx, [c64(j)])), i64)
-            w = self.expert_pointer(b, n, "w_gate_up", e)
-            self.call_mv(b, L, w, x, b.gep(h, [c64(j * ip)]), lo, hi, gate_up=True)
-            self.count_expert_rows(b, n, e, 0, lo, hi)
-        if n.shared_hidden:
-            st = self.tensors[shared_tensor(n.prefix, "w_gate_up")]
-            lo_s, hi_s = self.rows(b, st.layout.n_tile_rows)
-            self.call_mv(b, st.layout, self.pointer(b, tensor_key(st.name), i8), x, b.gep(h, [c64(n.top_k * ip)]),
-                         lo_s, hi_s, gate_up=True)
-            gate_out = b.gep(b.bitcast(route, P(f32)), [c64(2 * n.top_k)])
-            if n.shared_gate:
-                b.call(O.sigmoid_dot(self.m, self.d),
-                       [self.pointer(b, tensor_key(f"{n.prefix}.shared_gate")), x, gate_out])
-            else:
-                b.store(cf(1.0), gate_out)
-
-    def call_router(self, b, router, x, route):
-        b.call(O.router(self.m, self.d, router.n_experts, router.top_k, router.normalize),
-               [x, self.pointer(b, tensor_key(router.weight)), self.scratch_ptr(b, "probs"), route])
-
-    def step_route(self, b, step):
-        """The router alone: route[layer] = (top-k ids, weights) in every thread's scratch (all route alike)."""
-        router = self.g[step.op]
-        with self.each_token(b):
-            x = self.prologue(b, step, self.d, False)
-            self.call_router(b, router, x, b.gep(self.scratch_ptr(b, "route", i8),
-                                                 [self.k(router.layer * self.scratch.route_stride, "route_off")]))
-
-    def count_expert_rows(self, b, n: ExpertBank, e, which: int, lo, hi) -> None:
-        """Profiling builds: expert_rows[layer][e][which] += this thread's tile-rows of one pass over the matrix
-        (which: 0 gate_up, 1 down; atomic, every thread adds its share), so a test can count passes."""
-        if not self.profile:
-            return
-        rows = self.pointer(b, BindingKey(Binding.EXPERT_ROWS), i64)
-        idx = b.add(self.k(2 * n.layer * self.cfg.n_experts, "rows_off"), b.add(b.mul(e, c64(2)), c64(which)))
-        b.atomic_rmw("add", b.gep(rows, [idx]), b.sub(hi, lo), "monotonic")
-
-    def expert_pointer(self, b, n: ExpertBank, which: str, e):
-        """Pointer to expert e's tensor: one table entry per expert, so only the chosen ones are touched."""
-        base = self.slot(tensor_key(expert_tensor(n.prefix, 0, which)))
-        for k in range(1, n.n_experts):
-            if self.slot(tensor_key(expert_tensor(n.prefix, k, which))) != base + k:
-                raise CodegenError("expert pointer table is not contiguous")
-        p = b.load(b.gep(self.ptrs, [b.add(self.k(base, "experts"), e)]), align=8)
-        return p
+        self.moe.up(b, step, n)
 
     def step_down(self, b, step):
         n = self.g[step.op]
@@ -626,180 +361,7 @@ class _Emitter:
             self._down(b, self.tensors[step.tensors[0]], step.full_reads[0], n.hidden, step.writes[0])
             return
         assert isinstance(n, ExpertBank)
-        # reserve contiguous pointer-table entries for every expert's down matrix, in order
-        for k in range(n.n_experts):
-            self.slot(tensor_key(expert_tensor(n.prefix, k, "w_down")))
-        if self.grouped(n):
-            self.experts_down_grouped(b, step, n)
-            return
-        with self.each_token(b):
-            self.experts_down(b, step, n)
-
-    def experts_down(self, b, step, n: ExpertBank):
-        out = self.value_ptr(b, step.writes[0])
-        h = self.value_ptr(b, step.full_reads[0])
-        t0 = self.tensors[expert_tensor(n.prefix, 0, "w_down")]
-        L = t0.layout
-        route = b.gep(self.scratch_ptr(b, "route", i8), [self.k(n.layer * self.scratch.route_stride, "route_off")])
-        idx, wts = b.bitcast(route, P(i32)), b.gep(b.bitcast(route, P(f32)), [c64(n.top_k)])
-        tmp = self.scratch_ptr(b, "tmp")
-        lo, hi = self.rows(b, L.n_tile_rows)
-        rlo, rhi = b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
-        ip = padded(n.hidden, self.unit)
-        for j in range(n.top_k):
-            e = b.sext(b.load(b.gep(idx, [c64(j)])), i64)
-            x = b.gep(h, [c64(j * ip)])
-            self.quantise_input(b, x, n.hidden, t0.dtype)
-            self.call_mv(b, L, self.expert_pointer(b, n, "w_down", e), x, tmp, lo, hi)
-            self.count_expert_rows(b, n, e, 1, lo, hi)
-            b.call(O.axpy(self.m), [out, tmp, b.load(b.gep(wts, [c64(j)])), c64(1 if j == 0 else 0), rlo, rhi])
-        if n.shared_hidden:
-            st = self.tensors[shared_tensor(n.prefix, "w_down")]
-            x = b.gep(h, [c64(n.top_k * ip)])
-            self.quantise_input(b, x, n.shared_hidden, st.dtype)
-            self.call_mv(b, st.layout, self.pointer(b, tensor_key(st.name), i8), x, tmp, lo, hi)
-            gate = b.load(b.gep(b.bitcast(route, P(f32)), [c64(2 * n.top_k)]))
-            b.call(O.axpy(self.m), [out, tmp, gate, c64(0), rlo, rhi])
-
-    # --- experts in a multi-token call: tokens grouped by the expert they chose --------------------
-    # Each expert with at least one token of the block is multiplied once, by the mat-mat, against the
-    # int8 inputs of exactly its tokens (gathered into scratch gq/gd/gs), so its tiles are read once per
-    # call however many tokens chose it, and an expert nobody chose is not touched. Every thread routes
-    # alike, so every thread builds the same groups in the same order and needs no barrier for them.
-    # Per output the arithmetic is the per-token path's (the mat-mat equals the mat-vec bit for bit; the
-    # weighted sum of a token's experts is still taken in its top-k order), so results are bit-identical.
-    def grouped(self, n: ExpertBank) -> bool:
-        if not (self.multi and self.t is None and self.scratch.grouped):
-            return False
-        # float experts read float inputs, which are not gathered: they keep the per-token mat-vecs
-        return all(self.tensors[expert_tensor(n.prefix, 0, w)].dtype.quantised
-                   for w in ("w_gate_up", "w_down"))
-
-    def route_ptr(self, b, layer: int):
-        """Token self.t's route record of a layer: i32 idx[k], f32 w[k], f32 shared gate."""
-        return b.gep(self.scratch_ptr(b, "route", i8), [self.k(layer * self.scratch.route_stride, "route_off")])
-
-    def group_tokens(self, b, n: ExpertBank, e):
-        """Fill gtok/gj with the block's tokens that chose expert e (token order) and return their count."""
-        count = alloca_once(b, i64, "group.n")
-        b.store(c64(0), count)
-        gtok, gj = self.scratch_ptr(b, "gtok", i64), self.scratch_ptr(b, "gj", i64)
-        with self.each_token(b):
-            idx = b.bitcast(self.route_ptr(b, n.layer), P(i32))
-            for j in range(n.top_k):
-                with b.if_then(b.icmp_signed("==", b.sext(b.load(b.gep(idx, [c64(j)])), i64), e)):
-                    k = b.load(count)
-                    b.store(self.t, b.gep(gtok, [k]))
-                    b.store(c64(j), b.gep(gj, [k]))
-                    b.store(b.add(k, c64(1)), count)
-        return b.load(count)
-
-    def group_matmat(self, b, layout: TileLayout, w, n_tok, out, y_stride: int, gate_up: bool = False):
-        """out[k] = W x_k for the gathered inputs k < n_tok, this thread's tile-rows."""
-        lo, hi = self.rows(b, layout.n_tile_rows)
-        gq, gd, gs = self.scratch_ptr(b, "gq", i8), self.scratch_ptr(b, "gd"), self.scratch_ptr(b, "gs", i32)
-        b.call(self.matmat_fn(layout, gate_up), [w, self.scratch_ptr(b, "gy"), gq, gd, gs, out, lo, hi, n_tok,
-                                                 c64(self.scratch.kmax), c64(y_stride)])
-
-    def gather_row(self, b, t, k):
-        """Copy token t's quantised input (xq, xd, xs) into gathered row k."""
-        kmax, kb = self.scratch.kmax, self.scratch.kmax // BLOCK
-        for field, g, words in (("xq", "gq", kmax // 4), ("xd", "gd", kb), ("xs", "gs", kb)):  # 4-byte words
-            src = b.gep(self.scratch_ptr(b, field, i8), [b.mul(t, c64(self.scratch.token_bytes(field)))])
-            dst = b.gep(self.scratch_ptr(b, g, i8), [b.mul(k, c64(self.scratch.token_bytes(field)))])
-            b.call(copy_words(self.m), [b.bitcast(dst, P(i32)), b.bitcast(src, P(i32)), c64(0), c64(words)])
-
-    def quantise_row(self, b, x, k, cols: int, dtype: DType):
-        """Quantise x into gathered row k (the per-token quantisation, written where the mat-mat reads it)."""
-        kb = self.scratch.kmax // BLOCK
-        b.call(self.quant_fn(cols, self.cols_p(cols, dtype)),
-               [x, b.gep(self.scratch_ptr(b, "gq", i8), [b.mul(k, c64(self.scratch.kmax))]),
-                b.gep(self.scratch_ptr(b, "gd"), [b.mul(k, c64(kb))]),
-                b.gep(self.scratch_ptr(b, "gs", i32), [b.mul(k, c64(kb))])])
-
-    def experts_up_grouped(self, b, step, n: ExpertBank):
-        router = self.g[n.inputs[1]]
-        gu0 = self.tensors[expert_tensor(n.prefix, 0, "w_gate_up")]
-        L = gu0.layout
-        with self.each_token(b):  # every token: norm, route (unless a ROUTE step did), int8 input
-            x = self.prologue(b, step, L.cols, False)
-            if router.name not in self.routed_apart:
-                self.call_router(b, router, x, self.route_ptr(b, n.layer))
-            self.quantise_input(b, x, L.cols, gu0.dtype)
-        ip = padded(n.hidden, self.unit)
-        h, hs = self.value_ptr(b, step.writes[0]), self.out_stride(step.writes[0])
-        gy, gtok, gj = self.scratch_ptr(b, "gy"), self.scratch_ptr(b, "gtok", i64), self.scratch_ptr(b, "gj", i64)
-        lo, hi = self.rows(b, L.n_tile_rows)
-        rlo, rhi = b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
-        with Loop(b, c64(0), c64(n.n_experts), "e") as e:
-            cnt = self.group_tokens(b, n, e)
-            with b.if_then(b.icmp_signed(">", cnt, c64(0))):
-                with Loop(b, c64(0), cnt, "g") as k:
-                    self.gather_row(b, b.load(b.gep(gtok, [k])), k)
-                self.group_matmat(b, L, self.expert_pointer(b, n, "w_gate_up", e), cnt, gy, ip, gate_up=True)
-                self.count_expert_rows(b, n, e, 0, lo, hi)
-                with Loop(b, c64(0), cnt, "g") as k:  # this thread's rows into h[t][j]
-                    t, j = b.load(b.gep(gtok, [k])), b.load(b.gep(gj, [k]))
-                    dst = b.gep(h, [b.add(b.mul(t, c64(hs)), b.mul(j, c64(ip)))])
-                    b.call(copy_rows(self.m), [dst, b.gep(gy, [b.mul(k, c64(ip))]), rlo, rhi])
-        if n.shared_hidden:  # the shared expert is a dense matrix: one mat-mat over every token
-            st = self.tensors[shared_tensor(n.prefix, "w_gate_up")]
-            lo_s, hi_s = self.rows(b, st.layout.n_tile_rows)
-            self.call_mv(b, st.layout, self.pointer(b, tensor_key(st.name), i8), self.scratch_ptr(b, "xn"),
-                         b.gep(h, [c64(n.top_k * ip)]), lo_s, hi_s, gate_up=True, x_stride=self.scratch.kmax,
-                         y_stride=hs)
-            with self.each_token(b):
-                gate_out = b.gep(b.bitcast(self.route_ptr(b, n.layer), P(f32)), [c64(2 * n.top_k)])
-                if n.shared_gate:
-                    b.call(O.sigmoid_dot(self.m, self.d), [self.pointer(b, tensor_key(f"{n.prefix}.shared_gate")),
-                                                           self.scratch_ptr(b, "xn"), gate_out])
-                else:
-                    b.store(cf(1.0), gate_out)
-
-    def experts_down_grouped(self, b, step, n: ExpertBank):
-        out, os_ = self.value_ptr(b, step.writes[0]), self.out_stride(step.writes[0])
-        h, hs = self.value_ptr(b, step.full_reads[0]), self.out_stride(step.full_reads[0])
-        t0 = self.tensors[expert_tensor(n.prefix, 0, "w_down")]
-        L = t0.layout
-        ip, dp, K = padded(n.hidden, self.unit), self.dp, n.top_k
-        gy, gtok, gj = self.scratch_ptr(b, "gy"), self.scratch_ptr(b, "gtok", i64), self.scratch_ptr(b, "gj", i64)
-        gpos = self.scratch_ptr(b, "gpos", i64)
-        lo, hi = self.rows(b, L.n_tile_rows)
-        rlo, rhi = b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
-        used = alloca_once(b, i64, "group.rows")  # gy rows taken by the experts done so far
-        b.store(c64(0), used)
-        with Loop(b, c64(0), c64(n.n_experts), "e") as e:
-            cnt = self.group_tokens(b, n, e)
-            with b.if_then(b.icmp_signed(">", cnt, c64(0))):
-                first = b.load(used)
-                with Loop(b, c64(0), cnt, "g") as k:
-                    t, j = b.load(b.gep(gtok, [k])), b.load(b.gep(gj, [k]))
-                    self.quantise_row(b, b.gep(h, [b.add(b.mul(t, c64(hs)), b.mul(j, c64(ip)))]), k, n.hidden,
-                                      t0.dtype)
-                    b.store(b.add(first, k), b.gep(gpos, [b.add(b.mul(t, c64(K)), j)]))
-                self.group_matmat(b, L, self.expert_pointer(b, n, "w_down", e), cnt,
-                                  b.gep(gy, [b.mul(first, c64(dp))]), dp)
-                self.count_expert_rows(b, n, e, 1, lo, hi)
-                b.store(b.add(first, cnt), used)
-        shared = b.gep(gy, [c64(self.tmax * K * dp)])  # token t's shared-expert output at row tmax*K + t
-        if n.shared_hidden:
-            st = self.tensors[shared_tensor(n.prefix, "w_down")]
-            with self.each_token(b):
-                self.quantise_input(b, b.gep(self.value_ptr(b, step.full_reads[0]), [c64(K * ip)]), n.shared_hidden,
-                                    st.dtype)
-            self.call_mv(b, st.layout, self.pointer(b, tensor_key(st.name), i8), b.gep(h, [c64(K * ip)]), shared,
-                         lo, hi, x_stride=hs, y_stride=dp)
-        with self.each_token(b):  # each token's weighted sum, in its top-k order (as the per-token path)
-            route = self.route_ptr(b, n.layer)
-            wts = b.gep(b.bitcast(route, P(f32)), [c64(K)])
-            o = b.gep(out, [b.mul(self.t, c64(os_))])
-            for j in range(K):
-                row = b.load(b.gep(gpos, [b.add(b.mul(self.t, c64(K)), c64(j))]))
-                b.call(O.axpy(self.m), [o, b.gep(gy, [b.mul(row, c64(dp))]), b.load(b.gep(wts, [c64(j)])),
-                                        c64(1 if j == 0 else 0), rlo, rhi])
-            if n.shared_hidden:
-                gate = b.load(b.gep(b.bitcast(route, P(f32)), [c64(2 * K)]))
-                b.call(O.axpy(self.m), [o, b.gep(shared, [b.mul(self.t, c64(dp))]), gate, c64(0), rlo, rhi])
+        self.moe.down(b, step, n)
 
     def step_head(self, b, step):
         t = self.tensors[step.tensors[0]]
@@ -813,7 +375,7 @@ class _Emitter:
             lo, hi = b.mul(lo, c64(self.tr)), b.mul(hi, c64(self.tr))
             hi = b.select(b.icmp_signed("<", hi, vocab), hi, vocab)
             with self.each_token(b, first):
-                b.call(softcap_rows(self.m, float(cap)), [self.value_ptr(b, step.writes[0]), lo, hi])
+                b.call(O.softcap_rows(self.m, float(cap)), [self.value_ptr(b, step.writes[0]), lo, hi])
 
 
 def _drop_function(m: ir.Module, fn: ir.Function) -> None:
@@ -832,41 +394,6 @@ def _const_array(m: ir.Module, name: str, ty, values) -> ir.GlobalVariable:
     return g
 
 
-def softcap_rows(m: ir.Module, cap: float):
-    """x[i] = cap * tanh(x[i] / cap) for i in [lo, hi) (the final logit soft-cap)."""
-
-    def build(b, x, lo, hi):
-        with Loop(b, lo, hi, "r") as i:
-            p = b.gep(x, [i])
-            b.store(softcap(b, b.load(p), cap), p)
-        b.ret_void()
-
-    return internal_function(m, ("softcap_rows", O._flt(cap)), (P(f32), i64, i64), build)
-
-
-def copy_words(m: ir.Module):
-    """dst[i] = src[i] for i in [lo, hi): 4-byte words (a gathered activation row: kmax is a multiple of 32,
-    so its int8 codes and its block scales are whole 4-byte words)."""
-
-    def build(b, dst, src, lo, hi):
-        with Loop(b, lo, hi, "w") as i:
-            b.store(b.load(b.gep(src, [i])), b.gep(dst, [i]))
-        b.ret_void()
-
-    return internal_function(m, ("copy_words",), (P(i32), P(i32), i64, i64), build)
-
-
-def copy_rows(m: ir.Module):
-    """dst[i] = src[i] for i in [lo, hi): floats (a thread's rows of one expert output)."""
-
-    def build(b, dst, src, lo, hi):
-        with Loop(b, lo, hi, "r") as i:
-            b.store(b.load(b.gep(src, [i])), b.gep(dst, [i]))
-        b.ret_void()
-
-    return internal_function(m, ("copy_rows",), (P(f32), P(f32), i64, i64), build)
-
-
 def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,
                tmax: int = 1, kv: str = "f32", tuning: dict | None = None,
                bf16_unit: str = "") -> StepProgram:
@@ -876,7 +403,7 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
         every stage's barrier (row 0), each thread's on reaching every barrier and on starting (row 1 + tid).
     segmented: each call runs only stages [params[STAGE_LO], params[STAGE_HI]) (the disk expert tier).
     tmax > 1: also the multi-token body (params[MODE] = PREFILL), up to tmax tokens per call.
-    kv: the KV cache's element type, 'f32', 'f16' or 'bf16' (ops.attention).
+    kv: the KV cache's element type, 'f32', 'f16' or 'bf16' (attention.attention).
     bf16_unit: kv='bf16' attention's dot products on the tile unit ('amx'), AVX512_BF16's VDPBF16PS ('dpbf16') or
         an FMA emulation of it ('') (Target.bf16_unit).
     tuning: {kernel key: knobs} from codegen.tune (schedule knobs of the mat-vec kernels) and codegen.attn_tune (the
@@ -889,12 +416,7 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
     if tmax < 1:
         raise CodegenError(f"tokens per call must be >= 1, got {tmax}")
     em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, bf16_unit)
-    # Expert tables first, so each bank's pointers are contiguous whatever order steps use them in.
-    for n in state.graph.nodes():
-        if isinstance(n, ExpertBank):
-            for which in ("w_gate_up", "w_down"):
-                for e in range(n.n_experts):
-                    em.slot(tensor_key(expert_tensor(n.prefix, e, which)))
+    em.moe.reserve_tables(state.graph.nodes())  # expert tables first: contiguous whatever order steps use them in
     return em.emit()
 
 

@@ -71,7 +71,7 @@ class Interpreter:
         if kv not in ("f32", "f16", "bf16"):
             raise ValueError(f"kv must be 'f32', 'f16' or 'bf16', not {kv!r}")
         # 'f16': K and V rounded to half once when cached, as the runtime's kv='f16' does; 'bf16': to bfloat16,
-        # and the query and the softmax weights too (codegen.ops.attention takes bf16 dot products)
+        # and the query and the softmax weights too (codegen.attention.attention takes bf16 dot products)
         self.kv_dtype = kv
         if not graph.weights:
             raise CflowError(f"graph {graph.name} has no weights to interpret (built from shapes only)")

@@ -32,7 +32,7 @@ def native_gaps(c: ModelConfig) -> list[str]:
     The one list to shorten as the kernels learn ops; empty today, since every variant ModelConfig accepts is
     compiled: RoPE scaling, partial rotary and Gemma 3's local RoPE base live in the RoPE tables the session
     computes (ir/rope.py); q/k norms, the attention soft-cap and the sliding window in the attention core
-    (codegen/ops.py:attention); both gate activations (ir.config.ACTIVATIONS) in every gate_up kernel; post
+    (codegen/attention.py:attention); both gate activations (ir.config.ACTIVATIONS) in every gate_up kernel; post
     norms in the residual adds; the final soft-cap in the head step (tests/runtime/test_families.py)."""
     gaps: list[str] = []
     return gaps

@@ -1,6 +1,6 @@
 """The stage barrier's sleep path and the default thread count.
 
-The barrier (codegen/ops.py::barrier) spins BarrierWord.SPIN pause rounds, then sleeps in futex_wait. On a quiet
+The barrier (codegen/threads.py::barrier) spins BarrierWord.SPIN pause rounds, then sleeps in futex_wait. On a quiet
 machine with one thread per core the sleep path is rare, so a test that just decodes never runs it. Here a
 child process is pinned to at most 2 CPUs and decodes with 2, 3 and 4 threads and a spin budget of 1 round: a
 waiter then sleeps at nearly every barrier (a thread that is not on a CPU cannot arrive within one pause), and

@@ -335,7 +335,7 @@ def test_attention_prefetch_distances_are_bit_identical(kv):
 
 
 def test_attention_choice_is_cached_reaches_the_program_and_keeps_the_numbers(tuning_on, monkeypatch, model_file):
-    from cflow.codegen import attn_tune, ops
+    from cflow.codegen import attention, attn_tune
 
     ids = [5, 17, 3, 99, 1, 2]
     monkeypatch.setenv("CFLOW_TUNE", "off")
@@ -356,7 +356,7 @@ def test_attention_choice_is_cached_reaches_the_program_and_keeps_the_numbers(tu
     tune._write_table(target, {**table, key: {"choice": {"kv_prefetch": 0}}})
     m = cflow.load(model_file, kv="f16")
     assert m.session.tuning == {key: {"kv_prefetch": 0}}
-    assert "pf0" in str(m.session.program.module) and f"pf{ops.KV_PREFETCH}" in str(ref.session.program.module)
+    assert "pf0" in str(m.session.program.module) and f"pf{attention.KV_PREFETCH}" in str(ref.session.program.module)
     np.testing.assert_array_equal(m.session.prefill(ids), ref_logits)
     # a bad record is measured again, not used
     tune._write_table(target, {**table, key: {"choice": {"kv_prefetch": -5}}})
@@ -364,7 +364,7 @@ def test_attention_choice_is_cached_reaches_the_program_and_keeps_the_numbers(tu
     got = attn_tune.choices(geoms, "f16", target, search=True, rounds=1, on_result=lambda k, rec: seen.append(rec))
     assert seen and seen[0]["choice"]["kv_prefetch"] in attn_tune.DISTANCES
     assert tune.read_table(target)[key]["choice"] == seen[0]["choice"]
-    assert got == ({} if seen[0]["choice"]["kv_prefetch"] == ops.KV_PREFETCH else {key: seen[0]["choice"]})
+    assert got == ({} if seen[0]["choice"]["kv_prefetch"] == attention.KV_PREFETCH else {key: seen[0]["choice"]})
     monkeypatch.setenv("CFLOW_TUNE", "off")
     assert attn_tune.choices(geoms, "f16", target) == {}
 
@@ -388,7 +388,7 @@ def test_attention_timed_set_is_past_the_last_level_cache_and_bounded_per_call(m
 def test_attention_prefetch_knob_reaches_the_code():
     from llvmlite import ir
 
-    from cflow.codegen import ops
+    from cflow.codegen import attention
     from cflow.ir import Attention
 
     n = Attention(name="a", inputs=("x",), prefix="p", dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -397,7 +397,7 @@ def test_attention_prefetch_knob_reaches_the_code():
         texts = {}
         for d in (0, 4096):
             m = ir.Module()
-            ops.attention(m, n, (0, 64, 96), host_target().isa, kv, 64, "", d)
+            attention.attention(m, n, (0, 64, 96), host_target().isa, kv, 64, "", d)
             texts[d] = str(m)
         assert "llvm.prefetch" not in texts[0] and "llvm.prefetch" in texts[4096]
         assert "4096" in texts[4096]

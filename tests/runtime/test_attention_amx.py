@@ -1,12 +1,13 @@
-"""kv='bf16' attention on the AMX tile unit (codegen/ops.py:attention with bf16_unit 'amx', Target.bf16_unit).
+"""kv='bf16' attention on the AMX tile unit (codegen/attention.py:attention with bf16_unit 'amx',
+Target.bf16_unit).
 
 Host-independent: which unit a target picks (CFLOW_FEATURES can take the tile unit or AVX512_BF16 away), which
-geometries the tile path takes (ops.amx_fits, ops.core_unit, the same unit in the tuning key), that the emitted
-core holds TDPBF16PS exactly then, and that NaN in the cache past the position and in the scratch changes
-nothing (on whatever unit the host has). On a host with AMX-BF16 (and Linux's permission for the tile state) the
-compiled model itself: close to the VDPBF16PS core and to the interpreter's kv='bf16' twin (the same exact
-products and f32 sums, taken in the tile unit's order), bit-identical across prompt blocks, thread counts and
-decode, at positions either side of its 16-position K blocks and 32-position V chunks, with a sliding window,
+geometries the tile path takes (attention.amx_fits, attention.core_unit, the same unit in the tuning key), that
+the emitted core holds TDPBF16PS exactly then, and that NaN in the cache past the position and in the scratch
+changes nothing (on whatever unit the host has). On a host with AMX-BF16 (and Linux's permission for the tile
+state) the compiled model itself: close to the VDPBF16PS core and to the interpreter's kv='bf16' twin (the same
+exact products and f32 sums, taken in the tile unit's order), bit-identical across prompt blocks, thread counts
+and decode, at positions either side of its 16-position K blocks and 32-position V chunks, with a sliding window,
 soft-capped scores and biases."""
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from llvmlite import ir
 
 import cflow
-from cflow.codegen import ops as O
+from cflow.codegen import attention as A
 from cflow.codegen.target import host_target
 from cflow.compiler import compile_file
 from cflow.ir import Attention, Interpreter, build_graph
@@ -66,11 +67,11 @@ def test_the_unit_follows_the_features(monkeypatch):
                                                   (17, 64, 16, False), (8, 128, 16, False), (8, 16, 16, False),
                                                   (8, 64, 8, False)])
 def test_the_tile_path_takes_the_geometries_it_fits(rep, hd, block, fits):
-    assert O.amx_fits(rep, hd, block) == fits
+    assert A.amx_fits(rep, hd, block) == fits
     n = Attention(name="attn.1", inputs=("x",), prefix="layers.1.attn", dim=rep * hd, n_heads=rep, n_kv_heads=1,
                   head_dim=hd, rope_theta=10000.0)
     m = ir.Module(name="t")
-    O.attention(m, n, (0, rep * hd, rep * hd + hd), "avx512vnni", "bf16", 4 * block if block == 16 else 8, "amx")
+    A.attention(m, n, (0, rep * hd, rep * hd + hd), "avx512vnni", "bf16", 4 * block if block == 16 else 8, "amx")
     text = str(m)
     assert ("llvm.x86.tdpbf16ps" in text) == fits and ("llvm.x86.tilerelease" in text) == fits
     assert ("avx512bf16.dpbf16ps" in text) != fits  # otherwise VDPBF16PS
@@ -132,22 +133,22 @@ def test_nan_past_the_position_never_reaches_the_core(model):
 
 @pytest.mark.parametrize("max_seq, unit", [(64, "amx"), (4096, "amx"), (24, "dpbf16"), (8, "dpbf16")])
 def test_the_core_and_its_tuning_key_agree_on_the_unit(max_seq, unit):
-    """One rule (ops.core_unit) for the emitted core and the tuning key: a cache whose K blocks are not 16
+    """One rule (attention.core_unit) for the emitted core and the tuning key: a cache whose K blocks are not 16
     positions (max_seq not a multiple of 16) runs VDPBF16PS on an AMX host, and looks up that core's entry."""
     from types import SimpleNamespace
 
     from cflow.codegen import attn_tune
 
     amx_host = SimpleNamespace(bf16_unit="amx")
-    assert O.core_unit("bf16", "amx", 8, 64, max_seq) == unit
+    assert A.core_unit("bf16", "amx", 8, 64, max_seq) == unit
     assert attn_tune.host_unit((32, 4, 64), "bf16", amx_host, max_seq) == unit
     assert attn_tune.host_unit((32, 4, 64), "f16", amx_host, max_seq) == ""
     assert attn_tune.attention_key(32, 4, 64, "bf16", unit).endswith(":amx") == (unit == "amx")
-    assert O.core_unit("bf16", "dpbf16", 8, 64, max_seq) == "dpbf16" and O.core_unit("bf16", "", 8, 64, 64) == ""
+    assert A.core_unit("bf16", "dpbf16", 8, 64, max_seq) == "dpbf16" and A.core_unit("bf16", "", 8, 64, 64) == ""
     n = Attention(name="attn.1", inputs=("x",), prefix="layers.1.attn", dim=8 * 64, n_heads=8, n_kv_heads=1,
                   head_dim=64, rope_theta=10000.0)
     m = ir.Module(name="t")
-    O.attention(m, n, (0, 512, 576), "avx512vnni", "bf16", max_seq, "amx")
+    A.attention(m, n, (0, 512, 576), "avx512vnni", "bf16", max_seq, "amx")
     assert ("llvm.x86.tdpbf16ps" in str(m)) == (unit == "amx")
 
 

@@ -1,7 +1,7 @@
 """A prompt block reads each chosen expert once, however many of its tokens chose it; decode reads it per token.
 
 A profiling build counts, per layer and expert, the tile-rows every mat-vec / mat-mat call over that expert's
-matrices reads (codegen/step.py:count_expert_rows; each thread adds its share, atomically). After one block of
+matrices reads (codegen/moe.py:count_expert_rows; each thread adds its share, atomically). After one block of
 T prompt tokens, an expert any token chose must show exactly one pass (all its tile-rows once) of gate_up and of
 down, an expert nobody chose none; token by token, one pass per token that chose it. Which tokens chose what is
 the interpreter's routing on the same weights.

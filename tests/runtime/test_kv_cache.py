@@ -1,13 +1,13 @@
 """The KV cache's element type (load(kv=...)): f16 halves the cache, equals the interpreter's kv='f16' twin, keeps
 prefill, decode and thread counts bit-identical, and stays close to f32; long prompts cross many 16-lane
-chunks of the vectorised attention core (codegen/ops.py:attention). The default, kv='auto', is f16 for Q4 / Q8
+chunks of the vectorised attention core (codegen/attention.py:attention). The default, kv='auto', is f16 for Q4 / Q8
 weights and f32 for f16 / f32 weights (runtime.session.resolve_kv), in the API, the CLI and the server alike."""
 
 import numpy as np
 import pytest
 
 import cflow
-from cflow.codegen.ops import kv_layout
+from cflow.codegen.attention import kv_layout
 from cflow.compiler import compile_file
 from cflow.frontend.load import load_graph
 from cflow.ir import Interpreter
@@ -53,7 +53,7 @@ def test_half_cache_holds_its_twins_values_to_one_ulp(path, kv):
     lies next to a half-precision rounding boundary the two round to neighbouring halves (one f16 ulp, 2^-11
     relative). Int8 activation rounding downstream can carry that on. So the invariant is on the cache itself:
     every element equal to the twin's or one ulp away, and only a few of them away. bf16 (2^-8 relative ulp), in
-    its own pair layout (ops.kv_layout): the same for the first layer; later layers' K/V can move by a few ulps
+    its own pair layout (attention.kv_layout): the same for the first layer; later layers' K/V can move by a few ulps
     where an earlier layer's bf16 query or weights rounded the other way (so only the share away is bounded)."""
     from cflow.layout.quant import bf16_bits
 
@@ -184,10 +184,10 @@ def test_cli_shows_the_kv_type_in_use(path, capsys):
     assert "q4, f16 KV cache by default" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("max_seq", [7, 24, 30, 128])  # K blocks of 1, 8, 2 and 16 positions (ops.kv_block)
+@pytest.mark.parametrize("max_seq", [7, 24, 30, 128])  # K blocks of 1, 8, 2 and 16 positions (attention.kv_block)
 @pytest.mark.parametrize("kv", ["f32", "f16", "bf16"])  # bf16 at 7: V in pairs of positions, one left over
 def test_every_k_block_width_equals_the_interpreter(path, max_seq, kv):
-    from cflow.codegen.ops import kv_block
+    from cflow.codegen.attention import kv_block
 
     ids = list(np.random.default_rng(max_seq).integers(0, 256, max_seq - 3))
     with cflow.load(path, threads=2, kv=kv, max_seq=max_seq) as m:
