@@ -2,7 +2,7 @@
 
     python -m benchmarks.router [--d 2048] [--experts 8] [--top-k 2] [--calls 20000] [--json [FILE]]
 
-Every thread runs the router itself before its experts' mat-vecs (codegen/step.py), once per MoE layer and
+Every thread runs the router itself before its experts' mat-vecs (codegen/moe.py), once per MoE layer and
 token, so its time is added to every MoE layer of every token whatever the thread count. The call goes through
 ctypes (~0.3 us of each figure).
 """

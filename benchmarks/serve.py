@@ -92,11 +92,13 @@ def rss_mb(pid: int) -> float:
 
 
 class Server:
-    def __init__(self, path: str, threads: int | None, max_batch: int, max_queue: int, log: str):
+    def __init__(self, path: str, threads: int | None, max_batch: int, max_queue: int, log: str,
+                 speculate: str | None = None):
         self.port = free_port()
         cmd = [sys.executable, "-c", "from cflow.cli import cflow_main; raise SystemExit(cflow_main())"]
         cmd += ["serve", path, "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", str(max_queue),
                 "--model-name", "m", "--log-level", "warning"] + (["--threads", str(threads)] if threads else [])
+        cmd += ["--speculate", speculate] if speculate else []
         self.log = open(log, "w")
         self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -222,9 +224,11 @@ async def level(port: int, n: int, prompts, max_tokens: int, duration: float, dr
             "errors": len(errors), "error_examples": sorted(set(errors))[:3]}
 
 
-def run_server(which: str, path: str, batch: int, counts, args, cpu: str, hdr: str, tmp: str) -> list[dict]:
+def run_server(which: str, path: str, batch: int, counts, args, cpu: str, hdr: str, tmp: str,
+               speculate: str | None = None) -> list[dict]:
     records = []
-    server = Server(path, args.threads, batch, args.max_queue, os.path.join(tmp, f"{which}_b{batch}.log"))
+    label = which if not speculate else f"{which}+{speculate}"
+    server = Server(path, args.threads, batch, args.max_queue, os.path.join(tmp, f"{label}_b{batch}.log"), speculate)
     try:
         if which == "bundled":
             prompts = STORY_PROMPTS
@@ -238,9 +242,9 @@ def run_server(which: str, path: str, batch: int, counts, args, cpu: str, hdr: s
         for i, n in enumerate(counts):
             rec = asyncio.run(level(server.port, n, prompts, args.max_tokens, args.duration, args.drain, i))
             rec.update(model=which, max_batch=batch, threads=args.threads or len(os.sched_getaffinity(0)),
-                       max_tokens=args.max_tokens, cpu=cpu)
+                       max_tokens=args.max_tokens, cpu=cpu, speculate=speculate)
             records.append(rec)
-            print(f"{which:>8} {batch:>3} {n:>3} {rec['requests']:>5} {rec['aggregate_tok_s']:>9.1f} "
+            print(f"{label:>8} {batch:>3} {n:>3} {rec['requests']:>5} {rec['aggregate_tok_s']:>9.1f} "
                   f"{rec['per_client_tok_s'] or 0:>12.1f} {rec['ttft_p50_ms']:>9.1f} "
                   f"{rec['ttft_p99_ms']:>8.1f} {rec['itl_p50_ms']:>8.2f} {rec['itl_p99_ms']:>7.2f} "
                   f"{rec['errors']:>6}" + (f"  {rec['error_examples']}" if rec["errors"] else ""), flush=True)
@@ -420,6 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunked-prefill", type=int, default=None, metavar="TOKENS",
                    help="measure a prompt of TOKENS tokens arriving beside a decoding stream, read at once and in "
                    "prefill blocks (engine only, --max-batch 8; see above) (default: off)")
+    p.add_argument("--speculate", default=None, metavar="KINDS",
+                   help="also serve with `--speculate KIND` for each of these (ngram), each level run with and "
+                   "without in the same run (default: without only)")
     p.add_argument("--repeat", type=int, default=1,
                    help="--engine-only, --chunked-prefill: runs, every one recorded (default 1)")
     args = p.parse_args(argv)
@@ -448,7 +455,8 @@ def main(argv=None) -> int:
                     records += engine_only(which, path, batches, args.threads, args.steps, r)
                 continue
             for batch in batches:
-                records += run_server(which, path, batch, counts, args, cpu, hdr, tmp)
+                for spec in [None, *(args.speculate.split(",") if args.speculate else [])]:
+                    records += run_server(which, path, batch, counts, args, cpu, hdr, tmp, spec)
     run.write(args.json, [schema_record(run, r) for r in records], {"usable_cores": len(os.sched_getaffinity(0))})
     return 0
 
@@ -457,6 +465,8 @@ def schema_record(run: Run, r: dict) -> dict:
     """One measurement of this benchmark as a record of the schema: the variant says which kind it is."""
     if "clients" in r:
         variant, tok_s = f"server, max-batch {r['max_batch']}, {r['clients']} clients", r["aggregate_tok_s"]
+        if r.get("speculate"):
+            variant += f", speculate {r['speculate']}"
     elif "prefill" in r:
         variant, tok_s = f"{r['prompt_tokens']}-token prompt beside a stream, read {r['prefill']}", None
     elif "slot" in r:

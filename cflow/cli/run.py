@@ -66,7 +66,7 @@ def add_args(p):
                    help="speculative decoding: drafts from prompt lookup (ngram) or from --draft, checked in one "
                    "pass; the same tokens as without, faster when drafts stand (default: off)")
     p.add_argument("--draft", default=None, metavar="FILE",
-                   help="a smaller compiled model with the same tokenizer, for --speculate draft")
+                   help="a smaller compiled model with the same tokenizer, for --speculate draft (default: none)")
 
 
 def run(args) -> int:

@@ -43,7 +43,7 @@ def add_args(p):
                    help="speculative decoding for a request decoding alone: drafts from prompt lookup (ngram) or "
                    "from --draft, checked in one pass; the same tokens as without (default: off)")
     p.add_argument("--draft", default=None, metavar="FILE",
-                   help="a smaller compiled model with the same tokenizer, for --speculate draft")
+                   help="a smaller compiled model with the same tokenizer, for --speculate draft (default: none)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level; 'warning' hides the access log (default info)")
 

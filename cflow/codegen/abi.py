@@ -1,5 +1,5 @@
 """The native step's ABI, defined once: what the emitter (step.py and the modules it calls) and the driver
-(runtime/session.py) must agree on. Change a value here and both sides move together.
+(runtime/native_step.py) must agree on. Change a value here and both sides move together.
 
 Exported symbols (every address comes from the pointer table, so the object code is position-free):
 

@@ -50,7 +50,7 @@ from .target import ISA
 ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is padded by this much (abi.py)
 # How far ahead the attention core's K and V scans prefetch by default (bytes, into L1; each host measures its own:
 # codegen/attn_tune.py). Without it one scan per kv head left the cache's DRAM reads to the hardware prefetchers:
-# on the AMX Xeon VM the f16 core took 474 us per layer at 4,064 positions from DRAM, 374 us 4 KiB ahead
+# on an AMX Xeon the f16 core took 474 us per layer at 4,064 positions from DRAM, 374 us 4 KiB ahead
 # (docs/results/attention_core_prefetch_intel.json; docs/journal/performance.md, "Long contexts"). On Zen 5
 # prefetching V ahead was measured slower (before this code: the default there is unmeasured, the tuner decides).
 KV_PREFETCH = 4096
@@ -225,7 +225,7 @@ def attention(m: ir.Module, n: Attention, offsets: tuple[int, int, int], isa: st
     to bf16 and q.k taken as bf16 pair dot products (cgutils.bf16_dot: exact products, f32 sums), and the
     weighted V sum takes bf16(exp(score - max)) in pairs of positions, divided by the f32 sum of the unrounded
     weights. bf16_unit (Target.bf16_unit) says what takes the dot products: 'dpbf16', AVX512_BF16's VDPBF16PS, two
-    multiply-adds per lane (half the instructions per cache byte of f16; on the AMX Xeon VM it issues at a quarter
+    multiply-adds per lane (half the instructions per cache byte of f16; on an AMX Xeon it issues at a quarter
     of the FMA rate, so there it is slower than f16: docs/journal/performance.md); '', an FMA emulation in the same
     order (bit-identical, and slower than f16: two FMAs and four integer ops per pair); 'amx', the tile unit (TDPBF16PS
     for q.k and the weighted V sum: the same exact products and f32 sums, taken in the tile unit's order, so not

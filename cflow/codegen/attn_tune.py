@@ -1,7 +1,7 @@
 """Per-host tuning of the attention core's prefetch distance (attention.attention's kv_prefetch), in tune.py's table.
 
 Stage: codegen (used by the runtime before it emits a step, next to tune.choices). The K and V scans of the
-attention core prefetch kv_prefetch bytes ahead. On the AMX Xeon VM 4 KiB ahead took the f16 core from 474 to
+attention core prefetch kv_prefetch bytes ahead. On an AMX Xeon 4 KiB ahead took the f16 core from 474 to
 374 us per layer at 4,064 positions from DRAM (docs/results/intel-amx/attention_core_prefetch_intel.json); on Zen 5
 prefetching V ahead was measured slower (docs/journal/performance.md, "Long contexts"). So each host measures it, as the
 mat-vec knobs: the first time an attention geometry (query heads, kv heads, head_dim, cache type) is met on a CPU,

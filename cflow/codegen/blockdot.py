@@ -118,8 +118,8 @@ class Decoder:
         sum (field >> rshift) << lshift. On VNNI each part is dotted as it lies in its bytes (vpdpbusd sums into i32:
         no intermediate saturation) and its sum shifted after: exact, since every masked byte is a multiple of
         2^rshift, and the shifts and ORs of the field assembly move from every chunk to one per sub-block. Default:
-        the assembled codes (one part). Only Q4_K overrides it (its high nibbles, 1.03-1.05x from DRAM on the AMX Xeon
-        VM); a part per extra bit (Q5_K, Q6_K, Q3_K) or per 2-bit plane (Q2_K) costs a second dot per chunk and
+        the assembled codes (one part). Only Q4_K overrides it (its high nibbles, 1.03-1.05x from DRAM on an AMX
+        Xeon); a part per extra bit (Q5_K, Q6_K, Q3_K) or per 2-bit plane (Q2_K) costs a second dot per chunk and
         measured 0.85-0.93x, so those assemble their codes."""
         return [(self.codes(j), 0, 0)]
 
@@ -386,7 +386,7 @@ class UnitActivation:
 def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks=None, vnni_signed_bias: int = 128):
     """acc (<16 x float>) + this group's share of W x over the unit's activation blocks `blocks` (default: all, QK
     inputs; module docstring). (Blocks outside and groups inside, so that each activation block is live for one
-    sweep, measured no faster on the AMX Xeon VM: LLVM schedules the unrolled unit as one block either way.)"""
+    sweep, measured no faster on an AMX Xeon: LLVM schedules the unrolled unit as one block either way.)"""
     isa = ISA.parse(isa)
     dec = DECODERS[fmt.dtype](b, fmt, group, isa)
     nsub = BLOCK // fmt.sub

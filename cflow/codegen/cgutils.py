@@ -295,7 +295,7 @@ def softcap(b: ir.IRBuilder, x, cap: float):
 def exp_vec(b: ir.IRBuilder, x, fma: bool = False):
     """exp(x) for a <n x float>, in plain IEEE ops (no libm call). fma: the reduction and the polynomial's
     multiply-adds as FMA (one rounding each; only on an ISA with the instruction, as the attention core's own
-    multiply-adds): ~40% fewer vector ops, the core 4-7% faster at 4,064 positions on the AMX Xeon VM; without it
+    multiply-adds): ~40% fewer vector ops, the core 4-7% faster at 4,064 positions on an AMX Xeon; without it
     separate multiplies and adds, the same bits on every ISA.
 
     Cody-Waite: x = k ln2 + r, |r| <= ln2/2, k rounded to nearest by the 1.5 * 2^23 trick; exp(r) by Cephes'

@@ -252,7 +252,7 @@ def _q8_block_int(b, isa, codes, aptr):
 # -- mat-vec --------------------------------------------------------------------------------
 
 MAX_GROUPS = 8  # 16-row accumulators held in registers per pass over a tile-row (TR = 128)
-# Tuned on the 2-core Xeon (benchmarks/matvec.py): prefetching one Q4 unit (2304 B) ahead into L1
+# Tuned on a 2-core Xeon (benchmarks/matvec.py): prefetching one Q4 unit (2304 B) ahead into L1
 # and two units per loop iteration took 2 threads from ~81% to ~92% of the read bandwidth.
 DEFAULT_UNROLL = 2
 DEFAULT_PREFETCH = 2304  # bytes ahead of the unit being read
@@ -433,7 +433,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
         group_loop: 1 = one 16-row group of one unit per loop iteration (_emit_group_loop: a short loop body;
             max_groups and unroll do not apply, prefetch_stride counts within a group); 0 = every group of
             `unroll` units per iteration, groups in passes of max_groups. (For the GGUF block types the group loop
-            ran 1.1-1.3x faster from L2 but 0.8-0.9x from DRAM on the AMX Xeon VM: the unit loop stays the default,
+            ran 1.1-1.3x faster from L2 but 0.8-0.9x from DRAM on an AMX Xeon: the unit loop stays the default,
             the tuner tries both.)
     """
     isa = _check_isa(isa)
@@ -514,7 +514,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     isa = ISA.parse(isa)
     # One row group of 8 tokens per pass (AVX-512: 32 registers), 4 elsewhere (16 registers, each <16 x f32>
-    # two of them). Measured on the Zen 4 host under load (a first pick: `cflow tune` is to choose per host):
+    # two of them). Measured on a Zen 4 under load (a first pick: `cflow tune` is to choose per host):
     # 8x1 beat 8x2 and 4x2, and a second unrolled unit per iteration only doubled the JIT time.
     tg = token_group or (8 if isa == ISA.AVX512VNNI else 4)
     max_groups = max_groups or tg

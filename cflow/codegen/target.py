@@ -288,7 +288,7 @@ def cpu_model() -> str:
     extra = [llvm.get_host_cpu_name()]
     if "cpu family" in fields and "model" in fields:
         extra.append(f"family {fields['cpu family']} model {fields['model']}")
-    # LLVM names the core from the family/model, which a hypervisor may mask: the AMX Xeon VM reports model 167
+    # LLVM names the core from the family/model, which a hypervisor may mask: an AMX Xeon reports model 167
     # ("rocketlake", a core without AMX). The tile unit tells a Sapphire Rapids-class or later Intel core apart.
     if "amx_tile" in fields.get("flags", "").split():
         extra.append("AMX")
@@ -300,8 +300,8 @@ _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 def last_level_cache(cpu: int = 0) -> tuple[str, int]:
     """The last cache level the kernel reports for `cpu` (sysfs, e.g. ('L3', 503316480)); ('?', 0) where it is
-    not exposed. Hosts differ by an order of magnitude here (32 MiB on the Zen hosts, 480 MiB on the AMX Xeon
-    VM), and a set meant to stream from DRAM must be larger than it (tune.stream_span)."""
+    not exposed. Hosts differ by an order of magnitude here (32 MiB on a Zen 4 or Zen 5, 480 MiB on an AMX
+    Xeon), and a set meant to stream from DRAM must be larger than it (tune.stream_span)."""
     base = f"/sys/devices/system/cpu/cpu{cpu}/cache"
     caches = []  # (level, bytes)
     try:

@@ -61,8 +61,8 @@ KNOBS = ("unroll", "prefetch", "prefetch_locality", "prefetch_stride", "max_grou
 DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
            "prefetch_locality": K.DEFAULT_PREFETCH_LOCALITY, "prefetch_stride": 64, "max_groups": K.MAX_GROUPS,
            "vector_bits": 0, "unpack": 0, "group_loop": 0}
-# One descent per loop kind: the group loop's best prefetch distance differs from the unit loop's (on the AMX Xeon
-# VM the group loop is 9% slower than the unit loop at the unit loop's distance and 9% faster one line further), so a
+# One descent per loop kind: the group loop's best prefetch distance differs from the unit loop's (on an AMX Xeon
+# the group loop is 9% slower than the unit loop at the unit loop's distance and 9% faster one line further), so a
 # descent from the unit loop alone never changes both knobs at once.
 SEEDS = (DEFAULT, {**DEFAULT, "group_loop": 1})
 
@@ -89,7 +89,7 @@ def kernel_key(layout, gate_up: bool) -> str:
 def space(layout, isa: str | None = None) -> dict[str, tuple]:
     """The values each knob may take for this kernel shape: prefetch distances in units of the kernel's block unit (so
     they scale with the dtype and tile), 1/4, 1/2, 1 or 2 units also one 64-byte line further (the group loop's best
-    on the AMX Xeon VM: each iteration's prefetches then straddle two 256-byte blocks; a quarter unit: Q8's best
+    on an AMX Xeon: each iteration's prefetches then straddle two 256-byte blocks; a quarter unit: Q8's best
     there, 4,352-byte units), the prefetch density (every line,
     or one line per unit: a hint that keeps the hardware prefetchers ahead without an instruction per line; in a
     group loop one line per group), the unit loop or the group loop; on an AVX-512 VNNI host (isa) also the 256-bit
@@ -238,8 +238,8 @@ def _valid_choice(c) -> dict | None:
 def stream_span(nbytes: int) -> int:
     """Bytes of distinct weights the timed calls cycle through, each call reading the next `nbytes` window: at
     least twice the last-level cache, so a window has left the cache before it is read again, as decode's
-    weights have. A fixed 64 MiB set streamed from DRAM on the Zen hosts (32 MiB L3) but stayed in the AMX Xeon
-    VM's 480 MiB L3, where the search then timed L3 speed (up to 28.9 GB/s against 18.5 from DRAM:
+    weights have. A fixed 64 MiB set streamed from DRAM on Zen 4 and Zen 5 (32 MiB L3) but stayed in an AMX
+    Xeon's 480 MiB L3, where the search then timed L3 speed (up to 28.9 GB/s against 18.5 from DRAM:
     docs/results/intel-amx/tune_table_intel_l3.json)."""
     from .target import last_level_cache
 
@@ -253,7 +253,7 @@ _ARENA: list = []  # inside reusing_one_buffer(): [the buffer every WeightSet of
 @contextlib.contextmanager
 def reusing_one_buffer():
     """The searches of one model (cached_choices) build their WeightSets one after the other, each a set twice the
-    last-level cache (960 MiB on the AMX Xeon VM): inside this they fill one buffer, so its pages are faulted in
+    last-level cache (960 MiB on an AMX Xeon): inside this they fill one buffer, so its pages are faulted in
     once, not once per kernel shape (4 of the 21 s `cflow tune` took on the 114m preset were the kernel's page
     faults). Released on exit."""
     _ARENA.append(None)
@@ -281,7 +281,7 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
     """Real packed weights of one tile-row (random normal values), repeated to >= nbytes: (buffer, layout).
 
     The buffer starts `phase` bytes past a page boundary; 0 is where a loaded file's tensors start. The phase
-    matters: on the AMX Xeon VM the group loop streamed 1.23x faster 64 bytes past a page boundary than on it
+    matters: on an AMX Xeon the group loop streamed 1.23x faster 64 bytes past a page boundary than on it
     (docs/journal/performance.md, "A third host kind"), and a set timed at NumPy's allocation offset chose a kernel that
     decode, reading page-aligned tensors, ran 15% slower."""
     from ..layout.tile import TileLayout, pack, pack_gate_up
@@ -575,7 +575,7 @@ def choices(tensors, target, search: bool = False, force: bool = False, rounds: 
 
 
 BUDGET = 15.0  # seconds `cflow tune` spends on one model's searches by default (all shapes and attention)
-ATTENTION_SECONDS = 1.5  # what one attention geometry's search takes (0.8 s on the AMX Xeon VM): kept from BUDGET
+ATTENTION_SECONDS = 1.5  # what one attention geometry's search takes (0.8 s on an AMX Xeon): kept from BUDGET
 SETUP_SECONDS = 1.5  # the rest of `cflow tune`: Python, NumPy and LLVM start-up, reading the file's header
 
 

@@ -7,16 +7,16 @@ without one the kernels' built-in defaults (tune.default_for, ops.KV_PREFETCH). 
 like every tuned knob: a wrong guess costs speed, never numbers.
 
 A family is named by host_family(): LLVM's name for the host's microarchitecture (znver5, znver4, ...), or
-"intel-amx" for an Intel core with the AMX tile unit (Sapphire Rapids and later: the AMX Xeon VM reports a
+"intel-amx" for an Intel core with the AMX tile unit (Sapphire Rapids and later: an AMX Xeon reports a
 masked model, which LLVM names "rocketlake"). A choice's prefetch and loop knobs apply on every ISA path: they
-are the memory system's, and `cflow tune` with the AVX2 and the AVX-VNNI paths forced on the AMX Xeon VM chose
+are the memory system's, and `cflow tune` with the AVX2 and the AVX-VNNI paths forced on an AMX Xeon chose
 the same loop and distances as its AVX-512 search (docs/journal/performance.md, "ISA paths"); the dot width and the Q4
 unpack only on the path they were measured on (elsewhere the built-in ones). A choice applies to every dtype it
 names; a GGUF block type's kernel keeps its built-in prefetch (one whole block ahead).
 
 Prefetch distances are written in units of the kernel's block unit (layout.unit_nbytes: 2,304 bytes for Q4 at
 128-row tiles, 4,352 for Q8) plus whole 64-byte lines, as the search's space() spells them, so one entry serves
-every tile shape: Pf(1, 1) is one unit and one line ahead (the AMX Xeon VM's Q4 choice, 2,368 bytes).
+every tile shape: Pf(1, 1) is one unit and one line ahead (an AMX Xeon's Q4 choice, 2,368 bytes).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ _UNIT = {"group_loop": 0, "unroll": 2, "max_groups": 8, "prefetch_locality": 3, 
          "vector_bits": 0, "unpack": 0}
 
 FAMILIES: dict[str, Family] = {
-    # the AMX Xeon VM (Intel Xeon, family 6 model 167 masked, AMX): all six shapes of the TinyLlama geometry
+    # an AMX Xeon (Intel Xeon, family 6 model 167 masked, AMX): all six shapes of the TinyLlama geometry
     # chose the group loop, Q4 one unit and a line ahead, Q8 a quarter unit ahead
     "intel-amx": Family("avx512vnni", "docs/results/intel-amx/tune_table_intel_s15.json",
                         {"q4": {**_GLOOP, "prefetch": Pf(1, 1)},

@@ -158,7 +158,7 @@ class NativeStep:
         # reaching it and, in its last column, on starting the call (codegen/step.py: stamp, arrive). Sized by
         # the schedule the program runs: the disk tier's has more stages than the file's.
         self.prof = np.zeros((self.threads + 1, self.state.schedule.n_stages + 1), np.int64)
-        # profile builds: tile-rows read per [layer][expert][gate_up, down] (codegen/step.py:count_expert_rows)
+        # profile builds: tile-rows read per [layer][expert][gate_up, down] (codegen/moe.py:count_expert_rows)
         self.expert_rows = np.zeros((cfg.n_layers + 1, max(cfg.n_experts, 1), 2), np.int64)
 
     def point(self, name: str, addr: int) -> None:

@@ -34,11 +34,9 @@ from .options import MAX_THREADS as MAX_THREADS
 from .options import check_options, context_length, resolve_kv, tokens_per_call
 from .segments import Segment as Segment
 from .segments import open_streamer, open_tier, plan_segments, read_dense
-from .workers import Backoff, cores_taken, thread_count
 from .workers import OversubscribedWarning as OversubscribedWarning
 from .workers import parked_workers as parked_workers
-
-_Backoff, _cores_taken = Backoff, cores_taken  # the names tests/codegen/test_barrier.py imports from here
+from .workers import thread_count
 
 
 def _on_native(name: str, doc: str | None = None) -> property:

@@ -1,6 +1,6 @@
 """Chat messages -> prompt: the model's own chat template when it has one, else a documented default.
 
-A model whose file carries a chat template (tokenizer_config.json or GGUF metadata, issue 12) is rendered
+A model whose file carries a chat template (tokenizer_config.json or GGUF metadata) is rendered
 with it (`CompiledModel.chat_prompt`, sandboxed Jinja) and its answer ends at the template's end-of-turn
 tokens (`ChatTemplate.end_of_turn_ids`) or an end-of-text token, as `m.chat` does. A model without one gets
 the ChatML-like default:

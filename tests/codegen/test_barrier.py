@@ -6,7 +6,7 @@ child process is pinned to at most 2 CPUs and decodes with 2, 3 and 4 threads an
 waiter then sleeps at nearly every barrier (a thread that is not on a CPU cannot arrive within one pause), and
 the logits must still be bit-identical to 1 thread. A lost wake-up would hang, so the child runs under a
 subprocess timeout: the test fails instead of hanging the suite, and asserts nothing about time. The default
-thread count, seeing its waiters sleep, must back off to one thread (session._Backoff), still bit-identical.
+thread count, seeing its waiters sleep, must back off to one thread (runtime.workers.Backoff), still bit-identical.
 """
 
 import json
@@ -76,7 +76,7 @@ def test_sleeping_barrier_is_bit_identical_to_one_thread(model_file):
     assert out["4"]["solo"] == 0  # an explicit thread count is taken as asked
     if out["cpus"] >= 2:
         # The default (2 threads here) sees its waiters sleep at almost every barrier with a spin budget of one
-        # round, so after its first probe window (session._Backoff.WINDOW calls) it runs on one thread.
+        # round, so after its first probe window (Backoff.WINDOW calls) it runs on one thread.
         assert out["default"]["threads"] == out["cpus"]
         assert out["default"]["solo"] > 0
 
@@ -125,10 +125,10 @@ def test_more_threads_than_usable_cores_warns(tiny_file, monkeypatch):
 
 
 def test_backoff_policy_with_a_fake_clock():
-    from cflow.runtime.session import _Backoff
+    from cflow.runtime.workers import Backoff
 
     now = [0.0]
-    b = _Backoff(clock=lambda: now[0])
+    b = Backoff(clock=lambda: now[0])
     naps = 0
 
     def probe(per_call: int) -> int:
@@ -161,10 +161,10 @@ def test_backoff_policy_with_a_fake_clock():
 
 
 def test_backoff_skips_the_probe_while_other_tasks_hold_the_cores():
-    from cflow.runtime.session import _Backoff
+    from cflow.runtime.workers import Backoff
 
     now, busy = [0.0], [True]
-    b = _Backoff(clock=lambda: now[0], busy=lambda: busy[0])
+    b = Backoff(clock=lambda: now[0], busy=lambda: busy[0])
     for k in range(1, b.NAPS + 1):  # a loaded window: one nap per call
         assert not b.solo()
         b.after(k)
@@ -181,11 +181,11 @@ def test_cores_taken_reads_the_run_queue(monkeypatch):
     import builtins
     import io
 
-    from cflow.runtime import session
+    from cflow.runtime import workers
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     for line, want in (("0.1 0.2 0.3 1/80 999", False), ("1.0 0.9 0.5 2/80 999", True)):
         monkeypatch.setattr(builtins, "open", lambda *a, text=line, **k: io.StringIO(text))
-        assert session._cores_taken(2) is want  # 1: only this thread runs; 2: one other task wants a core
+        assert workers.cores_taken(2) is want  # 1: only this thread runs; 2: one other task wants a core
     monkeypatch.setattr(builtins, "open", lambda *a, **k: io.StringIO("garbage"))
-    assert session._cores_taken(2) is False  # unreadable: the probe decides
+    assert workers.cores_taken(2) is False  # unreadable: the probe decides

@@ -4,7 +4,7 @@ A file's cached pages come in 2 MiB folios when a mapping with MADV_HUGEPAGE fau
 large folios since Linux 6.16, XFS earlier), and such a folio is mapped by one PMD entry: one TLB entry per 2 MiB.
 Pages cached any other way keep small folios for as long as they stay cached: pages written by a process (a copy,
 or FileWriter before its drop), and, after memory pressure reclaimed part of a file, every page read back into
-the holes (a 2 MiB folio needs its whole aligned range free). On the AMX Xeon VM TinyLlama Q4 decoded 1.07-1.08x
+the holes (a 2 MiB folio needs its whole aligned range free). On an AMX Xeon TinyLlama Q4 decoded 1.07-1.08x
 faster from a PMD-mapped file (benchmarks/pages.py) and a peers run fell from ~80% to 69-70% of the read bandwidth
 with a quarter of its file back in small folios (docs/journal/performance.md, "A third host kind").
 
