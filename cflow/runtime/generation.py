@@ -42,6 +42,11 @@ def speculative(s, logits: np.ndarray, sampler: Sampler, drafter, spec: Speculat
         tok = sp.first(logits)
         yield tok
         while sp.emitted < max_new:
+            if spec.pause:  # drafting does not pay here: plain decode's loop until the pause ends
+                for t in sp.coast(tok, min(spec.pause, max_new - sp.emitted)):
+                    yield t
+                    tok = t
+                continue
             new = sp.advance(tok, max_new - sp.emitted)
             yield from new
             tok = new[-1]

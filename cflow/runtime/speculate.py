@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -38,10 +38,13 @@ from .sampling import Sampler
 
 MAX_DRAFT = 8  # drafted tokens per pass at most (the block's cost grows past ~8 tokens on 2 cores)
 NGRAM_MAX = 4  # longest suffix prompt lookup tries to match
+NGRAM_MIN = 2  # shortest: one token in common predicts too little (drafts that fall cost a pass)
 TABLE_N = 3  # the shared table's key length
 TABLE_ENTRIES = 1 << 16  # shared table size bound (least recently used entries go first)
 PAUSE_STEPS = 16  # plain steps after drafting stopped paying, doubled at each further loss, up to PAUSE_MAX
 PAUSE_MAX = 1024
+WINDOW = 8  # drafting tokens between two judgements of what drafting gets against plain decode
+START_PAUSE_MAX = 64  # a new stream after streams where drafting did not pay starts paused for at most this
 RETIME = 32  # drafting passes between two timed plain steps (what drafting is compared with)
 EMA = 0.2  # weight of the newest time in the running timings
 DECAY = 0.8  # weight of the acceptance evidence before each new pass
@@ -75,49 +78,53 @@ class NgramTable:
 
 
 class NgramDrafter:
-    """Prompt lookup over one stream's text, incrementally indexed: for each n <= NGRAM_MAX, the latest position
-    that followed each n-gram. The longest suffix with an earlier occurrence proposes what came after it."""
+    """Prompt lookup over one stream's text: the longest suffix (NGRAM_MIN .. NGRAM_MAX tokens) that occurred
+    before proposes what followed its latest occurrence; the shared table is asked when no local suffix of
+    TABLE_N tokens matches. The index (one dict: n-gram -> the position after its latest occurrence) is brought
+    up to date when a draft is asked for, so tokens decoded while drafting is paused cost a list append."""
 
     deterministic = True
 
-    def __init__(self, table: NgramTable | None = None, max_n: int = NGRAM_MAX):
-        self.table, self.max_n = table, max_n
-        self._index: list[dict[tuple, int]] = [{} for _ in range(max_n + 1)]
+    def __init__(self, table: NgramTable | None = None, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN):
+        self.table, self.max_n, self.min_n = table, max_n, min_n
+        self._index: dict[tuple, int] = {}
         self._ids: list[int] = []
-        self._done = 0  # continuation starts indexed so far: positions 1 .. _done - 1 ... (see _extend)
+        self._done = 1  # the next continuation start to index (position i is indexed once a token follows it)
 
     def start(self, ids: list[int]) -> None:
-        self._index = [{} for _ in range(self.max_n + 1)]
-        self._ids, self._done = [], 0
-        self._extend(ids)
+        self._index, self._ids, self._done = {}, list(ids), 1
 
-    def _extend(self, ids: list[int]) -> None:
+    def accept(self, ids: list[int], index: bool = True) -> None:
+        """Tokens appended to the stream's text (emitted); index=False: decoded while drafting was paused, not
+        worth their indexing (what came before them is indexed first)."""
+        if not index:
+            self._catch_up()
         self._ids.extend(ids)
-        s = self._ids
-        # position i (a continuation start) is indexed once a token follows it: i <= len - 1
-        for i in range(max(self._done, 1), len(s)):
-            for n in range(1, min(self.max_n, i) + 1):
-                self._index[n][tuple(s[i - n : i])] = i
+        if not index:
+            self._done = len(self._ids)
+
+    def _catch_up(self) -> None:
+        s, index, lo, hi = self._ids, self._index, self.min_n, self.max_n
+        for i in range(self._done, len(s)):
+            for n in range(lo, min(hi, i) + 1):
+                index[tuple(s[i - n : i])] = i
         self._done = max(self._done, len(s))
 
-    def accept(self, ids: list[int]) -> None:
-        """Tokens appended to the stream's text (emitted)."""
-        self._extend(ids)
-
     def propose(self, k: int) -> tuple[list[int], None]:
-        s = self._ids
-        for n in range(min(self.max_n, len(s)), 0, -1):
-            if n == TABLE_N - 1 and self.table is not None:  # no long local match: the shared table first
+        self._catch_up()
+        s, index = self._ids, self._index
+        for n in range(min(self.max_n, len(s)), self.min_n - 1, -1):
+            i = index.get(tuple(s[-n:]))
+            if i is not None:
+                return s[i : i + k], None
+            if n == TABLE_N and self.table is not None:  # no local match this long: what other streams saw
                 cont = self.table.get(tuple(s[-TABLE_N:]))
                 if cont:
                     return list(cont[:k]), None
-            i = self._index[n].get(tuple(s[-n:]))
-            if i is not None:
-                return s[i : i + k], None
         return [], None
 
-    def finish(self) -> None:
-        if self.table is not None:
+    def finish(self, learn: bool = True) -> None:
+        if self.table is not None and learn:
             self.table.learn(self._ids)
 
 
@@ -138,7 +145,7 @@ class ModelDrafter:
         self._ids, self._held = list(ids), []
         self.s.reset()
 
-    def accept(self, ids: list[int]) -> None:
+    def accept(self, ids: list[int], index: bool = True) -> None:
         self._ids.extend(ids)
 
     def propose(self, k: int) -> tuple[list[int], list[np.ndarray] | None]:
@@ -165,7 +172,7 @@ class ModelDrafter:
         self._held = ids + out[:-1]
         return out, (None if self.deterministic else qs)
 
-    def finish(self) -> None:
+    def finish(self, learn: bool = True) -> None:
         pass
 
 
@@ -188,6 +195,8 @@ class Costs:
         self.step: float | None = None  # seconds of a plain decode step
         self.check: list[float | None] = [None] * (k_max + 1)  # seconds of a pass feeding 1 + k tokens
         self.draft_token = 0.0  # seconds to draft one token (a draft model's step; prompt lookup ~0)
+        self.losses = 0  # pauses in a row, over streams: drafting did not pay (the next pause is longer)
+        self.plain_rate: float | None = None  # tokens per second of plain decode, the caller's work included
 
     @staticmethod
     def _ema(old: float | None, new: float) -> float:
@@ -195,6 +204,9 @@ class Costs:
 
     def stepped(self, seconds: float) -> None:
         self.step = self._ema(self.step, seconds)
+
+    def coasted(self, tokens: int, seconds: float) -> None:
+        self.plain_rate = self._ema(self.plain_rate, tokens / seconds)
 
     def checked(self, k: int, seconds: float, draft_seconds: float) -> None:
         self.check[k] = self._ema(self.check[k], seconds)
@@ -209,13 +221,19 @@ class Costs:
 
 
 class Speculation:
-    """The draft length for one stream's next pass, from the model's costs and the stream's acceptance.
+    """The draft length for one stream's next pass, and whether to draft at all.
 
-    The acceptance is a per-token estimate a (a recency-weighted count of drafts that stood against the first one
-    that fell in each pass, from a prior of one each); a pass of k drafts then emits (1 - a^(k+1)) / (1 - a) tokens
-    on average and costs Costs.pass_steps(k) plain steps. The length with the most tokens per step is drafted if
-    that beats a plain step; else the stream decodes plainly for a pause that doubles each time (16 .. 1024
-    steps), after which one short pass probes the acceptance again. Greedy output does not depend on any of it."""
+    Which length: the acceptance is a per-token estimate a (a recency-weighted count of drafts that stood against
+    the first one that fell in each pass, from a prior of one each); a pass of k drafts then emits
+    (1 - a^(k+1)) / (1 - a) tokens on average and costs Costs.pass_steps(k) plain steps; the length with the most
+    tokens per step's time is drafted.
+
+    Whether: drafting stops for a pause when that best length does not beat a plain step, or when the tokens per
+    second the stream actually got over its last WINDOW drafting tokens (everything included: drafting, checking,
+    the steps between passes, the caller's work per token) fall below plain decode's (Costs.plain_rate, measured
+    the same way while paused). A pause doubles each time (16 .. 1024 steps); the count of pauses in a row is the
+    model's, so a stream after streams where drafting did not pay starts paused (at most START_PAUSE_MAX steps).
+    After a pause one short pass probes the acceptance again. Greedy output does not depend on any of it."""
 
     def __init__(self, costs: Costs | None = None, k_max: int = MAX_DRAFT,
                  clock: Callable[[], float] = time.perf_counter):
@@ -224,8 +242,13 @@ class Speculation:
         self.stood_w, self.fell_w = 1.0, 1.0  # recency-weighted evidence of the acceptance
         self.pause = 0  # plain steps left before drafting again
         self.probe = False  # the next pass drafts whatever the estimate says (after a pause)
-        self.losses = 0  # pauses in a row (their length doubles)
+        if self.costs.losses:  # drafting did not pay for the last streams: start paused (not long: a new text)
+            self.pause, self.probe = min(START_PAUSE_MAX, PAUSE_STEPS << (self.costs.losses - 1)), True
+        elif self.costs.plain_rate is None:  # a first stream: plain decode's pace first, measured
+            self.pause = WINDOW
         self._since_step = 0  # drafting passes since the last timed plain step
+        self._best: tuple[int, float] | None = None  # best(), until the next pass changes the estimate
+        self._window: tuple[float, int] | None = None  # (start, tokens) of the current drafting window
         self.pauses = 0  # times drafting paused
         self.proposed = self.accepted = self.passes = 0
 
@@ -241,6 +264,11 @@ class Speculation:
 
     def best(self) -> tuple[int, float]:
         """(k, expected tokens per plain step's time) of the best draft length."""
+        if self._best is None:
+            self._best = self._find_best()
+        return self._best
+
+    def _find_best(self) -> tuple[int, float]:
         a, costs = min(self.rate, 0.999), self.costs
         best = (1, 0.0)
         for k in range(1, self.k_max + 1):
@@ -248,6 +276,14 @@ class Speculation:
             if gain > best[1]:
                 best = (k, gain)
         return best
+
+    def _stop(self) -> int:
+        """Drafting did not pay: pause (longer each time in a row), then probe."""
+        self.costs.losses += 1
+        self.pauses += 1
+        self.pause = min(PAUSE_MAX, PAUSE_STEPS << min(self.costs.losses - 1, 16)) - 1
+        self.probe, self._window = True, None
+        return 0
 
     def length(self) -> int:
         """Tokens to draft for the next pass; 0 = a plain step (paused, not paying, or a step due to be timed)."""
@@ -258,21 +294,34 @@ class Speculation:
             self._since_step = 0
             return 0
         self._since_step += 1
+        now = self.clock()
+        if self._window is None:
+            self._window = (now, 0)
+        elif self._window[1] >= WINDOW:  # judged by what the stream got, against plain decode's pace
+            plain = self.costs.plain_rate or 1.0 / self.costs.step
+            if self._window[1] / (now - self._window[0]) < plain:
+                return self._stop()
+            self.costs.losses = 0
+            self._window = (now, 0)
         k, gain = self.best()
         if self.probe:
             self.probe = False
             return min(k, 2)
         if gain < 1.0:
-            self.losses += 1
-            self.pauses += 1
-            self.pause = min(PAUSE_MAX, PAUSE_STEPS << (self.losses - 1)) - 1
-            self.probe = True
-            return 0
-        self.losses = 0
+            return self._stop()
         return k
+
+    def emitted(self, n: int) -> None:
+        """n tokens came out of a pass or a step while drafting was on."""
+        if self._window is not None:
+            self._window = (self._window[0], self._window[1] + n)
 
     def stepped(self, seconds: float) -> None:
         self.costs.stepped(seconds)
+
+    def coasted(self, tokens: int, seconds: float) -> None:
+        """tokens came out of plain steps in `seconds`, the caller's time per token included."""
+        self.costs.coasted(tokens, seconds)
 
     def checked(self, drafted: int, stood: int, seconds: float, draft_seconds: float = 0.0) -> None:
         """One pass: `drafted` tokens proposed, `stood` of them accepted; `seconds` checking, `draft_seconds`
@@ -283,6 +332,7 @@ class Speculation:
         self.stood_w = DECAY * self.stood_w + stood
         self.fell_w = DECAY * self.fell_w + (stood < drafted)
         self.costs.checked(drafted, seconds, draft_seconds)
+        self._best = None
 
 
 class Uniforms:
@@ -368,6 +418,7 @@ class Speculator:
             t1 = spec.clock()
             logits = s.step(tok) if slot == 0 else s.prefill([tok], slot=slot)
             spec.stepped(spec.clock() - t1)
+            spec.emitted(1)
             return [self.draw(logits)]
         t1 = spec.clock()
         rows = s.prefill([tok, *drafts], slot=slot, all_logits=True)
@@ -376,9 +427,34 @@ class Speculator:
         s.slot_pos[slot] = pos + 1 + stood
         spec.checked(len(drafts), stood, spec.clock() - t1, t1 - t0)
         out = [*drafts[:stood], nxt]
+        spec.emitted(len(out))
         self.emitted += len(out)
         self.drafter.accept(out)
         return out
 
+    def coast(self, tok: int, n: int) -> Iterator[int]:
+        """Up to n tokens after `tok` by plain steps on slot 0, as plain decode runs them (drafting paused): the
+        drafter hears of them, and the steps' time is noted, once at the end."""
+        s, sampler, uniforms, guard, check = self.s, self.sampler, self.uniforms, self.guard, self.check
+        greedy, out = sampler.greedy, []
+        t0 = self.spec.clock()
+        try:
+            for _ in range(n):
+                guard()
+                logits = s.step(tok)
+                check(logits)
+                tok = sampler.draw(logits, None if greedy else uniforms[self.emitted])
+                self.emitted += 1
+                out.append(tok)
+                yield tok
+        finally:
+            if out:
+                dt = self.spec.clock() - t0
+                self.spec.stepped(dt / len(out))
+                if len(out) == n:  # a whole pause (the caller's time per token included): plain decode's pace
+                    self.spec.coasted(len(out), dt)
+                self.spec.pause = max(0, self.spec.pause - len(out))
+                self.drafter.accept(out, index=False)
+
     def finish(self) -> None:
-        self.drafter.finish()
+        self.drafter.finish(learn=not self.spec.costs.losses)  # a model where drafting does not pay: no table

@@ -30,7 +30,7 @@ class Oracle:
     def start(self, ids):
         self.base, self.n = len(ids), 0
 
-    def accept(self, ids):
+    def accept(self, ids, index=True):
         self.n += len(ids)
 
     def propose(self, k):
@@ -40,7 +40,7 @@ class Oracle:
             out.append((t + 1) % self.vocab if self.made % self.wrong == 0 else t)
         return out, None
 
-    def finish(self):
+    def finish(self, learn=True):
         pass
 
 
@@ -49,6 +49,12 @@ class Cheap(sp.Costs):
 
     def pass_steps(self, k):
         return 0.1
+
+
+def _always_drafting():
+    costs = Cheap()
+    costs.step, costs.plain_rate = 1.0, 1e-9
+    return costs
 
 
 def _spec_greedy(m, ids, n, drafter):
@@ -119,17 +125,32 @@ def test_ngram_table_is_shared_and_bounded():
     assert table.get((10, 11, 12)) == ()
 
 
-def test_controller_drafts_what_pays_and_pauses_when_nothing_does():
+def _controller(plain_rate=1.0):
+    """A Speculation on a fake clock (now[0]) whose plain decode makes plain_rate tokens per time unit."""
+    now = [0.0]
     costs = sp.Costs(k_max=8)
-    spec = sp.Speculation(costs)
+    costs.plain_rate = plain_rate
+    spec = sp.Speculation(costs, clock=lambda: now[0])
+    return spec, costs, now
+
+
+def _pass(spec, now, k, stood, seconds):
+    spec.checked(k, stood, seconds)
+    spec.emitted(stood + 1)
+    now[0] += seconds
+
+
+def test_controller_drafts_what_pays_and_pauses_when_nothing_does():
+    spec, costs, now = _controller()
     assert spec.length() == 0  # the first plain step is timed
     spec.stepped(1.0)
+    now[0] += 1.0
     for k in range(1, 9):  # a pass costs one step and a little more per drafted token
         costs.check[k] = 1.0 + 0.05 * k
     for _ in range(20):  # every draft stands: long drafts pay most
         k = spec.length()
         assert k > 0
-        spec.checked(k, k, 1.0 + 0.05 * k)
+        _pass(spec, now, k, k, 1.0 + 0.05 * k)
     assert spec.length() == 8 and spec.rate > 0.9
     for _ in range(40):  # every draft falls: one token per pass of more than a step
         k = spec.length()
@@ -137,21 +158,51 @@ def test_controller_drafts_what_pays_and_pauses_when_nothing_does():
             break
         if k == 0:  # a plain step due to be timed
             spec.stepped(1.0)
+            now[0] += 1.0
             continue
-        spec.checked(k, 0, 1.0 + 0.05 * k)
+        _pass(spec, now, k, 0, 1.0 + 0.05 * k)
     assert spec.pause > 0 and spec.pauses == 1
     while spec.pause:
         assert spec.length() == 0
-    assert 0 < spec.length() <= 2  # after the pause, one short pass probes the acceptance
-    spec.checked(2, 0, 1.1)
-    assert spec.length() == 0 and spec.pause >= 2 * sp.PAUSE_STEPS - 1  # still nothing stands: a longer pause
+    k = spec.length()
+    assert 0 < k <= 2  # after the pause, one short pass probes the acceptance
+    for _ in range(40):  # still nothing stands: a second pause, twice as long
+        if k:
+            _pass(spec, now, k, 0, 1.0 + 0.05 * k)
+        k = spec.length()
+        if k == 0 and spec.pause:
+            break
+    assert spec.pauses == 2 and spec.pause >= 2 * sp.PAUSE_STEPS - 1
+    fresh = sp.Speculation(costs)
+    assert fresh.pause > 0 and fresh.probe  # the model's losses carry over: a new stream starts paused
+
+
+def test_controller_believes_the_clock_over_its_cost_model():
+    """The cost model says drafting pays (passes timed cheap), the stream's tokens per second say it does not
+    (the time goes elsewhere: a tiny model's per-call work): after one window, a pause."""
+    spec, costs, now = _controller(plain_rate=1.0)
+    costs.stepped(1.0)
+    for k in range(1, 9):
+        costs.check[k] = 0.5
+    paused = False
+    for _ in range(30):
+        k = spec.length()
+        if k == 0:
+            paused = spec.pause > 0
+            break
+        _pass(spec, now, k, k // 2, 0.5)
+        now[0] += 10.0  # where the stream's time really went
+    assert paused and spec.pauses == 1
+
+
+def test_costs_and_best_length():
     slow = sp.Costs()
     slow.step = 1.0
     slow.check[1] = 3.0  # checking costs three steps (a tiny model's per-call work)
     s2 = sp.Speculation(slow)
-    s2.stood_w, s2.fell_w = 9.0, 1.0  # nine drafts in ten stand: only long drafts pay
+    s2.stood_w, s2.fell_w, s2._best = 9.0, 1.0, None  # nine drafts in ten stand: only long drafts pay
     assert s2.best()[0] == 8 and s2.best()[1] > 1.0
-    s2.stood_w, s2.fell_w = 1.0, 1.0  # one in two: nothing pays
+    s2.stood_w, s2.fell_w, s2._best = 1.0, 1.0, None  # one in two: nothing pays
     assert s2.best()[1] < 1.0
 
 
@@ -194,13 +245,17 @@ def test_sampled_prompt_lookup_is_plain_sampling_token_for_token(tmp_path):
     p = tmp_path / "m.vflow"
     compile_file(load_graph("preset:arch2_4_combined@tiny"), p, "q4")
     with cflow.load(p, threads=1, prefill_block=16) as m:
+        m._costs["ngram"] = _always_drafting()  # a tiny model, where drafting does not pay: make it draft
         ids = [5, 6, 7, 8] * 6
+        passes = 0
         for seed in range(4):
             opts = dict(temperature=0.9, top_k=5, seed=seed, stop=False)
             want = m.generate(ids, 24, **opts)
             assert m.generate(ids, 24, speculate="ngram", **opts) == want
+            passes += m.speculation.passes
             assert m.generate(ids, 24, speculate="ngram", **opts) == want  # the table now knows this text
-        assert m.speculation.passes > 0
+            passes += m.speculation.passes
+        assert passes > 0
 
 
 def test_bad_requests(tmp_path):

@@ -39,7 +39,7 @@ def test_alone_then_batched_gives_generate_tokens(tiny_path, ref_tiny, kind, tem
         _start(be, 0, REP, pa)
         got = _tokens([be.advance([0])[0] for _ in range(15)])  # alone: drafting passes
         spec = be._spec[0].spec
-        assert spec.passes > 0
+        assert spec.passes > 0 or temperature  # greedy repeats itself here; sampled text may offer no drafts
         _start(be, 1, REP[:9], pb)  # another sequence joins: slot 0 steps in the batch
         both = [_tokens(be.advance([0, 1])) for _ in range(10)]
         got += [a for a, _ in both]
