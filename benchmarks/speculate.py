@@ -8,7 +8,9 @@ Tasks (greedy, --tokens new tokens each):
   code-edit   copy-heavy: a 30-line Python function and the request to add type hints, returning the whole code
               (the chat template where the model has one)
   quote       copy-heavy: a TinyStories paragraph and the request to repeat it word for word
-  prose       free text: a story from its first sentence (nothing to copy from)
+  prose       free text: a story from its first sentence (nothing to copy from but what the model repeats)
+  prose-sampled  the same, sampled (temperature 0.8, top-p 0.95, seed 1): prompt lookup gives plain sampling's
+              tokens for the same seed; a draft model's rejection rule the same distribution, not the same draws
 Modes: plain decode, prompt lookup (`speculate="ngram"`), and a draft model (`speculate="draft"`) for each
 --draft TARGET=DRAFT pair (same tokenizer). The modes run in turn, --rounds times, on one loaded model; per
 mode the median decode tok/s (first token to last, the prompt excluded), the ratio to plain decode in the same
@@ -75,7 +77,7 @@ def prompts(m, tokens: int) -> dict[str, str]:
             out[task] = f"{CODE}\n\n# The same function with type hints:\n"
         else:
             out[task] = f"{story}\n\nThe same story, copied word for word:\n\n"
-    out["prose"] = "Once upon a time, in a small village by the sea, there lived"
+    out["prose"] = out["prose-sampled"] = "Once upon a time, in a small village by the sea, there lived"
     for task, text in list(out.items()):
         if len(m._ids(text)) + tokens > m.session.max_seq:
             print(f"# {task}: the prompt and {tokens} tokens do not fit the context of {m.session.max_seq}: left out")
@@ -102,12 +104,15 @@ def model_file(name: str, cache: Path, work: Path) -> str:
     return str(out)
 
 
-def decode_once(m, prompt: str, n: int, speculate: str | None):
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1}
+
+
+def decode_once(m, prompt: str, n: int, speculate: str | None, sampling: dict | None = None):
     """(tokens, decode tok/s from the first token to the last, the stream's Speculation or None)."""
     ids = m.check_request(prompt, n)
     t_first = None
     out = []
-    for tok in m.stream(ids, n, stop=False, speculate=speculate):
+    for tok in m.stream(ids, n, stop=False, speculate=speculate, **(sampling or {})):
         if t_first is None:
             t_first = time.perf_counter()
         out.append(tok)
@@ -128,7 +133,8 @@ def run_model(name: str, path: str, draft: str | None, args, run: Run, gbs: floa
             decode_once(m, prompt, 8, None)  # warm: the prompt's pages, the JIT's first call
             for _ in range(args.rounds):
                 for mode in modes:
-                    out, tps, spec = decode_once(m, prompt, args.tokens, mode)
+                    out, tps, spec = decode_once(m, prompt, args.tokens, mode,
+                                                 SAMPLED if task.endswith("-sampled") else None)
                     rates[mode].append(tps)
                     tokens.setdefault(mode, out)
                     if spec is not None:
@@ -137,8 +143,11 @@ def run_model(name: str, path: str, draft: str | None, args, run: Run, gbs: floa
             for mode in modes:
                 tps = statistics.median(rates[mode])
                 spec = stats.get(mode)
+                same = tokens[mode] == tokens[None]
+                if mode == "draft" and task.endswith("-sampled"):
+                    same = None  # the rejection rule: plain sampling's distribution, other draws
                 extra = {"task": task, "mode": mode or "plain", "speedup": tps / plain,
-                         "rounds_tok_s": rates[mode], "same_tokens_as_plain": tokens[mode] == tokens[None],
+                         "rounds_tok_s": rates[mode], "same_tokens_as_plain": same,
                          "draft": Path(draft).stem if mode == "draft" else None}
                 if spec is not None:
                     extra |= {"acceptance": spec.acceptance, "passes": spec.passes, "drafted": spec.proposed,
@@ -148,8 +157,8 @@ def run_model(name: str, path: str, draft: str | None, args, run: Run, gbs: floa
                                           threads=m.threads, variant=f"{task}/{mode or 'plain'}", tok_s=tps,
                                           bytes_per_token=m.bytes_per_token, read_gbs=gbs, **extra))
                 acc = f"{100 * spec.acceptance:5.1f}%" if spec is not None else "     -"
-                print(f"{name:<22} {task:<10} {mode or 'plain':<6} {tps:8.2f} tok/s  {tps / plain:5.2f}x  "
-                      f"accepted {acc}  same tokens: {tokens[mode] == tokens[None]}", flush=True)
+                print(f"{name:<20} {task:<13} {mode or 'plain':<6} {tps:8.2f} tok/s  {tps / plain:5.2f}x  "
+                      f"accepted {acc}  same tokens: {'n/a' if same is None else same}", flush=True)
     finally:
         m.close()
     return records

@@ -84,6 +84,7 @@ class NgramDrafter:
     up to date when a draft is asked for, so tokens decoded while drafting is paused cost a list append."""
 
     deterministic = True
+    catch_up_s = 0.0
 
     def __init__(self, table: NgramTable | None = None, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN):
         self.table, self.max_n, self.min_n = table, max_n, min_n
@@ -133,6 +134,7 @@ class ModelDrafter:
     own KV cache kept to the stream's text: only tokens it has not seen are fed before each draft."""
 
     deterministic = False
+    catch_up_s = 0.0  # seconds the last propose spent feeding text the draft had not seen
 
     def __init__(self, session, sampler: Sampler):
         self.s = session
@@ -158,7 +160,10 @@ class ModelDrafter:
         while common < n and self._held[common] == ids[common]:
             common += 1
         s.pos = common
+        t0 = time.perf_counter()
         logits = s.prefill(ids[common:])
+        if len(ids) - common > 1:  # catching up on text it did not draft (a pause, the prompt): not drafting
+            self.catch_up_s = time.perf_counter() - t0
         out, qs = [], []
         for i in range(k):
             if self.deterministic:
@@ -410,6 +415,7 @@ class Speculator:
         k = min(spec.length(), left - 1, s.tmax - 1, s.max_seq - pos - 1)
         drafts, qs = [], None
         if k > 0:
+            self.drafter.catch_up_s = 0.0
             t0 = spec.clock()
             drafts, qs = self.drafter.propose(k)
             drafts, qs = drafts[:k], (qs[:k] if qs is not None else None)
@@ -425,7 +431,7 @@ class Speculator:
         self.check(rows)
         stood, nxt = verify(rows, drafts, qs, self.sampler, self.uniforms, self.emitted)
         s.slot_pos[slot] = pos + 1 + stood
-        spec.checked(len(drafts), stood, spec.clock() - t1, t1 - t0)
+        spec.checked(len(drafts), stood, spec.clock() - t1, t1 - t0 - self.drafter.catch_up_s)
         out = [*drafts[:stood], nxt]
         spec.emitted(len(out))
         self.emitted += len(out)

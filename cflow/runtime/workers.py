@@ -54,21 +54,23 @@ def cores_taken(threads: int) -> bool:
 class Backoff:
     """The default thread count under load: back off to one thread while the workers are being descheduled.
 
-    With another process busy on a core, a stage barrier waits for a worker that is not running, once per stage,
-    so the default (every usable core) decodes many times slower than one thread (docs/journal/performance.md, "Under
+    With another process busy on a core, a stage barrier waits for a worker that is not running, once per stage, so
+    the default (every usable core) decodes many times slower than one thread (docs/journal/performance.md, "Under
     load"); no spin budget fixes that (the waiter either burns the core the worker needs or pays a wake-up per
-    stage). The barrier counts the waits that ended in futex_wait (BarrierWord.NAPS). NAPS such sleeps within
-    WINDOW multi-threaded calls (one per call on average; a quiet host shows 0-0.6, a loaded one 1-40) mean a
-    worker is being descheduled, and the calls of the next `backoff` seconds run on the caller's thread alone
-    (nthreads = 1: the same arithmetic, bit-identical results; the workers stay asleep). Then multi-threaded
-    calls probe again, and the first one under load usually decides at once; the backoff doubles up to MOST
-    seconds while the load lasts (so probing costs little) and resets after a quiet window. In seconds, not
-    calls: a call takes 50 us on a tiny model, 30 ms on a 1B one. A probe under load costs a call that naps at
-    its barriers (~2-3% of a 114m decode measured over 1 s), so when a backoff ends and other tasks are runnable
-    right then (`busy`: /proc/loadavg's count of runnable tasks says the threads would not each get a core),
-    the probe is skipped and the backoff doubles as if it had failed; the barrier's naps stay the judge
-    otherwise (a quiet moment still probes, and other tenants of a VM, invisible here, are caught as before).
-    Only the default thread count adapts; an explicit `threads=N` is taken as asked."""
+    stage). The barrier counts the waits that ended in futex_wait (BarrierWord.NAPS). A quiet host naps too, where
+    stages are uneven: 0-1 sleeps per call for models up to ~300 MB per token, 7 for a 0.5B and 35 for a 1.5B (of
+    ~140 barriers per call; a busy other core: 120). So the judge is the model's own quiet rate, `floor` (the lowest
+    rate of sleeps per call any window has shown): more than 2 x floor + 1 sleeps per call, and at least NAPS within
+    a WINDOW of multi-threaded calls, mean a worker is being descheduled, and the calls of the next `backoff`
+    seconds run on the caller's thread alone (nthreads = 1: the same arithmetic, bit-identical results; the workers
+    stay asleep). Then multi-threaded calls probe again, and the first one under load usually decides at once; the
+    backoff doubles up to MOST seconds while the load lasts (so probing costs little) and resets after a quiet
+    window. In seconds, not calls: a call takes 50 us on a tiny model, 30 ms on a 1B one. A probe under load costs a
+    call that naps at its barriers (~2-3% of a 114m decode measured over 1 s), so when a backoff ends and other
+    tasks are runnable right then (`busy`: /proc/loadavg's count of runnable tasks says the threads would not each
+    get a core), the probe is skipped and the backoff doubles as if it had failed; the barrier's naps stay the judge
+    otherwise (a quiet moment still probes, and other tenants of a VM, invisible here, are caught as before). Only
+    the default thread count adapts; an explicit `threads=N` is taken as asked."""
 
     WINDOW = 8  # multi-threaded calls per probe window
     NAPS = 8  # barrier sleeps in a window that mean descheduled workers
@@ -85,6 +87,7 @@ class Backoff:
         self.backoff = self.FIRST
         self.calls = self.naps = 0
         self.seen = 0  # BarrierWord.NAPS after the last multi-threaded call
+        self.floor: float | None = None  # the lowest sleeps per call of any window: this model's quiet rate
         self.solo_calls = 0  # calls run single-threaded since load (reported by Session.solo_calls)
 
     def solo(self) -> bool:
@@ -106,13 +109,16 @@ class Backoff:
         self.naps += naps - self.seen
         self.seen = naps
         self.calls += 1
-        if self.naps >= self.NAPS:  # at once, not at the window's end: under load one call already shows it
+        limit = self.NAPS if self.floor is None else max(self.NAPS, (2 * self.floor + 1) * self.WINDOW)
+        if self.naps >= limit:  # at once, not at the window's end: under load one call already shows it
             self.until = self.clock() + self.backoff
             self.backoff = min(2 * self.backoff, self.MOST)
         elif self.calls < self.WINDOW:
             return
         else:
             self.backoff = self.FIRST
+        rate = self.naps / self.calls
+        self.floor = rate if self.floor is None else min(self.floor, rate)
         self.calls = self.naps = 0
 
 

@@ -160,6 +160,30 @@ def test_backoff_policy_with_a_fake_clock():
     assert b.solo_calls == 3
 
 
+def test_backoff_judges_by_the_models_own_quiet_rate():
+    """A big model naps at uneven stages on a quiet host (35 sleeps per call): after its first window that is
+    the floor, and only well above it (a descheduled worker: 120) backs off."""
+    from cflow.runtime.workers import Backoff
+
+    now = [0.0]
+    b = Backoff(clock=lambda: now[0])
+    naps = 35
+    b.after(naps)  # the first call trips the default limit at once, and sets the floor
+    assert b.until and b.floor == 35
+    now[0] += b.FIRST + 1e-9
+    for _ in range(3 * b.WINDOW):  # quiet: 35 per call stays multi-threaded
+        assert not b.solo()
+        naps += 35
+        b.after(naps)
+    calls = 0
+    while not b.until and calls < b.WINDOW:  # a busy other core: 120 per call
+        assert not b.solo()
+        naps += 120
+        b.after(naps)
+        calls += 1
+    assert b.until and calls == 5 and b.floor == 35  # (2 x 35 + 1) x WINDOW = 568 sleeps: 5 calls of 120
+
+
 def test_backoff_skips_the_probe_while_other_tasks_hold_the_cores():
     from cflow.runtime.workers import Backoff
 
