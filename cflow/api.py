@@ -304,7 +304,7 @@ class CompiledModel:
             dec = StreamDecoder(self.tokenizer, ids[-16:] if reuse else ids)  # a chat: the tail is context enough
         stops = self.eos_ids | stop_ids
         drafting = self.draft._generation() if speculate == "draft" else contextlib.nullcontext()
-        with self._generation() as s, drafting:
+        with self._generation() as s, drafting as d, generation.sharing_cores(s, d):
             logits = self._feed(s, ids, reuse)
 
             def guard():

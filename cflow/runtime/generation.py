@@ -9,12 +9,28 @@ every logits row before a token is drawn from it (NaN / Inf from a crafted file)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from .sampling import Sampler
 from .speculate import Speculation, Speculator
+
+
+@contextlib.contextmanager
+def sharing_cores(*sessions):
+    """Sessions that take turns on the same cores for one generation (a model and its draft model) keep their
+    thread counts: each one's idle workers spin while the other runs, which their load back-off would take for
+    another process and answer by running on one thread. None entries are skipped."""
+    steps = [s.native for s in sessions if s is not None]
+    for n in steps:
+        n.hold_threads = True
+    try:
+        yield
+    finally:
+        for n in steps:
+            n.hold_threads = False
 
 
 def plain(s, logits: np.ndarray, sampler: Sampler, max_new: int, guard: Callable[[], None],

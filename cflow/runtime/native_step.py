@@ -39,6 +39,9 @@ class NativeStep:
         self.ptrs = None  # the pointer table: None until bind()
         self.workers: Workers | None = None
         self.backoff: Backoff | None = None
+        # True while this step shares the cores with another model of ours (a speculative draft model): its
+        # workers' spinning makes this step's barriers nap, which is not load to back off from
+        self.hold_threads = False
         self._build(cache)
 
     # --- building ---------------------------------------------------------------------------------
@@ -168,7 +171,7 @@ class NativeStep:
     # --- running ----------------------------------------------------------------------------------
     def solo(self) -> bool:
         """Run the next call (the disk tiers: the next token's calls) on the caller's thread alone?"""
-        return self.workers is None or (self.backoff is not None and self.backoff.solo())
+        return self.workers is None or (self.backoff is not None and not self.hold_threads and self.backoff.solo())
 
     def run(self, solo: bool | None = None) -> None:
         """One native call over the current params (solo: on the caller's thread alone; None: as solo() says)."""
@@ -180,7 +183,7 @@ class NativeStep:
             self._fn(self.args[0], self.args[1], 0, 1, self.args[2])  # one thread: the workers stay asleep
         else:
             self.workers.run()
-            if self.backoff is not None:
+            if self.backoff is not None and not self.hold_threads:
                 self.backoff.after(int(self.barrier[BarrierWord.NAPS]))
 
     def logits_rows(self, n: int) -> np.ndarray:

@@ -224,6 +224,16 @@ class Costs:
         check = self.check[known] * (1 + 0.05 * (k - known)) if known else self.step
         return (check + k * self.draft_token) / self.step
 
+    def gain(self, k: int, tokens: float) -> float:
+        """Speed of a pass of k drafts that emits `tokens` on average, over plain decode's: plain decode takes
+        1 / plain_rate per token (its step and the work around it, sampling, the caller); the pass takes its
+        drafting and checking plus that same work around each token it emits."""
+        if self.plain_rate is None:
+            return tokens / self.pass_steps(k)
+        per_token = 1.0 / self.plain_rate
+        around = max(0.0, per_token - self.step)
+        return tokens * per_token / (self.pass_steps(k) * self.step + tokens * around)
+
 
 class Speculation:
     """The draft length for one stream's next pass, and whether to draft at all.
@@ -277,7 +287,7 @@ class Speculation:
         a, costs = min(self.rate, 0.999), self.costs
         best = (1, 0.0)
         for k in range(1, self.k_max + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / costs.pass_steps(k)
+            gain = costs.gain(k, (1 - a ** (k + 1)) / (1 - a))
             if gain > best[1]:
                 best = (k, gain)
         return best
@@ -316,10 +326,11 @@ class Speculation:
             return self._stop()
         return k
 
-    def emitted(self, n: int) -> None:
-        """n tokens came out of a pass or a step while drafting was on."""
+    def emitted(self, n: int, aside: float = 0.0) -> None:
+        """n tokens came out of a pass or a step while drafting was on; `aside` seconds of it were not drafting's
+        doing (a draft model catching up on text decoded while paused) and are left out of the window."""
         if self._window is not None:
-            self._window = (self._window[0], self._window[1] + n)
+            self._window = (self._window[0] + aside, self._window[1] + n)
 
     def stepped(self, seconds: float) -> None:
         self.costs.stepped(seconds)
@@ -433,7 +444,7 @@ class Speculator:
         s.slot_pos[slot] = pos + 1 + stood
         spec.checked(len(drafts), stood, spec.clock() - t1, t1 - t0 - self.drafter.catch_up_s)
         out = [*drafts[:stood], nxt]
-        spec.emitted(len(out))
+        spec.emitted(len(out), self.drafter.catch_up_s)
         self.emitted += len(out)
         self.drafter.accept(out)
         return out
