@@ -43,6 +43,7 @@ TABLE_N = 3  # the shared table's key length
 TABLE_ENTRIES = 1 << 16  # shared table size bound (least recently used entries go first)
 PAUSE_STEPS = 16  # plain steps after drafting stopped paying, doubled at each further loss, up to PAUSE_MAX
 PAUSE_MAX = 1024
+PAY = 1.1  # the expected gain drafting must show (the cost model leaves out the calls between passes)
 WINDOW = 8  # drafting tokens between two judgements of what drafting gets against plain decode
 START_PAUSE_MAX = 64  # a new stream after streams where drafting did not pay starts paused for at most this
 RETIME = 32  # drafting passes between two timed plain steps (what drafting is compared with)
@@ -241,7 +242,7 @@ class Speculation:
     Which length: the acceptance is a per-token estimate a (a recency-weighted count of drafts that stood against
     the first one that fell in each pass, from a prior of one each); a pass of k drafts then emits
     (1 - a^(k+1)) / (1 - a) tokens on average and costs Costs.pass_steps(k) plain steps; the length with the most
-    tokens per step's time is drafted.
+    tokens per step's time is drafted if it expects PAY times plain decode's speed.
 
     Whether: drafting stops for a pause when that best length does not beat a plain step, or when the tokens per
     second the stream actually got over its last WINDOW drafting tokens (everything included: drafting, checking,
@@ -322,7 +323,7 @@ class Speculation:
         if self.probe:
             self.probe = False
             return min(k, 2)
-        if gain < 1.0:
+        if gain < PAY:
             return self._stop()
         return k
 

@@ -313,11 +313,11 @@ def test_cflow_run_speculate(tmp_path, capsys):
 
 
 def test_gain_counts_the_work_around_each_token():
-    """A tiny model: a step of 65 us in 77 us per token of plain decode; a pass checking 8 drafts takes 600 us.
-    Nine tokens per pass look 1.06x faster by steps alone, but each emitted token still costs its 12 us of
-    sampling and the caller's work: 0.98x, not worth drafting."""
+    """A tiny model: a step of 65 us in 77 us per token of plain decode; a pass checking 8 drafts takes 560 us.
+    Nine tokens per pass are 1.045x by steps alone, 1.037x with the 12 us of work around each token; a gain
+    that thin is within what the model leaves out (the calls between passes), so it is not drafted (PAY)."""
     c = sp.Costs()
-    c.step, c.check[8] = 65e-6, 600e-6
-    assert c.gain(8, 9.0) > 1.0  # plain decode's pace unknown: by steps
+    c.step, c.check[8] = 65e-6, 560e-6
+    by_steps = c.gain(8, 9.0)
     c.plain_rate = 1 / 77e-6
-    assert 0.97 < c.gain(8, 9.0) < 0.99
+    assert 1.0 < c.gain(8, 9.0) < by_steps < sp.PAY
