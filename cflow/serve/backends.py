@@ -193,7 +193,10 @@ class BatchedSlots:
                 out[s] = self._emit(s, self._ready[s].pop(0))
             else:
                 feed.append(s)
-        if feed == [0] and 0 in self._spec:  # decoding alone: a drafting pass
+        spec0 = self._spec.get(0)
+        if feed == [0] and spec0 is not None and spec0.spec.pause:  # drafting paused: plain decode's step below
+            spec0.spec.pause -= 1
+        elif feed == [0] and spec0 is not None:  # decoding alone: a drafting pass
             try:
                 new = self._spec[0].advance(self._last[0], max(1, self._left[0]))
                 out[0], self._ready[0] = self._emit(0, new[0]), new[1:]
