@@ -337,7 +337,7 @@ class CompiledModel:
     def _drafter(self, speculate: str, sampler, seed):
         from .runtime import speculate as sp
 
-        self.speculation = sp.Speculation(self._costs.setdefault(speculate, sp.Costs()))
+        self.speculation = sp.Speculation(self._costs.setdefault(speculate, sp.costs_for(speculate)))
         if speculate == "ngram" and self._ngrams is None:
             self._ngrams = sp.NgramTable()
         return sp.drafter_for(speculate, sampler, seed, self._ngrams, self.draft and self.draft.session)

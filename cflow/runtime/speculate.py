@@ -182,6 +182,13 @@ class ModelDrafter:
         pass
 
 
+def costs_for(kind: str) -> Costs:
+    """A drafter kind's Costs. A draft model must also read what it has not seen (the prompt, a pause's tokens)
+    before it drafts, so after streams where it did not pay a new stream starts with the whole doubled pause
+    (up to PAUSE_MAX); prompt lookup, which costs nothing to resume, probes a new text sooner."""
+    return Costs(start_pause_max=PAUSE_MAX if kind == "draft" else START_PAUSE_MAX)
+
+
 def drafter_for(kind: str, sampler: Sampler, seed: int | None, table: NgramTable | None = None,
                 draft_session=None):
     """The drafter a stream asks for: "ngram" (prompt lookup with the shared `table`) or "draft" (the draft
@@ -197,7 +204,8 @@ class Costs:
     """What drafting costs with one model on this host, shared by its streams (CompiledModel.speculation_costs):
     running times of a plain step, of a pass that checks k drafts, and of drafting one token."""
 
-    def __init__(self, k_max: int = MAX_DRAFT):
+    def __init__(self, k_max: int = MAX_DRAFT, start_pause_max: int = START_PAUSE_MAX):
+        self.start_pause_max = start_pause_max  # a new stream after losses starts paused for at most this
         self.step: float | None = None  # seconds of a plain decode step
         self.check: list[float | None] = [None] * (k_max + 1)  # seconds of a pass feeding 1 + k tokens
         self.draft_token = 0.0  # seconds to draft one token (a draft model's step; prompt lookup ~0)
@@ -259,7 +267,8 @@ class Speculation:
         self.pause = 0  # plain steps left before drafting again
         self.probe = False  # the next pass drafts whatever the estimate says (after a pause)
         if self.costs.losses:  # drafting did not pay for the last streams: start paused (not long: a new text)
-            self.pause, self.probe = min(START_PAUSE_MAX, PAUSE_STEPS << (self.costs.losses - 1)), True
+            self.pause = min(self.costs.start_pause_max, PAUSE_STEPS << min(self.costs.losses - 1, 16))
+            self.probe = True
         elif self.costs.plain_rate is None:  # a first stream: plain decode's pace first, measured
             self.pause = WINDOW
         self._since_step = 0  # drafting passes since the last timed plain step
@@ -327,11 +336,11 @@ class Speculation:
             return self._stop()
         return k
 
-    def emitted(self, n: int, aside: float = 0.0) -> None:
-        """n tokens came out of a pass or a step while drafting was on; `aside` seconds of it were not drafting's
-        doing (a draft model catching up on text decoded while paused) and are left out of the window."""
+    def emitted(self, n: int) -> None:
+        """n tokens came out of a pass or a step while drafting was on (the window's time includes everything:
+        a draft model reading the prompt or a pause's tokens is part of what drafting costs)."""
         if self._window is not None:
-            self._window = (self._window[0] + aside, self._window[1] + n)
+            self._window = (self._window[0], self._window[1] + n)
 
     def stepped(self, seconds: float) -> None:
         self.costs.stepped(seconds)
@@ -445,7 +454,7 @@ class Speculator:
         s.slot_pos[slot] = pos + 1 + stood
         spec.checked(len(drafts), stood, spec.clock() - t1, t1 - t0 - self.drafter.catch_up_s)
         out = [*drafts[:stood], nxt]
-        spec.emitted(len(out), self.drafter.catch_up_s)
+        spec.emitted(len(out))
         self.emitted += len(out)
         self.drafter.accept(out)
         return out

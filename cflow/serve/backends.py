@@ -142,7 +142,7 @@ class BatchedSlots:
         drafter = sp.drafter_for(self.speculate, self._sampler[0], job.params.seed, self._ngrams,
                                  m.draft and m.draft.session)
         if self._costs is None:
-            self._costs = sp.Costs()
+            self._costs = sp.costs_for(self.speculate)
         return sp.Speculator(m.session, self._sampler[0], drafter, sp.Speculation(self._costs), job.prompt_ids,
                              check=lambda rows: _finite(rows, 0))
 
