@@ -22,8 +22,10 @@ from .speculate import Speculation, Speculator
 def sharing_cores(*sessions):
     """Sessions that take turns on the same cores for one generation (a model and its draft model) keep their
     thread counts: each one's idle workers spin while the other runs, which their load back-off would take for
-    another process and answer by running on one thread. None entries are skipped."""
-    steps = [s.native for s in sessions if s is not None]
+    another process and answer by running on one thread. Only when there are two or more (None entries are
+    skipped): a model alone keeps its back-off."""
+    live = [s for s in sessions if s is not None]
+    steps = [s.native for s in live] if len(live) > 1 else []
     for n in steps:
         n.hold_threads = True
     try:

@@ -321,3 +321,19 @@ def test_gain_counts_the_work_around_each_token():
     by_steps = c.gain(8, 9.0)
     c.plain_rate = 1 / 77e-6
     assert 1.0 < c.gain(8, 9.0) < by_steps < sp.PAY
+
+
+def test_sharing_cores_holds_threads_only_for_two_models():
+    class Native:
+        hold_threads = False
+
+    class S:
+        def __init__(self):
+            self.native = Native()
+
+    a, b = S(), S()
+    with generation.sharing_cores(a, None):
+        assert not a.native.hold_threads  # a model alone keeps its load back-off
+    with generation.sharing_cores(a, b):
+        assert a.native.hold_threads and b.native.hold_threads
+    assert not a.native.hold_threads and not b.native.hold_threads
