@@ -59,6 +59,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_port(host: str, port: int) -> None:
+    """CflowError unless this process can listen on host:port now (bound and released at once, with the
+    SO_REUSEADDR uvicorn sets, so a port in TIME_WAIT is not refused)."""
+    import socket
+
+    from ..errors import CflowError
+
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CflowError(f"--host {host}: {e.strerror or e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise CflowError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? give "
+                             "--port)") from None
+
+
 def run(args) -> int:
     import os
     import sys
@@ -86,6 +107,7 @@ def run(args) -> int:
         raise CflowError("--expert-cache-mb needs --experts-on-disk")
     if not os.path.isfile(args.file):
         raise CflowError(f"{args.file}: no such file")
+    check_port(args.host, args.port)  # before the model loads: a busy port is one line, not a load and exit 3
     if args.draft is not None and args.speculate != "draft":
         raise CflowError("--draft is the draft model of --speculate draft: give both")
     api_key = args.api_key or os.environ.get("CFLOW_API_KEY") or None

@@ -170,7 +170,7 @@ def validate_request(cls, data: dict, model_id: str):
     except ValidationError as e:
         message, param = describe_validation_error(e)
         raise ApiError(400, message, param=param) from None
-    if req.model != model_id:
+    if req.model is not None and req.model != model_id:
         raise ApiError(404, f"The model '{req.model}' does not exist: this server serves '{model_id}'.",
                        param="model", code="model_not_found")
     return req
@@ -274,7 +274,9 @@ class Routes:
         return "".join(parts), fin
 
     def card(self) -> ModelCard:
-        return ModelCard(id=self.model_id, created=self.created, max_model_len=self.context)
+        return ModelCard(id=self.model_id, created=self.created, max_model_len=self.context,
+                         context_length=self.context, quantization=str(self.model.session.header["quant"]),
+                         kv_cache=self.model.kv)
 
     # --- handlers -----------------------------------------------------------------------------------------
     async def health(self):

@@ -29,7 +29,7 @@ class StreamOptions(_Strict):
 class _Sampling(_Strict):
     """What both endpoints share: the model, sampling, stopping and streaming."""
 
-    model: str
+    model: str | None = None  # the one model this server serves when left out (as llama-server)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -332,7 +332,10 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int
     owned_by: str = "cflow"
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # the context, in tokens (vLLM's name)
+    context_length: int | None = None  # the same, by the name llama-server's clients read
+    quantization: str | None = None  # the weights' type: q4, q8, f16, f32, or stored (a GGUF's own types)
+    kv_cache: str | None = None  # the KV cache's element type
 
 
 class ModelList(BaseModel):

@@ -99,6 +99,25 @@ def test_bad_options_are_one_line(tiny_path, capsys, argv, needle):
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
+def test_busy_port_is_one_line_before_the_model_loads(tiny_path, capsys, monkeypatch):
+    import socket
+
+    from cflow.cli import cflow_main
+    from cflow.serve import app
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(app, "build_app", no_load)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert cflow_main(["serve", tiny_path, "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err and len(err.strip().splitlines()) == 1
+
+
 def test_missing_file(capsys):
     from cflow.cli import cflow_main
 

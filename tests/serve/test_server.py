@@ -446,7 +446,7 @@ def test_malformed_json_and_wrong_types(tiny_server):
         ("/v1/completions", {"model": "tiny", "prompt": {"a": 1}}, "prompt"),
         ("/v1/completions", {"model": "tiny", "prompt": []}, "prompt"),
         ("/v1/completions", {"model": "tiny"}, "prompt"),
-        ("/v1/completions", {"prompt": [1]}, "model"),
+        ("/v1/completions", {"model": 5, "prompt": [1]}, "model"),  # left out is fine: the one model
         ("/v1/completions", {"model": "tiny", "prompt": [1], "logprobs": 2}, "logprobs"),
         ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
@@ -506,7 +506,12 @@ def test_models_health_metrics(text_server):
     c = client(url)
     models = c.models.list()
     assert [m.id for m in models.data] == ["story"]
-    assert c.models.retrieve("story").id == "story"
+    card = c.models.retrieve("story")
+    assert card.id == "story" and card.context_length == card.max_model_len > 0
+    assert card.quantization == "q4" and card.kv_cache == "f16"
+    # a request without "model" is for the one model this server serves (as llama-server takes it)
+    st, _, body = post(url, "/v1/completions", {"prompt": STORY, "max_tokens": 3, "temperature": 0})
+    assert st == 200 and body["model"] == "story" and body["choices"][0]["text"]
     st, body = get(url, "/health")
     h = json.loads(body)
     assert st == 200 and h["status"] == "ok" and h["slots"] == 1 and h["model"] == "story"
