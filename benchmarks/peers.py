@@ -45,7 +45,7 @@ import numpy as np
 import cflow
 from benchmarks.common import OUT
 from benchmarks.common.bandwidth import read_gbs
-from benchmarks.common.models import LAZY_MODELS, MODELS, model_weights
+from benchmarks.common.models import LAZY_MODELS, MODELS, compiled_model, model_weights
 from benchmarks.common.peers import (
     gguf_file,
     llama_next,
@@ -285,28 +285,6 @@ def ort_genai_bytes_per_token(model_dir: str) -> dict:
 
 # --- main ----------------------------------------------------------------------------------------
 
-def cflow_file(key: str, quant: str, weights: dict):
-    """(path to the compiled .vflow, lowered plan) of MODELS[key] at `quant` on the given float weights
-    (models.compiled_model, but sharing one set of weights between Q4 and Q8); the file is built once."""
-    from cflow.compiler import compile_file, lower
-    from cflow.ir import build_graph
-    from cflow.runtime.format import FileReader
-
-    config = MODELS[key]
-    path = os.path.join(OUT, f"{config.name}_{quant}.vflow")
-    g = build_graph(config, weights, name=config.name)
-    c = lower(g, quant)
-    if os.path.exists(path):  # built from another version of this config: rebuild
-        with FileReader(path) as r:
-            if r.header.get("config") != g.config.to_dict():
-                os.remove(path)
-    if not os.path.exists(path):
-        os.makedirs(OUT, exist_ok=True)
-        info = compile_file(g, path, quant).file
-        print(f"# compiled {path}: {info['file_bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", flush=True)
-    return path, c
-
-
 def active_bytes_per_token(graph, quant: str) -> int:
     """Bytes of the matrices one decode step reads when only the routed experts are read: every matrix but the
     embedding at `quant`'s block size (Q4_0 18 B / Q8_0 34 B per 32 weights), each expert bank scaled by
@@ -471,7 +449,7 @@ def main(argv=None) -> None:
     else:
         print(f"# random weights ({config.name}, seed 0): {time.perf_counter() - t0:.1f} s", flush=True)
     quants = ["q4"] + ([] if args.no_q8 else ["q8"])
-    plans = {q: cflow_file(args.model, q, weights) for q in quants}
+    plans = {q: compiled_model(args.model, q, weights) for q in quants}  # one set of weights for Q4 and Q8
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, 8)]
     check_ids = (prompt * (args.check_positions // len(prompt) + 1))[: args.check_positions]
 

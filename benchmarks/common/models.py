@@ -106,15 +106,16 @@ def model_weights(key: str, seed: int = 0) -> Mapping:
     return LazyWeights(config, seed) if key in LAZY_MODELS else random_weights(config, seed)
 
 
-def compiled_model(key: str, quant: str = "q4"):
-    """(path to the compiled file, lowered plan with the float source weights); builds the file once."""
+def compiled_model(key: str, quant: str = "q4", weights: Mapping | None = None):
+    """(path to the compiled file, lowered plan with the float source weights); builds the file once. `weights`:
+    the float weights to use (default model_weights(key)), so that Q4 and Q8 files can share one set."""
     from cflow.compiler import compile_file, lower
     from cflow.ir import build_graph
 
     config = MODELS[key]
     path = os.path.join(OUT, f"{config.name}_{quant}.vflow")
     t0 = time.perf_counter()
-    g = build_graph(config, model_weights(key), name=config.name)
+    g = build_graph(config, model_weights(key) if weights is None else weights, name=config.name)
     c = lower(g, quant)
     print(f"# random weights + lowering: {time.perf_counter() - t0:.1f} s", flush=True)
     if os.path.exists(path):  # built from another version of this config (e.g. a longer context): rebuild
