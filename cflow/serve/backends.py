@@ -194,9 +194,10 @@ class BatchedSlots:
             else:
                 feed.append(s)
         spec0 = self._spec.get(0)
-        if feed == [0] and spec0 is not None and spec0.spec.pause:  # drafting paused: plain decode's step below
+        alone = feed == [0] and spec0 is not None and len(self._sampler) == 1  # no other sequence, not even one
+        if alone and spec0.spec.pause:  # drafting paused: plain decode's step below
             spec0.spec.pause -= 1
-        elif feed == [0] and spec0 is not None:  # decoding alone: a drafting pass
+        elif alone:  # decoding alone: a drafting pass
             try:
                 new = self._spec[0].advance(self._last[0], max(1, self._left[0]))
                 out[0], self._ready[0] = self._emit(0, new[0]), new[1:]
