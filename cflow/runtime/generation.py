@@ -57,7 +57,7 @@ def speculative(s, logits: np.ndarray, sampler: Sampler, drafter, spec: Speculat
     try:
         if max_new <= 0:
             return
-        tok = sp.first(logits)
+        tok = sp.draw(logits)
         yield tok
         while sp.emitted < max_new:
             if spec.pause:  # drafting does not pay here: plain decode's loop until the pause ends

@@ -201,7 +201,8 @@ def drafter_for(kind: str, sampler: Sampler, seed: int | None, table: NgramTable
 
 
 class Costs:
-    """What drafting costs with one model on this host, shared by its streams (CompiledModel.speculation_costs):
+    """What drafting costs with one model on this host, shared by its streams (one per drafter kind, held by the
+    CompiledModel or the server's backend):
     running times of a plain step, of a pass that checks k drafts, and of drafting one token."""
 
     def __init__(self, k_max: int = MAX_DRAFT, start_pause_max: int = START_PAUSE_MAX):
@@ -404,16 +405,17 @@ def verify(rows: np.ndarray, drafts: list[int], qs, sampler: Sampler, u: Uniform
 
 
 class Speculator:
-    """One stream's speculative decode on slot `slot` of session `s`, pass by pass: `first` the token the
-    prompt predicts, then `advance(tok)` feeds the pending token (and drafts) and returns the tokens that
-    follow it. `draw` is for a caller that ran a plain step for this stream itself (a server's batched step):
-    the token at the stream's next position, with that position's uniform, noted as emitted."""
+    """One stream's speculative decode on slot 0 of session `s` (where the single-sequence decode step runs),
+    pass by pass: `draw` the token the prompt's logits give, then `advance(tok)` feeds the pending token (and
+    drafts) and returns the tokens that follow it. `draw` is also for a caller that ran a plain step for this
+    stream itself (a server's batched step): the token at the stream's next position, with that position's
+    uniform, noted as emitted."""
 
-    def __init__(self, s, sampler: Sampler, drafter, spec: Speculation, ids: list[int], slot: int = 0,
+    def __init__(self, s, sampler: Sampler, drafter, spec: Speculation, ids: list[int],
                  guard: Callable[[], None] = lambda: None, check: Callable[[np.ndarray], None] = lambda rows: None):
         if s.tmax < 2:
             raise CflowError("speculative decoding needs the multi-token body (prefill_block >= 2, weights in RAM)")
-        self.s, self.sampler, self.drafter, self.spec, self.slot = s, sampler, drafter, spec, slot
+        self.s, self.sampler, self.drafter, self.spec = s, sampler, drafter, spec
         self.guard, self.check = guard, check  # before each native call; on each row of logits
         self.uniforms = Uniforms(sampler)
         self.emitted = 0  # tokens generated so far: the next one is the stream's position `emitted`
@@ -426,13 +428,11 @@ class Speculator:
         self.drafter.accept([tok])
         return tok
 
-    first = draw
-
     def advance(self, tok: int, left: int) -> list[int]:
         """Feed `tok` (the last emitted token) and return the tokens after it, at most `left` (>= 1): the drafts
         that stood and the model's own next token. The slot's position then counts exactly the fed tokens."""
-        s, spec, slot = self.s, self.spec, self.slot
-        pos = int(s.slot_pos[slot])
+        s, spec = self.s, self.spec
+        pos = s.pos
         k = min(spec.length(), left - 1, s.tmax - 1, s.max_seq - pos - 1)
         drafts, qs = [], None
         if k > 0:
@@ -443,15 +443,15 @@ class Speculator:
         self.guard()
         if not drafts:
             t1 = spec.clock()
-            logits = s.step(tok) if slot == 0 else s.prefill([tok], slot=slot)
+            logits = s.step(tok)
             spec.stepped(spec.clock() - t1)
             spec.emitted(1)
             return [self.draw(logits)]
         t1 = spec.clock()
-        rows = s.prefill([tok, *drafts], slot=slot, all_logits=True)
+        rows = s.prefill([tok, *drafts], all_logits=True)
         self.check(rows)
         stood, nxt = verify(rows, drafts, qs, self.sampler, self.uniforms, self.emitted)
-        s.slot_pos[slot] = pos + 1 + stood
+        s.pos = pos + 1 + stood
         spec.checked(len(drafts), stood, spec.clock() - t1, t1 - t0 - self.drafter.catch_up_s)
         out = [*drafts[:stood], nxt]
         spec.emitted(len(out))
