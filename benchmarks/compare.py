@@ -134,6 +134,8 @@ def run_commits(rev_a: str, rev_b: str, bench: list[str], rounds: int, save: str
                 cmd = [sys.executable, *script, *args, "--json", path]
                 print(f"# {label} ({rev_a if label == 'A' else rev_b}), round {r + 1}: {' '.join(cmd[1:])}",
                       file=sys.stderr, flush=True)
+                # the other tree alone on the path (not process.child_env, which adds this checkout: an older
+                # tree would then import this tree's benchmarks)
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH"))
                                                                   if p))
                 subprocess.run(cmd, cwd=tree, env=env, check=True)

@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 import cflow
-from benchmarks.common.bandwidth import read_gbs
+from benchmarks.common.bandwidth import around, read_gbs
 from benchmarks.common.models import LAZY_MODELS, MODELS, compiled_model
 from benchmarks.common.profile import profile
 from benchmarks.common.record import Run, add_json_argument
@@ -193,10 +193,8 @@ def main(argv=None) -> None:
             print(f"# interpreter token check skipped for {args.model}: the NumPy interpreter would regenerate "
                   "every weight each step (benchmarks.peers checks it against llama.cpp instead)"
                   if args.model in LAZY_MODELS else f"# {check_tokens(m, c, prompt)}", flush=True)
-        bw = read_gbs(threads, args.gib)
-        tps = time_decode(m, prompt, args.tokens, args.reps)
-        bw_after = read_gbs(threads, args.gib)
-        read = max(bw, bw_after)  # the machine's best in this run: the honest denominator
+        # the machine's best read bandwidth around the decode, in this run: the honest denominator
+        tps, read = around(threads, args.gib, lambda m=m: time_decode(m, prompt, args.tokens, args.reps))
         bpt = m.bytes_per_token
         eff = bpt * tps / 1e9
         records.append(run.record(engine="cflow", model=c.graph.config.name, quant=args.quant, threads=threads,

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import resource
 import sys
 import time
 
@@ -45,9 +44,11 @@ import numpy as np
 import cflow
 from benchmarks.common import OUT
 from benchmarks.common.bandwidth import read_gbs
+from benchmarks.common.memory import peak_rss
 from benchmarks.common.models import LAZY_MODELS, MODELS, compiled_model, model_weights
 from benchmarks.common.peers import (
     gguf_file,
+    llama_greedy,
     llama_next,
     llama_open,
     llama_position_logits,
@@ -152,8 +153,8 @@ def torch_model(config, weights: dict):
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set so far (getrusage ru_maxrss, KiB on Linux), in MB (10^6 B)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+    """This process's peak resident set so far (memory.peak_rss: VmHWM), in MB (10^6 B)."""
+    return peak_rss() / 1e6
 
 
 def torch_bytes_per_token(weights: dict) -> int:
@@ -316,12 +317,7 @@ def greedy_agreement(m, llm, prompt: list[int], steps: int = 128) -> dict:
         ours.append(int(np.argmax(logits)))
         margins.append(float(top2[1] - top2[0]))
         logits = s.step(ours[-1])
-    llm.reset()
-    llm.eval(prompt)
-    theirs = []
-    for _ in range(steps):
-        theirs.append(llama_next(llm))
-        llm.eval([theirs[-1]])
+    theirs = llama_greedy(llm, prompt, steps)
     llm.reset()
     llm.eval(prompt)
     forced = []

@@ -88,19 +88,11 @@ def prompts(m, tokens: int) -> dict[str, str]:
 def model_file(name: str, cache: Path, work: Path) -> str:
     """The compiled file of a benchmark model (compiled once into `work`)."""
     from benchmarks.conformance import cflow_compile, fetch
+    from cflow.models.bundled import default_model_dir
 
     out = work / f"{name}.vflow"
-    if out.exists():
-        return str(out)
-    if name == "bundled":
-        from cflow.compiler import compile_file
-        from cflow.frontend.load import load_graph
-        from cflow.models.bundled import default_model_dir
-
-        g = load_graph(default_model_dir())
-        compile_file(g, out, tokenizer=g.meta.tokenizer, eos=g.meta.eos_token_ids)
-        return str(out)
-    cflow_compile(fetch(name, cache), None, out)
+    if not out.exists():
+        cflow_compile(default_model_dir() if name == "bundled" else fetch(name, cache), None, out)
     return str(out)
 
 
@@ -120,10 +112,10 @@ def decode_once(m, prompt: str, n: int, speculate: str | None, sampling: dict | 
     return out, (len(out) - 1) / dt, (m.speculation if speculate else None)
 
 
-def run_model(name: str, path: str, draft: str | None, args, run: Run, gbs: float) -> list[dict]:
+def run_model(name: str, path: str, draft: str | None, args, run: Run, gbs: float, threads: int) -> list[dict]:
     import cflow
 
-    m = cflow.load(path, threads=args.threads, draft=draft)
+    m = cflow.load(path, threads=threads, draft=draft)  # the thread count the bandwidth was read at
     records = []
     try:
         modes = [None, "ngram"] + (["draft"] if draft else [])
@@ -151,8 +143,10 @@ def run_model(name: str, path: str, draft: str | None, args, run: Run, gbs: floa
                          "draft": Path(draft).stem if mode == "draft" else None}
                 if spec is not None:
                     extra |= {"acceptance": spec.acceptance, "passes": spec.passes, "drafted": spec.proposed,
-                              "accepted": spec.accepted, "tokens_per_pass": (spec.accepted + spec.passes)
-                              / max(1, spec.passes), "pauses": spec.pauses}
+                              "accepted": spec.accepted, "tokens_per_pass": spec.tokens_per_pass,
+                              "pauses": spec.pauses, "step_ms": 1e3 * (spec.costs.step or 0.0),
+                              "check_ms": [None if c is None else 1e3 * c for c in spec.costs.check],
+                              "draft_token_ms": 1e3 * spec.costs.draft_token}
                 records.append(run.record(engine="cflow", model=name, quant=m.session.header["quant"],
                                           threads=m.threads, variant=f"{task}/{mode or 'plain'}", tok_s=tps,
                                           bytes_per_token=m.bytes_per_token, read_gbs=gbs, **extra))
@@ -192,7 +186,7 @@ def main(argv=None) -> int:
     records = []
     for name in args.models.split(","):
         draft = model_file(pairs[name], cache, work) if name in pairs else None
-        records += run_model(name, model_file(name, cache, work), draft, args, run, gbs)
+        records += run_model(name, model_file(name, cache, work), draft, args, run, gbs, threads)
     run.write(args.json, records)
     return 0
 

@@ -285,7 +285,9 @@ class CompiledModel:
     def set_draft(self, draft: CompiledModel) -> None:
         """Use `draft` (a loaded model with this model's vocabulary) for speculate="draft"."""
         check_draft(self.config.vocab_size, self.tokenizer, draft.config.vocab_size, draft.tokenizer, draft.path)
-        self.draft = draft
+        if self._owns_draft and self.draft is not draft:
+            self.draft.close()  # the one load(..., draft=PATH) opened; a draft given here is the caller's
+        self.draft, self._owns_draft = draft, False
 
     def _check_speculate(self, speculate) -> None:
         check_speculate(speculate, self.session.tmax, self.draft)
@@ -304,7 +306,7 @@ class CompiledModel:
             dec = StreamDecoder(self.tokenizer, ids[-16:] if reuse else ids)  # a chat: the tail is context enough
         stops = self.eos_ids | stop_ids
         drafting = self.draft._generation() if speculate == "draft" else contextlib.nullcontext()
-        with self._generation() as s, drafting as d, generation.sharing_cores(s, d):
+        with self._generation() as s, drafting:
             logits = self._feed(s, ids, reuse)
 
             def guard():

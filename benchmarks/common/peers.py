@@ -48,9 +48,7 @@ def llama_last_logits(llm) -> np.ndarray:
 
 def llama_next(llm) -> int:
     """The greedy next token after what llm evaluated last."""
-    import llama_cpp
-
-    return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))))
+    return int(np.argmax(llama_last_logits(llm)))
 
 
 def llama_greedy(llm, prompt: list[int], n: int) -> list[int]:

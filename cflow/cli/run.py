@@ -213,7 +213,7 @@ def _describe_speculation(spec, kind: str) -> None:
     if spec is None:
         return
     print(f"speculation ({kind}): {spec.passes} drafting passes, {spec.accepted} of {spec.proposed} drafted tokens "
-          f"accepted ({100 * spec.acceptance:.0f}%), {spec.accepted / max(1, spec.passes):.2f} extra tokens per "
+          f"accepted ({100 * spec.acceptance:.0f}%), {spec.tokens_per_pass:.2f} tokens per "
           f"pass{', paused ' + str(spec.pauses) + ' times (drafts did not pay)' if spec.pauses else ''}",
           file=sys.stderr)
 

@@ -51,7 +51,7 @@ ATT_LANES = 16  # scores are exponentiated 16 at a time: the scores scratch is p
 # How far ahead the attention core's K and V scans prefetch by default (bytes, into L1; each host measures its own:
 # codegen/attn_tune.py). Without it one scan per kv head left the cache's DRAM reads to the hardware prefetchers:
 # on an AMX Xeon the f16 core took 474 us per layer at 4,064 positions from DRAM, 374 us 4 KiB ahead
-# (docs/results/attention_core_prefetch_intel.json; docs/journal/performance.md, "Long contexts"). On Zen 5
+# (docs/results/intel-amx/attention_core_prefetch_intel.json; docs/journal/performance.md, "Long contexts"). On Zen 5
 # prefetching V ahead was measured slower (before this code: the default there is unmeasured, the tuner decides).
 KV_PREFETCH = 4096
 

@@ -19,8 +19,9 @@ from .cache import _versions, default_cache_dir
 
 # Sources the emitted text depends on (relative to the cflow package): part of the fingerprint.
 GENERATORS = ("codegen/step.py", "codegen/step_context.py", "codegen/moe.py", "codegen/ops.py", "codegen/attention.py",
-              "codegen/threads.py", "codegen/kernels.py", "codegen/cgutils.py", "codegen/abi.py", "codegen/tune.py",
-              "layout/tile.py", "layout/packed.py")
+              "codegen/threads.py", "codegen/kernels.py", "codegen/blockdot.py", "codegen/cgutils.py", "codegen/abi.py",
+              "codegen/tune.py", "codegen/target.py", "layout/tile.py", "layout/packed.py", "layout/blocks.py",
+              "layout/quant.py")
 
 
 def _source_digest() -> str:

@@ -136,12 +136,12 @@ class Target:
 
     @property
     def has_avx512_bf16(self) -> bool:
-        """VDPBF16PS at 128/256/512 bits (kv='bf16' attention: ops.attention)."""
+        """VDPBF16PS at 128/256/512 bits (kv='bf16' attention: attention.attention)."""
         return self.has_avx512 and self.has("avx512vl") and self.has("avx512bf16")
 
     @property
     def bf16_unit(self) -> str:
-        """What kv='bf16' attention's dot products run on (ops.attention): 'amx' (the tile unit's TDPBF16PS, where
+        """What kv='bf16' attention's dot products run on (attention.attention): 'amx' (the tile unit's TDPBF16PS, where
         the CPU has AMX-BF16 and the kernel lets this process use the tile state: amx_permitted), 'dpbf16'
         (AVX512_BF16's VDPBF16PS) or '' (an FMA emulation of VDPBF16PS)."""
         if not self.has_avx512_bf16:

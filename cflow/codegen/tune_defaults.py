@@ -3,7 +3,7 @@
 Stage: codegen (read by tune.choices and attn_tune.choices). A load never runs a search (`cflow tune FILE` does,
 in a budget: tune.py); without a cached record for a kernel shape it takes the choice measured on a host of the
 same microarchitecture family, from the tables the searches wrote there (the files named in `source`), and
-without one the kernels' built-in defaults (tune.default_for, ops.KV_PREFETCH). The choices are schedule-only,
+without one the kernels' built-in defaults (tune.default_for, attention.KV_PREFETCH). The choices are schedule-only,
 like every tuned knob: a wrong guess costs speed, never numbers.
 
 A family is named by host_family(): LLVM's name for the host's microarchitecture (znver5, znver4, ...), or

@@ -9,30 +9,12 @@ every logits row before a token is drawn from it (NaN / Inf from a crafted file)
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from .sampling import Sampler
-from .speculate import Speculation, Speculator
-
-
-@contextlib.contextmanager
-def sharing_cores(*sessions):
-    """Sessions that take turns on the same cores for one generation (a model and its draft model) keep their
-    thread counts: each one's idle workers spin while the other runs, which their load back-off would take for
-    another process and answer by running on one thread. Only when there are two or more (None entries are
-    skipped): a model alone keeps its back-off."""
-    live = [s for s in sessions if s is not None]
-    steps = [s.native for s in live] if len(live) > 1 else []
-    for n in steps:
-        n.hold_threads = True
-    try:
-        yield
-    finally:
-        for n in steps:
-            n.hold_threads = False
+from .speculate import Speculation, Speculator, sharing_cores  # noqa: F401 -- sharing_cores: callers' name
 
 
 def plain(s, logits: np.ndarray, sampler: Sampler, max_new: int, guard: Callable[[], None],

@@ -183,8 +183,12 @@ class NativeStep:
             self._fn(self.args[0], self.args[1], 0, 1, self.args[2])  # one thread: the workers stay asleep
         else:
             self.workers.run()
-            if self.backoff is not None and not self.hold_threads:
-                self.backoff.after(int(self.barrier[BarrierWord.NAPS]))
+            if self.backoff is not None:
+                naps = int(self.barrier[BarrierWord.NAPS])
+                if self.hold_threads:  # not judged, but counted as seen: the next judged call sees its own naps
+                    self.backoff.seen = naps
+                else:
+                    self.backoff.after(naps)
 
     def logits_rows(self, n: int) -> np.ndarray:
         """A view of the logits of the last call's first `n` token rows, [n, vocab]."""

@@ -28,6 +28,7 @@ without speculation). Greedy output does not depend on those decisions; only the
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -284,6 +285,11 @@ class Speculation:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
+    def tokens_per_pass(self) -> float:
+        """Tokens each drafting pass emitted on average: the drafts that stood and the model's own next one."""
+        return (self.accepted + self.passes) / self.passes if self.passes else 0.0
+
+    @property
     def rate(self) -> float:
         """The current estimate of the chance that the next drafted token stands."""
         return self.stood_w / (self.stood_w + self.fell_w)
@@ -362,6 +368,23 @@ class Speculation:
         self._best = None
 
 
+@contextlib.contextmanager
+def sharing_cores(*sessions):
+    """Sessions that take turns on the same cores for one generation (a model and its draft model) keep their
+    thread counts: each one's idle workers spin while the other runs, which their load back-off would take for
+    another process and answer by running on one thread. Only when there are two or more (None entries are
+    skipped): a model alone keeps its back-off."""
+    live = [s for s in sessions if s is not None]
+    steps = [s.native for s in live] if len(live) > 1 else []
+    for n in steps:
+        n.hold_threads = True
+    try:
+        yield
+    finally:
+        for n in steps:
+            n.hold_threads = False
+
+
 class Uniforms:
     """The sampler's uniforms by generated position: the n-th token uses the n-th number its generator gives,
     as in plain decode, however many passes and drafts it took to reach it."""
@@ -420,6 +443,9 @@ class Speculator:
         self.uniforms = Uniforms(sampler)
         self.emitted = 0  # tokens generated so far: the next one is the stream's position `emitted`
         drafter.start(ids)
+        # a draft model and this one take turns on the same cores until finish(): both keep their threads
+        self._sharing = sharing_cores(s, getattr(drafter, "s", None))
+        self._sharing.__enter__()
 
     def draw(self, logits: np.ndarray) -> int:
         self.check(logits)
@@ -484,4 +510,5 @@ class Speculator:
                 self.drafter.accept(out, index=False)
 
     def finish(self) -> None:
+        self._sharing.__exit__(None, None, None)
         self.drafter.finish(learn=not self.spec.costs.losses)  # a model where drafting does not pay: no table

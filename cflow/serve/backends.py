@@ -147,9 +147,12 @@ class BatchedSlots:
                              check=lambda rows: _finite(rows, 0))
 
     def _sample(self, slot: int, logits) -> int | None:
-        _finite(logits, slot)
         spec = self._spec.get(slot)
-        tok = spec.draw(logits) if spec is not None else self._sampler[slot](logits)
+        if spec is not None:
+            tok = spec.draw(logits)  # checks the logits itself
+        else:
+            _finite(logits, slot)
+            tok = self._sampler[slot](logits)
         return self._emit(slot, tok)
 
     def start(self, slot: int, job: Job) -> int:

@@ -337,3 +337,16 @@ def test_sharing_cores_holds_threads_only_for_two_models():
     with generation.sharing_cores(a, b):
         assert a.native.hold_threads and b.native.hold_threads
     assert not a.native.hold_threads and not b.native.hold_threads
+
+
+def test_set_draft_closes_only_the_draft_load_opened(tmp_path):
+    p = tmp_path / "m.vflow"
+    compile_file(load_graph("preset:arch2_4_combined@tiny"), p, "q4")
+    m = cflow.load(p, threads=1, draft=p)
+    opened = m.draft
+    other = cflow.load(p, threads=1)
+    m.set_draft(other)
+    assert opened._closed and m.draft is other
+    m.close()
+    assert not other._closed  # the caller's draft stays the caller's
+    other.close()
