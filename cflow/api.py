@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .chatting import ChatMethods
 from .errors import CflowError, RuntimeFault
 from .layout.tile import DEFAULT_TILE
 from .runtime.requests import check_draft, check_fits, check_sampling, check_speculate, prompt_ids
@@ -132,7 +133,7 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
     return m
 
 
-class CompiledModel:
+class CompiledModel(ChatMethods):
     """A loaded model: one generation at a time, safely.
 
     Calls from several threads are serialised (a call waits for the running generation to finish); a
@@ -155,10 +156,8 @@ class CompiledModel:
             self.tokenizer = Tokenizer(h["tokenizer"], h.get("eos_token_ids") or (), h.get("special_tokens"))
         self.eos_ids = set(h.get("eos_token_ids") or ()) | (self.tokenizer.eos_ids if self.tokenizer else set())
         self._ir = None
-        self._chat = None  # the ChatTemplate, compiled on first use
         self._ctx: list[int] = []  # the tokens whose keys and values the session's KV cache holds, in order
         self.reused_tokens = 0  # prompt tokens the last generation found in the KV cache (a chat's earlier turns)
-        self._eot: frozenset | None = None
         self.draft: CompiledModel | None = None  # drafts for speculate="draft" (set_draft)
         self._owns_draft = False  # the draft was loaded by load(..., draft=PATH): closed with this model
         self._ngrams = None  # prompt lookup's table, shared by this model's streams (speculate="ngram")
@@ -293,9 +292,11 @@ class CompiledModel:
         check_speculate(speculate, self.session.tmax, self.draft)
 
     def _stream(self, prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, reuse: bool = False,
-                stop_ids: frozenset = frozenset(), speculate: str | None = None) -> Iterator:
+                stop_ids: frozenset = frozenset(), stop_text: tuple[str, ...] = (),
+                speculate: str | None = None) -> Iterator:
         from .runtime import generation
         from .runtime.sampling import Sampler
+        from .runtime.stop_text import StopText
 
         sampler = Sampler(temperature, top_k, top_p, seed)
         text_mode = isinstance(prompt, str) and self.tokenizer is not None
@@ -305,6 +306,7 @@ class CompiledModel:
 
             dec = StreamDecoder(self.tokenizer, ids[-16:] if reuse else ids)  # a chat: the tail is context enough
         stops = self.eos_ids | stop_ids
+        cut = StopText(stop_text) if text_mode and stop_text else None
         drafting = self.draft._generation() if speculate == "draft" else contextlib.nullcontext()
         with self._generation() as s, drafting:
             logits = self._feed(s, ids, reuse)
@@ -329,9 +331,19 @@ class CompiledModel:
             try:
                 for tok in tokens:
                     if stop and tok in stops:
-                        return
+                        break
                     out.append(tok)
-                    yield dec.push(tok) if text_mode else tok
+                    piece = dec.push(tok) if text_mode else tok
+                    if cut is not None:
+                        piece, hit = cut.push(piece)
+                        if piece:
+                            yield piece
+                        if hit:
+                            return
+                        continue
+                    yield piece
+                if cut is not None and (rest := cut.flush()):
+                    yield rest  # a tail held back for a stop string that never came: it was text
             finally:
                 tokens.close()
                 self._ctx = out[: s.pos]  # what the KV cache holds: the fed prefix of prompt and output
@@ -436,71 +448,6 @@ class CompiledModel:
         for p, ids in zip(prompts, new):
             out.append(self.tokenizer.decode(ids) if isinstance(p, str) and self.tokenizer is not None else ids)
         return out
-
-    # --- chat ------------------------------------------------------------------------------
-    @property
-    def chat_template(self):
-        """The model's ChatTemplate (runtime/chat.py), or None if its file carries none."""
-        spec = self.session.header.get("chat_template")
-        if self._chat is None and spec:
-            from .runtime.chat import ChatTemplate
-
-            self._chat = ChatTemplate(spec, name=str(self.session.header.get("name") or self.path))
-        return self._chat
-
-    def _template(self):
-        t = self.chat_template
-        if t is None:
-            raise CflowError(f"{self.path}: this model has no chat template (its tokenizer_config.json or GGUF "
-                             "carried none): use generate() / stream() with your own prompt")
-        if self.tokenizer is None:
-            raise CflowError(f"{self.path}: this model has a chat template but no tokenizer")
-        return t
-
-    @property
-    def chat_prompt(self):
-        """chat_prompt(messages, add_generation_prompt=True, **template_kwargs) -> str: the prompt text the model's
-        chat template makes of `messages` ([{"role", "content"}, ...]), ending with an open assistant turn. Extra
-        keywords (e.g. tools) go to the template.
-
-        A model without a chat template (or without a tokenizer) has no chat_prompt: the attribute raises
-        AttributeError with the reason, so `getattr(m, "chat_prompt", None)` is None and a caller (the server)
-        falls back to its own prompt format."""
-        try:
-            t = self._template()
-        except CflowError as e:
-            raise AttributeError(str(e)) from None
-
-        def chat_prompt(messages, add_generation_prompt: bool = True, **template_kwargs) -> str:
-            return t.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-
-        return chat_prompt
-
-    def stream_chat(self, messages, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, seed: int | None = None, stop: bool = True, speculate: str | None = None,
-                    **template_kwargs) -> Iterator[str]:
-        """Yield the assistant's reply to `messages` as text pieces; stops at the template's end-of-turn token
-        (or an eos). The KV cache keeps the conversation: a follow-up call whose rendered prompt extends the
-        previous one (plus the reply) feeds only the new tokens."""
-        t = self._template()
-        text = t.render(messages, add_generation_prompt=True, **template_kwargs)
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise CflowError("the chat prompt encodes to no tokens")
-        n = min(max_new_tokens, self.session.max_seq - len(ids) + 1)
-        self.check_request(ids, max(n, 0), temperature, top_k, top_p, seed)
-        self._check_speculate(speculate)
-        if self._eot is None:
-            self._eot = frozenset(t.end_of_turn_ids(self.tokenizer))
-        return self._stream(text, ids, n, temperature, top_k, top_p, seed, stop, reuse=True, stop_ids=self._eot,
-                            speculate=speculate)
-
-    def chat(self, messages, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None, stop: bool = True, speculate: str | None = None,
-             **template_kwargs) -> str:
-        """The assistant's reply to `messages` (see stream_chat)."""
-        return "".join(self.stream_chat(messages, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                                        speculate, **template_kwargs))
 
     def close(self) -> None:
         """Free the worker threads and buffers; waits for another thread's running generation. A stream still

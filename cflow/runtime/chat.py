@@ -3,6 +3,15 @@
     t = ChatTemplate(header["chat_template"], name="model.vflow")
     t.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True) -> prompt text
     t.end_of_turn_ids(tokenizer) -> ids that end an assistant turn (found by rendering one)
+    ChatTemplate.default() -> cflow's chat format for a model whose file carries no template
+
+A model without a template chats in one documented default format everywhere (`m.chat`, `cflow run --chat`,
+`cflow serve`), ChatML:
+
+    <|im_start|>system\nYou are ...<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n
+
+encoded with the model's tokenizer (markers it does not know become ordinary text); the answer ends at an
+end-of-text token or at the text `<|im_end|>` or `<|im_start|>` (the default's `stops`, never shown).
 
 The template comes from tokenizer_config.json / chat_template.jinja or the GGUF metadata (the frontends put
 it in GraphMeta.chat_template, the compiler in the file header) as {"template", "bos_token", "eos_token"}.
@@ -128,15 +137,23 @@ def _check_messages(messages) -> list[dict]:
     return out
 
 
-class ChatTemplate:
-    """One model's chat template, compiled once."""
+DEFAULT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DEFAULT_STOPS = ("<|im_end|>", "<|im_start|>")
 
-    def __init__(self, spec, name: str = "chat template"):
+
+class ChatTemplate:
+    """One model's chat template, compiled once. `stops`: text that ends an assistant turn besides the
+    end-of-turn tokens (the default format's markers, which a model's tokenizer may not know as tokens)."""
+
+    def __init__(self, spec, name: str = "chat template", stops: Sequence[str] = ()):
         if isinstance(spec, str):
             spec = {"template": spec}
         if not isinstance(spec, Mapping) or not isinstance(spec.get("template"), str) or not spec["template"]:
             raise CflowError(f"{name}: the chat template must be {{'template': text, 'bos_token', 'eos_token'}}")
         self.name = name
+        self.stops = tuple(stops)
+        self.is_default = False
         self.source = spec["template"]
         self.bos_token = spec.get("bos_token") if isinstance(spec.get("bos_token"), str) else None
         self.eos_token = spec.get("eos_token") if isinstance(spec.get("eos_token"), str) else None
@@ -146,6 +163,13 @@ class ChatTemplate:
             self._tpl = _environment().from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template of {name}: syntax error at line {e.lineno}: {e.message}") from None
+
+    @classmethod
+    def default(cls) -> ChatTemplate:
+        """cflow's chat format for a model whose file carries no template (ChatML; see the module docstring)."""
+        t = cls(DEFAULT_TEMPLATE, name="cflow's default chat format (ChatML)", stops=DEFAULT_STOPS)
+        t.is_default = True
+        return t
 
     def render(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text of `messages` (and an open assistant turn if add_generation_prompt)."""

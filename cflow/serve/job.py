@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from ..runtime.stop_text import StopText
+
 
 # --- what a request asks for and what it gets back --------------------------------------------------------
 @dataclass(frozen=True)
@@ -41,36 +43,6 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
-
-
-class StopText:
-    """Cut the text at the first stop string; hold back a tail that could still grow into one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops, self.pending = tuple(stops), ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """(text that is safe to show, whether a stop string was reached)."""
-        if not self.stops:
-            return text, False
-        self.pending += text
-        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), keep, -1):
-                if self.pending.endswith(s[:k]):
-                    keep = k
-                    break
-        cut = len(self.pending) - keep
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 class Detokenizer:

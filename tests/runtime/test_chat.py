@@ -163,17 +163,45 @@ def test_chat_stops_at_the_templates_end_of_turn(chat_file):
         assert m.generate([4, 7], max_new_tokens=3) == [0, 0, 0]  # plain generation does not stop there
 
 
-def test_models_without_a_template_say_so(chat_file):
+def test_models_without_a_template_chat_in_the_default_format(chat_file):
+    """One chat behaviour everywhere: a file without a template chats in cflow's ChatML default (m.chat here,
+    the server in tests/serve/test_server.py), and its answer ends at the default's stop strings, unseen."""
     import cflow
+    from cflow.runtime.chat import DEFAULT_STOPS
 
     with cflow.load(chat_file, threads=1) as m:
         m.session.header = {**m.session.header, "chat_template": None}  # as a file compiled without one
-        assert m.chat_template is None
-        with pytest.raises(CflowError, match="has no chat template"):
-            m.chat([{"role": "user", "content": "hi"}])
-        assert getattr(m, "chat_prompt", None) is None  # the server's cue to use its own prompt format
-        with pytest.raises(AttributeError, match="has no chat template"):
-            m.chat_prompt([{"role": "user", "content": "hi"}])
+        assert m.chat_template.is_default and m.chat_template.stops == DEFAULT_STOPS
+        msgs = [{"role": "user", "content": "hi"}]
+        assert m.chat_prompt(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        eot, _ = m.chat_stops()
+        assert eot == {0}  # this tokenizer knows <|im_end|> as a special token: it ends the turn as a token
+        said = []
+        for text in ("hi", "hi there", "w1 w2 w3", "hello hi"):
+            msgs = [{"role": "user", "content": text}]
+            ids = m.generate(m.tokenizer.encode(m.chat_prompt(msgs)), max_new_tokens=24, stop=False)
+            ids = ids[: min([i for i, t in enumerate(ids) if t in eot | m.eos_ids], default=len(ids))]
+            free = m.tokenizer.decode(ids)
+            cut = min([i for s in DEFAULT_STOPS if (i := free.find(s)) >= 0], default=len(free))
+            said.append(m.chat(msgs, max_new_tokens=24))
+            assert said[-1].lstrip() == free[:cut]  # (the stream decoder keeps the word-level space)
+        assert any(said)
+        m.tokenizer = None
+        with pytest.raises(CflowError, match="has no tokenizer"):
+            m.chat(msgs)
+
+
+def test_stop_strings_cut_a_chat_reply(chat_file):
+    import cflow
+
+    with cflow.load(chat_file, threads=1) as m:
+        m.session.header = {**m.session.header, "chat_template": None}
+        m._chat = None
+        msgs = [{"role": "user", "content": "hi there"}]
+        free = m.generate(m.chat_prompt(msgs), max_new_tokens=12, stop=False)
+        m.chat_template.stops = (free[3:6],)  # a stop string in the middle of the free reply
+        assert m.chat(msgs, max_new_tokens=12, stop=False) == free  # stop=False: no stops at all
+        assert m.chat(msgs, max_new_tokens=12) == free[: free.find(free[3:6])]
 
 
 # --- the command line ----------------------------------------------------------------------------
