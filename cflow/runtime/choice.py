@@ -6,12 +6,12 @@ so the token loops take either. Before the Sampler's distribution, the rules cha
 (never the caller's array), in this order (vLLM's):
 
     1. logit_bias            {id: b}: b added to the token's logit
-    2. repetition_penalty r  each distinct token among the last `repetition_window` tokens of prompt + generated
-                             text (llama.cpp's penalty_last_n; default 64, -1 = all of them, 0 = none): a positive
+    2. repetition_penalty r  each distinct token among the last `repetition_window` tokens of prompt (`prompt_ids`)
+                             + generated text (llama.cpp's penalty_last_n; default 64, -1 = all, 0 = none): a positive
                              logit divided by r, a negative one multiplied by r (llama.cpp's and transformers' rule)
     3. frequency_penalty f,  OpenAI's definition, over the generated tokens only: a token generated c times so far
        presence_penalty p    loses c * f + (c > 0) * p
-    4. constraint            tokens its mask disallows get -inf (structured output)
+    4. constraint            tokens its mask disallows are out (probability 0; structured output)
     5. temperature T, then min_p: tokens whose probability is below min_p x the best token's are dropped (the
        logit below best + T * ln(min_p)); then top_k, top_p and the draw, as the Sampler defines them
 
@@ -52,6 +52,9 @@ class TokenLogprob:
 
 
 class Chooser:
+    """Sampler(temperature, top_k, top_p, seed) behind the rules of the module docstring; logprobs=N records each
+    chosen token's logprob and its row's N best (None: no records)."""
+
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, *,
                  min_p: float = 0.0, logit_bias: dict | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
@@ -80,8 +83,9 @@ class Chooser:
         self._seen = set(self.history) if repetition_window == -1 else None
         self._counts: dict[int, int] = {}  # generated token -> times (frequency and presence penalties)
         self._records: collections.deque[TokenLogprob] = collections.deque()
-        self._rules = bool(bias) or self.presence != 0 or self.frequency != 0 or self.min_p > 0 or (
-            self.repetition != 1 and self.window != 0)
+        self._edits = bool(bias) or self.presence != 0 or self.frequency != 0 or (
+            self.repetition != 1 and self.window != 0)  # rules that change logits (on a copy)
+        self._rules = self._edits or self.min_p > 0
 
     # --- a Sampler's interface -----------------------------------------------------------------------------
     @property
@@ -116,12 +120,13 @@ class Chooser:
     def draw(self, logits: np.ndarray, u: float | None) -> int:
         """The token uniform `u` selects from the distribution the rules leave; recorded and accepted."""
         c = self.constraint
-        x = None if c is not None and c.finished else self._adjusted(logits)
+        x, ids = (None, None) if c is not None and c.finished else self._adjusted(logits)
         if x is None:  # the constraint is complete, or allows nothing more: end the sequence
             tok = self._end("the constraint allows no token" if c is not None and not c.finished else
                             "the constraint is complete")
         else:
-            tok = self.sampler.draw(x, u)
+            i = self.sampler.draw(x, u)
+            tok = i if ids is None else int(ids[i])
             if c is not None:
                 c.accept(tok)
         if self.top_n is not None:
@@ -134,12 +139,16 @@ class Chooser:
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution the next draw is from, over the vocabulary (float64; changes nothing)."""
-        x = self._adjusted(logits)
-        if x is None or (self.constraint is not None and self.constraint.finished):
+        x, ids = (None, None) if self.constraint is not None and self.constraint.finished else self._adjusted(logits)
+        if x is None:
             out = np.zeros(np.asarray(logits).size)
             out[self._end("the constraint allows no token")] = 1.0
             return out
-        return self.sampler.probabilities(x)
+        if ids is None:
+            return self.sampler.probabilities(x)
+        out = np.zeros(np.asarray(logits).size)
+        out[ids] = self.sampler.probabilities(x)
+        return out
 
     # --- logprobs ----------------------------------------------------------------------------------------
     def take(self, token: int) -> TokenLogprob | None:
@@ -154,20 +163,27 @@ class Chooser:
     def logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
         """`token`'s log-softmax in the raw row `logits`, with the row's top_n best tokens (no full sort)."""
         x = np.asarray(logits)
-        z = x.astype(np.float64)
-        top = z.max()
-        lse = top + math.log(np.exp(z - top).sum())
+        if x.dtype.kind != "f":
+            x = x.astype(np.float64)
+        top = float(x.max())
+        lse = top + math.log(np.exp(x - x.dtype.type(top)).sum(dtype=np.float64))  # exp in the row's precision
         best = _top(x, self.top_n) if self.top_n else ()
-        return TokenLogprob(int(token), float(z[token] - lse), tuple((int(i), float(z[i] - lse)) for i in best))
+        return TokenLogprob(int(token), float(x[token]) - lse, tuple((int(i), float(x[i]) - lse) for i in best))
 
     # --- the rules ---------------------------------------------------------------------------------------
-    def _adjusted(self, logits: np.ndarray) -> np.ndarray | None:
-        """The row the Sampler draws from: `logits` itself without rules, else a changed copy; None when the
-        constraint allows no token."""
+    def _adjusted(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(row, ids): the row the Sampler draws from and, when a mask or min_p keeps only some tokens, their ids
+        (ascending: the row is theirs, so ranks and ties are the vocabulary's); ids None: the row is the whole
+        vocabulary, `logits` itself without rules, else a changed copy. (None, None): the constraint allows no
+        token. Keeping the few tokens left, rather than writing -inf over the rest, spares a pass that costs
+        more than the draw."""
         x = np.asarray(logits)
+        if x.dtype.kind != "f":
+            x = x.astype(np.float64)
         if not self._rules and self.constraint is None:
-            return x
-        x = np.array(x, dtype=x.dtype if x.dtype.kind == "f" else np.float64)  # a copy: the caller's row stays
+            return x, None
+        if self._edits:
+            x = x.copy()  # the caller's row stays as it is
         if self._bias_ids.size:
             if self._bias_ids[-1] >= x.size:
                 raise CflowError(f"logit_bias names token {int(self._bias_ids[-1])}; the vocabulary has {x.size}")
@@ -180,21 +196,26 @@ class Chooser:
             ids = np.fromiter(self._counts, np.int64, len(self._counts))
             c = np.fromiter(self._counts.values(), np.float64, len(self._counts))
             x[ids] -= c * self.frequency + self.presence
+        keep = None
         if self.constraint is not None and not self.constraint.finished:
             allowed = self.constraint.allowed()
             if allowed is not None:
                 allowed = np.asarray(allowed, dtype=bool)
                 if allowed.size > x.size:
                     raise CflowError(f"the constraint's mask has {allowed.size} entries; the vocabulary {x.size}")
-                x[allowed.size :] = -np.inf
-                x[: allowed.size][~allowed] = -np.inf
-                if not allowed.any():
-                    return None
+                keep = np.zeros(x.size, bool)
+                keep[: allowed.size] = allowed
+                if not keep.any():
+                    return None, None
         if self.min_p > 0 and not self.greedy:
-            top = x.max()
+            top = x.max() if keep is None else x[keep].max()
             if np.isfinite(top):
-                x[x < top + self.temperature * math.log(self.min_p)] = -np.inf
-        return x
+                above = x >= top + self.temperature * math.log(self.min_p)
+                keep = above if keep is None else keep & above
+        if keep is None:
+            return x, None
+        ids = np.flatnonzero(keep)
+        return x[ids], ids
 
     def _window_ids(self) -> np.ndarray:
         if self._seen is not None:
