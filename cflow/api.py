@@ -25,6 +25,7 @@ import numpy as np
 from .chatting import ChatMethods
 from .errors import CflowError, RuntimeFault
 from .layout.tile import DEFAULT_TILE
+from .runtime.choice import check_sampler, sampler_for
 from .runtime.requests import check_draft, check_fits, check_sampling, check_speculate, prompt_ids
 
 
@@ -271,15 +272,18 @@ class CompiledModel(ChatMethods):
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: bool = True,
-               speculate: str | None = None) -> Iterator:
+               speculate: str | None = None, sampler=None) -> Iterator:
         """Yield new tokens as they come: text pieces for a text prompt with a tokenizer, else ids.
 
         speculate: None (plain decode), "ngram" (prompt lookup drafts) or "draft" (the draft model of
         load(..., draft=)): the same tokens greedily, the same distribution sampled, faster when drafts stand.
+        sampler: a ready runtime.choice.Chooser (penalties, logit_bias, min_p, a constraint, logprobs) or Sampler
+        for this one generation, used instead of temperature / top_k / top_p / seed (speculate: plain ones only).
         The arguments are checked here (check_request); the model is held from the first token on."""
         ids = self.check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed)
-        self._check_speculate(speculate)
-        return self._stream(prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, speculate=speculate)
+        self._check_speculate(speculate, sampler)
+        return self._stream(prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, speculate=speculate,
+                            sampler=sampler)
 
     def set_draft(self, draft: CompiledModel) -> None:
         """Use `draft` (a loaded model with this model's vocabulary) for speculate="draft"."""
@@ -288,17 +292,17 @@ class CompiledModel(ChatMethods):
             self.draft.close()  # the one load(..., draft=PATH) opened; a draft given here is the caller's
         self.draft, self._owns_draft = draft, False
 
-    def _check_speculate(self, speculate) -> None:
+    def _check_speculate(self, speculate, sampler=None) -> None:
         check_speculate(speculate, self.session.tmax, self.draft)
+        check_sampler(sampler, speculate)
 
     def _stream(self, prompt, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, reuse: bool = False,
                 stop_ids: frozenset = frozenset(), stop_text: tuple[str, ...] = (),
-                speculate: str | None = None) -> Iterator:
+                speculate: str | None = None, sampler=None) -> Iterator:
         from .runtime import generation
-        from .runtime.sampling import Sampler
         from .runtime.stop_text import StopText
 
-        sampler = Sampler(temperature, top_k, top_p, seed)
+        sampler = sampler_for(sampler, temperature, top_k, top_p, seed)
         text_mode = isinstance(prompt, str) and self.tokenizer is not None
         dec = None
         if text_mode:
@@ -356,11 +360,11 @@ class CompiledModel(ChatMethods):
             self._ngrams = sp.NgramTable()
         return sp.drafter_for(speculate, sampler, seed, self._ngrams, self.draft and self.draft.session)
 
-    def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop: bool = True, speculate: str | None = None):
+    def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, stop: bool = True, speculate: str | None = None, sampler=None):
         """The continuation: a string for a text prompt (with a tokenizer), else a list of new token ids.
-        speculate: see stream()."""
-        out = list(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, speculate))
+        speculate, sampler: see stream()."""
+        out = list(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, speculate, sampler))
         if isinstance(prompt, str) and self.tokenizer is not None:
             return "".join(out)
         return out

@@ -3,10 +3,10 @@
     POST /v1/completions, POST /v1/chat/completions     (stream: true -> server-sent events, then data: [DONE])
     GET  /v1/models, /v1/models/{id}, /health, /metrics
 
-Handlers validate, tokenize and check the context, then hand a `Job` to the engine and relay its events;
-they never touch the model's native step. Errors are OpenAI's JSON (`{"error": {message, type, param,
-code}}`): 400 naming the field, 401 without the --api-key, 404 for another model, 429 with Retry-After
-when the queue is full, 503 when the engine is not running.
+Handlers validate, tokenize and check the context, then hand a `Job` to the engine (n jobs for n choices,
+queued together) and relay their events; they never touch the model's native step. Errors are OpenAI's JSON
+(`{"error": {message, type, param, code}}`): 400 naming the field, 401 without the --api-key, 404 for another
+model, 429 with Retry-After when the queue is full, 503 when the engine is not running.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CflowError
+from ..runtime.choice import REPETITION_WINDOW
 from .engine import Engine, EngineStopped, QueueFull
 from .job import Finish, Job, Piece, SamplingParams
+from .logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -185,8 +187,13 @@ def check_ids(ids: list[int], param: str, vocab: int) -> list[int]:
     return ids
 
 
-def sampling_params(req, n_prompt: int, context: int, default_max: int | None, param: str) -> SamplingParams:
+def sampling_params(req, n_prompt: int, context: int, default_max: int | None, param: str,
+                    vocab: int) -> SamplingParams:
     """The request's sampling; max_tokens defaults to min(default_max, the room left in the context)."""
+    bias = req.bias
+    bad = next((i for i in bias if i >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"logit_bias names token {bad}, out of range 0..{vocab - 1}.", param="logit_bias")
     if n_prompt >= context:
         raise ApiError(400, f"The prompt is {n_prompt} tokens long; this model's maximum context length is "
                        f"{context} tokens, which leaves no room for a completion.", param=param,
@@ -203,7 +210,11 @@ def sampling_params(req, n_prompt: int, context: int, default_max: int | None, p
         max_tokens = req.max_tokens
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
-                          stops=req.stops)
+                          stops=req.stops, min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+                          frequency_penalty=req.frequency_penalty or 0.0,
+                          repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                          repetition_window=REPETITION_WINDOW if req.repeat_last_n is None else req.repeat_last_n,
+                          logit_bias=tuple(sorted(bias.items())), logprobs=req.logprob_count)
 
 
 # --- the endpoints --------------------------------------------------------------------------------------------
@@ -217,6 +228,14 @@ class Routes:
         self.created = int(time.time())
         self.context = int(model.session.max_seq)
         self.vocab = int(model.config.vocab_size)
+        self._strings: TokenStrings | None = None
+
+    @property
+    def strings(self) -> TokenStrings:
+        """How logprobs show each token (built on the first request that asks for them)."""
+        if self._strings is None:
+            self._strings = TokenStrings(self.model.tokenizer)
+        return self._strings
 
     def register(self, app: FastAPI) -> None:
         app.get("/health")(self.health)
@@ -240,38 +259,52 @@ class Routes:
                 raise ApiError(400, f"{e}.", param=param) from None
         return check_ids(self.model.tokenizer.encode(text), param, self.vocab)
 
-    def submit(self, ids: list[int], params: SamplingParams) -> Job:
-        job = Job(ids, params, self.model.tokenizer)
+    def submit(self, ids: list[int], params: SamplingParams, n: int = 1) -> list[Job]:
+        """One job per choice, queued together or not at all. Choice i of a request with seed s samples with seed
+        s + i (choice 0 is the request's tokens with n = 1, m.generate's with that seed)."""
+        most = self.engine.max_queue + self.engine.backend.slots
+        if n > most:
+            raise ApiError(400, f"n={n} choices are more than this server holds at once ({most}: its slots and "
+                           "--max-queue).", param="n")
+        jobs = [Job(ids, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i),
+                    self.model.tokenizer) for i in range(n)]
         try:
-            self.engine.submit(job)
+            self.engine.submit(*jobs)
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error", None, "queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
         except EngineStopped as e:
             raise ApiError(503, str(e), "server_error", None, "engine_stopped") from None
-        return job
+        return jobs
 
-    async def collect(self, job: Job, request: Request) -> tuple[str, Finish]:
-        """All of a job's text; a client that leaves cancels it."""
+    async def collect(self, jobs: list[Job], request: Request) -> list[tuple[str, list, Finish]]:
+        """Each job's (text, logprob records, Finish); a client that leaves cancels them."""
         async def watch():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.engine.cancel(job)
+            for job in jobs:
+                self.engine.cancel(job)
 
         watcher = asyncio.create_task(watch())
-        parts: list[str] = []
+        parts: list[list[str]] = [[] for _ in jobs]
+        records: list[list] = [[] for _ in jobs]
+        fins: list[Finish] = [None] * len(jobs)
         try:
-            async for ev in job.events():
-                if isinstance(ev, Piece):
-                    parts.append(ev.text)
-                else:
-                    fin = ev
+            async with contextlib.aclosing(_merged(jobs)) as events:
+                async for i, ev in events:
+                    if isinstance(ev, Piece):
+                        parts[i].append(ev.text)
+                        records[i] += ev.logprobs
+                    else:
+                        fins[i] = ev
         finally:
             watcher.cancel()
-            self.engine.cancel(job)
-        if fin.reason == "error":
-            raise ApiError(500, f"generation failed: {fin.error}", "server_error")
-        return "".join(parts), fin
+            for job in jobs:
+                self.engine.cancel(job)
+        failed = next((f for f in fins if f.reason == "error"), None)
+        if failed is not None:
+            raise ApiError(500, f"generation failed: {failed.error}", "server_error")
+        return [("".join(p), r, f) for p, r, f in zip(parts, records, fins)]
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.model_id, created=self.created, max_model_len=self.context,
@@ -312,13 +345,18 @@ class Routes:
             ids = self.encode(prompt, "prompt")
         else:
             ids = check_ids(list(prompt), "prompt", self.vocab)
-        job = self.submit(ids, sampling_params(req, len(ids), self.context, DEFAULT_COMPLETION_TOKENS, "prompt"))
+        params = sampling_params(req, len(ids), self.context, DEFAULT_COMPLETION_TOKENS, "prompt", self.vocab)
+        jobs = self.submit(ids, params, req.n or 1)
         rid, now, model_id = new_id("cmpl"), int(time.time()), self.model_id
+        strings = self.strings if params.logprobs is not None else None
         if req.stream:
-            return EventStream(_completion_events(job, self.engine, rid, now, model_id, req.include_usage))
-        text, fin = await self.collect(job, request)
-        return JSONResponse(CompletionResponse(id=rid, created=now, model=model_id, usage=_usage(fin), choices=[
-            CompletionChoice(text=text, finish_reason=fin.reason)]).model_dump())
+            return EventStream(_completion_events(jobs, self.engine, rid, now, model_id, req.include_usage, strings))
+        done = await self.collect(jobs, request)
+        choices = [CompletionChoice(index=i, text=text, finish_reason=fin.reason,
+                                    logprobs=completion_logprobs(recs, strings, 0)[0] if strings else None)
+                   for i, (text, recs, fin) in enumerate(done)]
+        return JSONResponse(CompletionResponse(id=rid, created=now, model=model_id, choices=choices,
+                                               usage=_usage([fin for _, _, fin in done])).model_dump())
 
     async def chat_completions(self, request: Request):
         check_api_key(request, self.key)
@@ -334,17 +372,21 @@ class Routes:
             ids = self.encode(chat.prompt, "messages")
         else:
             ids = check_ids(chat.prompt, "messages", self.vocab)
-        params = sampling_params(req, len(ids), self.context, None, "messages")
+        params = sampling_params(req, len(ids), self.context, None, "messages", self.vocab)
         if chat.stops or chat.stop_ids:
             params = dataclasses.replace(params, stops=tuple(dict.fromkeys(params.stops + chat.stops)),
                                          stop_ids=chat.stop_ids)
-        job = self.submit(ids, params)
+        jobs = self.submit(ids, params, req.n or 1)
         rid, now, model_id = new_id("chatcmpl"), int(time.time()), self.model_id
+        strings = self.strings if params.logprobs is not None else None
         if req.stream:
-            return EventStream(_chat_events(job, self.engine, rid, now, model_id, req.include_usage))
-        text, fin = await self.collect(job, request)
-        return JSONResponse(ChatCompletionResponse(id=rid, created=now, model=model_id, usage=_usage(fin), choices=[
-            ChatChoice(message=AssistantMessage(content=text), finish_reason=fin.reason)]).model_dump())
+            return EventStream(_chat_events(jobs, self.engine, rid, now, model_id, req.include_usage, strings))
+        done = await self.collect(jobs, request)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=fin.reason,
+                              logprobs=chat_logprobs(recs, strings) if strings else None)
+                   for i, (text, recs, fin) in enumerate(done)]
+        return JSONResponse(ChatCompletionResponse(id=rid, created=now, model=model_id, choices=choices,
+                                                   usage=_usage([fin for _, _, fin in done])).model_dump())
 
 
 def create_app(engine: Engine, model, model_id: str, api_key: str | None = None, metrics=None,
@@ -373,61 +415,100 @@ def create_app(engine: Engine, model, model_id: str, api_key: str | None = None,
     return app
 
 
-def _usage(fin: Finish) -> Usage:
-    return Usage(prompt_tokens=fin.prompt_tokens, completion_tokens=fin.completion_tokens,
-                 total_tokens=fin.prompt_tokens + fin.completion_tokens)
+def _usage(fins: list[Finish]) -> Usage:
+    """The prompt counted once, the completions of every choice summed (as OpenAI counts n choices)."""
+    completion = sum(f.completion_tokens for f in fins)
+    return Usage(prompt_tokens=fins[0].prompt_tokens, completion_tokens=completion,
+                 total_tokens=fins[0].prompt_tokens + completion)
 
 
 def _error_event(fin: Finish) -> str:
     return sse(error_body(f"generation failed: {fin.error}", "server_error"))
 
 
-async def _completion_events(job: Job, engine: Engine, rid: str, created: int, model_id: str,
-                             include_usage: bool) -> AsyncIterator[str]:
-    def chunk(text: str, reason: str | None = None, usage: Usage | None = None, choices=True):
-        return sse(CompletionResponse(id=rid, created=created, model=model_id, usage=usage, choices=[
-            CompletionChoice(text=text, finish_reason=reason)] if choices else []))
+async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, Piece | Finish]]:
+    """The events of a request's jobs as they come, each with its job's index; ends after every Finish."""
+    if len(jobs) == 1:
+        async for ev in jobs[0].events():
+            yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue()
 
-    try:
+    async def pump(i: int, job: Job):
         async for ev in job.events():
-            if isinstance(ev, Piece):
-                if ev.text:
-                    yield chunk(ev.text)
-            elif ev.reason == "error":
-                yield _error_event(ev)
-            elif ev.reason != "cancelled":
-                yield chunk("", ev.reason)
-                if include_usage:
-                    yield chunk("", usage=_usage(ev), choices=False)
+            queue.put_nowait((i, ev))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        left = len(jobs)
+        while left:
+            i, ev = await queue.get()
+            left -= isinstance(ev, Finish)
+            yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _completion_events(jobs: list[Job], engine: Engine, rid: str, created: int, model_id: str,
+                             include_usage: bool, strings: TokenStrings | None) -> AsyncIterator[str]:
+    def chunk(choices: list, usage: Usage | None = None):
+        return sse(CompletionResponse(id=rid, created=created, model=model_id, usage=usage, choices=choices))
+
+    offsets, fins = [0] * len(jobs), {}
+    try:
+        async with contextlib.aclosing(_merged(jobs)) as events:
+            async for i, ev in events:
+                if isinstance(ev, Piece):
+                    if ev.text or ev.logprobs:
+                        lp = None
+                        if strings is not None:
+                            lp, offsets[i] = completion_logprobs(ev.logprobs, strings, offsets[i])
+                        yield chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp)])
+                elif ev.reason == "error":
+                    yield _error_event(ev)
+                    break
+                else:
+                    fins[i] = ev
+                    if ev.reason != "cancelled":
+                        yield chunk([CompletionChoice(index=i, text="", finish_reason=ev.reason)])
+        if include_usage and len(fins) == len(jobs):
+            yield chunk([], usage=_usage(list(fins.values())))
         yield "data: [DONE]\n\n"
     finally:
-        engine.cancel(job)
+        for job in jobs:
+            engine.cancel(job)
 
 
-async def _chat_events(job: Job, engine: Engine, rid: str, created: int, model_id: str,
-                       include_usage: bool) -> AsyncIterator[str]:
-    def chunk(delta: Delta | None, reason: str | None = None, usage: Usage | None = None):
-        choices = [ChatChunkChoice(delta=delta, finish_reason=reason)] if delta is not None else []
+async def _chat_events(jobs: list[Job], engine: Engine, rid: str, created: int, model_id: str,
+                       include_usage: bool, strings: TokenStrings | None) -> AsyncIterator[str]:
+    def chunk(choices: list, usage: Usage | None = None):
         return sse(ChatCompletionChunk(id=rid, created=created, model=model_id, choices=choices, usage=usage))
 
+    started, fins = set(), {}
     try:
-        first = True
-        async for ev in job.events():
-            if first and not (isinstance(ev, Finish) and ev.reason == "error"):
-                yield chunk(Delta(role="assistant", content=""))
-                first = False
-            if isinstance(ev, Piece):
-                if ev.text:
-                    yield chunk(Delta(content=ev.text))
-            elif ev.reason == "error":
-                yield _error_event(ev)
-            elif ev.reason != "cancelled":
-                yield chunk(Delta(), ev.reason)
-                if include_usage:
-                    yield chunk(None, usage=_usage(ev))
+        async with contextlib.aclosing(_merged(jobs)) as events:
+            async for i, ev in events:
+                if isinstance(ev, Finish) and ev.reason == "error":
+                    yield _error_event(ev)
+                    break
+                if i not in started:  # each choice opens with the assistant's role
+                    started.add(i)
+                    yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                if isinstance(ev, Piece):
+                    if ev.text or ev.logprobs:
+                        lp = chat_logprobs(ev.logprobs, strings) if strings is not None else None
+                        yield chunk([ChatChunkChoice(index=i, delta=Delta(content=ev.text), logprobs=lp)])
+                else:
+                    fins[i] = ev
+                    if ev.reason != "cancelled":
+                        yield chunk([ChatChunkChoice(index=i, delta=Delta(), finish_reason=ev.reason)])
+        if include_usage and len(fins) == len(jobs):
+            yield chunk([], usage=_usage(list(fins.values())))
         yield "data: [DONE]\n\n"
     finally:
-        engine.cancel(job)
+        for job in jobs:
+            engine.cancel(job)
 
 
 def build_app(path: str, threads: int | None = None, max_batch: int = 1, max_queue: int = 64,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..errors import CflowError
-from .job import Job
+from .job import Job, chooser_of
 
 
 class Backend(Protocol):
@@ -70,10 +70,10 @@ class StreamSlots:
         return self.models[0]
 
     def start(self, slot: int, job: Job) -> int:
-        p = job.params
-        gen = self.models[slot].stream(job.prompt_ids, max_new_tokens=p.max_tokens, temperature=p.temperature,
-                                       top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=True,
-                                       speculate=self.speculate)
+        chooser = chooser_of(job)
+        gen = self.models[slot].stream(job.prompt_ids, max_new_tokens=job.params.max_tokens, seed=job.params.seed,
+                                       stop=True, speculate=self.speculate if chooser.plain else None,
+                                       sampler=chooser)  # rules or logprobs: no drafting (plain decode)
         self._gens[slot] = gen
         self._first[slot] = next(gen, None)  # prefill and the first token, so that start is the prompt's time
         return 0  # `stream` reads the prompt in one go (the disk tiers read it token by token anyway)
@@ -111,8 +111,8 @@ class BatchedSlots:
     prompt into its slot one prefill block per call (chunked prefill: the engine interleaves the pieces with
     decode steps), `advance` runs one `batch_step` over every given slot that has a token to feed (or, when
     slot 0 is the only one, the single-sequence decode step, which is faster for one token).
-    Sampling and stopping are `CompiledModel.stream`'s (the same Sampler, seed and end-of-text ids), so a
-    request's tokens are the ones `m.generate` gives for it."""
+    Sampling and stopping are `CompiledModel.stream`'s (the job's Chooser: for a plain request the same Sampler
+    and seed; the same end-of-text ids), so a request's tokens are the ones `m.generate` gives for it."""
 
     def __init__(self, model, speculate: str | None = None):
         self.model = model
@@ -156,13 +156,10 @@ class BatchedSlots:
         return self._emit(slot, tok)
 
     def start(self, slot: int, job: Job) -> int:
-        from ..runtime.sampling import Sampler
-
-        p = job.params
-        self._sampler[slot] = Sampler(p.temperature, p.top_k, p.top_p, p.seed)
+        self._sampler[slot] = chooser_of(job)
         self._prompt[slot] = (job.prompt_ids, 0)
-        self._left[slot] = p.max_tokens
-        if self.speculate and slot == 0:
+        self._left[slot] = job.params.max_tokens
+        if self.speculate and slot == 0 and self._sampler[slot].plain:  # rules or logprobs: no drafting
             self._spec[0] = self._speculator(job)
         return len(job.prompt_ids)
 

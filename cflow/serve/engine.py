@@ -89,17 +89,19 @@ class Engine:
         est = (waiting + 1) * self._mean_seconds / max(1, self.backend.slots)
         return int(min(60, max(1, math.ceil(est))))
 
-    def submit(self, job: Job) -> None:
-        """Queue `job` for a slot; QueueFull if --max-queue requests wait already."""
+    def submit(self, job: Job, *more: Job) -> None:
+        """Queue `job` (and `more`: a request's other choices, together or not at all) for a slot; QueueFull if
+        --max-queue requests would wait."""
         with self._cond:
             if not self.alive:
                 raise EngineStopped("the engine is not running" + (f": {self.error}" if self.error else ""))
             free = self.backend.slots - len(self._active)
-            if len(self._waiting) >= self.max_queue + max(0, free):
+            if len(self._waiting) + len(more) >= self.max_queue + max(0, free):
                 if self.metrics is not None:
                     self.metrics.rejected.labels("queue_full").inc()
                 raise QueueFull(len(self._waiting), self.retry_after())  # (the condition's lock is re-entrant)
             self._waiting.append(job)
+            self._waiting.extend(more)
             self._gauges()
             self._cond.notify()
 

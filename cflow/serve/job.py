@@ -1,6 +1,12 @@
 """One request inside the engine: what it asks for (`SamplingParams`), what it gets back (`Piece`s, then one
-`Finish`), and how its tokens become text (`Detokenizer`, then `StopText`, which holds back a tail that could
-still grow into a stop string).
+`Finish`), how its next tokens are chosen (`chooser`, a runtime.choice.Chooser both backends call), and how its
+tokens become text (`Detokenizer`, then `StopText`, which holds back a tail that could still grow into a stop
+string).
+
+Logprobs ride with the text their tokens made: a token whose text is held back (an incomplete UTF-8 character,
+a possible stop string) has its record delivered with the piece that shows that text, or, if the text never
+shows (cut by a stop string, or an incomplete character at the end), with the job's last piece, whose text may
+be empty. Every generated token (usage's completion_tokens) so has exactly one record.
 
 A `Job` is created and read on the asyncio loop (`events`), and fed token by token by the engine thread, which
 hands each event over with `call_soon_threadsafe`.
@@ -13,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from ..runtime.choice import REPETITION_WINDOW, Chooser
 from ..runtime.stop_text import StopText
 
 
@@ -26,13 +33,38 @@ class SamplingParams:
     seed: int | None = None
     stops: tuple[str, ...] = ()
     stop_ids: frozenset = frozenset()  # tokens that end the answer unseen, like end-of-text (a chat's end of turn)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_window: int = REPETITION_WINDOW
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None  # None: no logprobs; N: each token's logprob and its row's N best
+
+
+def make_chooser(params: SamplingParams, prompt_ids: Sequence[int], constraint=None,
+                 eos_id: int | None = None) -> Chooser:
+    """The Chooser of one sequence with these parameters (its repetition penalty sees the prompt)."""
+    p = params
+    return Chooser(p.temperature, p.top_k, p.top_p, p.seed, min_p=p.min_p, logit_bias=dict(p.logit_bias),
+                   presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                   repetition_penalty=p.repetition_penalty, repetition_window=p.repetition_window,
+                   prompt_ids=prompt_ids, logprobs=p.logprobs, constraint=constraint, eos_id=eos_id)
+
+
+def chooser_of(job) -> Chooser:
+    """The job's Chooser (a stand-in job without one, as tests make, gets one from its parameters)."""
+    c = getattr(job, "chooser", None)
+    return c if c is not None else make_chooser(job.params, job.prompt_ids)
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Text the client can show (may be empty while a multi-byte character or stop string is pending)."""
+    """Text the client can show (may be empty while a multi-byte character or stop string is pending), and the
+    logprob records (runtime.choice.TokenLogprob) of the tokens that made it, when the request asked for them."""
 
     text: str
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -63,9 +95,11 @@ class Job:
     """One request inside the engine. Created and read on the asyncio loop, advanced by the engine thread."""
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, tokenizer=None,
-                 loop: asyncio.AbstractEventLoop | None = None):
+                 loop: asyncio.AbstractEventLoop | None = None, constraint=None, eos_id: int | None = None):
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.params = params
+        self.chooser = make_chooser(params, self.prompt_ids, constraint, eos_id)
+        self._records: list = []  # logprob records of tokens whose text is not shown yet
         self.loop = loop or asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False  # set by the handler (client gone), read by the engine at token boundaries
@@ -101,9 +135,12 @@ class Job:
         if token in self.params.stop_ids:
             return "stop"
         self.completion_tokens += 1
+        if self.params.logprobs is not None and (rec := self.chooser.take(token)) is not None:
+            self._records.append(rec)
         text, stopped = self._stop.push(self._detok.push(token))
         if text:
-            self._emit(Piece(text))
+            self._emit(Piece(text, tuple(self._records)))
+            self._records = []
         if stopped:
             return "stop"
         if self.completion_tokens >= self.params.max_tokens:
@@ -114,6 +151,8 @@ class Job:
         if self.finished:
             return
         self.finished = True
-        if reason in ("stop", "length") and (rest := self._stop.flush()):
-            self._emit(Piece(rest))  # a tail held back for a stop string that never came: it was text
+        if reason in ("stop", "length") and ((rest := self._stop.flush()) or self._records):
+            # a tail held back for a stop string that never came was text; records of text never shown go last
+            self._emit(Piece(rest, tuple(self._records)))
+            self._records = []
         self._emit(Finish(reason, len(self.prompt_ids), self.completion_tokens, error))

@@ -2,9 +2,9 @@
 
 Requests follow OpenAI's `/v1/completions` and `/v1/chat/completions` bodies. Types are strict (a string
 is not a number, `true` is not an integer); unknown fields are ignored, as OpenAI's own clients add new
-ones over time. Fields cflow cannot honour (n > 1, logprobs, penalties, tools, ...) are refused with a
-400 naming the field instead of being silently ignored. `top_k` is accepted as an extension (as llama.cpp
-and vLLM do).
+ones over time. Fields cflow cannot honour (tools, echo, suffix, ...) are refused with a 400 naming the field
+instead of being silently ignored. `top_k`, `min_p`, `repetition_penalty` (vLLM's names) and `repeat_last_n`
+(llama.cpp's) are accepted as extensions.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 16  # choices per request (each one a sequence of its own in the queue and a slot)
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI's chat limit (its completions allow 5, vLLM more)
+Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class _Strict(BaseModel):
@@ -36,20 +39,16 @@ class _Sampling(_Strict):
     top_k: Annotated[int, Field(ge=0)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: str | list[str] | None = None
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    repeat_last_n: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("cflow generates one choice per request: n must be 1")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -63,19 +62,17 @@ class _Sampling(_Strict):
                 raise ValueError("stop sequences must not be empty")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v:
-            raise ValueError("penalties are not supported by cflow (leave at 0)")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported by cflow")
+        for k in v or ():
+            if not (k.isascii() and k.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids (\"50256\"), not {k!r:.30}")
         return v
+
+    @property
+    def bias(self) -> dict[int, float]:
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -91,7 +88,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -116,12 +113,10 @@ class CompletionRequest(_Sampling):
             raise ValueError("echo is not supported by cflow")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v is not None:
-            raise ValueError("logprobs are not supported by cflow")
-        return v
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per token in the logprobs (the chosen token is always given); None: no logprobs."""
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -163,7 +158,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -175,19 +170,17 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("at least one message is needed")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by cflow")
-        return v
-
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by cflow")
+    def _top_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return v
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per token in the logprobs; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod
@@ -266,10 +259,35 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's (or chunk's) logprobs: one entry per token."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's (or chunk's) logprobs, the legacy shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -291,7 +309,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -313,7 +331,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -226,6 +226,29 @@ def test_queue_limit_error_and_shutdown():
     assert fp.reason == "error" and "shutting down" in fp.error
 
 
+def test_logprob_records_ride_with_their_text():
+    """Each token's record comes with the piece that shows its text: a token held back for a possible stop string
+    waits for it; the tokens of text a stop string cut come with the last piece (empty text)."""
+    from cflow.runtime.choice import TokenLogprob
+
+    class Records:  # stands for the Chooser the Script backend does not call
+        def take(self, token):
+            return TokenLogprob(token, -float(token))
+
+    async def main():
+        eng = Engine(Script(1), max_queue=8)
+        job = Job([3, 5, 7, 5, 6, 9], SamplingParams(max_tokens=100, stops=(" 5 6",), logprobs=0))
+        job.chooser = Records()
+        eng.submit(job)
+        pieces = [ev async for ev in job.events()]
+        eng.close()
+        return pieces
+
+    *pieces, fin = asyncio.run(main())
+    assert [(p.text, [r.token for r in p.logprobs]) for p in pieces] == [(" 3", [3]), (" 5 7", [5, 7]), ("", [5, 6])]
+    assert fin.reason == "stop" and fin.completion_tokens == 5
+
+
 def test_stop_text_holds_back_partial_matches():
     st = StopText(["END", "xy"])
     assert st.push("abc E") == ("abc ", False)

@@ -421,6 +421,25 @@ def test_full_queue_answers_429_with_retry_after(slow_server):
     wait_for(lambda: app.state.engine.stats().active == 0)
 
 
+def test_n_choices_are_queued_together_or_not_at_all(slow_server):
+    """n jobs count against the queue at once: with one request running, n=2 does not fit one slot + one queue
+    place (429, nothing queued); n above slots + --max-queue can never fit (400)."""
+    url, app = slow_server
+    c = client(url)
+    running = c.completions.create(model="tiny", prompt=[1, 2], max_tokens=100, temperature=0, stream=True)
+    wait_for(lambda: app.state.engine.stats().active == 1)
+    with pytest.raises(openai.RateLimitError):
+        c.completions.create(model="tiny", prompt=[5, 6], max_tokens=5, n=2)
+    assert app.state.engine.stats().waiting == 0  # neither choice was queued
+    running.close()
+    wait_for(lambda: app.state.engine.stats().active == 0)
+    r = c.completions.create(model="tiny", prompt=[5, 6], max_tokens=3, temperature=0, n=2)  # one runs, one waits
+    assert [ch.text for ch in r.choices] == [r.choices[0].text] * 2 and r.usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt=[5, 6], max_tokens=3, n=3)
+    assert e.value.param == "n"
+
+
 # --- bad requests -------------------------------------------------------------------------------------------
 def test_malformed_json_and_wrong_types(tiny_server):
     url, _ = tiny_server
@@ -440,14 +459,15 @@ def test_malformed_json_and_wrong_types(tiny_server):
         ("/v1/completions", {"model": "tiny", "prompt": [1], "temperature": 3}, "temperature"),
         ("/v1/completions", {"model": "tiny", "prompt": [1], "top_p": 0}, "top_p"),
         ("/v1/completions", {"model": "tiny", "prompt": [1], "seed": -1}, "seed"),
-        ("/v1/completions", {"model": "tiny", "prompt": [1], "n": 2}, "n"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "n": 0}, "n"),
         ("/v1/completions", {"model": "tiny", "prompt": [1], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("/v1/completions", {"model": "tiny", "prompt": [1], "stream": "yes"}, "stream"),
         ("/v1/completions", {"model": "tiny", "prompt": {"a": 1}}, "prompt"),
         ("/v1/completions", {"model": "tiny", "prompt": []}, "prompt"),
         ("/v1/completions", {"model": "tiny"}, "prompt"),
         ("/v1/completions", {"model": 5, "prompt": [1]}, "model"),  # left out is fine: the one model
-        ("/v1/completions", {"model": "tiny", "prompt": [1], "logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "echo": True}, "echo"),
         ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]},

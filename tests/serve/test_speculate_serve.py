@@ -60,6 +60,23 @@ def test_alone_then_batched_gives_generate_tokens(tiny_path, ref_tiny, kind, tem
     assert [b for _, b in both] == ref_tiny.generate(REP[:9], 10, stop=False)
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_request_with_rules_decodes_without_drafting(tiny_path, ref_tiny, slots):
+    """logprobs, penalties or a bias: no Speculator for that request (its tokens are the library's Chooser's)."""
+    from cflow.runtime.choice import Chooser
+
+    be = load_backend(tiny_path, threads=1, slots=slots, prefill_block=8, speculate="ngram")
+    try:
+        p = SamplingParams(max_tokens=20, temperature=0.0, presence_penalty=0.5, logprobs=1)
+        _start(be, 0, REP, p)
+        got = _tokens([be.advance([0])[0] for _ in range(20)])
+        assert not getattr(be, "_spec", {})  # BatchedSlots made no Speculator
+        be.stop(0)
+    finally:
+        be.close()
+    assert got == ref_tiny.generate(REP, 20, stop=False, sampler=Chooser(presence_penalty=0.5, prompt_ids=REP))
+
+
 def test_refused_where_it_cannot_work(tiny_path):
     with pytest.raises(CflowError, match="weights in RAM"):
         load_backend(tiny_path, threads=1, slots=1, speculate="ngram", experts="disk")

@@ -1,0 +1,245 @@
+"""The next token of one sequence: a `Sampler` (temperature, top-k, top-p, seed) behind optional rules, and the
+model's log-probabilities of what it chose.
+
+A `Chooser` is called like a Sampler (`__call__(logits)`, `draw(logits, u)`, `probabilities`, `greedy`, `rng`),
+so the token loops take either. Before the Sampler's distribution, the rules change a copy of the logits row
+(never the caller's array), in this order (vLLM's):
+
+    1. logit_bias            {id: b}: b added to the token's logit
+    2. repetition_penalty r  each distinct token among the last `repetition_window` tokens of prompt (`prompt_ids`)
+                             + generated text (llama.cpp's penalty_last_n; default 64, -1 = all, 0 = none): a positive
+                             logit divided by r, a negative one multiplied by r (llama.cpp's and transformers' rule)
+    3. frequency_penalty f,  OpenAI's definition, over the generated tokens only: a token generated c times so far
+       presence_penalty p    loses c * f + (c > 0) * p
+    4. constraint            tokens its mask disallows are out (probability 0; structured output)
+    5. temperature T, then min_p: tokens whose probability is below min_p x the best token's are dropped (the
+       logit below best + T * ln(min_p)); then top_k, top_p and the draw, as the Sampler defines them
+
+With no rule and no logprobs a Chooser is its Sampler: the same draws from the same generator, the same tokens
+for the same seed.
+
+logprobs (top_n >= 0): every chosen token is recorded with the model's own log-softmax of the raw logits row
+(before any rule or temperature) at that token, and the top_n best tokens of that row with theirs (ranked by
+logit, ties by the lower id). A caller takes the record of each token it emits with `take(token)`.
+
+A constraint is any object with `allowed()` -> a bool array [n] of the tokens allowed next (ids >= n are not) or
+None (no restriction now), `accept(token)`, and a `finished` property (only end-of-text may follow: the Chooser
+then returns `eos_id` without drawing). One Chooser serves one generation: it keeps that sequence's history.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CflowError
+from .sampling import Sampler, _top
+
+MAX_TOP_LOGPROBS = 20  # alternatives a record may list (OpenAI's limit for chat)
+REPETITION_WINDOW = 64  # llama.cpp's default penalty_last_n
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token, its log-probability, and the best tokens of the same row: ((id, logprob), ...)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Chooser:
+    """Sampler(temperature, top_k, top_p, seed) behind the rules of the module docstring; logprobs=N records each
+    chosen token's logprob and its row's N best (None: no records)."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, *,
+                 min_p: float = 0.0, logit_bias: dict | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 repetition_window: int = REPETITION_WINDOW, prompt_ids=(), logprobs: int | None = None,
+                 constraint=None, eos_id: int | None = None):
+        self.sampler = Sampler(temperature, top_k, top_p, seed)
+        self.seed = seed
+        _check(0 <= min_p <= 1, "min_p must be in [0, 1]", min_p)
+        for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            _check(-2 <= v <= 2, f"{name} must be in [-2, 2]", v)
+        _check(0 < repetition_penalty < math.inf, "repetition_penalty must be a finite number > 0", repetition_penalty)
+        _check(isinstance(repetition_window, int) and repetition_window >= -1,
+               "repetition_window must be -1 (all), 0 (none) or a number of tokens", repetition_window)
+        _check(logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS,
+               f"logprobs must be None or 0..{MAX_TOP_LOGPROBS}", logprobs)
+        bias = {int(k): float(v) for k, v in (logit_bias or {}).items()}
+        _check(all(i >= 0 for i in bias), "logit_bias ids must be >= 0", logit_bias)
+        _check(all(-100 <= v <= 100 for v in bias.values()), "logit_bias values must be in [-100, 100]", logit_bias)
+        self._bias_ids = np.array(sorted(bias), dtype=np.int64)
+        self._bias = np.array([bias[i] for i in sorted(bias)], dtype=np.float64)
+        self.min_p, self.presence, self.frequency = float(min_p), float(presence_penalty), float(frequency_penalty)
+        self.repetition, self.window = float(repetition_penalty), repetition_window
+        self.top_n = logprobs
+        self.constraint, self.eos_id = constraint, eos_id
+        self.history = [int(i) for i in prompt_ids]  # prompt + accepted tokens: what the repetition penalty sees
+        self._seen = set(self.history) if repetition_window == -1 else None
+        self._counts: dict[int, int] = {}  # generated token -> times (frequency and presence penalties)
+        self._records: collections.deque[TokenLogprob] = collections.deque()
+        self._edits = bool(bias) or self.presence != 0 or self.frequency != 0 or (
+            self.repetition != 1 and self.window != 0)  # rules that change logits (on a copy)
+        self._rules = self._edits or self.min_p > 0
+
+    # --- a Sampler's interface -----------------------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        return self.sampler.greedy
+
+    @property
+    def rng(self) -> np.random.Generator:
+        return self.sampler.rng
+
+    @property
+    def temperature(self) -> float:
+        return self.sampler.temperature
+
+    @property
+    def top_k(self) -> int:
+        return self.sampler.top_k
+
+    @property
+    def top_p(self) -> float:
+        return self.sampler.top_p
+
+    @property
+    def plain(self) -> bool:
+        """No rule, no constraint, no logprobs: the Sampler's tokens (speculative decoding may draft for it)."""
+        return not self._rules and self.constraint is None and self.top_n is None
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """The next token (one uniform from the generator unless greedy, as Sampler.__call__)."""
+        return self.draw(logits, None if self.greedy else self.rng.random())
+
+    def draw(self, logits: np.ndarray, u: float | None) -> int:
+        """The token uniform `u` selects from the distribution the rules leave; recorded and accepted."""
+        c = self.constraint
+        x, ids = (None, None) if c is not None and c.finished else self._adjusted(logits)
+        if x is None:  # the constraint is complete, or allows nothing more: end the sequence
+            tok = self._end("the constraint allows no token" if c is not None and not c.finished else
+                            "the constraint is complete")
+        else:
+            i = self.sampler.draw(x, u)
+            tok = i if ids is None else int(ids[i])
+            if c is not None:
+                c.accept(tok)
+        if self.top_n is not None:
+            self._records.append(self.logprob(logits, tok))
+        self.history.append(tok)
+        if self._seen is not None:
+            self._seen.add(tok)
+        self._counts[tok] = self._counts.get(tok, 0) + 1
+        return tok
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution the next draw is from, over the vocabulary (float64; changes nothing)."""
+        x, ids = (None, None) if self.constraint is not None and self.constraint.finished else self._adjusted(logits)
+        if x is None:
+            out = np.zeros(np.asarray(logits).size)
+            out[self._end("the constraint allows no token")] = 1.0
+            return out
+        if ids is None:
+            return self.sampler.probabilities(x)
+        out = np.zeros(np.asarray(logits).size)
+        out[ids] = self.sampler.probabilities(x)
+        return out
+
+    # --- logprobs ----------------------------------------------------------------------------------------
+    def take(self, token: int) -> TokenLogprob | None:
+        """The record of `token`, the oldest not taken (records of tokens the caller never emitted, such as an
+        end-of-text, are passed over); None without logprobs."""
+        while self._records:
+            r = self._records.popleft()
+            if r.token == token:
+                return r
+        return None
+
+    def logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
+        """`token`'s log-softmax in the raw row `logits`, with the row's top_n best tokens (no full sort)."""
+        x = np.asarray(logits)
+        if x.dtype.kind != "f":
+            x = x.astype(np.float64)
+        top = float(x.max())
+        lse = top + math.log(np.exp(x - x.dtype.type(top)).sum(dtype=np.float64))  # exp in the row's precision
+        best = _top(x, self.top_n) if self.top_n else ()
+        return TokenLogprob(int(token), float(x[token]) - lse, tuple((int(i), float(x[i]) - lse) for i in best))
+
+    # --- the rules ---------------------------------------------------------------------------------------
+    def _adjusted(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(row, ids): the row the Sampler draws from and, when a mask or min_p keeps only some tokens, their ids
+        (ascending: the row is theirs, so ranks and ties are the vocabulary's); ids None: the row is the whole
+        vocabulary, `logits` itself without rules, else a changed copy. (None, None): the constraint allows no
+        token. Keeping the few tokens left, rather than writing -inf over the rest, spares a pass that costs
+        more than the draw."""
+        x = np.asarray(logits)
+        if x.dtype.kind != "f":
+            x = x.astype(np.float64)
+        if not self._rules and self.constraint is None:
+            return x, None
+        if self._edits:
+            x = x.copy()  # the caller's row stays as it is
+        if self._bias_ids.size:
+            if self._bias_ids[-1] >= x.size:
+                raise CflowError(f"logit_bias names token {int(self._bias_ids[-1])}; the vocabulary has {x.size}")
+            x[self._bias_ids] += self._bias
+        if self.repetition != 1 and self.window != 0:
+            ids = self._window_ids()
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / self.repetition, v * self.repetition)
+        if self._counts and (self.frequency or self.presence):
+            ids = np.fromiter(self._counts, np.int64, len(self._counts))
+            c = np.fromiter(self._counts.values(), np.float64, len(self._counts))
+            x[ids] -= c * self.frequency + self.presence
+        keep = None
+        if self.constraint is not None and not self.constraint.finished:
+            allowed = self.constraint.allowed()
+            if allowed is not None:
+                allowed = np.asarray(allowed, dtype=bool)
+                if allowed.size > x.size:
+                    raise CflowError(f"the constraint's mask has {allowed.size} entries; the vocabulary {x.size}")
+                keep = np.zeros(x.size, bool)
+                keep[: allowed.size] = allowed
+                if not keep.any():
+                    return None, None
+        if self.min_p > 0 and not self.greedy:
+            top = x.max() if keep is None else x[keep].max()
+            if np.isfinite(top):
+                above = x >= top + self.temperature * math.log(self.min_p)
+                keep = above if keep is None else keep & above
+        if keep is None:
+            return x, None
+        ids = np.flatnonzero(keep)
+        return x[ids], ids
+
+    def _window_ids(self) -> np.ndarray:
+        if self._seen is not None:
+            return np.fromiter(self._seen, np.int64, len(self._seen))
+        return np.unique(np.asarray(self.history[-self.window :], dtype=np.int64))
+
+    def _end(self, why: str) -> int:
+        if self.eos_id is None:
+            raise CflowError(f"{why} and there is no end-of-text token to end the sequence with")
+        return int(self.eos_id)
+
+
+def _check(ok: bool, what: str, got) -> None:
+    if not ok:
+        raise CflowError(f"{what}, not {got!r:.60}")
+
+
+def sampler_for(sampler, temperature: float, top_k: int, top_p: float, seed: int | None):
+    """The chooser of one generation: `sampler` (a Chooser or Sampler) if given, else a Sampler of the options."""
+    return Sampler(temperature, top_k, top_p, seed) if sampler is None else sampler
+
+
+def check_sampler(sampler, speculate: str | None) -> None:
+    """Speculative decoding checks drafts against the plain distribution: refuse a chooser with rules."""
+    if sampler is not None and speculate is not None and not getattr(sampler, "plain", True):
+        raise CflowError("speculate= cannot be combined with a sampler that has rules, a constraint or logprobs "
+                         "(penalties, logit_bias, min_p): leave speculate=None")
