@@ -48,7 +48,10 @@ from .protocol import (
     error_body,
     new_id,
 )
+from .shaping import ShapeError, constraint_factory
+from .shaping import shape_param as _shape_param
 from .template import chat_prompt
+from .tools import ToolCallParser, tool_format
 
 MAX_BODY = 4 << 20  # bytes of a request body (a context's worth of text is far less)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat: the rest of the context
@@ -259,15 +262,17 @@ class Routes:
                 raise ApiError(400, f"{e}.", param=param) from None
         return check_ids(self.model.tokenizer.encode(text), param, self.vocab)
 
-    def submit(self, ids: list[int], params: SamplingParams, n: int = 1) -> list[Job]:
+    def submit(self, ids: list[int], params: SamplingParams, n: int = 1, shape=None) -> list[Job]:
         """One job per choice, queued together or not at all. Choice i of a request with seed s samples with seed
-        s + i (choice 0 is the request's tokens with n = 1, m.generate's with that seed)."""
+        s + i (choice 0 is the request's tokens with n = 1, m.generate's with that seed). shape: (make, eos_id),
+        a function making each choice's grammar constraint and the token that ends a finished one."""
         most = self.engine.max_queue + self.engine.backend.slots
         if n > most:
             raise ApiError(400, f"n={n} choices are more than this server holds at once ({most}: its slots and "
                            "--max-queue).", param="n")
+        make, eos_id = shape or (None, None)
         jobs = [Job(ids, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i),
-                    self.model.tokenizer) for i in range(n)]
+                    self.model.tokenizer, constraint=make() if make else None, eos_id=eos_id) for i in range(n)]
         try:
             self.engine.submit(*jobs)
         except QueueFull as e:
@@ -305,6 +310,19 @@ class Routes:
         if failed is not None:
             raise ApiError(500, f"generation failed: {failed.error}", "server_error")
         return [("".join(p), r, f) for p, r, f in zip(parts, records, fins)]
+
+    def shape(self, req, stop_ids, template=None):
+        """(make, eos_id) for a request whose output must match a schema, a grammar or a tool call; else None."""
+        try:
+            make = constraint_factory(req, self.model.tokenizer, stop_ids, template)
+        except ShapeError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        if make is None:
+            return None
+        if not stop_ids:
+            raise ApiError(400, "Structured output needs an end-of-text token, and this model has none.",
+                           param=_shape_param(req))
+        return make, min(stop_ids)
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.model_id, created=self.created, max_model_len=self.context,
@@ -346,7 +364,8 @@ class Routes:
         else:
             ids = check_ids(list(prompt), "prompt", self.vocab)
         params = sampling_params(req, len(ids), self.context, DEFAULT_COMPLETION_TOKENS, "prompt", self.vocab)
-        jobs = self.submit(ids, params, req.n or 1)
+        shape = self.shape(req, frozenset(self.model.eos_ids))
+        jobs = self.submit(ids, params, req.n or 1, shape)
         rid, now, model_id = new_id("cmpl"), int(time.time()), self.model_id
         strings = self.strings if params.logprobs is not None else None
         if req.stream:
@@ -364,8 +383,9 @@ class Routes:
         if self.model.tokenizer is None:
             raise ApiError(400, "This model has no tokenizer, so it cannot read chat messages: use /v1/completions "
                            "with token ids.", param="messages", code="no_tokenizer")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
         try:
-            chat = chat_prompt(self.model, [(m.role, m.text) for m in req.messages])
+            chat = chat_prompt(self.model, [m.template_dict() for m in req.messages], tools or None)
         except CflowError as e:  # the model's template refused these messages (e.g. roles out of order)
             raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
         if isinstance(chat.prompt, str):
@@ -376,17 +396,38 @@ class Routes:
         if chat.stops or chat.stop_ids:
             params = dataclasses.replace(params, stops=tuple(dict.fromkeys(params.stops + chat.stops)),
                                          stop_ids=chat.stop_ids)
-        jobs = self.submit(ids, params, req.n or 1)
+        template = self.model.chat_template
+        # a finished grammar ends the turn with the template's end-of-turn token if it has one (min: the first)
+        ends = chat.stop_ids or frozenset(self.model.eos_ids)
+        shape = self.shape(req, ends | frozenset(self.model.eos_ids), template)
+        if shape is not None:
+            shape = (shape[0], min(ends))
+        jobs = self.submit(ids, params, req.n or 1, shape)
+        calls = tool_format(template) if req.tool_mode != "none" else None  # parse the replies for tool calls
         rid, now, model_id = new_id("chatcmpl"), int(time.time()), self.model_id
         strings = self.strings if params.logprobs is not None else None
         if req.stream:
-            return EventStream(_chat_events(jobs, self.engine, rid, now, model_id, req.include_usage, strings))
+            return EventStream(_chat_events(jobs, self.engine, rid, now, model_id, req.include_usage, strings,
+                                            calls))
         done = await self.collect(jobs, request)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=fin.reason,
-                              logprobs=chat_logprobs(recs, strings) if strings else None)
-                   for i, (text, recs, fin) in enumerate(done)]
+        choices = [_chat_choice(i, text, recs, fin, strings, calls) for i, (text, recs, fin) in enumerate(done)]
         return JSONResponse(ChatCompletionResponse(id=rid, created=now, model=model_id, choices=choices,
                                                    usage=_usage([fin for _, _, fin in done])).model_dump())
+
+
+def _chat_choice(i: int, text: str, recs: list, fin: Finish, strings, calls: str | None) -> ChatChoice:
+    """One choice of a chat answer; with tools, the calls parsed out of the text (finish_reason tool_calls)."""
+    lp = chat_logprobs(recs, strings) if strings else None
+    if calls is None:
+        return ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=fin.reason, logprobs=lp)
+    parser = ToolCallParser(calls)
+    content, found = parser.push(text)
+    rest, more = parser.finish()
+    content, found = content + rest, found + more
+    reason = "tool_calls" if found and fin.reason == "stop" else fin.reason
+    msg = AssistantMessage(content=content or (None if found else ""),
+                           tool_calls=[c.openai() for c in found] or None)
+    return ChatChoice(index=i, message=msg, finish_reason=reason, logprobs=lp)
 
 
 def create_app(engine: Engine, model, model_id: str, api_key: str | None = None, metrics=None,
@@ -481,11 +522,21 @@ async def _completion_events(jobs: list[Job], engine: Engine, rid: str, created:
 
 
 async def _chat_events(jobs: list[Job], engine: Engine, rid: str, created: int, model_id: str,
-                       include_usage: bool, strings: TokenStrings | None) -> AsyncIterator[str]:
+                       include_usage: bool, strings: TokenStrings | None, calls: str | None = None
+                       ) -> AsyncIterator[str]:
+    """The chunks of a chat answer; with `calls` (a tool-call format), content and tool calls parsed apart as they
+    stream: each call one delta with its index, id, name and arguments when its block closes."""
     def chunk(choices: list, usage: Usage | None = None):
         return sse(ChatCompletionChunk(id=rid, created=created, model=model_id, choices=choices, usage=usage))
 
-    started, fins = set(), {}
+    parsers = [ToolCallParser(calls) for _ in jobs] if calls is not None else None
+    started, fins, made = set(), {}, [0] * len(jobs)
+
+    def delta(i: int, text: str, found: list) -> Delta:
+        deltas = [c.openai(made[i] + k) for k, c in enumerate(found)]
+        made[i] += len(found)
+        return Delta(content=text if text or not deltas else None, tool_calls=deltas or None)
+
     try:
         async with contextlib.aclosing(_merged(jobs)) as events:
             async for i, ev in events:
@@ -496,13 +547,22 @@ async def _chat_events(jobs: list[Job], engine: Engine, rid: str, created: int, 
                     started.add(i)
                     yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
                 if isinstance(ev, Piece):
-                    if ev.text or ev.logprobs:
+                    text, found = parsers[i].push(ev.text) if parsers else (ev.text, [])
+                    if text or found or ev.logprobs:
                         lp = chat_logprobs(ev.logprobs, strings) if strings is not None else None
-                        yield chunk([ChatChunkChoice(index=i, delta=Delta(content=ev.text), logprobs=lp)])
-                else:
-                    fins[i] = ev
-                    if ev.reason != "cancelled":
-                        yield chunk([ChatChunkChoice(index=i, delta=Delta(), finish_reason=ev.reason)])
+                        yield chunk([ChatChunkChoice(index=i, delta=delta(i, text, found), logprobs=lp)])
+                    continue
+                fins[i] = ev
+                if ev.reason == "cancelled":
+                    continue
+                reason = ev.reason
+                if parsers:
+                    text, found = parsers[i].finish()
+                    if text or found:
+                        yield chunk([ChatChunkChoice(index=i, delta=delta(i, text, found))])
+                    if parsers[i].calls and reason == "stop":
+                        reason = "tool_calls"
+                yield chunk([ChatChunkChoice(index=i, delta=Delta(), finish_reason=reason)])
         if include_usage and len(fins) == len(jobs):
             yield chunk([], usage=_usage(list(fins.values())))
         yield "data: [DONE]\n\n"

@@ -2,9 +2,10 @@
 
 Requests follow OpenAI's `/v1/completions` and `/v1/chat/completions` bodies. Types are strict (a string
 is not a number, `true` is not an integer); unknown fields are ignored, as OpenAI's own clients add new
-ones over time. Fields cflow cannot honour (tools, echo, suffix, ...) are refused with a 400 naming the field
+ones over time. Fields cflow cannot honour (echo, suffix, best_of > 1) are refused with a 400 naming the field
 instead of being silently ignored. `top_k`, `min_p`, `repetition_penalty` (vLLM's names) and `repeat_last_n`
-(llama.cpp's) are accepted as extensions.
+(llama.cpp's) are accepted as extensions, and so are the structured-output fields of the peers: `grammar` and
+`json_schema` (llama-server), `guided_grammar` and `guided_json` (vLLM), besides OpenAI's `response_format`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,30 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        return self
+
+
 class _Sampling(_Strict):
-    """What both endpoints share: the model, sampling, stopping and streaming."""
+    """What both endpoints share: the model, sampling, stopping, streaming and the output's shape."""
 
     model: str | None = None  # the one model this server serves when left out (as llama-server)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -49,6 +72,37 @@ class _Sampling(_Strict):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama-server's GBNF grammar
+    guided_grammar: str | None = None  # vLLM's name for the same
+    guided_json: dict[str, Any] | str | None = None  # vLLM's JSON schema field
+    json_schema: dict[str, Any] | None = None  # llama-server's JSON schema field
+
+    @model_validator(mode="after")
+    def _one_shape(self):
+        given = [k for k in ("grammar", "guided_grammar", "guided_json", "json_schema") if getattr(self, k)]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"give one of response_format, grammar, guided_grammar, guided_json, json_schema; "
+                             f"got {', '.join(given)}")
+        return self
+
+    @property
+    def output_shape(self) -> tuple[str, Any] | None:
+        """What the output must match: ("json_object", None), ("json_schema", (schema, strict)),
+        ("gbnf", text), or None (free text)."""
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return "json_object", None
+        if rf is not None and rf.type == "json_schema":
+            return "json_schema", (rf.json_schema.schema_, rf.json_schema.strict is not False)
+        if self.grammar or self.guided_grammar:
+            return "gbnf", self.grammar or self.guided_grammar
+        if self.guided_json is not None or self.json_schema is not None:
+            schema = self.guided_json if self.guided_json is not None else self.json_schema
+            return "json_schema", (schema, True)
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -138,10 +192,33 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def template_dict(self) -> dict:
+        """The message as chat templates read it (role, content text, tool_calls, tool_call_id, name)."""
+        d = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        for k in ("tool_call_id", "name"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
 
     @property
     def text(self) -> str:
@@ -152,6 +229,27 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+class FunctionSpec(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
@@ -159,9 +257,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("messages")
     @classmethod
@@ -182,26 +280,29 @@ class ChatCompletionRequest(_Sampling):
         """Alternatives per token in the logprobs; None: no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise ValueError("tools (function calling) are not supported by cflow")
-        return v
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        c = self.tool_choice
+        if c not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice asks for a call, but no tools are given")
+        if isinstance(c, NamedToolChoice) and c.function.name not in names:
+            raise ValueError(f"tool_choice names function {c.function.name!r}, which is not in tools")
+        if self.tool_mode in ("required", "named") and self.output_shape is not None:
+            raise ValueError("tool_choice required or a named function already fixes the output: no "
+                             "response_format or grammar with it")
+        return self
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v):
-        if v not in (None, "none"):
-            raise ValueError("tools (function calling) are not supported by cflow")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError("only response_format {\"type\": \"text\"} is supported by cflow")
-        return v
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools, or tool_choice none), auto, required, or named (tool_choice names a function)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     @model_validator(mode="after")
     def _max(self):
@@ -212,8 +313,9 @@ class ChatCompletionRequest(_Sampling):
 
 # --- errors -------------------------------------------------------------------------------------------
 _FIELDS = set()
-for _m in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions):
-    _FIELDS |= set(_m.model_fields)
+for _m in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat,
+           JsonSchemaFormat, ToolSpec, FunctionSpec, NamedToolChoice, FunctionName, ToolCallIn, CalledFunction):
+    _FIELDS |= set(_m.model_fields) | {f.alias for f in _m.model_fields.values() if f.alias}
 
 
 def error_param(loc) -> str | None:
@@ -303,7 +405,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None  # {"id", "type": "function", "function": {"name", "arguments"}}
 
 
 class ChatChoice(BaseModel):
@@ -326,6 +429,7 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # each with its "index" among the choice's calls
 
 
 class ChatChunkChoice(BaseModel):
