@@ -340,6 +340,43 @@ def engine_only(which: str, path: str, batches, threads: int | None, steps: int,
     return records
 
 
+def one_slot(which: str, path: str, threads: int | None, steps: int, run: int) -> list[dict]:
+    """One stream decoding through the engine's backend both ways, rounds in turns: StreamSlots (m.stream's
+    generator over one loaded model) and a one-slot BatchedSlots (max_batch=1: the single-sequence decode step
+    through advance); the best of 3 rounds of `steps` tokens each, temperature 0.8, end-of-text ignored."""
+    import cflow
+    from cflow.serve.backends import BatchedSlots, StreamSlots
+
+    models = [cflow.load(path, threads=threads), cflow.load(path, threads=threads, max_batch=1)]
+    for m in models:  # no end-of-text: every advance is a decode step (StreamSlots' generator would end there)
+        m.eos_ids = set()
+    bes = {"StreamSlots": StreamSlots(models[:1]), "BatchedSlots": BatchedSlots(models[1])}
+    best = dict.fromkeys(bes, float("inf"))
+    try:
+        for be in bes.values():
+            _start_slots(be, [0], steps)
+            for _ in range(4):
+                be.advance([0])
+        for _ in range(3):
+            for name, be in bes.items():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    be.advance([0])
+                best[name] = min(best[name], time.perf_counter() - t0)
+    finally:
+        for be in bes.values():
+            be.close()
+    records = []
+    for name, sec in best.items():
+        records.append({"model": which, "backend": name, "max_batch": 1, "active": 1, "slot": 0, "run": run,
+                        "path": "one slot", "threads": threads or len(os.sched_getaffinity(0)),
+                        "aggregate_tok_s": round(steps / sec, 1), "ms_per_step": round(1e3 * sec / steps, 4)})
+    print(f"{which:>8} one slot, run {run}: StreamSlots {records[0]['ms_per_step']:.4f} ms, BatchedSlots "
+          f"{records[1]['ms_per_step']:.4f} ms per token ({best['StreamSlots'] / best['BatchedSlots']:.3f}x)",
+          flush=True)
+    return records
+
+
 async def _prompt_beside_stream(be, long_ids):
     """(longest gap of the running stream, its tokens, the new request's TTFT) while long_ids are read."""
     from cflow.serve.engine import Engine
@@ -420,7 +457,11 @@ def main(argv=None) -> int:
     add_json_argument(p, "write the records")
     p.add_argument("--engine-only", action="store_true",
                    help="measure the backend alone, no server or clients (see above) (default: off)")
-    p.add_argument("--steps", type=int, default=50, help="--engine-only: decode steps per round (default 50)")
+    p.add_argument("--steps", type=int, default=50,
+                   help="--engine-only, --one-slot: decode steps per round (default 50)")
+    p.add_argument("--one-slot", action="store_true",
+                   help="one stream decoding through StreamSlots and through a one-slot BatchedSlots, in turns "
+                   "(engine only, no HTTP) (default: off)")
     p.add_argument("--chunked-prefill", type=int, default=None, metavar="TOKENS",
                    help="measure a prompt of TOKENS tokens arriving beside a decoding stream, read at once and in "
                    "prefill blocks (engine only, --max-batch 8; see above) (default: off)")
@@ -450,6 +491,10 @@ def main(argv=None) -> int:
             if args.chunked_prefill:
                 records += chunked_prefill(which, path, args.threads, args.chunked_prefill, args.repeat)
                 continue
+            if args.one_slot:
+                for r in range(args.repeat):
+                    records += one_slot(which, path, args.threads, args.steps, r)
+                continue
             if args.engine_only:
                 for r in range(args.repeat):
                     records += engine_only(which, path, batches, args.threads, args.steps, r)
@@ -469,6 +514,8 @@ def schema_record(run: Run, r: dict) -> dict:
             variant += f", speculate {r['speculate']}"
     elif "prefill" in r:
         variant, tok_s = f"{r['prompt_tokens']}-token prompt beside a stream, read {r['prefill']}", None
+    elif r.get("path") == "one slot":
+        variant, tok_s = f"engine, one slot, {r['backend']}", r["aggregate_tok_s"]
     elif "slot" in r:
         variant, tok_s = f"engine, max-batch {r['max_batch']}, slot {r['slot']} alone", r["aggregate_tok_s"]
     else:
