@@ -173,6 +173,19 @@ def test_a_cached_prefix_is_not_read_again(tiny_path, ref_tiny, slots):
         be.close()
 
 
+def test_one_slot_with_experts_on_disk(tiny_path, ref_tiny):
+    """A disk tier with one slot is a one-slot BatchedSlots too (prompts read token by token): the cache applies."""
+    be = load_backend(tiny_path, threads=1, slots=1, experts="disk")
+    try:
+        assert isinstance(be, BatchedSlots) and be.chunk == 1
+        p = SamplingParams(max_tokens=6, temperature=0)
+        _run(be, 0, PREFIX[:40], p)
+        toks, read = _run(be, 0, PREFIX[:40] + [5, 6], p)
+        assert read == 42 - 32 and toks == ref_tiny.generate(PREFIX[:40] + [5, 6], 6)
+    finally:
+        be.close()
+
+
 def test_off_and_refused(tiny_path):
     be = load_backend(tiny_path, threads=1, slots=2, prefill_block=8, cache_mb=0)
     try:
