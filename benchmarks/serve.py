@@ -34,6 +34,15 @@ the running stream's longest gap between tokens, its tokens while the prompt is 
 
     python -m benchmarks.serve --chunked-prefill 900 --models 114m --threads 1 --repeat 2 --json
 
+--prefix TOKENS (servers, HTTP): the time to first token of a prompt of TOKENS shared tokens and --new (20) new
+ones, with the prefix cache off (--cache-mb 0) and on (its default budget, the shared tokens read once by an
+earlier request): two servers per --max-batch, --rounds requests each, one at a time, in turns.
+
+    python -m benchmarks.serve --prefix 1000 --models tinyllama --max-batch 1,8 --threads 1 --json
+
+--one-slot (engine, no HTTP): one stream decoding through StreamSlots and through a one-slot BatchedSlots, in
+turns (what serving one slot with BatchedSlots costs).
+
 --json writes one record (benchmarks/common/record.py) per level (server runs: tok_s is the aggregate), per B and
 run (--engine-only) or per run and mode (--chunked-prefill: no tok_s); the run's extra has the usable cores.
 """
@@ -56,6 +65,7 @@ import urllib.request
 
 from benchmarks.common.record import Run, add_json_argument
 
+GEOMETRY_MODELS = ("tinyllama", "small")  # benchmarks.common.models geometries --models takes (Q4)
 STORY_PROMPTS = ["Once upon a time", "One day, a little girl named Lily", "Tom and his dog went to the park",
                  "The sun was shining and", "There was a big red ball", "Sue wanted to bake a cake"]
 
@@ -71,6 +81,10 @@ def compile_model(which: str, out_dir: str) -> str:
         g = load_graph(default_model_dir())
         path = os.path.join(out_dir, "bundled.vflow")
         compile_file(g, path, tokenizer=g.meta.tokenizer, eos=g.meta.eos_token_ids)
+    elif which in GEOMETRY_MODELS:  # a benchmark geometry (random weights), built once into out/bench
+        from benchmarks.common.models import compiled_model
+
+        path, _ = compiled_model(which)
     else:
         path = os.path.join(out_dir, f"{which}.vflow")
         compile_file(load_graph(f"preset:arch2_4_combined@{which}"), path, "q4")
@@ -93,12 +107,13 @@ def rss_mb(pid: int) -> float:
 
 class Server:
     def __init__(self, path: str, threads: int | None, max_batch: int, max_queue: int, log: str,
-                 speculate: str | None = None):
+                 speculate: str | None = None, extra: tuple[str, ...] = ()):
         self.port = free_port()
         cmd = [sys.executable, "-c", "from cflow.cli import cflow_main; raise SystemExit(cflow_main())"]
         cmd += ["serve", path, "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", str(max_queue),
                 "--model-name", "m", "--log-level", "warning"] + (["--threads", str(threads)] if threads else [])
         cmd += ["--speculate", speculate] if speculate else []
+        cmd += list(extra)
         self.log = open(log, "w")
         self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -340,6 +355,43 @@ def engine_only(which: str, path: str, batches, threads: int | None, steps: int,
     return records
 
 
+def one_slot(which: str, path: str, threads: int | None, steps: int, run: int) -> list[dict]:
+    """One stream decoding through the engine's backend both ways, rounds in turns: StreamSlots (m.stream's
+    generator over one loaded model) and a one-slot BatchedSlots (max_batch=1: the single-sequence decode step
+    through advance); the best of 3 rounds of `steps` tokens each, temperature 0.8, end-of-text ignored."""
+    import cflow
+    from cflow.serve.backends import BatchedSlots, StreamSlots
+
+    models = [cflow.load(path, threads=threads), cflow.load(path, threads=threads, max_batch=1)]
+    for m in models:  # no end-of-text: every advance is a decode step (StreamSlots' generator would end there)
+        m.eos_ids = set()
+    bes = {"StreamSlots": StreamSlots(models[:1]), "BatchedSlots": BatchedSlots(models[1])}
+    best = dict.fromkeys(bes, float("inf"))
+    try:
+        for be in bes.values():
+            _start_slots(be, [0], steps)
+            for _ in range(4):
+                be.advance([0])
+        for _ in range(3):
+            for name, be in bes.items():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    be.advance([0])
+                best[name] = min(best[name], time.perf_counter() - t0)
+    finally:
+        for be in bes.values():
+            be.close()
+    records = []
+    for name, sec in best.items():
+        records.append({"model": which, "backend": name, "max_batch": 1, "active": 1, "slot": 0, "run": run,
+                        "path": "one slot", "threads": threads or len(os.sched_getaffinity(0)),
+                        "aggregate_tok_s": round(steps / sec, 1), "ms_per_step": round(1e3 * sec / steps, 4)})
+    print(f"{which:>8} one slot, run {run}: StreamSlots {records[0]['ms_per_step']:.4f} ms, BatchedSlots "
+          f"{records[1]['ms_per_step']:.4f} ms per token ({best['StreamSlots'] / best['BatchedSlots']:.3f}x)",
+          flush=True)
+    return records
+
+
 async def _prompt_beside_stream(be, long_ids):
     """(longest gap of the running stream, its tokens, the new request's TTFT) while long_ids are read."""
     from cflow.serve.engine import Engine
@@ -404,9 +456,74 @@ def chunked_prefill(which: str, path: str, threads: int | None, prompt_len: int,
     return records
 
 
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return float("nan")
+
+
+def _ttft(port: int, ids: list[int]) -> float:
+    """Seconds from sending a streaming greedy request for `ids` to its first token."""
+    body = {"model": "m", "prompt": ids, "max_tokens": 2, "temperature": 0, "stream": True}
+    rec = asyncio.run(stream_once(port, body, 600.0))
+    if rec["error"] or not rec["times"]:
+        raise SystemExit(f"a --prefix request failed: {rec['error'] or 'no token'}")
+    return rec["times"][0] - rec["sent"]
+
+
+def prefix_ttft(which: str, path: str, batches, args, tmp: str) -> list[dict]:
+    """Time to first token of a prompt of --prefix shared tokens and --new new ones, with the prefix cache off
+    (--cache-mb 0: every request reads its whole prompt) and on (the default budget: an earlier request read the
+    shared prefix, so only the last partial block and the new tokens are read). Two servers at once, one each way,
+    per --max-batch; requests one at a time, in turns (off, on, off, ...), so that drift on the host hits both;
+    each prompt's new tokens are fresh random ids. The server with the cache reads the shared prefix once first
+    (that request is not counted)."""
+    rng = random.Random(7)
+    records = []
+    for batch in batches:
+        servers = {mode: Server(path, args.threads, batch, args.max_queue,
+                                os.path.join(tmp, f"{which}_b{batch}_cache_{mode}.log"),
+                                extra=("--cache-mb", "0") if mode == "off" else ())
+                   for mode in ("off", "on")}
+        try:
+            vocab = 1000 if which not in GEOMETRY_MODELS else 32000
+            shared = [rng.randrange(1, vocab) for _ in range(args.prefix)]
+            for srv in servers.values():  # warm-up: first touch of the weights (a short prompt)
+                _ttft(srv.port, [1, 2, 3])
+            # the shared prefix read once by the server with the cache; then each way in turns, fresh new tokens
+            first = _ttft(servers["on"].port, shared + [rng.randrange(1, vocab) for _ in range(args.new)])
+            ttft = {"off": [], "on": []}
+            for _ in range(args.rounds):
+                for mode in ("off", "on"):
+                    new = [rng.randrange(1, vocab) for _ in range(args.new)]
+                    ttft[mode].append(_ttft(servers[mode].port, shared + new))
+            hits = _metric(servers["on"].port, "cflow_prefix_cache_hits_total")
+            hit_tokens = _metric(servers["on"].port, "cflow_prefix_cache_hit_tokens_total")
+            held = _metric(servers["on"].port, "cflow_prefix_cache_bytes")
+        finally:
+            for srv in servers.values():
+                srv.close()
+        off, on = statistics.median(ttft["off"]), statistics.median(ttft["on"])
+        rec = {"model": which, "max_batch": batch, "threads": args.threads or len(os.sched_getaffinity(0)),
+               "prefix_tokens": args.prefix, "new_tokens": args.new, "rounds": args.rounds,
+               "ttft_off_s": [round(t, 4) for t in ttft["off"]], "ttft_on_s": [round(t, 4) for t in ttft["on"]],
+               "ttft_off_median_s": round(off, 4), "ttft_on_median_s": round(on, 4),
+               "ttft_on_vs_off": round(on / off, 4), "first_with_cache_s": round(first, 4),
+               "cache_hits": hits, "cache_hit_tokens": hit_tokens, "cache_bytes": held}
+        records.append(rec)
+        print(f"{which:>9} --max-batch {batch}: TTFT of {args.prefix} shared + {args.new} new tokens: cache off "
+              f"{off * 1e3:8.1f} ms, on {on * 1e3:7.1f} ms (median of {args.rounds}): {on / off:6.1%} "
+              f"(the first request with the cache: {first * 1e3:.1f} ms; {hits:.0f} hits, {hit_tokens:.0f} tokens "
+              f"copied, {held / 2**20:.1f} MiB held)", flush=True)
+    return records
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="bundled,114m", help="bundled and/or preset sizes (default bundled,114m)")
+    p.add_argument("--models", default="bundled,114m",
+                   help="bundled, preset sizes (114m) and/or benchmark geometries (tinyllama) (default bundled,114m)")
     p.add_argument("--clients", default="1,4,16,64", help="concurrent clients per level (default 1,4,16,64)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds each level sends requests (default 20)")
     p.add_argument("--drain", type=float, default=60.0,
@@ -420,13 +537,22 @@ def main(argv=None) -> int:
     add_json_argument(p, "write the records")
     p.add_argument("--engine-only", action="store_true",
                    help="measure the backend alone, no server or clients (see above) (default: off)")
-    p.add_argument("--steps", type=int, default=50, help="--engine-only: decode steps per round (default 50)")
+    p.add_argument("--steps", type=int, default=50,
+                   help="--engine-only, --one-slot: decode steps per round (default 50)")
+    p.add_argument("--one-slot", action="store_true",
+                   help="one stream decoding through StreamSlots and through a one-slot BatchedSlots, in turns "
+                   "(engine only, no HTTP) (default: off)")
     p.add_argument("--chunked-prefill", type=int, default=None, metavar="TOKENS",
                    help="measure a prompt of TOKENS tokens arriving beside a decoding stream, read at once and in "
                    "prefill blocks (engine only, --max-batch 8; see above) (default: off)")
     p.add_argument("--speculate", default=None, metavar="KINDS",
                    help="also serve with `--speculate KIND` for each of these (ngram), each level run with and "
                    "without in the same run (default: without only)")
+    p.add_argument("--prefix", type=int, default=None, metavar="TOKENS",
+                   help="time to first token of TOKENS shared + --new new prompt tokens with the prefix cache off "
+                   "and on (servers of each --max-batch, requests one at a time; see above) (default: off)")
+    p.add_argument("--new", type=int, default=20, help="--prefix: new tokens after the shared ones (default 20)")
+    p.add_argument("--rounds", type=int, default=5, help="--prefix: requests each way (default 5)")
     p.add_argument("--repeat", type=int, default=1,
                    help="--engine-only, --chunked-prefill: runs, every one recorded (default 1)")
     args = p.parse_args(argv)
@@ -438,9 +564,11 @@ def main(argv=None) -> int:
     from cflow.codegen.target import cpu_model
 
     cpu = cpu_model()
-    print(f"# cflow serve load test: {cpu}, {len(os.sched_getaffinity(0))} usable cores; server --threads "
-          f"{args.threads or 'default'} --max-queue {args.max_queue}; {args.max_tokens} tokens per request, "
-          f"{args.duration:g} s per level", flush=True)
+    load_test = not (args.prefix or args.one_slot or args.engine_only or args.chunked_prefill)
+    print(f"# cflow serve{' load test' if load_test else ''}: {cpu}, {len(os.sched_getaffinity(0))} usable cores; "
+          f"--threads {args.threads or 'default'}" + (f" --max-queue {args.max_queue}; {args.max_tokens} tokens per "
+                                                      f"request, {args.duration:g} s per level" if load_test else ""),
+          flush=True)
     hdr = (f"{'model':>8} {'B':>3} {'N':>3} {'reqs':>5} {'agg tok/s':>9} {'client tok/s':>12} {'TTFT p50':>9} "
            f"{'p99 ms':>8} {'ITL p50':>8} {'p99 ms':>7} {'errors':>6}")
     with tempfile.TemporaryDirectory(prefix="cflow-serve-bench-") as tmp:
@@ -449,6 +577,13 @@ def main(argv=None) -> int:
             batches = [int(b) for b in args.max_batch.split(",")]
             if args.chunked_prefill:
                 records += chunked_prefill(which, path, args.threads, args.chunked_prefill, args.repeat)
+                continue
+            if args.prefix:
+                records += prefix_ttft(which, path, batches, args, tmp)
+                continue
+            if args.one_slot:
+                for r in range(args.repeat):
+                    records += one_slot(which, path, args.threads, args.steps, r)
                 continue
             if args.engine_only:
                 for r in range(args.repeat):
@@ -469,11 +604,21 @@ def schema_record(run: Run, r: dict) -> dict:
             variant += f", speculate {r['speculate']}"
     elif "prefill" in r:
         variant, tok_s = f"{r['prompt_tokens']}-token prompt beside a stream, read {r['prefill']}", None
+    elif "prefix_tokens" in r:
+        variant = f"server, max-batch {r['max_batch']}, TTFT of {r['prefix_tokens']} cached + {r['new_tokens']} new"
+        tok_s = None
+    elif r.get("path") == "one slot":
+        variant, tok_s = f"engine, one slot, {r['backend']}", r["aggregate_tok_s"]
     elif "slot" in r:
         variant, tok_s = f"engine, max-batch {r['max_batch']}, slot {r['slot']} alone", r["aggregate_tok_s"]
     else:
         variant, tok_s = f"engine, max-batch {r['max_batch']}", r["aggregate_tok_s"]
-    model = "bundled" if r["model"] == "bundled" else f"arch2_4_combined@{r['model']}"
+    if r["model"] in GEOMETRY_MODELS:
+        from benchmarks.common.models import MODELS
+
+        model = MODELS[r["model"]].name
+    else:
+        model = "bundled" if r["model"] == "bundled" else f"arch2_4_combined@{r['model']}"
     return run.record(engine="cflow", model=model, quant="q4", threads=r["threads"], variant=variant, tok_s=tok_s,
                       **{k: v for k, v in r.items() if k not in ("model", "threads", "cpu")})
 

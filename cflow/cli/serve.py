@@ -22,6 +22,12 @@ def add_args(p):
     p.add_argument("--max-queue", type=int, default=64, metavar="Q",
                    help="requests that may wait for a free sequence; more are answered 429 with Retry-After "
                    "(default 64)")
+    p.add_argument("--cache-mb", type=float, default=None, metavar="MB",
+                   help="RAM for the prefix cache: keys and values of earlier prompts and answers, reused by "
+                   "requests that start with the same tokens (a system prompt, a chat's earlier turns); least "
+                   "recently used blocks go first; 0 turns it off (default: as many whole contexts as "
+                   "--max-batch, at least 4, at most a quarter of the memory available after loading; off with "
+                   "a disk tier and --max-batch > 1)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: none; also read from "
                    "$CFLOW_API_KEY)")
@@ -101,6 +107,8 @@ def run(args) -> int:
         raise CflowError(f"--max-batch must be >= 1, not {args.max_batch}")
     if args.max_queue < 0:
         raise CflowError(f"--max-queue must be >= 0, not {args.max_queue}")
+    if args.cache_mb is not None and not args.cache_mb >= 0:  # (NaN too)
+        raise CflowError(f"--cache-mb must be >= 0 (0 turns the prefix cache off), not {args.cache_mb:g}")
     if args.threads is not None and args.threads < 1:
         raise CflowError(f"--threads must be >= 1, not {args.threads}")
     if args.expert_cache_mb is not None and not (args.experts_on_disk or args.weights_on_disk):
@@ -115,16 +123,19 @@ def run(args) -> int:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port can use the "
               "model", file=sys.stderr)
     app = build_app(args.file, threads=args.threads, max_batch=args.max_batch, max_queue=args.max_queue,
-                    api_key=api_key, model_id=args.model_name,
+                    api_key=api_key, model_id=args.model_name, cache_mb=args.cache_mb,
                     experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                     weights="disk" if args.weights_on_disk else "ram", kv=args.kv, speculate=args.speculate,
                     **({"draft": args.draft} if args.draft else {}))
     st = app.state.engine.stats()
     m = app.state.model
+    cache = getattr(app.state.engine.backend, "prefix_cache", None)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving {args.file} as '{app.state.model_id}' on http://{host}:{args.port}/v1 | {st.slots} "
           f"sequence{'s' if st.slots > 1 else ''} at once, queue {args.max_queue}, {m.threads} threads, context "
-          f"{m.session.max_seq} tokens, {m.kv} KV cache{', API key required' if api_key else ''}"
+          f"{m.session.max_seq} tokens, {m.kv} KV cache, "
+          f"{f'prefix cache {cache.budget / 2**20:,.0f} MB' if cache else 'no prefix cache'}"
+          f"{', API key required' if api_key else ''}"
           f"{', speculative decoding (' + args.speculate + ')' if args.speculate else ''}", file=sys.stderr,
           flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -274,6 +274,15 @@ class Session:
         self.slot_open[0] = True
         return self.native.logits_view
 
+    def resume(self, slot: int, pos: int) -> None:
+        """Start a sequence in slot `slot` whose first `pos` positions are already in its KV cache (written there
+        by kv_blocks from another sequence with the same first tokens): its next token goes to position `pos`."""
+        self.reset(slot)
+        if not 0 < pos < self.max_seq:
+            raise RuntimeFault(f"resume at position {pos}: must be in 1..{self.max_seq - 1}")
+        self.slot_pos[slot] = pos
+        self.slot_open[slot] = True
+
     def release(self, slot: int) -> None:
         """Mark slot `slot` free: its sequence is over; step_batch refuses it until a prefill starts a new one."""
         slot = self._check_slot(slot)

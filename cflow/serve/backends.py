@@ -1,13 +1,16 @@
 """Backends: who runs the model for the engine's slots. The engine is written against `Backend` (start /
 prefill / advance / stop over slot numbers); two classes implement it:
 
-    BatchedSlots   one model loaded with max_batch=B: a prompt is prefilled into its KV-cache slot a block at
-                   a time (`batch_start`, `batch_extend`), and one `batch_step` advances every decoding slot
-                   with one pass over the weights (batched decode)
-    StreamSlots    `CompiledModel.stream` per slot, one loaded model per slot: with one slot, exactly
-                   `m.generate`'s path (one sequence at a time behind the queue); with several, the fallback
+    BatchedSlots   one model loaded with max_batch=B (B >= 1): a prompt is prefilled into its KV-cache slot a
+                   block at a time (`batch_start`, `batch_extend`), and one `batch_step` advances every decoding
+                   slot with one pass over the weights (batched decode); a sequence decoding alone in slot 0
+                   runs the single-sequence decode step, so one slot is `m.generate`'s path. With a prefix cache
+                   (prefix_cache.py) a prompt's cached first blocks are copied into its slot and only the rest
+                   is read.
+    StreamSlots    `CompiledModel.stream` per slot, one loaded model per slot: the fallback for several slots
                    where batched decode is not available (experts or weights on disk): the slots take turns
-                   token by token, each a full weight pass; a prompt is read in one go at admission
+                   token by token, each a full weight pass; a prompt is read in one go at admission; no prefix
+                   cache (the slots are separate models)
 
 `load_backend` picks one for a number of slots. A backend is only ever called from the engine thread.
 """
@@ -19,7 +22,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..errors import CflowError
+from ..runtime.kv_blocks import KVSpans
 from .job import Job, chooser_of
+from .prefix_cache import PrefixCache, budget_bytes
 
 
 class Backend(Protocol):
@@ -35,6 +40,12 @@ class Backend(Protocol):
     stop(slot):         the slot's sequence is abandoned (finished, cancelled); the slot may be started again
     model:              the CompiledModel whose tokenizer, context and chat template requests are checked against
                         (read by the HTTP layer; only the engine thread runs it)
+
+    Optional (BatchedSlots has them; the engine reads them with getattr):
+    prefix_cache:       the PrefixCache start takes prompts' first blocks from (None: off); the engine holds back
+                        a request that would find more there once another slot's prompt is read
+    reused(slot):       prompt tokens the slot's start took from the prefix cache (not read: not prompt tokens
+                        in the metrics)
     """
 
     slots: int
@@ -53,8 +64,7 @@ class Backend(Protocol):
 
 class StreamSlots:
     """Slots over `CompiledModel.stream`: one loaded model per slot (each its own KV cache, the weights mapped
-    once by the page cache). A step advances the active slots one after another, each a full weight pass;
-    with one slot this is one sequence at a time behind the queue."""
+    once by the page cache). A step advances the active slots one after another, each a full weight pass."""
 
     def __init__(self, models: Sequence, speculate: str | None = None):
         if not models:
@@ -114,9 +124,15 @@ class BatchedSlots:
     Sampling and stopping are `CompiledModel.stream`'s (the job's Chooser: for a plain request the same Sampler
     and seed; the same end-of-text ids), so a request's tokens are the ones `m.generate` gives for it."""
 
-    def __init__(self, model, speculate: str | None = None):
+    def __init__(self, model, speculate: str | None = None, prefix_cache: PrefixCache | None = None):
         self.model = model
         self.slots = int(model.session.n_slots)
+        # the prefix cache (None: off): a prompt starting with cached blocks has them copied into its slot and
+        # reads only the rest; a prompt's blocks are kept when it is read, its answer's when the slot stops
+        self.prefix_cache = prefix_cache
+        self._spans = KVSpans(model.session) if prefix_cache is not None else None
+        self._seq: dict[int, list[int]] = {}  # slot -> its prompt and the tokens drawn since (while healthy)
+        self._reused: dict[int, int] = {}  # slot -> prompt tokens its start took from the prefix cache
         self.chunk = model.prefill_block  # pieces of exactly one native call: the same calls as one batch_start
         self._eos = frozenset(model.eos_ids)
         self._sampler: dict[int, object] = {}
@@ -157,30 +173,62 @@ class BatchedSlots:
 
     def start(self, slot: int, job: Job) -> int:
         self._sampler[slot] = chooser_of(job)
-        self._prompt[slot] = (job.prompt_ids, 0)
+        ids = job.prompt_ids
+        reused = self._reuse(slot, ids)
+        self._prompt[slot] = (ids, reused)
+        self._seq[slot] = list(ids)
         self._left[slot] = job.params.max_tokens
         if self.speculate and slot == 0 and self._sampler[slot].plain:  # rules or logprobs: no drafting
             self._spec[0] = self._speculator(job)
-        return len(job.prompt_ids)
+        return len(ids) - reused
+
+    def _reuse(self, slot: int, ids: list[int]) -> int:
+        """Copy the longest cached prefix of the prompt into the slot (the slot then holds a sequence of that
+        many tokens); how many tokens it gave."""
+        if self.prefix_cache is None:
+            return 0
+        blocks = self.prefix_cache.lookup(ids)
+        self._reused[slot] = self._spans.restore(slot, blocks) if blocks else 0
+        return self._reused[slot]
+
+    def reused(self, slot: int) -> int:
+        """Prompt tokens the slot's job took from the prefix cache instead of reading them."""
+        return self._reused.get(slot, 0)
 
     def prefill(self, slot: int) -> int:
         ids, done = self._prompt[slot]
         piece = ids[done : done + self.chunk]
-        # the first piece empties the slot's KV cache; the others continue at the slot's position
-        logits = (self.model.batch_extend if done else self.model.batch_start)(piece, slot)
-        done += len(piece)
-        if done < len(ids):
-            self._prompt[slot] = (ids, done)
-            return len(ids) - done
+        try:
+            # the first piece empties the slot's KV cache; the others (and a prompt's rest after a cached
+            # prefix) continue at the slot's position
+            logits = (self.model.batch_extend if done else self.model.batch_start)(piece, slot)
+            done += len(piece)
+            if done < len(ids):
+                self._prompt[slot] = (ids, done)
+                return len(ids) - done
+            first = self._sample(slot, logits)
+        except BaseException:
+            self._seq.pop(slot, None)  # what a failed slot holds is not kept
+            raise
         del self._prompt[slot]
-        self._first[slot] = self._sample(slot, logits)
+        self._first[slot] = first
+        self._keep(slot, len(ids))  # now: requests with the same prompt waiting for it can take it
         return 0
+
+    def _keep(self, slot: int, n: int) -> None:
+        """Keep the whole blocks of the slot's first n positions in the prefix cache (if it is on and the slot
+        healthy)."""
+        seq = self._seq.get(slot)
+        if self.prefix_cache is not None and seq is not None:
+            self.prefix_cache.store(seq, n, lambda lo, hi: self._spans.read(slot, lo, hi))
 
     def _emit(self, slot: int, tok: int) -> int | None:
         if tok in self._eos:
             return None
         self._last[slot] = tok
         self._left[slot] -= 1
+        if slot in self._seq:
+            self._seq[slot].append(tok)
         return tok
 
     def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]:
@@ -203,6 +251,7 @@ class BatchedSlots:
                 out[0], self._ready[0] = self._emit(0, new[0]), new[1:]
             except Exception as e:  # noqa: BLE001 -- that sequence fails, the model stays
                 out[0] = e
+                self._seq.pop(0, None)
             feed = []
         if feed:
             try:
@@ -221,30 +270,46 @@ class BatchedSlots:
             for s, row in zip(feed, rows):
                 if isinstance(row, BaseException):
                     out[s] = row
+                    self._seq.pop(s, None)
                     continue
                 try:
                     out[s] = self._sample(s, row)
                 except Exception as e:  # noqa: BLE001
                     out[s] = e
+                    self._seq.pop(s, None)
         return [out[s] for s in slots]
 
     def stop(self, slot: int) -> None:
+        try:
+            self._stop(slot)
+        finally:
+            for d in (self._sampler, self._last, self._first, self._prompt, self._ready, self._left, self._seq,
+                      self._reused):
+                d.pop(slot, None)
+
+    def _stop(self, slot: int) -> None:
         spec = self._spec.pop(slot, None)
         if spec is not None:
             spec.finish()
-        for d in (self._sampler, self._last, self._first, self._prompt, self._ready, self._left):
-            d.pop(slot, None)
+        # Keep what the slot holds for a later request: the prompt read so far or, once read, the prompt and the
+        # answer (for a chat's next turn) up to the slot's position (the last token drawn is not fed yet; with
+        # speculation, tokens computed ahead may not be handed out yet)
+        if slot in self._prompt:
+            self._keep(slot, self._prompt[slot][1])
+        elif slot in self._seq:
+            self._keep(slot, min(len(self._seq[slot]), int(self.model.session.slot_pos[slot])))
 
     def close(self) -> None:
         self.model.close()
 
 
 def load_backend(path: str, threads: int | None = None, slots: int = 1, speculate: str | None = None,
-                 **load_kwargs) -> Backend:
-    """The backend for `slots` sequences at once: one sequence -> StreamSlots over one model (m.generate's path);
-    several -> BatchedSlots over one model loaded with max_batch=slots, or, with experts or weights on disk
-    (no batched decode there), StreamSlots over `slots` loaded models. load_kwargs go to `cflow.load`; without
-    kv= the KV cache type is load's 'auto' (f16 for Q4 / Q8 weights, f32 otherwise), as `cflow run` decodes."""
+                 cache_mb: float | None = None, **load_kwargs) -> Backend:
+    """The backend for `slots` sequences at once: BatchedSlots over one model loaded with max_batch=slots, or,
+    with experts or weights on disk and several slots (no batched decode there), StreamSlots over `slots` loaded
+    models. cache_mb: the prefix cache's budget in MiB (prefix_cache.budget_bytes; None: its default, 0: off;
+    not with StreamSlots). load_kwargs go to `cflow.load`; without kv= the KV cache type is load's 'auto' (f16
+    for Q4 / Q8 weights, f32 otherwise), as `cflow run` decodes."""
     import cflow
 
     if slots < 1:
@@ -257,8 +322,25 @@ def load_backend(path: str, threads: int | None = None, slots: int = 1, speculat
                          "(not with --experts-on-disk or --weights-on-disk)")
     if speculate == "draft" and load_kwargs.get("draft") is None:
         raise CflowError("--speculate draft needs a draft model (--draft FILE)")
-    if slots > 1 and not disk:
-        return BatchedSlots(cflow.load(path, threads=threads, max_batch=slots, **load_kwargs), speculate)
+    budget_bytes(cache_mb, 0, slots, None)  # a bad --cache-mb fails before the model loads
+    if slots > 1 and disk:
+        if cache_mb:
+            raise CflowError("--cache-mb: the prefix cache copies keys and values between the slots of one "
+                             "loaded model; with the disk tiers and --max-batch > 1 each slot is a model of its "
+                             "own (give --cache-mb 0, or --max-batch 1)")
+        return _stream_slots(path, threads, slots, speculate, load_kwargs)
+    m = cflow.load(path, threads=threads, max_batch=slots, **load_kwargs)
+    try:
+        cache = _prefix_cache(m, slots, cache_mb)
+        return BatchedSlots(m, speculate, cache)
+    except BaseException:
+        m.close()
+        raise
+
+
+def _stream_slots(path, threads, slots, speculate, load_kwargs) -> StreamSlots:
+    import cflow
+
     models = []
     try:
         for _ in range(slots):
@@ -268,6 +350,15 @@ def load_backend(path: str, threads: int | None = None, slots: int = 1, speculat
             m.close()
         raise
     return StreamSlots(models, speculate)
+
+
+def _prefix_cache(model, slots: int, cache_mb: float | None) -> PrefixCache | None:
+    """The prefix cache for a loaded model (None when its budget is 0)."""
+    from ..util import available_memory
+
+    s = model.session
+    budget = budget_bytes(cache_mb, KVSpans(s).nbytes(s.max_seq), slots, available_memory())
+    return PrefixCache(budget) if budget > 0 else None
 
 
 def _finite(logits, slot: int) -> None:

@@ -3,7 +3,8 @@
 HTTP handlers never touch the model. They build a `Job` (prompt ids, sampling parameters) and `submit` it;
 the job waits in a bounded queue (full -> `QueueFull`, a 429) until a slot is free. The engine thread loops:
 
-    admit:   a free slot takes the next job from the queue
+    admit:   a free slot takes the next job from the queue (unless its prompt starts like one being read now:
+             it then waits until that one is read and copies the shared blocks from the prefix cache)
     check:   at every token boundary a cancelled job (client gone) leaves and frees its slot
     advance: one decode step moves every slot whose prompt is read one token forward
     emit:    each token becomes text (stop strings held back until they cannot match) and goes to the
@@ -70,6 +71,7 @@ class Engine:
         self.error: BaseException | None = None
         if metrics is not None:
             metrics.slots.set(backend.slots)
+            metrics.watch_prefix_cache(getattr(backend, "prefix_cache", None))
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -171,7 +173,10 @@ class Engine:
                 free = [s for s in range(self.backend.slots) if s not in self._active]
                 if not free or not self._waiting:
                     return
-                job = self._waiting.popleft()
+                job = self._waiting[0]
+                if not job.cancelled and self._held(job):
+                    return  # and the jobs behind it: first come, first served
+                self._waiting.popleft()
                 self._gauges()
             if job.cancelled:
                 self._done(job, "cancelled")
@@ -185,13 +190,30 @@ class Engine:
                 self.backend.stop(slot)
                 self._done(job, "error", str(e))
                 continue
-            if self.metrics is not None and left < len(job.prompt_ids):  # (a backend that read it in start)
-                self.metrics.prefill(len(job.prompt_ids) - left, time.perf_counter() - t0)
+            read = len(job.prompt_ids) - left - self._reused(slot)  # (a backend that read some in start)
+            if self.metrics is not None and read > 0:
+                self.metrics.prefill(read, time.perf_counter() - t0)
             with self._cond:
                 self._active[slot] = job
                 self._gauges()
             if left:
                 self._reading[slot] = left
+
+    def _held(self, job: Job) -> bool:
+        """Should `job` wait for a prompt another slot is reading now? Yes if, once that prompt is read and kept,
+        the prefix cache would give this job more whole blocks than it gives now (two requests with the same
+        system prompt, the n choices of one request): it then copies them instead of reading them a second
+        time. The wait is short and bounded: prompts are read oldest first, so this job's own prompt could not
+        start before those ahead of it anyway, and while it waits nothing is admitted behind it, so the prompts
+        it waits for are only those being read now (a cancelled or failed one stops the wait too)."""
+        cache = getattr(self.backend, "prefix_cache", None)
+        if cache is None or not self._reading:
+            return False
+        return any(cache.worth_waiting(job.prompt_ids, self._active[s].prompt_ids) for s in self._reading)
+
+    def _reused(self, slot: int) -> int:
+        reused = getattr(self.backend, "reused", None)
+        return reused(slot) if reused is not None else 0
 
     def _drop_cancelled(self) -> None:
         for slot, job in list(self._active.items()):

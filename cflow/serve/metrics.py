@@ -15,6 +15,13 @@
     cflow_inter_token_latency_seconds       histogram: time between two tokens of one sequence
     cflow_request_duration_seconds          histogram: arrival to last token
     cflow_decode_batch_size                 histogram: sequences advanced by one decode step
+    cflow_prefix_cache_hits_total           requests whose prompt started with cached blocks (prefix_cache.py)
+    cflow_prefix_cache_hit_tokens_total     prompt tokens those requests copied from the cache instead of reading
+    cflow_prefix_cache_misses_total         requests that found no cached block (prompts under 17 tokens too)
+    cflow_prefix_cache_evictions_total      blocks evicted, least recently used first, to stay in the budget
+    cflow_prefix_cache_bytes                bytes of keys and values the cache holds
+    cflow_prefix_cache_blocks               blocks it holds (16 tokens each)
+    cflow_prefix_cache_budget_bytes         its budget (--cache-mb; 0: off)
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections import deque
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 -- re-exported for the app
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 WINDOW = 10.0  # seconds of engine work the tok/s gauges average over
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -56,6 +64,29 @@ class _Rate:
         return tok / sec if sec > 0 else 0.0
 
 
+class _PrefixCacheMetrics:
+    """The prefix cache's counters, read from the cache when /metrics is rendered (zeros without one)."""
+
+    COUNTERS = (("hits", "requests whose prompt started with cached blocks"),
+                ("hit_tokens", "prompt tokens copied from the prefix cache instead of read"),
+                ("misses", "requests that found no cached block"),
+                ("evictions", "prefix cache blocks evicted to stay within the budget"))
+    GAUGES = (("bytes", "bytes of keys and values the prefix cache holds"),
+              ("blocks", "blocks the prefix cache holds"),
+              ("budget", "the prefix cache's budget in bytes (0: off)"))
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        c = self.cache
+        for name, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"cflow_prefix_cache_{name}", doc, value=getattr(c, name) if c else 0)
+        for name, doc in self.GAUGES:
+            suffix = "_bytes" if name == "budget" else ""
+            yield GaugeMetricFamily(f"cflow_prefix_cache_{name}{suffix}", doc, value=getattr(c, name) if c else 0)
+
+
 class ServeMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -83,6 +114,10 @@ class ServeMetrics:
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.duration = Histogram("cflow_request_duration_seconds", "request arrival to its last token",
                                   buckets=_LATENCY, registry=r)
+
+    def watch_prefix_cache(self, cache) -> None:
+        """Report `cache`'s counters (a PrefixCache, or None: zeros) under cflow_prefix_cache_*."""
+        self.registry.register(_PrefixCacheMetrics(cache))
 
     # --- called by the engine thread --------------------------------------------------------------
     def prefill(self, tokens: int, seconds: float) -> None:

@@ -80,6 +80,18 @@ def test_non_loopback_bind_warns_without_api_key(tiny_path, monkeypatch, capsys,
     assert "API key required" in err if key else "API key required" not in err
 
 
+@pytest.mark.parametrize("argv, says", [([], "prefix cache "), (["--cache-mb", "3"], "prefix cache 3 MB"),
+                                         (["--cache-mb", "0"], "no prefix cache")])
+def test_cache_mb(tiny_path, monkeypatch, capsys, argv, says):
+    import uvicorn
+
+    from cflow.cli import cflow_main
+
+    monkeypatch.setattr(uvicorn, "Server", _FakeServer)
+    assert cflow_main(["serve", tiny_path, "--threads", "1", "--max-batch", "2"] + argv) == 0
+    assert says in capsys.readouterr().err
+
+
 def test_loopback_addresses():
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.1.2.3", "example.org"))
@@ -90,6 +102,10 @@ def test_loopback_addresses():
     (["--max-queue", "-1"], "--max-queue"),
     (["--port", "70000"], "--port"),
     (["--threads", "0"], "--threads"),
+    (["--cache-mb", "-1"], "--cache-mb"),
+    (["--cache-mb", "nan"], "--cache-mb"),
+    (["--cache-mb", "1e12"], "--cache-mb"),  # more than the memory there is
+    (["--cache-mb", "4", "--experts-on-disk", "--max-batch", "2"], "--cache-mb"),
 ])
 def test_bad_options_are_one_line(tiny_path, capsys, argv, needle):
     from cflow.cli import cflow_main

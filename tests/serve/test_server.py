@@ -475,7 +475,9 @@ def test_malformed_json_and_wrong_types(tiny_server):
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
          "messages[0].role"),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                  "tools": [{"type": "function"}]}, "tools"),
+                                  "tools": [{"type": "function"}]}, "tools[0].function"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                  "tool_choice": "sometimes"}, "tool_choice"),
     ]
     for path, req, param in cases:
         st, _, body = post(url, path, req)
