@@ -403,7 +403,8 @@ class Routes:
         if shape is not None:
             shape = (shape[0], min(ends))
         jobs = self.submit(ids, params, req.n or 1, shape)
-        calls = tool_format(template) if req.tool_mode != "none" else None  # parse the replies for tool calls
+        # parse the replies for calls of these tools: (format, function names), None to leave the text alone
+        calls = (tool_format(template), [t["function"]["name"] for t in tools]) if req.tool_mode != "none" else None
         rid, now, model_id = new_id("chatcmpl"), int(time.time()), self.model_id
         strings = self.strings if params.logprobs is not None else None
         if req.stream:
@@ -415,12 +416,12 @@ class Routes:
                                                    usage=_usage([fin for _, _, fin in done])).model_dump())
 
 
-def _chat_choice(i: int, text: str, recs: list, fin: Finish, strings, calls: str | None) -> ChatChoice:
+def _chat_choice(i: int, text: str, recs: list, fin: Finish, strings, calls: tuple | None) -> ChatChoice:
     """One choice of a chat answer; with tools, the calls parsed out of the text (finish_reason tool_calls)."""
     lp = chat_logprobs(recs, strings) if strings else None
     if calls is None:
         return ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=fin.reason, logprobs=lp)
-    parser = ToolCallParser(calls)
+    parser = ToolCallParser(*calls)
     content, found = parser.push(text)
     rest, more = parser.finish()
     content, found = content + rest, found + more
@@ -522,14 +523,15 @@ async def _completion_events(jobs: list[Job], engine: Engine, rid: str, created:
 
 
 async def _chat_events(jobs: list[Job], engine: Engine, rid: str, created: int, model_id: str,
-                       include_usage: bool, strings: TokenStrings | None, calls: str | None = None
+                       include_usage: bool, strings: TokenStrings | None, calls: tuple | None = None
                        ) -> AsyncIterator[str]:
     """The chunks of a chat answer; with `calls` (a tool-call format), content and tool calls parsed apart as they
-    stream: each call one delta with its index, id, name and arguments when its block closes."""
+    stream: each call one delta with its index, id, name and arguments when its block closes. calls: (format,
+    function names) as ToolCallParser takes them."""
     def chunk(choices: list, usage: Usage | None = None):
         return sse(ChatCompletionChunk(id=rid, created=created, model=model_id, choices=choices, usage=usage))
 
-    parsers = [ToolCallParser(calls) for _ in jobs] if calls is not None else None
+    parsers = [ToolCallParser(*calls) for _ in jobs] if calls is not None else None
     started, fins, made = set(), {}, [0] * len(jobs)
 
     def delta(i: int, text: str, found: list) -> Delta:

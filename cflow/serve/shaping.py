@@ -45,7 +45,7 @@ def constraint_factory(req, tokenizer, stop_ids, template=None) -> Callable[[], 
     if mode in ("required", "named"):
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
         name = req.tool_choice.function.name if mode == "named" else None
-        shape, param = ("lark", T.call_grammar(T.tool_format(template), T.call_schema(tools, name))), "tools"
+        shape, param = ("lark", T.call_grammar(T.tool_format(template), T.call_schema(tools, name), tokenizer)), "tools"
     if shape is None:
         return None
     if tokenizer is None:

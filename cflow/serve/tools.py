@@ -6,7 +6,8 @@ with `tojson`) and `role: tool` messages with their content. A template that doe
 ChatML default among them) gets them in a system message in the Hermes format that Qwen 2.5, Hermes and many
 fine-tunes are trained on (`tools_system_prompt`).
 
-Parsing: three formats, told apart by the template's own text (`tool_format`):
+Parsing: three formats, told apart by the template's own text (`tool_format`); in each, a reply that is only the
+calls' JSON counts too (small models trained on these formats often leave the tags out):
 
     hermes    <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, one block per call, text around them
               is content (Qwen 2.5 / 3, Hermes, the default)
@@ -142,21 +143,37 @@ def parse_calls(text: str) -> list[ToolCall] | None:
 
 
 class ToolCallParser:
-    """Streams a reply apart into content and tool calls (see the module docstring)."""
+    """Streams a reply apart into content and tool calls (see the module docstring). A reply that is wholly
+    JSON (after <|python_tag|> or [TOOL_CALLS] in those formats) is held to its end and becomes calls if it
+    parses as calls of the given functions (`names`; small models trained on Hermes often leave the tags out);
+    else it is content."""
 
-    def __init__(self, fmt: str = HERMES):
+    def __init__(self, fmt: str = HERMES, names: Sequence[str] | None = None):
         self.fmt = fmt
-        self.pending = ""  # text not yet handed out: a possible marker start, an open call block
-        self.inside = False
-        self.whole = fmt != HERMES  # llama3 / mistral: is the reply a call? decided by its first characters
-        self.decided = not self.whole
+        self.names = None if names is None else frozenset(names)
+        self.pending = ""  # text not yet handed out: the undecided start, a possible marker start, an open block
+        self.mode = "start"  # start (nothing decided) | text | whole (the reply may be only calls)
+        self.inside = False  # hermes: within a <tool_call> block
         self.calls: list[ToolCall] = []
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content that is safe to show, calls completed by this text)."""
         self.pending += text
+        if self.mode == "start":
+            head = self.pending.lstrip()
+            starts = ("{", "[", PYTHON_TAG, TOOL_CALLS) if self.fmt != HERMES else ("{",)
+            if not head or any(s.startswith(head) and s != head for s in starts):
+                return "", []  # nothing yet, or the start of a marker
+            self.mode = "whole" if head.startswith(starts) else "text"
+        if self.mode == "whole":
+            return "", []  # parsed at the end
         if self.fmt != HERMES:
-            return self._push_whole()
+            out, self.pending = self.pending, ""
+            return out, []
+        return self._blocks()
+
+    def _blocks(self) -> tuple[str, list[ToolCall]]:
+        """Hermes text: content around <tool_call> blocks, each block a call when it closes."""
         content, calls = "", []
         while True:
             if self.inside:
@@ -164,12 +181,12 @@ class ToolCallParser:
                 if end < 0:
                     return content, calls
                 block, self.pending, self.inside = self.pending[:end], self.pending[end + len(CLOSE):], False
-                call = parse_calls(block)
-                if call is None:  # not a call after all: it was text
+                found = self._known(parse_calls(block))
+                if found is None:  # not a call after all: it was text
                     content += OPEN + block + CLOSE
                 else:
-                    calls += call
-                    self.calls += call
+                    calls += found
+                    self.calls += found
                 continue
             start = self.pending.find(OPEN)
             if start >= 0:
@@ -182,35 +199,20 @@ class ToolCallParser:
             content, self.pending = content + self.pending[:cut], self.pending[cut:]
             return content, calls
 
-    def _push_whole(self) -> tuple[str, list[ToolCall]]:
-        """llama3 / mistral: a reply that starts like a call is held to the end; any other is content."""
-        if not self.decided:
-            head = self.pending.lstrip()
-            starts = ("{", "[", PYTHON_TAG, TOOL_CALLS)
-            if not head or any(s.startswith(head) and s != head for s in starts[2:]):
-                return "", []  # nothing yet, or the start of a marker
-            self.decided = True
-            self.whole = head.startswith(starts)
-        if self.whole:
-            return "", []  # a call: parsed at the end
-        out, self.pending = self.pending, ""
-        return out, []
+    def _known(self, calls: list[ToolCall] | None) -> list[ToolCall] | None:
+        if calls is None or (self.names is not None and any(c.name not in self.names for c in calls)):
+            return None
+        return calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """What is left at the end of the reply: (content, calls)."""
         rest, self.pending = self.pending, ""
-        if self.fmt != HERMES:
-            if self.whole and (calls := parse_calls(rest)) is not None:
-                self.calls += calls
-                return "", calls
-            return rest, []
-        if self.inside:  # an unclosed block: a call if it parses (the reply was cut at the closing tag), else text
-            self.inside = False
-            calls = parse_calls(rest)
-            if calls is not None:
-                self.calls += calls
-                return "", calls
-            return OPEN + rest, []
+        if self.mode in ("whole", "start") or self.inside:
+            found = self._known(parse_calls(rest))
+            if found is not None:  # a whole reply of calls, or an unclosed block cut at its closing tag
+                self.calls += found
+                return "", found
+            return (OPEN + rest if self.inside else rest), []
         return rest, []
 
 
@@ -227,11 +229,24 @@ def call_schema(tools: Sequence[dict], name: str | None = None) -> dict:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def call_grammar(fmt: str, schema: dict) -> str:
-    """A Lark grammar (llguidance's syntax, with %json for the call object) for exactly one call in `fmt`."""
-    obj = f"%json {json.dumps(schema)}"
+def _literal(text: str, tokenizer) -> str:
+    """A marker in a Lark grammar: a token reference when the tokenizer has it as one added token (the engine
+    lexes quoted text byte by byte, which an added token such as Qwen's <tool_call> does not match), else text."""
+    tk = getattr(tokenizer, "tk", None)
+    tid = tk.token_to_id(text) if tk is not None else None
+    if tid is not None and tid in tk.get_added_tokens_decoder():
+        return f"<[{tid}]>"
+    return json.dumps(text)
+
+
+def call_grammar(fmt: str, schema: dict, tokenizer=None) -> str:
+    """A Lark grammar (llguidance's syntax, with %json for the call object) for exactly one call in `fmt`, its JSON
+    in the one-line layout of every JSON answer (runtime/grammar.py JSON_LAYOUT)."""
+    from ..runtime.grammar import JSON_LAYOUT
+
+    obj = f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
     if fmt == MISTRAL:
-        return f'start: "{TOOL_CALLS}" " "? "[" call "]"\ncall: {obj}\n'
+        return f'start: {_literal(TOOL_CALLS, tokenizer)} " "? "[" call "]"\ncall: {obj}\n'
     if fmt == LLAMA3:
         return f"start: call\ncall: {obj}\n"
-    return f'start: "{OPEN}" "\\n" call "\\n" "{CLOSE}"\ncall: {obj}\n'
+    return f'start: {_literal(OPEN, tokenizer)} "\\n" call "\\n" {_literal(CLOSE, tokenizer)}\ncall: {obj}\n'

@@ -30,15 +30,32 @@ USER = [{"role": "user", "content": "Tell me about Tom."}]
 
 
 @pytest.fixture(scope="module")
-def server(text_path):
-    with serving(make_app(text_path, model_id="story", slots=2)) as url:
+def long_text_path(tmp_path_factory):
+    """The bundled model with a context of 1024 (its own is 256: too short for a tools prompt; the text past 256
+    is worse, the grammar does not care)."""
+    import attrs
+
+    from cflow.compiler import compile_file
+    from cflow.frontend.load import load_graph
+    from cflow.models.bundled import default_model_dir
+
+    g = load_graph(default_model_dir())
+    g.meta.config = attrs.evolve(g.config, max_seq_len=1024)
+    path = tmp_path_factory.mktemp("shapes") / "story1k.vflow"
+    compile_file(g, path, tokenizer=g.meta.tokenizer, eos=g.meta.eos_token_ids)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(long_text_path):
+    with serving(make_app(long_text_path, model_id="story", slots=2)) as url:
         yield client(url)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_answers_validate(server, stream):
     for seed in range(3):
-        kw = dict(model="story", messages=USER, max_tokens=120, temperature=1.0, seed=seed,
+        kw = dict(model="story", messages=USER, max_tokens=150, temperature=1.0, seed=seed,
                   response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON,
                                                                          "strict": True}})
         if stream:
@@ -52,11 +69,19 @@ def test_json_schema_answers_validate(server, stream):
 
 
 def test_json_object_and_the_peers_fields(server):
-    r = server.chat.completions.create(model="story", messages=USER, max_tokens=80, seed=1,
-                                       response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
-    r = server.completions.create(model="story", prompt="Once upon a time", max_tokens=60, seed=2,
+    done = 0
+    for seed in range(4):  # any object: it may run past max_tokens (finish_reason length, the text cut, as OpenAI)
+        r = server.chat.completions.create(model="story", messages=USER, max_tokens=60, seed=seed,
+                                           response_format={"type": "json_object"})
+        text = r.choices[0].message.content
+        assert text.startswith("{")
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+            done += 1
+    assert done
+    r = server.completions.create(model="story", prompt="Once upon a time", max_tokens=150, seed=2,
                                   extra_body={"guided_json": PERSON})
+    assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
     gbnf = 'root ::= "The " animal " is " ("big" | "small") "."\nanimal ::= "cat" | "dog"'
     for field in ("grammar", "guided_grammar"):
@@ -66,7 +91,7 @@ def test_json_object_and_the_peers_fields(server):
 
 
 def test_n_choices_each_follow_the_schema(server):
-    r = server.chat.completions.create(model="story", messages=USER, max_tokens=120, seed=5, n=2,
+    r = server.chat.completions.create(model="story", messages=USER, max_tokens=150, seed=5, n=2,
                                        response_format={"type": "json_schema", "json_schema": {"schema": PERSON}})
     for ch in r.choices:
         jsonschema.validate(json.loads(ch.message.content), PERSON)
@@ -94,6 +119,31 @@ def test_forced_tool_calls_always_parse(server, stream, choice):
     if isinstance(choice, dict):
         assert calls[0].name == "clock"
     jsonschema.validate(json.loads(calls[0].arguments), tools[calls[0].name]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_the_model_writes_are_parsed_out_of_its_text(server, stream):
+    # tool_choice auto: the model's own text is parsed; a grammar makes this story model write a call
+    said = 'Sure.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    gbnf = "root ::= " + json.dumps(said)
+    kw = dict(model="story", messages=USER, tools=[WEATHER], max_tokens=60, seed=0, extra_body={"grammar": gbnf})
+    if stream:
+        content, calls, reason = "", [], None
+        for ch in server.chat.completions.create(stream=True, **kw):
+            if ch.choices:
+                content += ch.choices[0].delta.content or ""
+                calls += ch.choices[0].delta.tool_calls or []
+                reason = ch.choices[0].finish_reason or reason
+        assert [c.index for c in calls] == [0] and calls[0].id.startswith("call_")
+        fn = calls[0].function
+    else:
+        r = server.chat.completions.create(**kw)
+        content, reason = r.choices[0].message.content, r.choices[0].finish_reason
+        fn = r.choices[0].message.tool_calls[0].function
+    assert (content, reason, fn.name, json.loads(fn.arguments)) == ("Sure.\n", "tool_calls", "weather",
+                                                                   {"city": "Oslo"})
+    r = server.chat.completions.create(**{**kw, "tool_choice": "none"})  # none: the same text stays text
+    assert r.choices[0].message.content == said and r.choices[0].message.tool_calls is None
 
 
 def test_tool_calls_in_text_and_tool_messages_back(server):

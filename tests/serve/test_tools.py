@@ -92,3 +92,29 @@ def test_call_schema_and_grammar():
     assert [o["properties"]["name"]["const"] for o in both["anyOf"]] == ["weather", "now"]
     g = T.call_grammar(T.HERMES, one)
     assert g.startswith('start: "<tool_call>" "\\n" call "\\n" "</tool_call>"') and "%json" in g
+
+
+@pytest.mark.parametrize("step", [1, 7])
+def test_a_reply_of_bare_json_is_a_call_of_a_known_function(step):
+    text = ' {"name": "weather", "arguments": {"city": "Paris"}}'
+    content, calls = _stream(T.ToolCallParser(T.HERMES, ["weather"]), text, step)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("weather", '{"city": "Paris"}')]
+    for names in (["clock"], ["weather"]):  # an unknown function, or JSON that is no call: content, whole
+        other = text if names == ["clock"] else ' {"city": "Paris"}'
+        assert _stream(T.ToolCallParser(T.HERMES, names), other, step) == (other, [])
+
+
+def test_markers_that_are_added_tokens_are_token_references():
+    from tokenizers import Tokenizer, models
+
+    tk = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tk.add_tokens(["<tool_call>", "</tool_call>"])
+
+    class Tok:  # cflow's Tokenizer keeps the `tokenizers` object as .tk
+        pass
+
+    tok = Tok()
+    tok.tk = tk
+    g = T.call_grammar(T.HERMES, {"type": "object"}, tok)
+    assert g.startswith('start: <[2]> "\\n" call "\\n" <[3]>')
+    assert T.call_grammar(T.HERMES, {"type": "object"}).startswith('start: "<tool_call>"')
