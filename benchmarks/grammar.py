@@ -1,8 +1,8 @@
 """Grammar engines for structured output, compared on schema coverage and speed with cflow's own tokenizers.
 
     python -m benchmarks.grammar [--engines llguidance,xgrammar,outlines-core,cflow]
-                                 [--models bundled,qwen2.5-coder-0.5b] [--samples 4] [--tokens 96] [--rounds 3]
-                                 [--cache DIR] [--json [FILE]]
+                                 [--models bundled,qwen2.5-coder-0.5b] [--samples 8] [--tokens 128] [--rounds 3]
+                                 [--no-decode] [--cache DIR] [--json [FILE]]
 
 Engines: llguidance, xgrammar and outlines-core from PyPI, each given the Hugging Face tokenizer JSON a compiled
 file carries (cflow.runtime.tokenizer.Tokenizer), and `cflow` (cflow.runtime.grammar: the chosen engine behind
@@ -11,17 +11,21 @@ the constraint interface cflow's sampler calls, its Python overhead included).
 Coverage (the bundled model's tokenizer): each case (JSON schemas with nested objects, enums, array bounds,
 required and optional fields, string patterns and formats, number bounds, anyOf / oneOf, $ref / $defs, closed
 objects; "any JSON object"; a llama.cpp GBNF and a Lark grammar) is compiled, then --samples random walks pick
-uniformly among the allowed tokens (more and more often among the allowed tokens that close something: `"`, `}`,
-`]`, `)`, `,`, end of text) until the engine ends it or end of text is picked. Every text must parse (json.loads,
-strict) and validate (jsonschema, formats checked) or match the grammar's language. A case reads `ok`, `invalid
-k/N` (the engine let through output outside the schema: a constraint ignored or approximated), `refused` (the
-engine does not take the case: the reason is kept) or `cap` (a walk did not end within 600 tokens).
+uniformly among the allowed tokens (more and more often among the allowed tokens that close something: end of
+text, `"`, `@`, `.`, `]`, `}`, `)`) until the engine ends it or end of text is picked. Every text must parse
+(json.loads, strict) and validate (jsonschema, formats checked) or match the grammar's language. A case reads
+`ok`, `invalid k/N` (the engine let through output outside the schema: a constraint ignored or approximated),
+`refused` (the engine does not take the case: the reason is kept) or `cap` (a walk did not end within 600
+tokens). Row `control-chars`: whether the engine lets a raw control character (invalid in a JSON string) into a
+length-bounded string.
 
 Speed (each --models tokenizer): the time to build the engine's tokenizer data (once per tokenizer), to compile
 each speed case up to the first mask, and per token: the allowed-token mask as a numpy bool array plus the advance,
 over random walks (the worst cases: unlikely tokens) and over the model's own sampled tokens (temperature 0.8,
---tokens tokens, --rounds rounds) next to the same loop unconstrained. The ratio (mask + advance) / decode time
-per token is the cost the constraint adds; `m.generate` tok/s (sampled) is printed beside it.
+--tokens tokens, --rounds rounds, interleaved) next to the same loop unconstrained. The ratio (mask + advance) /
+decode time per token is the cost the constraint adds; `m.generate` tok/s (sampled) is printed beside it. cflow's
+constraint also runs as `sample-first` (draw unmasked, try_accept, mask only when refused) and `ahead` (the next
+mask computed on a helper thread while the model steps).
 """
 
 from __future__ import annotations

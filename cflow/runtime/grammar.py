@@ -20,6 +20,7 @@ from a copy of it (a microsecond).
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import weakref
@@ -57,7 +58,9 @@ class _Engine:
 
     def __init__(self, tokenizer):
         llg = _llguidance()
-        tk = tokenizer.tk  # the Hugging Face `tokenizers` object the compiled file carries
+        tk = copy.copy(tokenizer.tk)  # the Hugging Face `tokenizers` object the compiled file carries
+        tk.no_padding()  # the engine tokenizes single texts: no batch settings
+        tk.no_truncation()
         eos = tokenizer.eos_id if tokenizer.eos_id is not None else min(tokenizer.eos_ids, default=None)
         self.llt = llg.LLTokenizer(tk.to_str(), eos_token=eos)
         self.eos = self.llt.eos_token
