@@ -120,10 +120,15 @@ class Chooser:
     def draw(self, logits: np.ndarray, u: float | None) -> int:
         """The token uniform `u` selects from the distribution the rules leave; recorded and accepted."""
         c = self.constraint
-        x, ids = (None, None) if c is not None and c.finished else self._adjusted(logits)
+        if c is not None and c.finished:
+            x, ids = None, None
+        else:
+            x, ids = self._adjusted(logits, mask=not self._draw_first)
         if x is None:  # the constraint is complete, or allows nothing more: end the sequence
             tok = self._end("the constraint allows no token" if c is not None and not c.finished else
                             "the constraint is complete")
+        elif c is not None and self._draw_first:
+            tok = self._draw_then_check(logits, u)
         else:
             i = self.sampler.draw(x, u)
             tok = i if ids is None else int(ids[i])
@@ -135,6 +140,31 @@ class Chooser:
         if self._seen is not None:
             self._seen.add(tok)
         self._counts[tok] = self._counts.get(tok, 0) + 1
+        return tok
+
+    @property
+    def _draw_first(self) -> bool:
+        """Draw from the unmasked row and compute the mask only when the grammar refuses the token: the same
+        distribution as masking first when nothing truncates by rank or by the best token (greedy, or plain
+        temperature: a draw the grammar accepts is the masked draw's, one it refuses is redrawn from the masked
+        row, which is rejection sampling), and the mask, which costs more than a decode step of a small model,
+        is then computed for the few tokens a model gets wrong (docs/structured-output.md)."""
+        c = self.constraint
+        plain = self.greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
+        return c is not None and plain and hasattr(c, "try_accept")
+
+    def _draw_then_check(self, logits: np.ndarray, u: float | None) -> int:
+        x, ids = self._adjusted(logits, mask=False)
+        i = self.sampler.draw(x, u)
+        tok = i if ids is None else int(ids[i])
+        if self.constraint.try_accept(tok):
+            return tok
+        x, ids = self._adjusted(logits)  # refused: the masked row, and a fresh uniform for its draw
+        if x is None:
+            return self._end("the constraint allows no token")
+        i = self.sampler.draw(x, None if self.greedy else self.rng.random())
+        tok = i if ids is None else int(ids[i])
+        self.constraint.accept(tok)
         return tok
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
@@ -171,7 +201,7 @@ class Chooser:
         return TokenLogprob(int(token), float(x[token]) - lse, tuple((int(i), float(x[i]) - lse) for i in best))
 
     # --- the rules ---------------------------------------------------------------------------------------
-    def _adjusted(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _adjusted(self, logits: np.ndarray, mask: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(row, ids): the row the Sampler draws from and, when a mask or min_p keeps only some tokens, their ids
         (ascending: the row is theirs, so ranks and ties are the vocabulary's); ids None: the row is the whole
         vocabulary, `logits` itself without rules, else a changed copy. (None, None): the constraint allows no
@@ -197,7 +227,7 @@ class Chooser:
             c = np.fromiter(self._counts.values(), np.float64, len(self._counts))
             x[ids] -= c * self.frequency + self.presence
         keep = None
-        if self.constraint is not None and not self.constraint.finished:
+        if mask and self.constraint is not None and not self.constraint.finished:
             allowed = self.constraint.allowed()
             if allowed is not None:
                 allowed = np.asarray(allowed, dtype=bool)

@@ -70,7 +70,7 @@ def test_json_schema_answers_validate(server, stream):
 
 def test_json_object_and_the_peers_fields(server):
     done = 0
-    for seed in range(4):  # any object: it may run past max_tokens (finish_reason length, the text cut, as OpenAI)
+    for seed in range(8):  # any object: it may run past max_tokens (finish_reason length, the text cut, as OpenAI)
         r = server.chat.completions.create(model="story", messages=USER, max_tokens=60, seed=seed,
                                            response_format={"type": "json_object"})
         text = r.choices[0].message.content
