@@ -20,7 +20,8 @@ Reported per (model, N):
                         waits for the ones ahead of it)
     ITL p50/p99         time between two tokens of one stream
     errors              non-200 answers, error events, broken or unfinished streams (0 expected below the queue)
-    RSS                 the server's resident memory before the first level and after the last (no growth)
+    RSS                 the server's resident memory before the first level and after the last (no growth
+                        beyond what the prefix cache holds, within its budget: both printed)
 
 --engine-only measures the engine's backend alone (no HTTP, no clients): every one of B slots decoding, with
 temperature 0.8 sampling, the best of 3 x --steps steps; aggregate tok/s and ms per step for each --max-batch
@@ -264,10 +265,13 @@ def run_server(which: str, path: str, batch: int, counts, args, cpu: str, hdr: s
                   f"{rec['ttft_p99_ms']:>8.1f} {rec['itl_p50_ms']:>8.2f} {rec['itl_p99_ms']:>7.2f} "
                   f"{rec['errors']:>6}" + (f"  {rec['error_examples']}" if rec["errors"] else ""), flush=True)
         rss1 = server.rss()
+        # the prefix cache fills up to its budget with use: RSS may grow by that much, and no more
+        held, budget = (_metric(server.port, f"cflow_prefix_cache_{k}") / 2**20 for k in ("bytes", "budget_bytes"))
         print(f"{which}, --max-batch {batch}: server RSS {rss0:.0f} MB before, {rss1:.0f} MB after "
-              f"({rss1 - rss0:+.0f} MB)", flush=True)
+              f"({rss1 - rss0:+.0f} MB; the prefix cache holds {held:.0f} of its {budget:.0f} MB)", flush=True)
         for rec in records:
-            rec.update(rss_before_mb=round(rss0, 1), rss_after_mb=round(rss1, 1))
+            rec.update(rss_before_mb=round(rss0, 1), rss_after_mb=round(rss1, 1), prefix_cache_mb=round(held, 1),
+                       prefix_cache_budget_mb=round(budget, 1))
     finally:
         server.close()
     return records
