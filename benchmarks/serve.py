@@ -524,6 +524,52 @@ def prefix_ttft(which: str, path: str, batches, args, tmp: str) -> list[dict]:
     return records
 
 
+SHAPES = {
+    "person": {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                         "pets": {"type": "array", "items": {"enum": ["cat", "dog", "bird"]}},
+                                         "city": {"type": "string"}},
+        "required": ["name", "age", "pets", "city"], "additionalProperties": False}}}},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "gbnf": {"grammar": 'root ::= sentence (" " sentence)*\nsentence ::= [A-Z] [a-z ,]{5,60} "."'},
+}
+
+
+def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
+    """What structured output costs per served token: one server (--max-batch 1), requests one at a time in turns,
+    free text and each shape of SHAPES, the same prompts, temperature 0.8, fresh seeds; per request the time
+    between its first and last token / (tokens - 1), medians compared. The texts differ (a grammar makes the
+    model write something else), the model's step per token does not: the difference is the sampler's and the
+    grammar's work per token."""
+    server = Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{which}_shapes.log"))
+    per_token: dict[str, list[float]] = {k: [] for k in ("free", *SHAPES)}
+    rng = random.Random(3)
+    try:
+        asyncio.run(stream_once(server.port, {"model": "m", "prompt": "Once", "max_tokens": 8, "stream": True}, 60))
+        for r in range(args.rounds):
+            for kind in per_token:
+                body = {"model": "m", "prompt": STORY_PROMPTS[r % len(STORY_PROMPTS)], "max_tokens": args.max_tokens,
+                        "temperature": 0.8, "seed": rng.randrange(2**31), "stream": True, **SHAPES.get(kind, {})}
+                rec = asyncio.run(stream_once(server.port, body, 120))
+                if rec["error"]:
+                    raise SystemExit(f"a --shapes request failed: {rec['error']}")
+                t = rec["times"]
+                if len(t) > 8:
+                    per_token[kind].append((t[-1] - t[0]) / (len(t) - 1))
+    finally:
+        server.close()
+    free = statistics.median(per_token["free"])
+    records = []
+    for kind, ts in per_token.items():
+        med = statistics.median(ts)
+        records.append({"model": which, "shape": kind, "threads": args.threads or len(os.sched_getaffinity(0)),
+                        "requests": len(ts), "per_token_us": round(med * 1e6, 1), "vs_free": round(med / free, 4)})
+        print(f"{which:>8} {kind:>12}: {med * 1e6:7.1f} us a served token (median of {len(ts)} requests), "
+              f"{med / free - 1:+6.1%} against free text", flush=True)
+    return records
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="bundled,114m",
@@ -555,8 +601,11 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", type=int, default=None, metavar="TOKENS",
                    help="time to first token of TOKENS shared + --new new prompt tokens with the prefix cache off "
                    "and on (servers of each --max-batch, requests one at a time; see above) (default: off)")
+    p.add_argument("--shapes", action="store_true",
+                   help="what structured output costs per served token: free text against each shape (response_format "
+                   "json_schema / json_object, a GBNF grammar), one server, requests in turns (default: off)")
     p.add_argument("--new", type=int, default=20, help="--prefix: new tokens after the shared ones (default 20)")
-    p.add_argument("--rounds", type=int, default=5, help="--prefix: requests each way (default 5)")
+    p.add_argument("--rounds", type=int, default=5, help="--prefix, --shapes: requests each way (default 5)")
     p.add_argument("--repeat", type=int, default=1,
                    help="--engine-only, --chunked-prefill: runs, every one recorded (default 1)")
     args = p.parse_args(argv)
@@ -568,7 +617,7 @@ def main(argv=None) -> int:
     from cflow.codegen.target import cpu_model
 
     cpu = cpu_model()
-    load_test = not (args.prefix or args.one_slot or args.engine_only or args.chunked_prefill)
+    load_test = not (args.prefix or args.one_slot or args.engine_only or args.chunked_prefill or args.shapes)
     print(f"# cflow serve{' load test' if load_test else ''}: {cpu}, {len(os.sched_getaffinity(0))} usable cores; "
           f"--threads {args.threads or 'default'}" + (f" --max-queue {args.max_queue}; {args.max_tokens} tokens per "
                                                       f"request, {args.duration:g} s per level" if load_test else ""),
@@ -584,6 +633,9 @@ def main(argv=None) -> int:
                 continue
             if args.prefix:
                 records += prefix_ttft(which, path, batches, args, tmp)
+                continue
+            if args.shapes:
+                records += shape_cost(which, path, args, tmp)
                 continue
             if args.one_slot:
                 for r in range(args.repeat):
@@ -611,6 +663,8 @@ def schema_record(run: Run, r: dict) -> dict:
     elif "prefix_tokens" in r:
         variant = f"server, max-batch {r['max_batch']}, TTFT of {r['prefix_tokens']} cached + {r['new_tokens']} new"
         tok_s = None
+    elif "shape" in r:
+        variant, tok_s = f"server, max-batch 1, output {r['shape']}", 1e6 / r["per_token_us"]
     elif r.get("path") == "one slot":
         variant, tok_s = f"engine, one slot, {r['backend']}", r["aggregate_tok_s"]
     elif "slot" in r:

@@ -36,10 +36,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CflowError
-from .sampling import Sampler, _top
+from .sampling import Sampler, _pick, _top
 
 MAX_TOP_LOGPROBS = 20  # alternatives a record may list (OpenAI's limit for chat)
 REPETITION_WINDOW = 64  # llama.cpp's default penalty_last_n
+# A grammar's mask is computed first while more than REFUSED_SHARE of the recent first draws were refused (a
+# running mean, weight REFUSED_DECAY per draw); masked tokens let it fall by REFUSED_FORGET each, so that a
+# model that stopped disagreeing is drawn first again after a few tokens.
+REFUSED_SHARE, REFUSED_DECAY, REFUSED_FORGET = 0.5, 0.25, 0.05
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class Chooser:
         self._edits = bool(bias) or self.presence != 0 or self.frequency != 0 or (
             self.repetition != 1 and self.window != 0)  # rules that change logits (on a copy)
         self._rules = self._edits or self.min_p > 0
+        self._refused = 0.0  # running share of first draws the grammar refused (see _draw_first)
 
     # --- a Sampler's interface -----------------------------------------------------------------------------
     @property
@@ -130,10 +135,16 @@ class Chooser:
         elif c is not None and self._draw_first:
             tok = self._draw_then_check(logits, u)
         else:
-            i = self.sampler.draw(x, u)
-            tok = i if ids is None else int(ids[i])
+            if c is not None and ids is not None and ids.size == 1:  # one token allowed: nothing to draw
+                tok = int(ids[0])
+            elif c is not None and ids is not None:
+                tok = self._pick(x, ids, u)
+            else:
+                i = self.sampler.draw(x, u)
+                tok = i if ids is None else int(ids[i])
             if c is not None:
                 c.accept(tok)
+                self._refused *= 1 - REFUSED_FORGET  # masked draws: try drawing first again now and then
         if self.top_n is not None:
             self._records.append(self.logprob(logits, tok))
         self.history.append(tok)
@@ -148,24 +159,36 @@ class Chooser:
         distribution as masking first when nothing truncates by rank or by the best token (greedy, or plain
         temperature: a draw the grammar accepts is the masked draw's, one it refuses is redrawn from the masked
         row, which is rejection sampling), and the mask, which costs more than a decode step of a small model,
-        is then computed for the few tokens a model gets wrong (docs/structured-output.md)."""
+        is then computed for the few tokens a model gets wrong (docs/structured-output.md). While the grammar
+        refuses most first draws (a model that would rather write something else), a refused draw is a wasted
+        one: then the mask comes first. Either way is exact, so switching by the past draws changes nothing."""
         c = self.constraint
         plain = self.greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
-        return c is not None and plain and hasattr(c, "try_accept")
+        return c is not None and plain and self._refused < REFUSED_SHARE and hasattr(c, "try_accept")
 
     def _draw_then_check(self, logits: np.ndarray, u: float | None) -> int:
         x, ids = self._adjusted(logits, mask=False)
         i = self.sampler.draw(x, u)
         tok = i if ids is None else int(ids[i])
-        if self.constraint.try_accept(tok):
+        ok = self.constraint.try_accept(tok)
+        self._refused = (1 - REFUSED_DECAY) * self._refused + REFUSED_DECAY * (not ok)
+        if ok:
             return tok
         x, ids = self._adjusted(logits)  # refused: the masked row, and a fresh uniform for its draw
         if x is None:
             return self._end("the constraint allows no token")
-        i = self.sampler.draw(x, None if self.greedy else self.rng.random())
-        tok = i if ids is None else int(ids[i])
+        tok = int(ids[0]) if ids is not None and ids.size == 1 else self._pick(x, ids, self.rng.random())
         self.constraint.accept(tok)
         return tok
+
+    def _pick(self, x: np.ndarray, ids: np.ndarray | None, u: float) -> int:
+        """The Sampler's draw; for the few tokens a mask leaves under plain temperature its arithmetic without its
+        general machinery (the same weights, exp((x - max) / T) in float64, and the same inverse CDF)."""
+        if ids is not None and not self.greedy and self.top_k == 0 and self.top_p == 1.0:
+            w = np.exp(np.subtract(x, x.max(), dtype=np.float64) / self.temperature)
+            return int(ids[_pick(w, u)])
+        i = self.sampler.draw(x, None if self.greedy else u)
+        return i if ids is None else int(ids[i])
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution the next draw is from, over the vocabulary (float64; changes nothing)."""
@@ -233,6 +256,9 @@ class Chooser:
                 allowed = np.asarray(allowed, dtype=bool)
                 if allowed.size > x.size:
                     raise CflowError(f"the constraint's mask has {allowed.size} entries; the vocabulary {x.size}")
+                if self.min_p == 0 or self.greedy:  # the allowed ids are the answer (ids >= the mask's size: out)
+                    ids = np.flatnonzero(allowed)
+                    return (x[ids], ids) if ids.size else (None, None)
                 keep = np.zeros(x.size, bool)
                 keep[: allowed.size] = allowed
                 if not keep.any():

@@ -68,17 +68,17 @@ def test_json_schema_answers_validate(server, stream):
         jsonschema.validate(json.loads(text), PERSON)
 
 
-def test_json_object_and_the_peers_fields(server):
-    done = 0
-    for seed in range(8):  # any object: it may run past max_tokens (finish_reason length, the text cut, as OpenAI)
-        r = server.chat.completions.create(model="story", messages=USER, max_tokens=60, seed=seed,
-                                           response_format={"type": "json_object"})
-        text = r.choices[0].message.content
-        assert text.startswith("{")
-        if r.choices[0].finish_reason == "stop":
-            assert isinstance(json.loads(text), dict)
-            done += 1
-    assert done
+def test_json_object_and_the_peers_fields(server, long_text_path):
+    import cflow
+
+    with cflow.load(long_text_path, threads=1) as m:  # a bias toward closing: this model's objects run long
+        close = m.tokenizer.encode("}", add_special=False)
+    for seed in range(3):
+        r = server.chat.completions.create(model="story", messages=USER, max_tokens=100, seed=seed,
+                                           response_format={"type": "json_object"},
+                                           logit_bias={str(close[0]): 6.0})
+        assert r.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
     r = server.completions.create(model="story", prompt="Once upon a time", max_tokens=150, seed=2,
                                   extra_body={"guided_json": PERSON})
     assert r.choices[0].finish_reason == "stop"
