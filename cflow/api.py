@@ -161,9 +161,8 @@ class CompiledModel(ChatMethods):
         self.reused_tokens = 0  # prompt tokens the last generation found in the KV cache (a chat's earlier turns)
         self.draft: CompiledModel | None = None  # drafts for speculate="draft" (set_draft)
         self._owns_draft = False  # the draft was loaded by load(..., draft=PATH): closed with this model
-        self._ngrams = None  # prompt lookup's table, shared by this model's streams (speculate="ngram")
         self.speculation = None  # the last speculative generation's Speculation: acceptance, passes
-        self._costs: dict = {}  # speculate kind -> runtime.speculate.Costs, what drafting costs with this model
+        self._drafting = None  # runtime.speculate.Drafting: what this model's speculative streams share
 
     # --- introspection ----------------------------------------------------------------------
     @property
@@ -355,10 +354,10 @@ class CompiledModel(ChatMethods):
     def _drafter(self, speculate: str, sampler, seed):
         from .runtime import speculate as sp
 
-        self.speculation = sp.Speculation(self._costs.setdefault(speculate, sp.costs_for(speculate)))
-        if speculate == "ngram" and self._ngrams is None:
-            self._ngrams = sp.NgramTable()
-        return sp.drafter_for(speculate, sampler, seed, self._ngrams, self.draft and self.draft.session)
+        if self._drafting is None:
+            self._drafting = sp.Drafting()
+        drafter, self.speculation = self._drafting.start(speculate, sampler, seed, self.draft and self.draft.session)
+        return drafter
 
     def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, stop: bool = True, speculate: str | None = None, sampler=None):

@@ -3,13 +3,12 @@ file is read where the file is not needed; and the KV cache type `kv` names."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..codegen.abi import KV_BYTES
 from ..errors import CflowError
 from ..ir.config import ModelConfig
 from ..layout import STORED
 from ..layout.quant import QUANT_TARGETS
+from .requests import whole
 
 MAX_THREADS = 1024  # worker threads of one model
 MAX_BATCH = 4096  # sequences decoded together (each its own KV cache)
@@ -28,11 +27,6 @@ def resolve_kv(kv: str, quant: str) -> str:
     if kv not in KV_BYTES:
         raise CflowError(f"the KV cache type must be auto or one of {', '.join(KV_BYTES)}, not {kv!r}")
     return kv
-
-
-def whole(v) -> bool:
-    """An integer (NumPy's too), and not a bool."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def check_options(threads, max_seq, experts: str, weights: str, expert_io: str, read_ahead, kv: str) -> None:

@@ -13,6 +13,7 @@ from ..errors import CflowError, RuntimeFault
 
 
 def whole(v) -> bool:
+    """An integer (NumPy's too), and not a bool."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 

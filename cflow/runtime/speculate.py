@@ -201,6 +201,23 @@ def drafter_for(kind: str, sampler: Sampler, seed: int | None, table: NgramTable
     return ModelDrafter(draft_session, Sampler(sampler.temperature, sampler.top_k, sampler.top_p, draft_seed))
 
 
+class Drafting:
+    """What one model's streams share for speculative decoding: prompt lookup's table and, per drafter kind, the
+    Costs; `start` makes a stream's drafter and its Speculation controller (CompiledModel and the server's
+    batched slots each hold one)."""
+
+    def __init__(self):
+        self.ngrams: NgramTable | None = None
+        self.costs: dict[str, Costs] = {}
+
+    def start(self, kind: str, sampler: Sampler, seed: int | None, draft_session=None):
+        """(drafter, Speculation) for one stream of `kind` ("ngram" or "draft")."""
+        if kind == "ngram" and self.ngrams is None:
+            self.ngrams = NgramTable()
+        spec = Speculation(self.costs.setdefault(kind, costs_for(kind)))
+        return drafter_for(kind, sampler, seed, self.ngrams, draft_session), spec
+
+
 class Costs:
     """What drafting costs with one model on this host, shared by its streams (one per drafter kind, held by the
     CompiledModel or the server's backend):

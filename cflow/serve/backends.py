@@ -146,20 +146,17 @@ class BatchedSlots:
         self._spec: dict[int, object] = {}  # slot 0 -> its Speculator
         self._ready: dict[int, list[int]] = {}  # slot 0 -> tokens a pass computed, not yet handed out
         self._left: dict[int, int] = {}  # slot -> tokens its job may still generate
-        self._ngrams = None
-        self._costs = None  # what drafting costs with this model (runtime.speculate.Costs), shared by requests
+        self._drafting = None  # runtime.speculate.Drafting: prompt lookup's table and costs, shared by requests
 
     def _speculator(self, job: Job):
         from ..runtime import speculate as sp
 
         m = self.model
-        if self.speculate == "ngram" and self._ngrams is None:
-            self._ngrams = sp.NgramTable()
-        drafter = sp.drafter_for(self.speculate, self._sampler[0], job.params.seed, self._ngrams,
-                                 m.draft and m.draft.session)
-        if self._costs is None:
-            self._costs = sp.costs_for(self.speculate)
-        return sp.Speculator(m.session, self._sampler[0], drafter, sp.Speculation(self._costs), job.prompt_ids,
+        if self._drafting is None:
+            self._drafting = sp.Drafting()
+        drafter, spec = self._drafting.start(self.speculate, self._sampler[0], job.params.seed,
+                                             m.draft and m.draft.session)
+        return sp.Speculator(m.session, self._sampler[0], drafter, spec, job.prompt_ids,
                              check=lambda rows: _finite(rows, 0))
 
     def _sample(self, slot: int, logits) -> int | None:

@@ -246,7 +246,10 @@ def test_sampled_prompt_lookup_is_plain_sampling_token_for_token(tmp_path):
     p = tmp_path / "m.vflow"
     compile_file(load_graph("preset:arch2_4_combined@tiny"), p, "q4")
     with cflow.load(p, threads=1, prefill_block=16) as m:
-        m._costs["ngram"] = _always_drafting()  # a tiny model, where drafting does not pay: make it draft
+        from cflow.runtime.speculate import Drafting
+
+        m._drafting = Drafting()
+        m._drafting.costs["ngram"] = _always_drafting()  # a tiny model, where drafting does not pay: make it draft
         ids = [5, 6, 7, 8] * 6
         passes = 0
         for seed in range(4):
