@@ -32,6 +32,8 @@ Measured: the write speed of each file (bytes / seconds, fsync included), agains
 the same number of bytes (64 MiB buffers, then fsync: what `dd bs=64M conv=fsync` does) in the same directory,
 right before that file (removed at once: the disk's speed drifts, so each file gets its own); with --cpu-rate
 first the writer without the disk (generate, pack, checksum, nothing written); and the peak RSS of the process.
+--probe writes nothing: it runs the reference interpreter on the weights generated on demand and prints the
+activation scale per layer (minutes for the full model).
 """
 
 from __future__ import annotations
@@ -144,6 +146,39 @@ def cpu_rate(cfg: ModelConfig, seed: int = 0) -> dict:
     return {"bytes": nbytes, "seconds": seconds, "mb_s": nbytes / seconds / 1e6}
 
 
+PROBE_PROMPT = [1, 17, 42, 99, 7, 123, 5, 250]
+
+
+def probe(cfg: ModelConfig, seed: int = 0, ids: list[int] | None = None) -> dict:
+    """The activation scale of the model without a file: cflow's reference interpreter (int8 activations, f16 KV)
+    on the weights generated on demand, over a prompt; the RMS of each layer's attention output, expert output
+    and residual stream at the last position, and the logits' spread and top-2 margin there."""
+    import warnings
+
+    import numpy as np
+
+    from cflow.compiler import lower
+    from cflow.ir import Interpreter
+    from cflow.ir import names as N
+
+    ids = list(PROBE_PROMPT if ids is None else ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        it = Interpreter(lower(graph(cfg, seed), "q4").graph, act_quant="q8", cache_weights=False, kv="f16")
+    for t in ids:
+        z = np.asarray(it.step(t), np.float64).reshape(-1)
+    v = it.values
+
+    def rms(name):
+        return float(np.sqrt(np.mean(np.square(np.asarray(v[name], np.float64)[-1]))))
+
+    layers = [{"attn": rms(N.attn(l)), "moe": rms(N.moe(l)), "residual": rms(N.x(l) if N.x(l) in v else N.a(l))}
+              for l in range(1, cfg.n_layers + 1)]  # noqa: E741
+    top = np.sort(z)
+    return {"prompt": ids, "embedding": rms(N.EMBED), "layers": layers, "logit_std": float(z.std()),
+            "argmax": int(z.argmax()), "top2_margin": float(top[-1] - top[-2])}
+
+
 def _with_cpu(fn, *args) -> dict:
     """fn's result plus the CPU time this process spent meanwhile (user + system, every thread) and the wall time:
     cpu_s / wall_s is the share of a core it got or used (on a shared machine, other processes take the rest)."""
@@ -178,7 +213,7 @@ def _progress(every: float = 10.0):
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.make_moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="sibling-4g")
-    ap.add_argument("--out", required=True, help="directory for the files")
+    ap.add_argument("--out", help="directory for the files (required unless --probe)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", action="store_true", help="also write the GGUF twin (not with --pipeline)")
     ap.add_argument("--pipeline", action="store_true", help="the pipeline-native variant: dd = 1, de = 2")
@@ -186,10 +221,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-dd", action="store_true", help="skip the plain-write baseline before each file")
     ap.add_argument("--cpu-rate", action="store_true", help="first measure the writer without the disk")
     ap.add_argument("--json", metavar="FILE", help="write the measurements here")
+    ap.add_argument("--probe", action="store_true",
+                    help="only print the activation scale per layer (the interpreter on generated weights, no file)")
     a = ap.parse_args(argv)
     if a.gguf and a.pipeline:
         ap.error("--gguf with --pipeline: llama.cpp computes delays (0, 0) only")
+    if not a.out and not a.probe:
+        ap.error("--out DIR is required")
     cfg = geometry(a.geometry, a.pipeline)
+    if a.probe:
+        r = probe(cfg, a.seed)
+        print(f"# {cfg.name}: embedding RMS {r['embedding']:.2f}; per layer: attention out / experts out / residual")
+        for i, x in enumerate(r["layers"], 1):
+            print(f"layer {i:2d}  {x['attn']:.3f}  {x['moe']:.3f}  {x['residual']:.3f}")
+        print(f"# logits std {r['logit_std']:.2f}, argmax {r['argmax']} after {r['prompt'][-1]}, "
+              f"top-2 margin {r['top2_margin']:.1f}")
+        return r
     os.makedirs(a.out, exist_ok=True)
     size = planned_bytes(cfg)
     print(f"# {cfg.name}: {cfg.n_params() / 1e9:.2f} B parameters ({cfg.n_params(active=True) / 1e9:.2f} B active), "

@@ -234,6 +234,12 @@ def test_llama_cpp_greedy_tokens_equal_cflow(tiny_files):
     assert json.loads(p.stdout.strip().splitlines()[-1]) == list(ours) == list(range(251, 263))
 
 
+def test_probe_measures_the_activation_scale():
+    r = make_moe.main(["--geometry", "tiny", "--probe"])
+    assert len(r["layers"]) == TINY.n_layers and r["argmax"] == PROMPT[-1] + 1 and r["top2_margin"] > 5
+    assert 1.5 < r["embedding"] < 2.5 and all(0.2 < x["moe"] < 2 and x["residual"] < 5 for x in r["layers"])
+
+
 def test_cli_refuses_a_gguf_of_the_pipeline_variant(tmp_path):
     with pytest.raises(SystemExit):
         make_moe.main(["--geometry", "tiny", "--out", str(tmp_path), "--gguf", "--pipeline"])
