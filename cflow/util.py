@@ -299,3 +299,53 @@ def _read_kv(path: str) -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def prefetch(items, depth: int = 1, name: str = "cflow-prefetch"):
+    """Iterate `items` with the next `depth` items produced ahead in a background thread.
+
+    For a writer whose items are expensive to make and cheap to hand on (tensors generated and packed while the
+    previous one is checksummed and written: numpy, zlib and file writes release the GIL). At most depth + 2
+    items exist at once (one being produced, `depth` waiting, one with the consumer). An exception in the
+    producer is raised in the consumer at that item; when the consumer stops early (break, exception, close),
+    the producer stops after the item it is making and the thread is joined before the generator returns."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+    end = object()
+
+    def put(entry) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(entry, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for x in items:
+                if not put((True, x)):
+                    return
+                del x
+            put((True, end))
+        except BaseException as e:  # handed to the consumer, raised there
+            put((False, e))
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    try:
+        while True:
+            ok, x = q.get()
+            if not ok:
+                raise x
+            if x is end:
+                return
+            yield x
+            del x
+    finally:
+        stop.set()
+        thread.join()

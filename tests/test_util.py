@@ -168,3 +168,39 @@ def test_check_output_path(tmp_path):
     with pytest.raises(CflowError, match="--out .*not a directory"):
         check_output_dir(tmp_path / "f", "--out")
     assert not (tmp_path / "run").exists() and check_output_dir(tmp_path / "run", "--out") == tmp_path / "run"
+
+
+def test_prefetch_order_errors_and_early_stop():
+    import threading
+    import time
+
+    import pytest
+
+    from cflow.util import prefetch
+
+    assert list(prefetch(iter(range(50)), depth=2)) == list(range(50))
+    assert list(prefetch([])) == []
+    made = []
+
+    def items():
+        for i in range(100):
+            made.append(i)
+            yield i
+
+    it = prefetch(items(), depth=1)
+    assert [next(it), next(it)] == [0, 1]
+    time.sleep(0.05)
+    assert len(made) <= 4  # one with the consumer, one waiting, one being made (bounded look-ahead)
+    it.close()  # the consumer stops: the producer thread is joined
+    assert not [t for t in threading.enumerate() if t.name == "cflow-prefetch"]
+    assert len(made) <= 5
+
+    def failing():
+        yield 1
+        raise ValueError("boom")
+
+    got = []
+    with pytest.raises(ValueError, match="boom"):
+        for x in prefetch(failing()):
+            got.append(x)
+    assert got == [1]

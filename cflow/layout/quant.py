@@ -200,12 +200,15 @@ def dequantize(t) -> np.ndarray:
 
 def to_gguf_bytes(t: QTensor) -> np.ndarray:
     """The GGUF block bytes of a Q4/Q8 tensor, u8[rows, nblk * block_bytes] (for export and tests)."""
-    d = t.scales.view(np.uint8).reshape(t.rows, -1, 2)
-    if t.dtype == DType.Q4:
-        qs = t.q[..., :16] | (t.q[..., 16:] << np.uint8(4))
+    nblk = t.scales.shape[1]
+    out = np.empty((t.rows, nblk, BLOCK_SIZES[t.dtype][1]), np.uint8)
+    out[..., :2] = np.ascontiguousarray(t.scales).view(np.uint8).reshape(t.rows, nblk, 2)
+    if t.dtype == DType.Q4:  # byte j = code j | code 16 + j << 4; codes < 16, so 8 bytes combine per operation
+        q64 = np.ascontiguousarray(t.q).view(np.uint64)
+        out[..., 2:] = (q64[..., :2] | (q64[..., 2:] << np.uint64(4))).view(np.uint8)
     else:
-        qs = t.q.view(np.uint8)
-    return np.concatenate([d, qs], axis=-1).reshape(t.rows, -1)
+        out[..., 2:] = t.q.view(np.uint8)
+    return out.reshape(t.rows, -1)
 
 
 def quantize_activation_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

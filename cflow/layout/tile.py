@@ -246,14 +246,18 @@ def _as_stored(w, dtype: DType):
     return quantize(np.asarray(w, dtype=np.float32) if dtype != DType.F16 else np.asarray(w), dtype)
 
 
-def _pad_q(t: QTensor, rows_p: int, nblk_p: int) -> tuple[np.ndarray, np.ndarray]:
-    """Codes and scales padded with quant.quantize of a zero block (Q4: 8 and -0.0; Q8: 0 and +0.0)."""
+def _pad_q(t: QTensor, r0: int, r1: int, nblk_p: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows r0..r1 of the codes and scales, padded (rows past the matrix, blocks past its width) with quant.quantize
+    of a zero block (Q4: 8 and -0.0; Q8: 0 and +0.0); the QTensor's own arrays when nothing needs padding."""
+    q, s = t.q[r0:r1], t.scales[r0:r1]
+    if q.shape[0] == r1 - r0 and q.shape[1] == nblk_p:
+        return q, s
     zero = quantize(np.zeros((1, BLOCK), np.float32), t.dtype)
-    q = np.full((rows_p, nblk_p, BLOCK), zero.q[0, 0, 0], dtype=t.q.dtype)
-    s = np.full((rows_p, nblk_p), zero.scales[0, 0], np.float16)
-    q[: t.rows, : t.q.shape[1]] = t.q
-    s[: t.rows, : t.scales.shape[1]] = t.scales
-    return q, s
+    qp = np.full((r1 - r0, nblk_p, BLOCK), zero.q[0, 0, 0], dtype=t.q.dtype)
+    sp = np.full((r1 - r0, nblk_p), zero.scales[0, 0], np.float16)
+    qp[: q.shape[0], : q.shape[1]] = q
+    sp[: s.shape[0], : s.shape[1]] = s
+    return qp, sp
 
 
 def pack(w, dtype, tile=DEFAULT_TILE) -> np.ndarray:
@@ -266,33 +270,62 @@ def pack(w, dtype, tile=DEFAULT_TILE) -> np.ndarray:
     """
     dtype = DType.parse(dtype) if isinstance(dtype, str) else DType(dtype)
     st = _as_stored(w, dtype)
-    rows, cols = (st.rows, st.cols) if isinstance(st, (QTensor, B.BlockTensor)) else st.shape
-    L = TileLayout(dtype, rows, cols, tile)
-    nT, nC, ng, nb = L.n_tile_rows, L.n_tile_cols, L.groups_per_tile, L.blocks_per_tile
+    L = TileLayout(dtype, *_stored_shape(st), tile)
     out = aligned_empty(L.nbytes)
-    if L.is_block_type:
-        out[...] = B.pack_blocks(st, L.rows_p, L.cols_p, L.tr, L.tc)
-    elif dtype in (DType.Q4, DType.Q8):
-        q, s = _pad_q(st, L.rows_p, L.cols_p // BLOCK)
-        # [tile-row, group, i, tile-col, block, 32] -> per block unit: codes of every group, then scales.
-        q = q.reshape(nT, ng, GROUP_ROWS, nC, nb, BLOCK)
-        if dtype == DType.Q4:
-            lo = q[..., :16].reshape(nT, ng, GROUP_ROWS, nC, nb, 4, 4)
-            hi = q[..., 16:].reshape(nT, ng, GROUP_ROWS, nC, nb, 4, 4)
-            codes = (lo | (hi << np.uint8(4))).astype(np.uint8)  # [.., i, .., b, c, j]
-        else:
-            codes = q.view(np.uint8).reshape(nT, ng, GROUP_ROWS, nC, nb, 8, 4)
-        codes = codes.transpose(0, 3, 4, 1, 5, 2, 6).reshape(nT, nC, nb, ng * L.code_nbytes)
-        sc = s.reshape(nT, ng, GROUP_ROWS, nC, nb).transpose(0, 3, 4, 1, 2)
-        sc = np.ascontiguousarray(sc).view(np.uint8).reshape(nT, nC, nb, ng * 32)
-        out.reshape(nT, nC, nb, -1)[...] = np.concatenate([codes, sc], axis=-1)
-    else:
-        npdt = np.float32 if dtype == DType.F32 else np.float16
-        full = np.zeros((L.rows_p, L.cols_p), npdt)
-        full[:rows, :cols] = st
-        v = full.reshape(nT, ng, GROUP_ROWS, nC, nb, BLOCK).transpose(0, 3, 4, 1, 5, 2)  # [.., g, k, i]
-        out.reshape(nT, nC, nb, -1)[...] = np.ascontiguousarray(v).view(np.uint8).reshape(nT, nC, nb, -1)
+    pack_rows(out.reshape(L.n_tile_rows, L.tile_row_nbytes), st, L)
     return out
+
+
+PACK_BAND_BYTES = 1 << 21  # output bytes packed per step: one band's temporaries stay small and cache-warm
+
+
+def _stored_shape(st) -> tuple[int, int]:
+    return (st.rows, st.cols) if isinstance(st, (QTensor, B.BlockTensor)) else tuple(np.shape(st))
+
+
+def pack_rows(dst: np.ndarray, st, L: TileLayout) -> None:
+    """Pack stored weight `st` (a QTensor, BlockTensor or f16/f32 array of L's shape and type) into `dst`, a
+    uint8 [n_tile_rows, tile_row_nbytes] view whose rows may lie apart (gate+up's interleaved tile-rows), one band
+    of tile-rows at a time: no copy of the whole matrix is made besides `dst` itself."""
+    if L.is_block_type:
+        dst[...] = B.pack_blocks(st, L.rows_p, L.cols_p, L.tr, L.tc).reshape(L.n_tile_rows, -1)
+        return
+    step = max(1, PACK_BAND_BYTES // L.tile_row_nbytes)
+    for t0 in range(0, L.n_tile_rows, step):
+        t1 = min(t0 + step, L.n_tile_rows)
+        units = dst[t0:t1].reshape(t1 - t0, L.n_tile_cols, L.blocks_per_tile, L.unit_nbytes)
+        if L.dtype in (DType.Q4, DType.Q8):
+            _pack_q_band(units, st, L, t0, t1)
+        else:
+            _pack_float_band(units, st, L, t0, t1)
+
+
+def _pack_q_band(units: np.ndarray, st: QTensor, L: TileLayout, t0: int, t1: int) -> None:
+    """Tile-rows t0..t1 of a Q4/Q8 stream: per unit the codes of every group (4-byte chunks of 16 rows), then the
+    groups' fp16 scales (module docstring)."""
+    n, nC, ng, nb = t1 - t0, L.n_tile_cols, L.groups_per_tile, L.blocks_per_tile
+    q, s = _pad_q(st, t0 * L.tr, t1 * L.tr, L.cols_p // BLOCK)
+    # [.., g, i, C, b, w] -> [.., C, b, g, w, i]: word w holds inputs 4w .. 4w + 3 of row 16g + i
+    words = q.reshape(n, ng, GROUP_ROWS, nC, nb, BLOCK).view(np.uint32).transpose(0, 3, 4, 1, 5, 2)
+    chunks = L.code_nbytes // 64
+    codes = units[..., : L.scales_offset].view(np.uint32).reshape(n, nC, nb, ng, chunks, GROUP_ROWS)
+    if L.dtype == DType.Q4:  # chunk c: inputs 4c + j in the low nibbles, 16 + 4c + j in the high (codes < 16, so
+        np.left_shift(words[..., 4:, :], np.uint32(4), out=codes)  # the shift never carries into the next byte)
+        np.bitwise_or(codes, words[..., :4, :], out=codes)
+    else:
+        codes[...] = words
+    scales = units[..., L.scales_offset :].view(np.float16).reshape(n, nC, nb, ng, GROUP_ROWS)
+    scales[...] = s.reshape(n, ng, GROUP_ROWS, nC, nb).transpose(0, 3, 4, 1, 2)
+
+
+def _pack_float_band(units: np.ndarray, st: np.ndarray, L: TileLayout, t0: int, t1: int) -> None:
+    n, nC, ng, nb = t1 - t0, L.n_tile_cols, L.groups_per_tile, L.blocks_per_tile
+    npdt = np.float32 if L.dtype == DType.F32 else np.float16
+    r0, r1 = t0 * L.tr, min(t1 * L.tr, L.rows)
+    full = np.zeros((n * L.tr, L.cols_p), npdt)
+    full[: r1 - r0, : L.cols] = st[r0:r1]
+    v = full.reshape(n, ng, GROUP_ROWS, nC, nb, BLOCK).transpose(0, 3, 4, 1, 5, 2)  # [.., g, k, i]
+    units.view(npdt).reshape(n, nC, nb, ng, BLOCK, GROUP_ROWS)[...] = v
 
 
 def unpack_q(buf: np.ndarray, dtype, rows: int, cols: int, tile=DEFAULT_TILE) -> QTensor:
@@ -401,12 +434,12 @@ def pack_concat(ws, dtype, tile=DEFAULT_TILE) -> tuple[np.ndarray, ConcatLayout]
 
     Returns (stream, layout); layout.row_offsets gives each part's first row in the output.
     """
-    streams = [pack(w, dt, tile) for w, dt in zip(ws, _per_part(dtype, len(ws)))]
-    shapes = [(w.rows, w.cols) if isinstance(w, (QTensor, B.BlockTensor)) else np.shape(w) for w in ws]
-    cl = concat_layout(shapes, dtype, tile)
+    sts = [_as_stored(w, DType.parse(dt) if isinstance(dt, str) else DType(dt))
+           for w, dt in zip(ws, _per_part(dtype, len(ws)))]
+    cl = concat_layout([_stored_shape(st) for st in sts], dtype, tile)
     out = aligned_empty(cl.nbytes)
-    for s, off in zip(streams, cl.byte_offsets):
-        out[off : off + s.size] = s
+    for st, part, off in zip(sts, cl.parts, cl.byte_offsets):
+        pack_rows(out[off : off + part.nbytes].reshape(part.n_tile_rows, part.tile_row_nbytes), st, part)
     return out, cl
 
 
@@ -417,15 +450,15 @@ def gate_up_layout(rows: int, cols: int, dtype, tile=DEFAULT_TILE) -> TileLayout
 
 def pack_gate_up(gate, up, dtype, tile=DEFAULT_TILE) -> np.ndarray:
     """gate+up fusion: tile-row t of gate, then tile-row t of up, for t = 0 .. M'/TR - 1."""
-    g, u = pack(gate, dtype, tile), pack(up, dtype, tile)
-    if g.size != u.size:
+    dtype = DType.parse(dtype) if isinstance(dtype, str) else DType(dtype)
+    g, u = _as_stored(gate, dtype), _as_stored(up, dtype)
+    if _stored_shape(g) != _stored_shape(u):
         raise ValueError("gate and up must have the same shape")
-    L = TileLayout(dtype, *((gate.rows, gate.cols) if isinstance(gate, (QTensor, B.BlockTensor)) else np.shape(gate)),
-                   tile)
-    out = aligned_empty(2 * g.size)
+    L = TileLayout(dtype, *_stored_shape(g), tile)
+    out = aligned_empty(2 * L.nbytes)
     pairs = out.reshape(L.n_tile_rows, 2, L.tile_row_nbytes)
-    pairs[:, 0] = g.reshape(L.n_tile_rows, -1)
-    pairs[:, 1] = u.reshape(L.n_tile_rows, -1)
+    pack_rows(pairs[:, 0], g, L)
+    pack_rows(pairs[:, 1], u, L)
     return out
 
 

@@ -2,7 +2,9 @@
 
 Input: a CompileState after order_tensors (graph with weights). Output: the .vflow/.cflow file
 (atomic: complete or absent) and `state.file` with its size and bytes per token. Tensors are
-quantised, packed and written one at a time, so memory stays near the largest tensor.
+quantised and packed one at a time in a background thread, one tensor ahead of the one being checksummed
+and written (util.prefetch), so memory stays near three tensors (the largest ones) and the packing overlaps
+the disk.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from ..layout import STORED
 from ..passes.manager import Pass, state_pass
 from ..passes.state import CompileState
+from ..util import prefetch
 from .format import FileWriter
 from .format.spec import FORMAT_NAME
 
@@ -50,10 +53,10 @@ def emit_file(out: str | os.PathLike, tokenizer: str | None = None, eos: list[in
         t0 = time.perf_counter()
         total = sum(state.tensors[n].nbytes for n in state.order)
         done = 0
+        packed = ((name, state.tensors[name].materialize(state.graph.weights)) for name in state.order)
         with FileWriter(out, header_for(state, tokenizer, eos), layout=str(state.layout)) as w:
-            for name in state.order:
+            for name, data in prefetch(packed, name="cflow-pack"):  # the next tensor packed while this one is written
                 t = state.tensors[name]
-                data = t.materialize(state.graph.weights)
                 w.add_tensor(name, t.file_dtype, t.shape, data, tile=t.file_tile, layer=t.block, expert=t.expert,
                              stage=state.stage_of[name])
                 del data

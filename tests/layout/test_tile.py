@@ -134,3 +134,19 @@ def test_bad_tiles_and_sizes_rejected():
         T.unpack(np.zeros(10, np.uint8), "q4", 10, 10)
     with pytest.raises(IndexError):
         T.TileLayout("q4", 10, 10).tile_offset(1, 0)
+
+
+@pytest.mark.parametrize("dtype", ["q4", "q8", "f16", "f32"])
+def test_banded_packing_equals_one_band(rng, dtype, monkeypatch):
+    """pack / pack_gate_up / pack_concat fill their output band by band (PACK_BAND_BYTES of tile-rows at a time):
+    one tile-row per band, padding in the last band, gives the same bytes as one band for the whole matrix."""
+    w, u = rng.standard_normal((2, 100, 200)).astype(np.float32)
+    v = rng.standard_normal((40, 200)).astype(np.float32)
+    tile = (32, 64)
+    monkeypatch.setattr(T, "PACK_BAND_BYTES", 1 << 40)
+    one = [T.pack(w, dtype, tile), T.pack_gate_up(w, u, dtype, tile), T.pack_concat([w, v], dtype, tile)[0]]
+    monkeypatch.setattr(T, "PACK_BAND_BYTES", 1)
+    many = [T.pack(w, dtype, tile), T.pack_gate_up(w, u, dtype, tile), T.pack_concat([w, v], dtype, tile)[0]]
+    for a, b in zip(one, many):
+        assert np.array_equal(a, b)
+    assert np.array_equal(T.unpack(many[0], dtype, 100, 200, tile), T.unpack(one[0], dtype, 100, 200, tile))

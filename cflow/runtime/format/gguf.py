@@ -1,4 +1,5 @@
-"""Export a Llama-family graph (dense, or Mixtral-style MoE) to GGUF, so llama.cpp can run the very same weights.
+"""Export a Llama-family or Qwen3 graph (dense, or Mixtral / Qwen3-MoE style) to GGUF, so llama.cpp can run the very
+same weights.
 
     export_gguf(graph, "model.gguf", tokenizer_json=None) -> info dict
 
@@ -31,6 +32,16 @@ the rows of attn_q (per query head) and attn_k (per kv head) are reordered so th
 head is HF row j * head_dim/2 + i (ir/gguf_names.py's rope_row_permutation, whose inverse the GGUF importer
 applies). Only whole rows move, so every Q4_0/Q8_0 block stays bit-identical.
 
+Qwen3 (per-head q/k RMS norms, `qk_norm="head"`) exports as llama.cpp's "qwen3" arch, or "qwen3moe" with experts:
+the same tensors plus blk.N.attn_q_norm / attn_k_norm.weight (F32, [head_dim]), no row permutation (both archs
+rotate halves, as cflow does), and for qwen3moe the experts' width under qwen3moe.expert_feed_forward_length.
+llama.cpp's qwen3moe routes as cflow does too (softmax over all experts, the top k renormalised).
+
+Streaming: tensor infos come from the graph's plan (shapes and storage types), then the data is written one
+tensor at a time, a stacked expert tensor one expert at a time (`_Stacked`), each payload made in a background
+thread one ahead of the one being written (util.prefetch): a graph whose weights are generated or quantised on
+access (cflow.models.synthetic.SyntheticWeights) is never in memory as a whole.
+
 Metadata: context/embedding/feed-forward length, block count, head counts, key/value length, rope
 dimension count and base, RMS eps, vocab size, file type (MOSTLY_Q4_0 etc.) and a tokenizer:
   - tokenizer_json (a tokenizer.json path, a directory holding one, or the JSON text): a byte-level
@@ -56,7 +67,7 @@ import numpy as np
 from ...errors import CflowError, UnsupportedModelError
 from ...ir.gguf_names import BLOCK_TENSORS, EXPERT_TENSORS, GLOBAL_TENSORS, rope_row_permutation
 from ...layout.quant import BLOCK, BLOCK_SIZES, DType, QTensor, to_gguf_bytes
-from ...util import atomic_path
+from ...util import atomic_path, prefetch
 
 ARCH = "llama"
 
@@ -116,7 +127,8 @@ def check_exportable(graph) -> None:
         raise UnsupportedModelError(f"GGUF export of {graph.name}: every layer needs a dense SwiGLU FFN")
     if c.head_dim % 2:
         raise UnsupportedModelError(f"GGUF export of {graph.name}: head_dim={c.head_dim} is odd")
-    variants = {"rope scaling": c.rope_scaling, "partial rotary": c.rope_dim != c.head_dim, "q/k norms": c.qk_norm,
+    variants = {"rope scaling": c.rope_scaling, "partial rotary": c.rope_dim != c.head_dim,
+                "whole-projection q/k norms": c.qk_norm not in ("", "head"),
                 "a non-SiLU activation": c.activation != "silu", "post norms": c.post_norms,
                 "soft-capping": c.attn_softcap or c.final_softcap, "a sliding window": c.sliding_window}
     for what, present in variants.items():
@@ -325,31 +337,27 @@ def _file_type(graph):
     return {DType.Q4: LFT.MOSTLY_Q4_0, DType.Q8: LFT.MOSTLY_Q8_0, DType.F16: LFT.MOSTLY_F16, DType.F32: LFT.ALL_F32}[q]
 
 
-def export_gguf(graph, path, tokenizer_json=None) -> dict:
-    """Write `graph` (a dense Llama-family cflow Graph, quantised or not) as a llama.cpp GGUF file.
+def gguf_arch(config) -> str:
+    """The llama.cpp architecture a config exports as: qwen3moe / qwen3 for per-head q/k norms (Qwen3's shape,
+    with or without experts), else llama (Llama, Mistral, Mixtral)."""
+    if config.qk_norm == "head":
+        return "qwen3moe" if config.n_experts else "qwen3"
+    return ARCH
 
-    Q4/Q8 matrices are copied bit-identically from the graph's QTensors (rows of attn_q/attn_k
-    reordered for llama.cpp's RoPE layout, see the module docstring). The file is written to a
-    temporary name beside `path` and renamed, so `path` is either complete or untouched.
-    Returns {"path", "file_bytes", "tensors", "seconds", "file_type"}.
-    """
-    gguf = _gguf()
-    check_exportable(graph)
-    c = graph.config
-    t0 = time.perf_counter()
-    names = gguf_tensor_names(c)
-    head = graph["logits"].weight  # "lm_head" (quantised graphs, also when tied) or "tok_embeddings"
-    moe = bool(c.n_experts)
-    # the file's tensors in order; an entry is one IR weight name, or a list of the experts' matrices that
-    # are stacked into one GGUF tensor
+
+def _tensor_order(c, head: str) -> list:
+    """The file's tensors in order: one IR weight name each, or a list of the experts' matrices that are stacked
+    into one GGUF tensor."""
     order: list = ["tok_embeddings"]
     for i in range(c.n_layers):
         p = f"blocks.{i}"
         order += [f"{p}.attn_norm", f"{p}.attn.wq", f"{p}.attn.wk", f"{p}.attn.wv"]
         if c.attn_bias:
             order += [f"{p}.attn.bq", f"{p}.attn.bk", f"{p}.attn.bv"]
+        if c.qk_norm:
+            order += [f"{p}.attn.q_norm", f"{p}.attn.k_norm"]
         order.append(f"{p}.attn.wo")
-        if moe:
+        if c.n_experts:
             order += [f"{p}.moe_norm", f"{p}.moe.router"]
             order += [[f"{p}.moe.experts.{e}.{m}" for e in range(c.n_experts)] for m in ("w_gate", "w_up", "w_down")]
         else:
@@ -357,12 +365,78 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
     order.append("norm")
     if head != "tok_embeddings":
         order.append(head)
-    perm_q = rope_row_permutation(c.n_heads, c.head_dim)
-    perm_k = rope_row_permutation(c.n_kv_heads, c.head_dim)
+    return order
+
+
+def _write_metadata(w, graph, arch: str, tokenizer_json) -> None:
+    gguf = _gguf()
+    c = graph.config
+    moe = bool(c.n_experts)
+    w.add_name(graph.name)
+    w.add_vocab_size(c.vocab_size)
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.d_model)
+    w.add_block_count(c.n_layers)
+    w.add_feed_forward_length(c.expert_dim if moe else c.ffn_dim)
+    if moe:
+        w.add_expert_count(c.n_experts)
+        w.add_expert_used_count(c.top_k)
+        if arch != ARCH:  # qwen3moe reads the experts' width from its own key
+            w.add_expert_feed_forward_length(c.expert_dim)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(float(c.rope_theta))
+    w.add_layer_norm_rms_eps(float(c.norm_eps))
+    w.add_file_type(int(_file_type(graph)))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _write_tokenizer(w, tokenizer_json, c.vocab_size, graph.meta.special_tokens)
+
+
+class _Stacked:
+    """The experts' matrices of one stacked GGUF tensor, written one after the other: GGUFWriter.write_tensor_data
+    checks `.nbytes` and calls `.tofile(file)`, which takes the experts' payloads from `stream` one at a time."""
+
+    def __init__(self, names: list[str], stream, dtype, nbytes: int):
+        self.names, self.stream, self.dtype, self.nbytes = names, stream, dtype, nbytes
+
+    def tofile(self, f) -> None:
+        per = self.nbytes // len(self.names)
+        for name in self.names:
+            data = next(self.stream)
+            if data.dtype != self.dtype or data.nbytes != per:
+                raise CflowError(f"GGUF export: {name} is {data.dtype}, {data.nbytes} B; its stack's metadata said "
+                                 f"{self.dtype}, {per} B per expert")
+            f.write(memoryview(data).cast("B"))
+            del data
+
+
+def export_gguf(graph, path, tokenizer_json=None) -> dict:
+    """Write `graph` (a Llama-family or Qwen3 cflow Graph, quantised or not) as a llama.cpp GGUF file.
+
+    Q4/Q8 matrices are copied bit-identically from the graph's QTensors (for the llama arch, rows of attn_q/attn_k
+    reordered for llama.cpp's RoPE layout, see the module docstring). Tensors are written one at a time (a stack
+    of experts one expert at a time), so a graph whose weights are generated or quantised on access is never in
+    memory. The file is written to a temporary name beside `path` and renamed, so `path` is either complete or
+    untouched. Returns {"path", "file_bytes", "tensors", "seconds", "file_type", "arch"}.
+    """
+    gguf = _gguf()
+    check_exportable(graph)
+    c = graph.config
+    arch = gguf_arch(c)
+    t0 = time.perf_counter()
+    names = gguf_tensor_names(c)
+    head = graph["logits"].weight  # "lm_head" (quantised graphs, also when tied) or "tok_embeddings"
+    order = _tensor_order(c, head)
     perms = {}
-    for i in range(c.n_layers):
-        for s, pm in (("wq", perm_q), ("bq", perm_q), ("wk", perm_k), ("bk", perm_k)):
-            perms[f"blocks.{i}.attn.{s}"] = pm
+    if arch == ARCH:  # llama.cpp's llama arch rotates adjacent pairs; qwen3 / qwen3moe rotate halves as cflow does
+        perm_q = rope_row_permutation(c.n_heads, c.head_dim)
+        perm_k = rope_row_permutation(c.n_kv_heads, c.head_dim)
+        for i in range(c.n_layers):
+            for s, pm in (("wq", perm_q), ("bq", perm_q), ("wk", perm_k), ("bk", perm_k)):
+                perms[f"blocks.{i}.attn.{s}"] = pm
 
     def payload(name):
         try:
@@ -372,62 +446,51 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
                 f"GGUF export: graph {graph.name} has no weight {name!r} (a graph without weights?)") from None
         return _tensor_payload(name, w, perms.get(name))
 
-    def entry_payload(entry):
-        if isinstance(entry, str):
-            return payload(entry)
-        parts = [payload(n) for n in entry]
-        return np.ascontiguousarray(np.stack([d for d, _ in parts])), parts[0][1]
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
-        w = gguf.GGUFWriter(str(tmp), ARCH)
-        w.add_name(graph.name)
-        w.add_vocab_size(c.vocab_size)
-        w.add_context_length(c.max_seq_len)
-        w.add_embedding_length(c.d_model)
-        w.add_block_count(c.n_layers)
-        w.add_feed_forward_length(c.expert_dim if moe else c.ffn_dim)
-        if moe:
-            w.add_expert_count(c.n_experts)
-            w.add_expert_used_count(c.top_k)
-        w.add_head_count(c.n_heads)
-        w.add_head_count_kv(c.n_kv_heads)
-        w.add_key_length(c.head_dim)
-        w.add_value_length(c.head_dim)
-        w.add_rope_dimension_count(c.head_dim)
-        w.add_rope_freq_base(float(c.rope_theta))
-        w.add_layer_norm_rms_eps(float(c.norm_eps))
-        w.add_file_type(int(_file_type(graph)))
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _write_tokenizer(w, tokenizer_json, c.vocab_size, graph.meta.special_tokens)
-        # Tensor infos first (from one pass that builds each payload), then the data one tensor at a
-        # time: only one tensor's bytes are held at once (the graph's weights may be quantised lazily).
+        w = gguf.GGUFWriter(str(tmp), arch)
+        _write_metadata(w, graph, arch, tokenizer_json)
+        # Tensor infos first (from the plan, or one pass over the payloads of an unquantised graph), then the data
+        # one tensor at a time.
         infos = []
         for name in order:
             if isinstance(name, list):
                 gname = names[name[0]]
                 shape, dt, raw = _planned_stack(graph, name)
+                if shape is None:
+                    data, raw = payload(name[0])
+                    shape, dt = (len(name), *data.shape), data.dtype
+                    del data
             else:
                 gname = "output.weight" if name == head != "tok_embeddings" else names[name]
                 shape, dt, raw = _planned(graph, name)
-            if shape is None:  # an unquantised graph: look at the array itself (no quantisation cost)
-                data, raw = entry_payload(name)
-                shape, dt = data.shape, data.dtype
-                del data
+                if shape is None:  # an unquantised graph: look at the array itself (no quantisation cost)
+                    data, raw = payload(name)
+                    shape, dt = data.shape, data.dtype
+                    del data
             nb = int(np.prod(shape)) * dt.itemsize
             w.add_tensor_info(gname, shape, dt, nb, raw_dtype=raw)
-            infos.append((gname, dt, nb))
+            infos.append((dt, nb))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for name, (_gname, dt, nb) in zip(order, infos):
-            data, _ = entry_payload(name)
-            if data.dtype != dt or data.nbytes != nb:
-                raise CflowError(
-                    f"GGUF export: {name} is {data.dtype}, {data.nbytes} B; its metadata said {dt}, {nb} B")
-            w.write_tensor_data(data)
-            del data
+        # the payloads in file order (a stack expert by expert), made one ahead of the one being written
+        stream = prefetch((payload(n)[0] for entry in order for n in (entry if isinstance(entry, list) else [entry])),
+                          name="cflow-gguf")
+        try:
+            for name, (dt, nb) in zip(order, infos):
+                if isinstance(name, list):
+                    w.write_tensor_data(_Stacked(name, stream, dt, nb))
+                    continue
+                data = next(stream)
+                if data.dtype != dt or data.nbytes != nb:
+                    raise CflowError(
+                        f"GGUF export: {name} is {data.dtype}, {data.nbytes} B; its metadata said {dt}, {nb} B")
+                w.write_tensor_data(data)
+                del data
+        finally:
+            stream.close()
         w.close()
     return {"path": str(path), "file_bytes": path.stat().st_size, "tensors": len(order),
-            "seconds": time.perf_counter() - t0, "file_type": _file_type(graph).name}
+            "seconds": time.perf_counter() - t0, "file_type": _file_type(graph).name, "arch": arch}

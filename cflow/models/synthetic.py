@@ -1,0 +1,180 @@
+"""Deterministic random weights generated per tensor, quantised at birth: a model of any size without its floats.
+
+    SyntheticWeights(config, seed=0)[name] -> QTensor (Q4) | float16 array (the embedding) | float32 array
+
+A Mapping over the IR weight names of `config` (ir.build.weight_shapes), for `build_graph(config, weights)`:
+compile_file and export_gguf then stream it one tensor at a time (nothing is cached here), so a 30 B-parameter
+MoE is written without ever being in memory. Every tensor is a pure function of (seed, its name): any one can be
+regenerated alone, in any order, and the .vflow and the GGUF of the same seed hold the same values.
+
+What each weight is:
+  matrices   Q4 (GGUF Q4_0) blocks drawn directly: codes q uniform on 0..15 (the weight is d * (q - 8), so -8..7),
+      each block's fp16 scale d of a random sign and a magnitude d0 * (0.5 + v), v uniform on [0, 1): the sign makes
+      every weight's distribution symmetric (mean 0; Q4_0 scales take either sign), d0 gives the standard deviation
+      (weight_std). A Q4 source is what the file stores, so quantize_weights passes it through untouched, and no
+      float copy of a matrix is ever made.
+        attention (q, k, v, o)   0.02, the presets' nn.Linear init (models/reference.py)
+        experts                  unit gain: 1/sqrt(fan_in) for gate and up, sqrt(top_k / fan_in) for down, so the
+                                 normalised top-k mix adds about as much to the residual as attention does
+                                 (measured RMS of the branches' outputs: attention 0.58-0.95, experts 0.56-0.76).
+                                 The presets' U(+-1/sqrt(fan_in)) makes the expert branch 1/20 of the attention
+                                 branch: a wrong expert would then move the logits by less than two engines' int8
+                                 activation rounding does, and no check could see it.
+        LM head                  0.2 (as the benchmark models: logits of std 9)
+  tok_embeddings   float16, row t = CHAIN_GAIN (10) x the LM head's row t + 1 (mod vocab): the token's embedding
+      points at the next id's head row, so the model counts (prompt ... 250 -> 251, 252, ...) with a top-2 logit
+      margin of 181 (10 layers) or 75 (48 layers) against a logit std of 9, while the attention and experts still run on
+      the whole context (the routing is the layers' own). Random heads give Gaussian logits whose top-2 gaps are
+      ~0.2 std: two engines that round int8 activations differently (1-2% of the logits apart) then part at the
+      first near-tie (cflow and llama.cpp on the 10-layer sibling with a random head and a small embedding: at
+      the second greedy token, top-2 gap 0.09), and "the same tokens as llama.cpp" could not be asked.
+      The residual stream starts at RMS 2 (the embedding) and grows to 3.7 after 10 layers, 7.6 after 48.
+      (A tied-embedding config has no head to point at: its embedding is its own Q4 draw (std 0.02) as float16.)
+  the router       float32 N(0, 0.02) (routers stay f32)
+  norm weights     float32 1 + 0.01 N(0, 1)
+Rows are drawn in chunks of ROW_CHUNK_WEIGHTS weights, chunk k from its own generator seeded by
+(seed, blake2b(name), k), so generating a tensor holds one chunk's temporaries besides the result.
+
+Speed: the codes come from the bit generator's raw 64-bit words (no per-weight float math): an expert's matrix
+is drawn at about 1 GB/s of Q4 bytes on this machine; the embedding (dequantised head rows) at a few hundred MB/s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from ..ir.build import weight_shapes
+from ..ir.config import ModelConfig
+from ..layout.quant import BLOCK, DType, QTensor, dequantize
+
+ROW_CHUNK_WEIGHTS = 1 << 22  # weights per row chunk (its own generator): part of the definition of the values
+STD = 0.02  # attention, router: the presets' N(0, 0.02) (nn.Linear)
+HEAD_STD = 0.2  # the LM head
+CHAIN_GAIN = 10.0  # the embedding of token t: CHAIN_GAIN x the LM head's row t + 1 (module docstring)
+NORM_NOISE = 0.01  # norm weights: 1 + NORM_NOISE * N(0, 1)
+CODE_VAR = 21.5  # E[(q - 8)^2] with q uniform on 0..15: (64 + 2 * (1 + 4 + ... + 49)) / 16
+SCALE_MEAN_SQ = 13 / 12  # E[(0.5 + u)^2], u uniform on [0, 1)
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+
+
+def name_seed(name: str) -> int:
+    """A stable 64-bit seed of a weight name (blake2b: the same in every process, unlike hash())."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def weight_std(name: str, shape: tuple[int, ...], top_k: int = 1) -> float:
+    """The standard deviation a matrix of this name and [out, in] shape is drawn with (module docstring)."""
+    if name == "lm_head":
+        return HEAD_STD
+    if ".moe.experts." in name:  # unit gain; the down projection x sqrt(top_k) against the top-k mix's averaging
+        return math.sqrt((top_k if name.endswith(".w_down") else 1) / shape[1])
+    return STD
+
+
+def _rng(seed: int, name: str, chunk: int) -> np.random.Generator:
+    return np.random.default_rng([seed, name_seed(name), chunk])
+
+
+def _row_chunks(rows: int, cols: int) -> Iterator[tuple[int, int, int]]:
+    """(chunk index, first row, end row) of a [rows, cols] matrix."""
+    step = max(1, ROW_CHUNK_WEIGHTS // max(cols, 1))
+    for k, r0 in enumerate(range(0, rows, step)):
+        yield k, r0, min(r0 + step, rows)
+
+
+def q4_chunk(rng: np.random.Generator, rows: int, cols: int, std: float) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk of Q4 blocks: (fp16 scales [rows, nblk], codes u8 [rows, nblk, 32]), drawn from `rng`.
+
+    Scales first, from one float32 u per block: d = d0 * copysign(0.5 + 2|u - 1/2|, u - 1/2) (the magnitude and
+    the sign independent); then the codes: code j of a block is the low nibble of byte j of its four raw 64-bit
+    words."""
+    if cols % BLOCK:
+        raise ValueError(f"synthetic Q4 weights need whole blocks of {BLOCK} inputs per row, got {cols}")
+    nblk = cols // BLOCK
+    d0 = np.float32(std / math.sqrt(CODE_VAR * SCALE_MEAN_SQ))
+    u = rng.random((rows, nblk), dtype=np.float32)
+    u -= np.float32(0.5)
+    half = np.copysign(np.float32(0.5), u)
+    u *= np.float32(2)
+    u += half
+    u *= d0
+    scales = u.astype(np.float16)
+    q = rng.bit_generator.random_raw(rows * nblk * 4)  # 32 bytes per block, one code in each byte's low nibble
+    q &= _LOW_NIBBLES
+    return scales, q.view(np.uint8).reshape(rows, nblk, BLOCK)
+
+
+def synthetic_q4(seed: int, name: str, rows: int, cols: int, std: float) -> QTensor:
+    """The Q4 matrix `name` of shape [rows, cols]: row chunks, each from its own generator."""
+    chunks = list(_row_chunks(rows, cols))
+    if len(chunks) == 1:  # an expert's matrix: one chunk, no copy
+        scales, q = q4_chunk(_rng(seed, name, 0), rows, cols, std)
+        return QTensor(dtype=DType.Q4, rows=rows, cols=cols, scales=scales, q=q)
+    nblk = cols // BLOCK
+    scales = np.empty((rows, nblk), np.float16)
+    q = np.empty((rows, nblk, BLOCK), np.uint8)
+    for k, r0, r1 in chunks:
+        scales[r0:r1], q[r0:r1] = q4_chunk(_rng(seed, name, k), r1 - r0, cols, std)
+    return QTensor(dtype=DType.Q4, rows=rows, cols=cols, scales=scales, q=q)
+
+
+def chain_embedding(seed: int, rows: int, cols: int) -> np.ndarray:
+    """The embedding, float16 [rows, cols]: row t = CHAIN_GAIN * the dequantised LM head's row (t + 1) mod rows,
+    built chunk by chunk from the head's own draws (each head chunk drawn once, the first twice for the wrap)."""
+    chunks = list(_row_chunks(rows, cols))
+
+    def head_chunk(k: int) -> np.ndarray:  # CHAIN_GAIN x the dequantised rows of head chunk k, float32
+        _, r0, r1 = chunks[k]
+        s, q = q4_chunk(_rng(seed, "lm_head", k), r1 - r0, cols, HEAD_STD)
+        x = q.astype(np.float32)
+        x -= np.float32(8)
+        x *= s.astype(np.float32)[..., None]
+        x *= np.float32(CHAIN_GAIN)
+        return x.reshape(r1 - r0, cols)
+
+    out = np.empty((rows, cols), np.float16)
+    cur = head_chunk(0)
+    first = cur[0].copy()
+    for k, r0, r1 in chunks:
+        out[r0 : r1 - 1] = cur[1:]
+        cur = head_chunk(k + 1) if k + 1 < len(chunks) else None
+        out[r1 - 1] = cur[0] if cur is not None else first
+    return out
+
+
+class SyntheticWeights(Mapping):
+    """Deterministic random weights of `config`, generated when looked up and never kept (module docstring)."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0):
+        self.config, self.seed = config, int(seed)
+        self.shapes: dict[str, tuple[int, ...]] = weight_shapes(config)
+
+    def __getitem__(self, name: str):
+        shape = self.shapes[name]  # KeyError for a name the model does not have
+        if len(shape) == 1:
+            w = _rng(self.seed, name, 0).standard_normal(shape, dtype=np.float32)
+            w *= np.float32(NORM_NOISE)
+            w += np.float32(1)
+            return w
+        rows, cols = shape
+        if name.endswith(".router") or name.endswith(".shared_gate"):
+            w = _rng(self.seed, name, 0).standard_normal(shape, dtype=np.float32)
+            w *= np.float32(STD)
+            return w
+        if name == "tok_embeddings" and "lm_head" in self.shapes:
+            return chain_embedding(self.seed, rows, cols)
+        q = synthetic_q4(self.seed, name, rows, cols, weight_std(name, shape, self.config.top_k))
+        return dequantize(q).astype(np.float16) if name == "tok_embeddings" else q  # a tied embedding: f16 too
+
+    def __contains__(self, name) -> bool:  # Mapping's default would generate the tensor to find out
+        return name in self.shapes
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
