@@ -88,7 +88,7 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str | None = No
 def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
          experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async",
          weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64, max_batch: int = 1,
-         kv: str = "auto", draft=None) -> CompiledModel:
+         kv: str = "auto", draft=None, max_ram_mb: float | None = None) -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
@@ -109,6 +109,10 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
             'bf16' (as many bytes, f32's range; attention's q.k and weighted sum as bf16 dot products), or
             'auto' (default): f16 for Q4 / Q8 weights, where it measured equal in perplexity, f32 for f16 / f32
             weights (runtime.session.resolve_kv). `CompiledModel.kv` is the type in use.
+        max_ram_mb: memory for the whole process, in MiB: the weights stay mapped if they fit with everything
+            else, else the experts go to disk with a cache of what the budget leaves once the step is built
+            (measured from the resident set), else the big matrices are streamed too; starts from the
+            placement `experts` / `weights` ask for. Not with `expert_cache_mb`.
         draft: a smaller compiled model of the same vocabulary (a path, or a loaded CompiledModel) that drafts
             tokens for `speculate="draft"` (runtime/speculate.py); loaded with the same threads.
     """
@@ -119,7 +123,8 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
         raise CflowError(f"{p}: no such file")
     m = CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
                               expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
-                              read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch, kv=kv))
+                              read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch, kv=kv,
+                              max_ram_mb=max_ram_mb))
     if draft is not None:
         d = None
         try:

@@ -254,18 +254,41 @@ def available_memory() -> int | None:
     meminfo = _read_kv("/proc/meminfo")
     if "MemAvailable" in meminfo:
         found.append(meminfo["MemAvailable"] * 1024)
-    v1 = "/sys/fs/cgroup/memory/memory."
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
-        lim, use = read_int(limit), read_int(usage)
-        if lim is not None and use is not None and lim < 2**60:  # "max" / a huge number: no limit
-            found.append(max(0, lim - use))
-            break
+    lim, use = cgroup_memory()
+    if lim is not None and use is not None:
+        found.append(max(0, lim - use))
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         vm = _read_kv("/proc/self/status").get("VmSize")
         found.append(max(0, soft - (vm or 0) * 1024))
     return min(found) if found else None
+
+
+def cgroup_memory(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int | None, int | None]:
+    """The memory limit and usage (bytes, page cache included) of this process's memory cgroup, the nearest
+    limited one up its path (v2's memory.max / memory.current, v1's memory.limit_in_bytes / usage_in_bytes);
+    (None, None) where no limit is set or none can be read."""
+    paths = {"v2": "", "v1": ""}
+    try:
+        with open(proc) as f:
+            for line in f:  # "0::/a/b" (v2), "4:memory:/a/b" (v1)
+                _, ctrl, path = line.rstrip("\n").split(":", 2)
+                if ctrl == "":
+                    paths["v2"] = path
+                elif "memory" in ctrl.split(","):
+                    paths["v1"] = path
+    except (OSError, ValueError):
+        pass
+    for base, rel, limit, usage in ((root, paths["v2"], "memory.max", "memory.current"),
+                                    (os.path.join(root, "memory"), paths["v1"], "memory.limit_in_bytes",
+                                     "memory.usage_in_bytes")):
+        parts = [p for p in rel.split("/") if p]
+        for n in range(len(parts), -1, -1):  # the process's own group first, then each parent (nested limits)
+            d = os.path.join(base, *parts[:n])
+            lim, use = read_int(os.path.join(d, limit)), read_int(os.path.join(d, usage))
+            if lim is not None and use is not None and lim < 2**60:  # "max" / a huge number: no limit
+                return lim, use
+    return None, None
 
 
 def format_bytes(n: int | float) -> str:

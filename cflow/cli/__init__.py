@@ -97,6 +97,22 @@ def number(lo: float, hi: float | None = None, *, lo_open: bool = False):
     return parse
 
 
+_SIZE_UNITS = {"k": 2**-10, "m": 1, "g": 2**10, "t": 2**20}
+
+
+def size_mb(text: str) -> float:
+    """An argparse type: a memory size, '8G' / '8GiB' / '512M' / '512MB' (binary units) or a number of MiB."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = _SIZE_UNITS.get(t[-1:], None) if t else None
+    try:
+        v = float(t[:-1] if unit is not None else t) * (unit or 1)
+    except ValueError:
+        v = float("nan")
+    if not (v == v and 0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a size such as 8G, 512M or a number of MiB > 0, not {text!r}")
+    return v
+
+
 MAX_THREADS = 1024  # as cflow.runtime.session.MAX_THREADS (not imported: the parser stays light)
 
 

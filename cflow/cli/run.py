@@ -10,7 +10,7 @@ DEFAULT_NEW_TOKENS = 128
 
 
 def add_args(p):
-    from . import KV_CHOICES, MAX_THREADS, number, whole
+    from . import KV_CHOICES, MAX_THREADS, number, size_mb, whole
 
     p.add_argument("file", help="compiled model (.vflow or .cflow), or a directory holding exactly one")
     p.add_argument("--prompt", "-p", default="Once upon a time",
@@ -54,6 +54,10 @@ def add_args(p):
                    "window (default: all weights mapped in RAM)")
     p.add_argument("--expert-cache-mb", type=number(0, lo_open=True), default=None, metavar="MB",
                    help="with --experts-on-disk: RAM for recently used experts (default: a quarter of the experts)")
+    p.add_argument("--max-ram", type=size_mb, default=None, metavar="SIZE",
+                   help="memory for the whole process (8G, 512M; binary units): the weights stay mapped if they "
+                   "fit, else the experts go to disk with a cache of what is left, else the big matrices are "
+                   "streamed too (default: no budget)")
     p.add_argument("--weights-on-disk", action="store_true",
                    help="stream the big non-expert matrices from the file every token, stage by stage (for a model "
                    "larger than RAM; implies --experts-on-disk) (default: mapped in RAM)")
@@ -82,6 +86,8 @@ def run(args) -> int:
     if (args.expert_cache_mb is not None or args.expert_io != "async") and not (args.experts_on_disk or
                                                                                 args.weights_on_disk):
         raise CflowError("--expert-cache-mb and --expert-io need --experts-on-disk")
+    if args.max_ram is not None and args.expert_cache_mb is not None:
+        raise CflowError("--max-ram sizes the expert cache: give --max-ram or --expert-cache-mb, not both")
     if args.read_ahead != 2 and not args.weights_on_disk:
         raise CflowError("--read-ahead needs --weights-on-disk")
     if args.system is not None and not args.chat:
@@ -90,7 +96,7 @@ def run(args) -> int:
         raise CflowError("--draft is the draft model of --speculate draft: give both")
     if args.speculate == "draft" and args.draft is None:
         raise CflowError("--speculate draft needs a draft model: --draft FILE")
-    if args.speculate and (args.experts_on_disk or args.weights_on_disk):
+    if args.speculate and (args.experts_on_disk or args.weights_on_disk or args.max_ram is not None):
         raise CflowError("--speculate checks drafts with the multi-token body, which needs the weights in RAM")
     if args.chat and args.prompt_file == "-":
         raise CflowError("-f - and --chat both read standard input: give the prompt file a name")
@@ -108,7 +114,7 @@ def run(args) -> int:
     m = cflow.load(path, threads=args.threads, verify=args.verify, max_seq=args.max_seq,
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                    expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
-                   read_ahead=args.read_ahead, kv=args.kv,
+                   read_ahead=args.read_ahead, kv=args.kv, max_ram_mb=args.max_ram,
                    draft=compiled_file(args.draft) if args.draft else None)
     try:
         if args.chat:

@@ -3,6 +3,8 @@ the JIT or any allocation runs."""
 
 from __future__ import annotations
 
+import os
+
 from ..errors import CflowError
 
 
@@ -31,7 +33,8 @@ def memory_parts(compiled, run_state, *, tmax: int, max_seq: int, n_slots: int, 
     }
     tensors = compiled.tensors
     if weights == "disk":  # streamed: only what is not tiled stays in RAM, plus the read-ahead buffers
-        stages = [sum(tensors[n].nbytes for st in stage for n in st.tensors if n in tensors)
+        stages = [sum(tensors[n].nbytes for st in stage for n in st.tensors  # experts: the tier's, not streamed
+                      if n in tensors and tensors[n].expert < 0 and tensors[n].form.is_tiled)
                   for stage in run_state.schedule.stages]
         parts["the weights kept in RAM and the read-ahead buffers"] = (
             sum(t.nbytes for t in tensors.values() if t.expert < 0 and not t.form.is_tiled)
@@ -56,3 +59,64 @@ def check_memory(path: str, parts: dict[str, int]) -> None:
         big = max(parts, key=parts.get)
         raise CflowError(f"{path}: loading needs {format_bytes(need)} of memory, {format_bytes(parts[big])} "
                          f"of it for {big}, but {format_bytes(avail)} is available")
+
+
+# What a load uses beyond its parts, for choosing where the weights go under max_ram: the JIT's working memory
+# and code, the tokenizer and the Python objects of the plan (a Qwen3-30B-A3B-geometry MoE: 12,627 tensors).
+# The expert cache itself is sized later, from the resident set measured once the step is built.
+LOAD_RESERVE = 256 * 2**20
+# Left free under max_ram once the cache is sized: Python objects made while decoding, the page cache's share
+# of the dense reads the kernel has not reclaimed yet, the I/O threads' stacks.
+RUN_RESERVE = 64 * 2**20
+
+
+def process_rss() -> int:
+    """This process's resident set now, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def fit_max_ram(session, experts: str, weights: str, prefill_block: int) -> tuple[str, str]:
+    """The cheapest placement of a session's weights that fits its max_ram (all mapped in RAM, else experts on
+    disk, else the big matrices streamed too), starting from the one asked for; the session's tiers are left
+    set to the last one tried."""
+    tensors = session.compiled.tensors
+    placements = [("ram", "ram"), ("disk", "ram"), ("disk", "disk")]
+    asked = placements.index(("disk", "disk") if weights == "disk" else (experts, "ram"))
+    has_experts = any(t.expert >= 0 for t in tensors.values())
+    options = []
+    for k, (ex, we) in enumerate(placements):
+        if k < asked or (ex, we) == ("disk", "ram") and not has_experts:
+            continue  # cheaper than asked for, or no experts to put on disk
+        session._set_tiers(ex, we, prefill_block)
+        need = sum(session.memory_parts().values())
+        if ex == "ram":  # mapped: every page of the file is touched each token
+            need += sum(t.nbytes for t in tensors.values())
+        options.append((ex, we, need))
+    ex, we, _ = choose_tiers(session.max_ram, process_rss(), options)
+    return ex, we
+
+
+def choose_tiers(max_ram: int, used: int, options: list[tuple[str, str, int]]) -> tuple[str, str, int]:
+    """Where the weights go under a budget of `max_ram` bytes for the whole process: the first of `options`
+    ((experts, weights, bytes it needs besides a cache), cheapest first: all in RAM, experts on disk, weights
+    on disk) that leaves room, with `used` (what the process holds now) and LOAD_RESERVE. Returns it with the
+    bytes left for the expert cache (an estimate: the cache is sized again once the step is built)."""
+    from ..util import format_bytes
+
+    for experts, weights, need in options:
+        left = max_ram - used - LOAD_RESERVE - need
+        if left >= 0:
+            return experts, weights, left
+    experts, weights, need = options[-1]
+    raise CflowError(f"max_ram {format_bytes(max_ram)} is too small for this model: with "
+                     f"{'the weights' if weights == 'disk' else 'the experts'} on disk it needs "
+                     f"{format_bytes(need)} besides the expert cache, and this process already holds "
+                     f"{format_bytes(used)} (+ {format_bytes(LOAD_RESERVE)} reserved for loading)")
+
+
+def cache_budget(max_ram: int, parts: int) -> int:
+    """Bytes for the expert cache under `max_ram`, once the step is built: what the resident set now, the load's
+    parts in full (`parts`: the dense weights not read in yet, the KV cache and buffers allocated but touched
+    only as the context grows; counted again where already resident) and RUN_RESERVE leave."""
+    return max_ram - process_rss() - parts - RUN_RESERVE

@@ -26,7 +26,7 @@ from ..passes.schedule import build_schedule
 from .format import FileReader
 from .format.folios import mend_folios_enabled
 from .format.header import check_header, check_plan, stale_file_error
-from .memory_estimate import check_memory, memory_parts
+from .memory_estimate import cache_budget, check_memory, fit_max_ram, memory_parts
 from .native_step import NativeStep
 from .options import KV_AUTO as KV_AUTO  # `X as X`: re-exported, other modules import these from here
 from .options import MAX_BATCH as MAX_BATCH
@@ -69,8 +69,13 @@ class Session:
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
                  cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
                  expert_io: str = "async", weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64,
-                 max_batch: int = 1, kv: str = "auto"):
+                 max_batch: int = 1, kv: str = "auto", max_ram_mb: float | None = None):
         check_options(threads, max_seq, experts, weights, expert_io, read_ahead, kv)
+        if max_ram_mb is not None and not (isinstance(max_ram_mb, (int, float)) and max_ram_mb > 0):
+            raise CflowError(f"max_ram must be a number of MiB > 0, not {max_ram_mb!r}")
+        if max_ram_mb is not None and expert_cache_mb is not None:
+            raise CflowError("max_ram sizes the expert cache: give max_ram or expert_cache_mb, not both")
+        self.max_ram = None if max_ram_mb is None else int(max_ram_mb * 2**20)
         self.experts, self.expert_io, self.weights, self.read_ahead = experts, expert_io, weights, read_ahead
         self.native: NativeStep | None = None
         self.tier = None
@@ -94,19 +99,10 @@ class Session:
         self.threads = thread_count(threads)
         self.max_seq = context_length(max_seq, self.config)
         self.profile = profile
-        self.run_state = self.compiled
-        has_experts = any(t.expert >= 0 for t in self.compiled.tensors.values())
-        if weights == "disk" and has_experts:
-            self.experts = experts = "disk"  # a model streamed from disk keeps its experts there too
-        if experts == "disk":
-            if not has_experts:
-                raise CflowError(f"{self.path}: --experts-on-disk: this model has no experts")
-            # The schedule for the disk tier: routes split off, experts as late as their injection allows.
-            self.run_state = self.compiled.evolve(schedule=build_schedule(self.compiled.graph, self.tile,
-                                                                          experts_late=True))
-        self.segmented = experts == "disk" or weights == "disk"
-        self.tmax = tokens_per_call(prefill_block, max_batch, self.max_seq, self.segmented)
         self.n_slots = max_batch  # sequences with their own KV cache; slot 0 is the single-sequence API's
+        if self.max_ram is not None:
+            experts, weights = fit_max_ram(self, experts, weights, prefill_block)
+        self._set_tiers(experts, weights, prefill_block)
         self.slot_pos = np.zeros(max_batch, np.int64)  # next position of each slot
         # Slots holding a sequence: set by prefill (and step, for slot 0), cleared by reset and release.
         # step_batch refuses the others, so a slot never started, or reused after release, is one clear error
@@ -122,6 +118,23 @@ class Session:
         # come back in 2 MiB ones (format/folios.py; CFLOW_FOLIOS=keep leaves the page cache as it is).
         self.folios = self.reader.mend_folios() if not self.segmented and mend_folios_enabled() else None
         self.native.bind(self._tensor)
+
+    # --- where the weights live -----------------------------------------------------------------
+    def _set_tiers(self, experts: str, weights: str, prefill_block: int) -> None:
+        """The run state for experts / weights in RAM or on disk, and the tokens per native call it allows."""
+        self.run_state = self.compiled
+        has_experts = any(t.expert >= 0 for t in self.compiled.tensors.values())
+        if weights == "disk" and has_experts:
+            experts = "disk"  # a model streamed from disk keeps its experts there too
+        if experts == "disk":
+            if not has_experts:
+                raise CflowError(f"{self.path}: --experts-on-disk: this model has no experts")
+            # The schedule for the disk tier: routes split off, experts as late as their injection allows.
+            self.run_state = self.compiled.evolve(schedule=build_schedule(self.compiled.graph, self.tile,
+                                                                          experts_late=True))
+        self.experts, self.weights = experts, weights
+        self.segmented = experts == "disk" or weights == "disk"
+        self.tmax = tokens_per_call(prefill_block, self.n_slots, self.max_seq, self.segmented)
 
     # --- validation -----------------------------------------------------------------------------
     def _check_plan(self) -> None:
@@ -159,9 +172,19 @@ class Session:
         self._min_slots = plan.min_slots
         scratch = self.program.scratch
         self._route_at = {l: scratch.route + l * scratch.route_stride for l in plan.routed}
+        if self.experts == "disk" and self.max_ram is not None:  # the cache gets what the budget leaves
+            # every part in full on top of the resident set: the KV cache and buffers are allocated but mostly
+            # untouched yet, and a long context fills them
+            expert_cache_mb = max(1, cache_budget(self.max_ram, sum(self.memory_parts().values()))) / 2**20
         if self.experts == "disk":
-            self.tier, self.tier_tensors = open_tier(self.reader, self.compiled.tensors, self.config, plan.routed,
-                                                     self._min_slots, expert_cache_mb)
+            try:
+                self.tier, self.tier_tensors = open_tier(self.reader, self.compiled.tensors, self.config,
+                                                         plan.routed, self._min_slots, expert_cache_mb)
+            except CflowError as e:
+                if self.max_ram is None:
+                    raise
+                raise CflowError(f"max_ram {self.max_ram / 2**30:.2f} GiB leaves {expert_cache_mb:.0f} MiB for "
+                                 f"the expert cache once the step is built: {e}") from None
         if self.weights == "disk":
             self.streamer, self.streamed = open_streamer(self.reader, self.compiled.tensors,
                                                          self.run_state.schedule, self.read_ahead)

@@ -332,3 +332,68 @@ def test_reads_issued_at_the_router_awaited_at_the_use(files, io):
                 assert natives == 0
             else:
                 assert natives >= (1 if window > 0 else 0), (layer, window, events[i:j])
+
+
+# --- a memory budget for the whole process (max_ram) -----------------------------------------------------------
+
+
+def test_max_ram_places_the_weights_and_sizes_the_cache(files, monkeypatch):
+    """Under max_ram the weights stay mapped when they fit, else the experts go to disk with the rest of the budget
+    as their cache (same tokens as in RAM), else one error; the process's own memory set to 0 here, so that the
+    budgets are the model's alone."""
+    import cflow.runtime.memory_estimate as me
+
+    monkeypatch.setattr(me, "process_rss", lambda: 0)
+    monkeypatch.setattr(me, "LOAD_RESERVE", 0)
+    monkeypatch.setattr(me, "RUN_RESERVE", 0)
+    seen = []
+    real = me.choose_tiers
+    monkeypatch.setattr(me, "choose_tiers", lambda *a: seen.append(a[2]) or real(*a))
+    with cflow.load(files["de2"], threads=1, max_ram_mb=2**20) as m:
+        assert m.session.experts == "ram" and m.session.weights == "ram"
+        want = _greedy(m, 16)
+    need = {(ex, we): n for ex, we, n in seen[-1]}
+    assert need[("disk", "ram")] < need[("ram", "ram")]
+    cache = 0.4 * 2**20
+    with cflow.load(files["de2"], threads=1, max_ram_mb=(need[("disk", "ram")] + cache) / 2**20) as m:
+        s = m.session
+        assert s.experts == "disk" and s.weights == "ram"
+        assert 0 < len(s.tier.slots) * s.tier.slot_bytes <= cache
+        assert _greedy(m, 16) == want
+    with pytest.raises(CflowError, match="max_ram .* too small for this model"):
+        cflow.load(files["de2"], max_ram_mb=min(need.values()) / 2**20 * 0.99)
+    with pytest.raises(CflowError, match="max_ram .* leaves .* for the expert cache"):  # fits, but no window
+        cflow.load(files["de2"], max_ram_mb=(need[("disk", "ram")] + 4096) / 2**20)
+    with pytest.raises(CflowError, match="not both"):
+        cflow.load(files["de2"], max_ram_mb=64, expert_cache_mb=1)
+
+
+def test_max_ram_option_and_cgroup_limit(tmp_path):
+    import argparse
+
+    from cflow.cli import size_mb
+    from cflow.util import cgroup_memory
+
+    assert size_mb("8G") == 8192 and size_mb("8GiB") == 8192 and size_mb("512M") == 512 and size_mb("300") == 300
+    assert size_mb("1.5g") == 1536 and size_mb("1T") == 2**20
+    for bad in ("", "abc", "0", "-1G", "inf", "8Q"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a size"):
+            size_mb(bad)
+    # the process's own v1 group, limited by its parent: the nearest limit up the path
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/a/b\n0::/\n")
+    grp = tmp_path / "memory" / "a"
+    (grp / "b").mkdir(parents=True)
+    (grp / "b" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit of its own
+    (grp / "b" / "memory.usage_in_bytes").write_text("100\n")
+    (grp / "memory.limit_in_bytes").write_text(f"{8 << 30}\n")
+    (grp / "memory.usage_in_bytes").write_text("4096\n")
+    assert cgroup_memory(str(proc), str(tmp_path)) == (8 << 30, 4096)
+    (tmp_path / "memory.max").write_text("max\n")  # v2 at the root: no limit there, v1 still read
+    assert cgroup_memory(str(proc), str(tmp_path)) == (8 << 30, 4096)
+    proc.write_text("0::/c\n")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "memory.max").write_text("1048576\n")
+    (tmp_path / "c" / "memory.current").write_text("512\n")
+    assert cgroup_memory(str(proc), str(tmp_path)) == (1048576, 512)
+    assert cgroup_memory(str(tmp_path / "missing"), str(tmp_path)) == (None, None)

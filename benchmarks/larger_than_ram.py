@@ -1,0 +1,242 @@
+"""A model larger than its memory budget: each engine in its own memory cgroup, the page cache dropped first.
+
+    python -m benchmarks.larger_than_ram --vflow M.vflow --gguf M.gguf --budget 2G
+    python -m benchmarks.larger_than_ram --vflow M.vflow --gguf M.gguf --budget 8G --engines cflow,llama
+
+Each run is a fresh process started inside a memory cgroup limited to the budget (benchmarks/common/cgroup.py:
+the limit counts the page cache the process fills, mapped file pages included, as a container's does), with
+the model files' pages dropped from the page cache before it starts. Every engine reads the same prompt (token
+ids) and decodes the same number of greedy tokens:
+
+    cflow          cflow.load(max_ram_mb=budget): the weights stay mapped if they fit, else the experts go to disk
+                   (O_DIRECT) with a cache of what the budget leaves, else the big matrices are streamed too
+    cflow-mmap     cflow.load() as by default: the file mapped, the kernel's page cache decides what stays
+    llama          llama.cpp (llama-cpp-python) on the GGUF, as by default: the file mapped
+    llama-nommap   llama.cpp with use_mmap=False: the file read into memory (only where it fits the budget)
+    cflow-ram      cflow with no budget: the reference tokens (run outside any cgroup, where RAM allows)
+
+Reported per run: load seconds, decode tok/s, the cgroup's peak (page cache included) and limit hits, the
+process's peak RSS, bytes read from the disk per token (/proc/self/io), major faults, cflow's expert-cache hit
+rate and its wait for reads; and the disk's own O_DIRECT read rate (reads of one expert's size, one at a time
+and two in flight) measured in the same run before the engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from benchmarks.common.cgroup import MemoryGroup, cached_bytes, drop_page_cache
+from benchmarks.common.process import child_env, module_command
+from benchmarks.common.record import Run, add_json_argument
+
+ENGINES = ("cflow", "cflow-mmap", "llama", "llama-nommap", "cflow-ram")
+PROMPT = [1, 17, 42, 99, 7, 123, 5, 250]
+
+
+def _io_read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("read_bytes:"))
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+
+
+def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: int, threads: int) -> dict:
+    import numpy as np
+
+    import cflow
+
+    kw = {"max_ram_mb": budget_mb} if engine == "cflow" else {}
+    t0 = time.perf_counter()
+    with cflow.load(path, threads=threads, max_seq=len(prompt) + tokens + 8, **kw) as m:
+        s = m.session
+        load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        logits = s.prefill(prompt)
+        prompt_s = time.perf_counter() - t0
+        st = m.expert_stats if s.tier is not None else None
+        base = (st.hits, st.misses, st.bytes_read, st.wait_seconds, st.read_seconds) if st else None
+        io0, flt0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        out = []
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            out.append(int(np.argmax(logits)))
+            logits = s.step(out[-1])
+        dt = time.perf_counter() - t0
+        rec = {"load_s": load_s, "prompt_s": prompt_s, "tok_s": tokens / dt, "tokens": out,
+               "placement": f"experts {s.experts}, weights {s.weights}",
+               "disk_bytes_per_token": (_io_read_bytes() - io0) / tokens,
+               "major_faults_per_token": (resource.getrusage(resource.RUSAGE_SELF).ru_majflt - flt0) / tokens}
+        if st:
+            hits, misses = st.hits - base[0], st.misses - base[1]
+            read = st.bytes_read - base[2]
+            rec.update(hit_rate=hits / max(1, hits + misses), expert_bytes_per_token=read / tokens,
+                       wait_s_per_token=(st.wait_seconds - base[3]) / tokens,
+                       read_s_per_token=(st.read_seconds - base[4]) / tokens,
+                       # the disk's rate while the step waited: the bytes of the reads over the time spent waiting
+                       gbs_while_waiting=read / max(1e-9, st.wait_seconds - base[3]) / 1e9,
+                       cache_mb=len(s.tier.slots) * s.tier.slot_bytes / 2**20, cached_experts=len(s.tier.slots),
+                       direct=s.tier.direct)
+        return rec
+
+
+def _llama(path: str, engine: str, prompt: list[int], tokens: int, threads: int) -> dict:
+    from benchmarks.common.peers import llama_next, llama_open
+
+    t0 = time.perf_counter()
+    # extra buffer types off: this VM's llama.cpp build crashes with them on these files (peers.llama_open)
+    llm = llama_open(path, threads, extra_bufts=False, n_ctx=len(prompt) + tokens + 8,
+                     use_mmap=engine != "llama-nommap")
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prompt_s = time.perf_counter() - t0
+    io0, flt0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    out = []
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        out.append(llama_next(llm))
+        llm.eval([out[-1]])
+    dt = time.perf_counter() - t0
+    return {"load_s": load_s, "prompt_s": prompt_s, "tok_s": tokens / dt, "tokens": out,
+            "placement": "mapped" if engine == "llama" else "read into memory",
+            "disk_bytes_per_token": (_io_read_bytes() - io0) / tokens,
+            "major_faults_per_token": (resource.getrusage(resource.RUSAGE_SELF).ru_majflt - flt0) / tokens}
+
+
+def worker(engine: str, path: str, budget_mb: float, tokens: int, threads: int) -> dict:
+    run = (_llama(path, engine, PROMPT, tokens, threads) if engine.startswith("llama")
+           else _cflow(path, engine, budget_mb, PROMPT, tokens, threads))
+    return {**run, "peak_rss": _peak_rss()}
+
+
+def run_engine(engine: str, path: str, budget: int | None, tokens: int, threads: int, timeout: float) -> dict:
+    """One engine in a fresh process: in a cgroup of `budget` bytes (None: no cgroup), `path` out of the page cache."""
+    drop_page_cache([path])
+    cmd = module_command("benchmarks.larger_than_ram", "--worker", engine, path, (budget or 0) / 2**20, tokens,
+                         threads)
+    group = MemoryGroup(f"cflow-ltr-{os.getpid()}-{engine}", budget) if budget else None
+    t0 = time.perf_counter()
+    try:
+        p = (group.popen if group else subprocess.Popen)(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                         text=True, env=child_env())
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            err += f"\n(killed after {timeout:.0f} s)"
+        rec = {"wall_s": time.perf_counter() - t0, "returncode": p.returncode}
+        if group:
+            rec["cgroup"] = group.stats()
+    finally:
+        if group:
+            group.close()
+    if p.returncode == 0:
+        rec.update(json.loads(out.strip().splitlines()[-1]))
+    else:  # an OOM kill or a crash is a result too: say what happened
+        rec["error"] = (err.strip().splitlines() or ["(no output)"])[-1][-300:]
+    return rec
+
+
+def disk_peak(path: str, chunk: int) -> tuple[float, float]:
+    """The disk's O_DIRECT read rate in GB/s for reads of `chunk` bytes: one at a time, two in flight."""
+    from benchmarks.read_ahead import disk_rate
+
+    return disk_rate(path, chunk)
+
+
+def _expert_bytes(vflow: str) -> int:
+    """One expert's bytes in the file (all its matrices): the size of one expert read."""
+    from cflow.runtime.format import FileReader
+
+    per: dict[tuple[int, int], int] = {}
+    for t in FileReader(vflow).tensors:
+        if t.expert >= 0:
+            per[(t.layer, t.expert)] = per.get((t.layer, t.expert), 0) + t.nbytes
+    return max(per.values(), default=4 << 20)
+
+
+def main(argv=None) -> None:
+    from cflow.cli import size_mb
+    from cflow.codegen.target import cpu_model, isa_path
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vflow", help="the model compiled by cflow")
+    ap.add_argument("--gguf", help="the same weights as a GGUF file, for llama.cpp")
+    ap.add_argument("--budget", type=size_mb, default=8192, metavar="SIZE",
+                    help="the memory cgroup's limit for each engine (8G, 2G, ...; default 8G)")
+    ap.add_argument("--engines", default="cflow,cflow-mmap,llama,llama-nommap,cflow-ram",
+                    help=f"engines to run, in this order (of {', '.join(ENGINES)})")
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded (default 64)")
+    ap.add_argument("--threads", type=int, default=2, help="threads of every engine (default 2)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
+    add_json_argument(ap, "write one record per engine")
+    ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        engine, path, budget, tokens, threads = args.worker
+        print(json.dumps(worker(engine, path, float(budget), int(tokens), int(threads))))
+        return
+    engines = args.engines.split(",")
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not args.vflow and any(not e.startswith("llama") for e in engines) or \
+            not args.gguf and any(e.startswith("llama") for e in engines):
+        raise SystemExit(f"unknown engines {bad}" if bad else "give --vflow for cflow and --gguf for llama.cpp")
+    run = Run("larger_than_ram", argv)
+    budget = int(args.budget * 2**20)
+    sizes = {k: os.path.getsize(p) for k, p in (("vflow", args.vflow), ("gguf", args.gguf)) if p}
+    one = _expert_bytes(args.vflow) if args.vflow else 4 << 20
+    d1, d2 = disk_peak(args.vflow or args.gguf, one)
+    print(f"# {cpu_model()} ({isa_path()}); budget {budget / 2**30:.2f} GiB per engine (memory cgroup, page cache "
+          f"counted); files: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sizes.items()))
+    print(f"# disk, O_DIRECT reads of one expert ({one / 2**20:.2f} MiB): {d1:.2f} GB/s one at a time, "
+          f"{d2:.2f} GB/s two in flight; {args.tokens} greedy tokens after {len(PROMPT)} prompt tokens, "
+          f"{args.threads} threads")
+    print(f"{'engine':<13} {'placement':<26} {'tok/s':>7} {'load s':>7} {'disk MB/tok':>11} {'disk GB/s':>9} "
+          f"{'waiting GB/s':>12} {'hit rate':>8} {'peak MiB':>9} {'RSS MiB':>8} {'tokens':>8}")
+    records, ref = [], None
+    for engine in engines:
+        path = args.gguf if engine.startswith("llama") else args.vflow
+        if engine == "llama-nommap" and sizes["gguf"] > budget:
+            print(f"{engine:<13} skipped: the GGUF ({sizes['gguf'] / 2**30:.2f} GiB) does not fit the budget")
+            continue
+        r = run_engine(engine, path, None if engine == "cflow-ram" else budget, args.tokens, args.threads,
+                       args.timeout)
+        r["page_cache_after"] = cached_bytes(path)
+        if "error" in r:
+            print(f"{engine:<13} failed (exit {r['returncode']}): {r['error']}")
+        else:
+            if engine == "cflow-ram":
+                ref = r["tokens"]
+            gbs = r["disk_bytes_per_token"] * r["tok_s"] / 1e9
+            print(f"{engine:<13} {r['placement']:<26} {r['tok_s']:7.2f} {r['load_s']:7.1f} "
+                  f"{r['disk_bytes_per_token'] / 1e6:11.1f} {gbs:9.2f} "
+                  f"{r.get('gbs_while_waiting', float('nan')):12.2f} {r.get('hit_rate', float('nan')):8.1%} "
+                  f"{r.get('cgroup', {}).get('peak', 0) / 2**20:9.0f} "
+                  f"{r['peak_rss'] / 2**20:8.0f} {' '.join(map(str, r['tokens'][:3]))}..")
+        records.append(run.record(engine=engine, model=os.path.basename(path), quant="Q4_0", threads=args.threads,
+                                  variant=f"budget {budget / 2**30:g} GiB" if engine != "cflow-ram" else "no budget",
+                                  tok_s=r.pop("tok_s", None), **r))
+    if ref is not None:
+        for rec in records:
+            toks = rec["extra"].get("tokens")
+            if toks is not None:
+                same = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref))
+                rec["extra"]["tokens_equal_to_ram"] = same
+                print(f"# {rec['engine']}: {'all ' + str(same) if same == len(ref) else same} greedy tokens equal "
+                      f"to cflow in RAM")
+    run.write(args.json, records, {"budget": budget, "disk_gbs_one": d1, "disk_gbs_two": d2, "expert_bytes": one,
+                                   "file_bytes": sizes, "prompt": PROMPT})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
