@@ -10,6 +10,7 @@ ids) and decodes the same number of greedy tokens:
 
     cflow          cflow.load(max_ram_mb=budget): the weights stay mapped if they fit, else the experts go to disk
                    (O_DIRECT) with a cache of what the budget leaves, else the big matrices are streamed too
+    cflow-noguess  the same without the next layer's reads started on a guess of its route (expert_guess=False)
     cflow-mmap     cflow.load() as by default: the file mapped, the kernel's page cache decides what stays
     llama          llama.cpp (llama-cpp-python) on the GGUF, as by default: the file mapped
     llama-nommap   llama.cpp with use_mmap=False: the file read into memory (only where it fits the budget)
@@ -35,7 +36,7 @@ from benchmarks.common.cgroup import MemoryGroup, cached_bytes, drop_page_cache
 from benchmarks.common.process import child_env, module_command
 from benchmarks.common.record import Run, add_json_argument
 
-ENGINES = ("cflow", "cflow-mmap", "llama", "llama-nommap", "cflow-ram")
+ENGINES = ("cflow", "cflow-noguess", "cflow-mmap", "llama", "llama-nommap", "cflow-ram")
 PROMPT = [1, 17, 42, 99, 7, 123, 5, 250]
 
 
@@ -54,7 +55,7 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
 
     import cflow
 
-    kw = {"max_ram_mb": budget_mb} if engine == "cflow" else {}
+    kw = {"max_ram_mb": budget_mb, "expert_guess": engine == "cflow"} if engine in ("cflow", "cflow-noguess") else {}
     t0 = time.perf_counter()
     with cflow.load(path, threads=threads, max_seq=len(prompt) + tokens + 8, **kw) as m:
         s = m.session
@@ -63,7 +64,8 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
         logits = s.prefill(prompt)
         prompt_s = time.perf_counter() - t0
         st = m.expert_stats if s.tier is not None else None
-        base = (st.hits, st.misses, st.bytes_read, st.wait_seconds, st.read_seconds) if st else None
+        base = (st.hits, st.misses, st.bytes_read, st.wait_seconds, st.read_seconds, st.guessed,
+                st.guessed_used) if st else None
         io0, flt0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         out = []
         t0 = time.perf_counter()
@@ -81,6 +83,8 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
             rec.update(hit_rate=hits / max(1, hits + misses), expert_bytes_per_token=read / tokens,
                        wait_s_per_token=(st.wait_seconds - base[3]) / tokens,
                        read_s_per_token=(st.read_seconds - base[4]) / tokens,
+                       guessed_per_token=(st.guessed - base[5]) / tokens,
+                       guessed_used_per_token=(st.guessed_used - base[6]) / tokens,
                        # the disk's rate while the step waited: the bytes of the reads over the time spent waiting
                        gbs_while_waiting=read / max(1e-9, st.wait_seconds - base[3]) / 1e9,
                        cache_mb=len(s.tier.slots) * s.tier.slot_bytes / 2**20, cached_experts=len(s.tier.slots),
@@ -174,7 +178,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gguf", help="the same weights as a GGUF file, for llama.cpp")
     ap.add_argument("--budget", type=size_mb, default=8192, metavar="SIZE",
                     help="the memory cgroup's limit for each engine (8G, 2G, ...; default 8G)")
-    ap.add_argument("--engines", default="cflow,cflow-mmap,llama,llama-nommap,cflow-ram",
+    ap.add_argument("--engines", default="cflow,cflow-noguess,cflow-mmap,llama,llama-nommap,cflow-ram",
                     help=f"engines to run, in this order (of {', '.join(ENGINES)})")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded (default 64)")
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine (default 2)")

@@ -88,7 +88,7 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str | None = No
 def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
          experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async",
          weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64, max_batch: int = 1,
-         kv: str = "auto", draft=None, max_ram_mb: float | None = None) -> CompiledModel:
+         kv: str = "auto", draft=None, max_ram_mb: float | None = None, expert_guess: bool = True) -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
@@ -100,6 +100,9 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
             quarter of the experts, at least what one expert-delay window needs).
         expert_io: 'async' (reads start when the router has chosen, awaited where the experts are used)
             or 'sync' (read when needed, blocking: the baseline the overlap is measured against).
+        expert_guess: with async expert reads, also start the next routed layer's reads when a layer routes, on
+            a guess of its route from this layer's router input (runtime/route_guess.py); the real router still
+            decides, so a wrong guess costs a read, never a token.
         weights: 'disk' streams the big non-expert matrices from the file every token, stage by stage,
             `read_ahead` stages ahead (a model larger than RAM still decodes; experts go to disk too).
         prefill_block: prompt tokens per native call (each weight tile read once per block); 1 = token by token.
@@ -124,7 +127,7 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
     m = CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
                               expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
                               read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch, kv=kv,
-                              max_ram_mb=max_ram_mb))
+                              max_ram_mb=max_ram_mb, guess_routes=expert_guess))
     if draft is not None:
         d = None
         try:

@@ -58,6 +58,9 @@ def add_args(p):
                    help="memory for the whole process (8G, 512M; binary units): the weights stay mapped if they "
                    "fit, else the experts go to disk with a cache of what is left, else the big matrices are "
                    "streamed too (default: no budget)")
+    p.add_argument("--no-expert-guess", dest="expert_guess", action="store_false",
+                   help="with --experts-on-disk: do not start the next layer's expert reads on a guess of its route "
+                   "(default: guess, from this layer's router input; the real router still decides)")
     p.add_argument("--weights-on-disk", action="store_true",
                    help="stream the big non-expert matrices from the file every token, stage by stage (for a model "
                    "larger than RAM; implies --experts-on-disk) (default: mapped in RAM)")
@@ -83,9 +86,9 @@ def run(args) -> int:
     from . import compiled_file
 
     # Every option is checked before the model is loaded (ranges by the parser, combinations here).
-    if (args.expert_cache_mb is not None or args.expert_io != "async") and not (args.experts_on_disk or
-                                                                                args.weights_on_disk):
-        raise CflowError("--expert-cache-mb and --expert-io need --experts-on-disk")
+    if (args.expert_cache_mb is not None or args.expert_io != "async" or not args.expert_guess) and not (
+            args.experts_on_disk or args.weights_on_disk or args.max_ram is not None):
+        raise CflowError("--expert-cache-mb, --expert-io and --no-expert-guess need --experts-on-disk")
     if args.max_ram is not None and args.expert_cache_mb is not None:
         raise CflowError("--max-ram sizes the expert cache: give --max-ram or --expert-cache-mb, not both")
     if args.read_ahead != 2 and not args.weights_on_disk:
@@ -114,7 +117,7 @@ def run(args) -> int:
     m = cflow.load(path, threads=args.threads, verify=args.verify, max_seq=args.max_seq,
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                    expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
-                   read_ahead=args.read_ahead, kv=args.kv, max_ram_mb=args.max_ram,
+                   read_ahead=args.read_ahead, kv=args.kv, max_ram_mb=args.max_ram, expert_guess=args.expert_guess,
                    draft=compiled_file(args.draft) if args.draft else None)
     try:
         if args.chat:
@@ -157,8 +160,10 @@ def run(args) -> int:
         st = m.expert_stats
         if st is not None:
             steps = max(1, len(ids) + n_new - 1)
+            guessed = (f", {st.guessed} reads started on a guess of the next layer's route "
+                       f"({st.guessed_used / st.guessed:.0%} then chosen)" if st.guessed else "")
             print(f"experts: hit rate {100 * st.hit_rate:.1f}%, {st.bytes_read / steps / 1e6:.2f} MB read from disk "
-                  f"per token, {st.wait_seconds:.2f} s waiting for reads", file=sys.stderr)
+                  f"per token, {st.wait_seconds:.2f} s waiting for reads{guessed}", file=sys.stderr)
     finally:
         m.close()
     return 0

@@ -56,6 +56,8 @@ class TierStats:
     bytes_read: int = 0  # bytes read from the file (padded to 4096)
     read_seconds: float = 0.0  # summed wall time of the reads (inside the I/O threads)
     wait_seconds: float = 0.0  # time the decode step waited for reads to finish
+    guessed: int = 0  # reads started by a guess of the next layer's route (prefetch), before its router ran
+    guessed_used: int = 0  # of them, experts the router then chose (counted as hits too)
 
     @property
     def hit_rate(self) -> float:
@@ -116,6 +118,7 @@ class ExpertTier:
         self.slots = [_Slot(aligned_empty(slot_bytes, F.ALIGN)) for _ in range(n_slots)]
         self.where: dict[tuple[int, int], int] = {}  # key -> slot index
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(n_slots))
+        self.guesses: set[tuple[int, int]] = set()  # experts read on a guess and not chosen since
         self.stats = TierStats()
         self.direct = direct
         self.fd = self._open(direct)
@@ -165,11 +168,20 @@ class ExpertTier:
         os.preadv(fd, [memoryview(buf)], 0)
 
     # --- cache ------------------------------------------------------------------------------------
-    def _victim(self) -> int:
+    def _victim(self, for_guess: bool = False) -> int:
         for i in self.lru:  # least recently used first
             s = self.slots[i]
             if s.pins == 0 and (s.future is None or s.future.done()):
                 return i
+        if not for_guess:  # a chosen expert takes the slot of a guess still being read, once its read is done
+            for i in self.lru:
+                s = self.slots[i]
+                if s.pins == 0 and s.key in self.guesses:
+                    try:
+                        s.future.result()
+                    except BaseException:  # a failed guess is only a slot to reuse
+                        pass
+                    return i
         raise RuntimeFault("expert cache exhausted: every slot is pinned (a bug: the budget check should "
                            "have refused this model)")
 
@@ -185,20 +197,46 @@ class ExpertTier:
             i = self.where.get(key)
             if i is not None:
                 self.stats.hits += 1
+                if key in self.guesses:
+                    self.guesses.discard(key)
+                    self.stats.guessed_used += 1
                 self.slots[i].pins += 1
                 self._touch(i)
                 continue
             self.stats.misses += 1
             misses += 1
-            i = self._victim()
-            s = self.slots[i]
-            if s.key is not None:
-                del self.where[s.key]
-            s.key, s.ready, s.pins = key, False, 1
-            self.where[key] = i
-            self._touch(i)
-            s.future = self.pool.submit(self._read, key, s.buf, layer, time.perf_counter())
+            self._start(key, self._victim(), 1, layer)
         return misses
+
+    def prefetch(self, block: int, experts, layer: int | None = None) -> int:
+        """Start reading experts a guess expects (RouteGuess) that are neither cached nor in flight, into slots
+        nobody pins, unpinned themselves: a wrong guess is evicted like any other expert. Returns the reads
+        started (none once every slot is pinned or in flight)."""
+        started = 0
+        for e in experts:
+            key = (block, int(e))
+            if key in self.where:
+                continue
+            try:
+                i = self._victim(for_guess=True)
+            except RuntimeFault:  # no free slot: a guess never waits
+                break
+            self._start(key, i, 0, layer)
+            self.guesses.add(key)
+            self.stats.guessed += 1
+            started += 1
+        return started
+
+    def _start(self, key: tuple[int, int], i: int, pins: int, layer: int | None) -> None:
+        """Read `key` into slot i (evicting what it held)."""
+        s = self.slots[i]
+        if s.key is not None:
+            del self.where[s.key]
+            self.guesses.discard(s.key)
+        s.key, s.ready, s.pins = key, False, pins
+        self.where[key] = i
+        self._touch(i)
+        s.future = self.pool.submit(self._read, key, s.buf, layer, time.perf_counter())
 
     def wait(self, block: int, experts) -> dict[str, int]:
         """Block until the experts are in RAM and verified; their tensors' addresses by name."""
@@ -230,6 +268,7 @@ class ExpertTier:
                 self.slots[i].pins -= 1
 
     def _forget(self, key) -> None:
+        self.guesses.discard(key)
         i = self.where.pop(key, None)
         if i is not None:
             s = self.slots[i]

@@ -32,6 +32,7 @@ from .options import KV_AUTO as KV_AUTO  # `X as X`: re-exported, other modules 
 from .options import MAX_BATCH as MAX_BATCH
 from .options import MAX_THREADS as MAX_THREADS
 from .options import check_options, context_length, resolve_kv, tokens_per_call
+from .route_guess import RouteGuess
 from .segments import Segment as Segment
 from .segments import open_streamer, open_tier, plan_segments, read_dense
 from .workers import OversubscribedWarning as OversubscribedWarning
@@ -69,13 +70,14 @@ class Session:
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
                  cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
                  expert_io: str = "async", weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64,
-                 max_batch: int = 1, kv: str = "auto", max_ram_mb: float | None = None):
+                 max_batch: int = 1, kv: str = "auto", max_ram_mb: float | None = None, guess_routes: bool = True):
         check_options(threads, max_seq, experts, weights, expert_io, read_ahead, kv)
         if max_ram_mb is not None and not (isinstance(max_ram_mb, (int, float)) and max_ram_mb > 0):
             raise CflowError(f"max_ram must be a number of MiB > 0, not {max_ram_mb!r}")
         if max_ram_mb is not None and expert_cache_mb is not None:
             raise CflowError("max_ram sizes the expert cache: give max_ram or expert_cache_mb, not both")
         self.max_ram = None if max_ram_mb is None else int(max_ram_mb * 2**20)
+        self.guess_routes = guess_routes  # experts on disk: start the next layer's reads on a guess (route_guess.py)
         self.experts, self.expert_io, self.weights, self.read_ahead = experts, expert_io, weights, read_ahead
         self.native: NativeStep | None = None
         self.tier = None
@@ -176,6 +178,9 @@ class Session:
             # every part in full on top of the resident set: the KV cache and buffers are allocated but mostly
             # untouched yet, and a long context fills them
             expert_cache_mb = max(1, cache_budget(self.max_ram, sum(self.memory_parts().values()))) / 2**20
+        self.route_guess = None
+        if self.experts == "disk" and self.expert_io == "async" and self.guess_routes:
+            self.route_guess = RouteGuess(self.run_state, self.reader.tensor, at=scratch.xn)
         if self.experts == "disk":
             try:
                 self.tier, self.tier_tensors = open_tier(self.reader, self.compiled.tensors, self.config,
@@ -223,6 +228,8 @@ class Session:
                 chosen[l] = self._route(l)
                 if self.expert_io == "async":
                     self._layer_misses[l] += self.tier.issue(blk(l), chosen[l], l)
+                    if self.route_guess is not None and (g := self.route_guess.guess(l, self.scratch)):
+                        self.tier.prefetch(blk(g[0]), g[1], g[0])  # the next layer's reads, on a guess
             for l in seg.releases:
                 self.tier.release(blk(l), chosen[l])
         if solo and native.backoff is not None:

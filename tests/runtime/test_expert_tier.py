@@ -397,3 +397,51 @@ def test_max_ram_option_and_cgroup_limit(tmp_path):
     (tmp_path / "c" / "memory.current").write_text("512\n")
     assert cgroup_memory(str(proc), str(tmp_path)) == (1048576, 512)
     assert cgroup_memory(str(tmp_path / "missing"), str(tmp_path)) == (None, None)
+
+
+# --- the next layer's reads started on a guess of its route (route_guess.py) -----------------------------------
+
+
+def test_route_guess_reads_the_router_input_and_changes_no_logit(files):
+    """The guess starts reads only: logits bit-identical with it on and off; guessed reads are counted and
+    some are then chosen. Its inputs are the right ones: guessing a layer's own route from its own router input
+    gives exactly the router's choice."""
+    with cflow.load(files["de0"], threads=1, experts="disk", expert_cache_mb=0.5, expert_guess=False) as m:
+        want = m.logits(IDS).copy()
+        assert m.session.route_guess is None and m.expert_stats.guessed == 0
+    with cflow.load(files["de0"], threads=1, experts="disk", expert_cache_mb=0.5) as m:
+        s = m.session
+        rg = s.route_guess
+        assert len(rg.layers) == m.config.n_layers and rg.next  # every layer routes; each guesses the next
+        real, mine = s._route, []
+
+        def route(layer):  # at the moment the session reads the route, the scratch holds that router's input
+            w, r, k = rg.layers[layer]
+            x = s.scratch[rg.at : rg.at + 4 * w.size].view(np.float32)
+            mine.append((set(real(layer).tolist()), set(np.argpartition(-(r @ x), k - 1)[:k].tolist())))
+            return real(layer)
+
+        s._route = route
+        assert np.array_equal(m.logits(IDS), want)
+        assert mine and all(a == b for a, b in mine)
+        st = m.expert_stats
+        assert st.guessed > 0 and 0 < st.guessed_used <= st.guessed
+
+
+def test_prefetch_is_unpinned_and_counted(files):
+    """A guessed expert is read into a slot nobody pins (so the cache never runs out of slots for the chosen
+    ones), counted as used when chosen later, and never started twice."""
+    with cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.5, expert_guess=False) as m:
+        tier = m.session.tier
+        tier.reset()
+        n = len(tier.slots)
+        assert tier.prefetch(0, [0, 1]) == 2 and tier.prefetch(0, [0, 1]) == 0  # in flight: not again
+        assert all(tier.slots[tier.where[(0, e)]].pins == 0 for e in (0, 1))
+        assert tier.issue(0, [1]) == 0  # chosen: a hit on the guess
+        assert tier.stats.guessed == 2 and tier.stats.guessed_used == 1
+        tier.wait(0, [1])
+        tier.release(0, [1])
+        # a guess fills at most every slot that is free; the chosen ones still find room afterwards
+        assert tier.prefetch(1, range(2 * n)) <= n
+        tier.reset()
+        assert tier.issue(2, range(min(n, 3))) >= 0 and tier.wait(2, range(min(n, 3)))
