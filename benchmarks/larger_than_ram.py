@@ -67,7 +67,10 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
         base = (st.hits, st.misses, st.bytes_read, st.wait_seconds, st.read_seconds, st.guessed,
                 st.guessed_used) if st else None
         io0, flt0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-        out = []
+        out, routes = [], []
+        if st:  # the route of every layer, for replaying cache policies (policy_hits)
+            real = s._route
+            s._route = lambda layer: routes.append([s.config.block_of(layer), *map(int, r := real(layer))]) or r
         t0 = time.perf_counter()
         for _ in range(tokens):
             out.append(int(np.argmax(logits)))
@@ -88,6 +91,7 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
                        # the disk's rate while the step waited: the bytes of the reads over the time spent waiting
                        gbs_while_waiting=read / max(1e-9, st.wait_seconds - base[3]) / 1e9,
                        cache_mb=len(s.tier.slots) * s.tier.slot_bytes / 2**20, cached_experts=len(s.tier.slots),
+                       routes=routes,
                        direct=s.tier.direct)
         return rec
 
@@ -122,12 +126,14 @@ def worker(engine: str, path: str, budget_mb: float, tokens: int, threads: int) 
     return {**run, "peak_rss": _peak_rss()}
 
 
-def run_engine(engine: str, path: str, budget: int | None, tokens: int, threads: int, timeout: float) -> dict:
-    """One engine in a fresh process: in a cgroup of `budget` bytes (None: no cgroup), `path` out of the page cache."""
+def run_engine(engine: str, path: str, budget: int | None, tokens: int, threads: int, timeout: float,
+               parent: tuple[str, str] | None = None) -> dict:
+    """One engine in a fresh process: in a cgroup of `budget` bytes (None: no cgroup; parent: where to make it,
+    MemoryGroup's), `path` out of the page cache."""
     drop_page_cache([path])
     cmd = module_command("benchmarks.larger_than_ram", "--worker", engine, path, (budget or 0) / 2**20, tokens,
                          threads)
-    group = MemoryGroup(f"cflow-ltr-{os.getpid()}-{engine}", budget) if budget else None
+    group = MemoryGroup(f"cflow-ltr-{os.getpid()}-{engine}", budget, parent) if budget else None
     t0 = time.perf_counter()
     try:
         p = (group.popen if group else subprocess.Popen)(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -149,6 +155,54 @@ def run_engine(engine: str, path: str, budget: int | None, tokens: int, threads:
     else:  # an OOM kill or a crash is a result too: say what happened
         rec["error"] = (err.strip().splitlines() or ["(no output)"])[-1][-300:]
     return rec
+
+
+def policy_hits(routes: list[list[int]], slots: int) -> dict[str, float]:
+    """Hit rates of cache policies replayed on a run's routes ([block, expert...] per routed layer, in order) with
+    `slots` experts cached, over the second half of the run (the first warms the cache): LRU (the tier's),
+    LFU (most chosen so far stays), LRU with the half of the slots pinned to the experts chosen most in the
+    first half, and Belady's MIN (evict the expert needed furthest ahead: no policy can do better)."""
+    import collections
+
+    seq = [(r[0], e) for r in routes for e in r[1:]]
+    half = len(seq) // 2
+    if not seq or slots < 1:
+        return {}
+    out = {}
+    for policy in ("lru", "lfu", "lru+pinned", "min"):
+        cache: collections.OrderedDict = collections.OrderedDict()
+        counts = collections.Counter()
+        pinned = set()
+        if policy == "lru+pinned":
+            pinned = {k for k, _ in collections.Counter(seq[:half]).most_common(slots // 2)}
+        nxt = {}
+        if policy == "min":  # for each access, where its key comes next
+            at: dict = {}
+            nxt = [0] * len(seq)
+            for i in range(len(seq) - 1, -1, -1):
+                nxt[i] = at.get(seq[i], len(seq))
+                at[seq[i]] = i
+        hits = 0
+        for i, k in enumerate(seq):
+            counts[k] += 1
+            if k in pinned or k in cache:
+                hits += i >= half
+                if k in cache:
+                    cache.move_to_end(k)
+                    if policy == "min":
+                        cache[k] = nxt[i]
+                continue
+            if len(cache) >= slots - len(pinned):
+                if policy == "lfu":
+                    victim = min(cache, key=lambda c: counts[c])  # ties: the least recent (dict order)
+                elif policy == "min":
+                    victim = max(cache, key=cache.get)
+                else:
+                    victim = next(iter(cache))
+                del cache[victim]
+            cache[k] = nxt[i] if policy == "min" else None
+        out[policy] = hits / max(1, len(seq) - half)
+    return out
 
 
 def disk_peak(path: str, chunk: int) -> tuple[float, float]:
@@ -185,6 +239,7 @@ def main(argv=None) -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
     add_json_argument(ap, "write one record per engine")
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--cgroup-parent", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)  # tests
     args = ap.parse_args(argv)
     if args.worker:
         engine, path, budget, tokens, threads = args.worker
@@ -214,7 +269,7 @@ def main(argv=None) -> None:
             print(f"{engine:<13} skipped: the GGUF ({sizes['gguf'] / 2**30:.2f} GiB) does not fit the budget")
             continue
         r = run_engine(engine, path, None if engine == "cflow-ram" else budget, args.tokens, args.threads,
-                       args.timeout)
+                       args.timeout, tuple(args.cgroup_parent) if args.cgroup_parent else None)
         r["page_cache_after"] = cached_bytes(path)
         if "error" in r:
             print(f"{engine:<13} failed (exit {r['returncode']}): {r['error']}")
@@ -225,11 +280,17 @@ def main(argv=None) -> None:
             print(f"{engine:<13} {r['placement']:<26} {r['tok_s']:7.2f} {r['load_s']:7.1f} "
                   f"{r['disk_bytes_per_token'] / 1e6:11.1f} {gbs:9.2f} "
                   f"{r.get('gbs_while_waiting', float('nan')):12.2f} {r.get('hit_rate', float('nan')):8.1%} "
-                  f"{r.get('cgroup', {}).get('peak', 0) / 2**20:9.0f} "
+                  f"{((r.get('cgroup') or {}).get('peak') or 0) / 2**20:9.0f} "
                   f"{r['peak_rss'] / 2**20:8.0f} {' '.join(map(str, r['tokens'][:3]))}..")
         records.append(run.record(engine=engine, model=os.path.basename(path), quant="Q4_0", threads=args.threads,
                                   variant=f"budget {budget / 2**30:g} GiB" if engine != "cflow-ram" else "no budget",
                                   tok_s=r.pop("tok_s", None), **r))
+    for rec in records:  # cache policies replayed on what each disk run chose (hit rates: second half)
+        ex = rec["extra"]
+        if ex.get("routes"):
+            ex["policy_hits"] = policy_hits(ex["routes"], ex["cached_experts"])
+            print(f"# {rec['engine']}: cache policies on its routes, {ex['cached_experts']} slots: " +
+                  ", ".join(f"{k} {v:.1%}" for k, v in ex["policy_hits"].items()))
     if ref is not None:
         for rec in records:
             toks = rec["extra"].get("tokens")

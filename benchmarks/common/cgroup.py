@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 from cflow.util import read_int
@@ -52,12 +53,14 @@ class MemoryGroup:
     """A memory cgroup limited to `limit` bytes (swap too, where the controller has it); `popen` starts a child
     inside it; `stats` reads its peak usage, limit hits and page-cache share; `close` removes it."""
 
-    def __init__(self, name: str, limit: int):
-        found = controller()
+    def __init__(self, name: str, limit: int, parent: tuple[str, str] | None = None):
+        """parent: ('v1' | 'v2', directory) to make the group in (default: controller(), inside this process's
+        own group)."""
+        found = parent or controller()
         if found is None:
             raise SystemExit("no writable memory cgroup here (run as root on a host with the memory controller)")
-        self.kind, parent = found
-        self.path = os.path.join(parent, name)
+        self.kind, parent_dir = found
+        self.path = os.path.join(parent_dir, name)
         os.makedirs(self.path, exist_ok=True)
         self.limit = limit
         if self.kind == "v1":
@@ -96,6 +99,7 @@ class MemoryGroup:
                 return
             except OSError:
                 time.sleep(0.1)
+        print(f"# could not remove the memory cgroup {self.path}", file=sys.stderr)
 
 
 def drop_page_cache(files: list[str], everything: bool = False) -> str:
