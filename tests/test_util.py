@@ -204,3 +204,17 @@ def test_prefetch_order_errors_and_early_stop():
         for x in prefetch(failing()):
             got.append(x)
     assert got == [1]
+
+
+def test_crc32_is_zlibs():
+    import zlib
+
+    import numpy as np
+
+    from cflow.util import crc32
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 31, 4096, 1 << 20):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        assert crc32(memoryview(data)) == zlib.crc32(memoryview(data))
+        assert crc32(data[n // 2 :], crc32(data[: n // 2])) == zlib.crc32(data)  # continued, as the writer does

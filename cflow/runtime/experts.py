@@ -22,13 +22,13 @@ import os
 import threading
 import time
 import warnings
-import zlib
 
 import attrs
 import numpy as np
 
 from ..errors import CflowError, FormatError, RuntimeFault
 from ..layout.tile import aligned_empty
+from ..util import crc32
 from .format import spec as F
 
 IO_THREADS = 4  # requests in flight: one sequential reader gets ~0.7 GB/s here, several ~1.2 GB/s
@@ -169,9 +169,9 @@ class ExpertTier:
 
     # --- cache ------------------------------------------------------------------------------------
     def _victim(self, for_guess: bool = False) -> int:
-        for i in self.lru:  # least recently used first
+        for i in self.lru:  # least recently used first; a guess never evicts another guess not yet chosen
             s = self.slots[i]
-            if s.pins == 0 and (s.future is None or s.future.done()):
+            if s.pins == 0 and (s.future is None or s.future.done()) and not (for_guess and s.key in self.guesses):
                 return i
         if not for_guess:  # a chosen expert takes the slot of a guess still being read, once its read is done
             for i in self.lru:
@@ -309,7 +309,7 @@ class ExpertTier:
             if got < r.nbytes:
                 raise ExpertReadError(f"{where}: short read, {got} of {r.nbytes} bytes (file truncated?)"
                                       f"{changed_since(self.fd, self.at_open)}")
-            crc = zlib.crc32(view[: r.nbytes])
+            crc = crc32(view[: r.nbytes])
             if crc != r.crc:
                 raise ExpertReadError(f"{where}: checksum mismatch, stored 0x{r.crc:08x}, read 0x{crc:08x} "
                                       f"(corrupt expert tile){changed_since(self.fd, self.at_open)}")

@@ -9,7 +9,6 @@ stage per call, each stage's matrices read ahead by the streamer.
 from __future__ import annotations
 
 import os
-import zlib
 
 import attrs
 import numpy as np
@@ -17,6 +16,7 @@ import numpy as np
 from ..errors import CflowError, FormatError
 from ..layout.tile import aligned_empty
 from ..passes.schedule import Phase
+from ..util import crc32
 from .format.spec import pad
 
 
@@ -111,7 +111,7 @@ def read_dense(fd: int, reader, path: str, name: str) -> np.ndarray:
     e = reader.entry(name)
     buf = aligned_empty(max(e.nbytes, 1), 64)
     got = os.preadv(fd, [memoryview(buf)[: e.nbytes]], e.file_offset)
-    if got != e.nbytes or zlib.crc32(buf[: e.nbytes]) != e.crc:
+    if got != e.nbytes or crc32(buf[: e.nbytes]) != e.crc:
         raise FormatError(f"{path}: tensor {name!r} at file offset 0x{e.file_offset:x}: "
                           f"{'short read' if got != e.nbytes else 'checksum mismatch'}")
     return buf

@@ -22,13 +22,13 @@ import os
 import threading
 import time
 import warnings
-import zlib
 
 import attrs
 import numpy as np
 
 from ..errors import RuntimeFault
 from ..layout.tile import aligned_empty
+from ..util import crc32
 from .experts import changed_since
 from .format import spec as F
 
@@ -186,7 +186,7 @@ class StageStreamer:
                 raise WeightReadError(f"{where}: short read, {got} of {last} bytes (file truncated?)"
                                       f"{changed_since(self.fd, self.at_open)}")
             for name, off, nb, crc in r.tensors:
-                if zlib.crc32(view[off : off + nb]) != crc:
+                if crc32(view[off : off + nb]) != crc:
                     raise WeightReadError(f"{where}: tensor {name!r} checksum mismatch (corrupt file)"
                                           f"{changed_since(self.fd, self.at_open)}")
             if not self.direct:

@@ -13,13 +13,13 @@ import mmap
 import os
 import re
 import struct
-import zlib
 from typing import Self
 
 import numpy as np
 
 from cflow.errors import FormatError
 
+from ...util import crc32
 from . import spec as F
 from .folios import Mended, advise_huge_pages, mend
 from .spec import DType
@@ -115,9 +115,9 @@ class FileReader:
 
             raise bad("version", f"compiled by a cflow of format {p['version']}; this is cflow {__version__} "
                                  f"(format {F.VERSION}): recompile with cflowc")
-        if zlib.crc32(raw[:-4]) != p["preamble_crc"]:
+        if crc32(raw[:-4]) != p["preamble_crc"]:
             raise bad("preamble_crc", f"checksum 0x{p['preamble_crc']:08x} does not match the preamble "
-                                      f"(0x{zlib.crc32(raw[:-4]):08x}): corrupt")
+                                      f"(0x{crc32(raw[:-4]):08x}): corrupt")
         if p["flags"] & ~F.KNOWN_FLAGS:
             raise bad("flags", f"unknown flag bits 0x{p['flags'] & ~F.KNOWN_FLAGS:x}")
         if p["align"] != F.ALIGN:
@@ -150,9 +150,9 @@ class FileReader:
                                    f"n_experts {p['n_experts']}, n_ranges {p['n_ranges']}, "
                                    f"names_len {p['names_len']}: {want} bytes)")
         index = self._bytes(p["index_offset"], p["index_len"])
-        if zlib.crc32(index) != p["index_crc"]:
+        if crc32(index) != p["index_crc"]:
             raise self._err("index", f"checksum mismatch: stored 0x{p['index_crc']:08x}, computed "
-                                     f"0x{zlib.crc32(index):08x}", p["index_offset"])
+                                     f"0x{crc32(index):08x}", p["index_offset"])
         self.layout = "vflow" if p["flags"] & F.FLAG_VFLOW else "cflow"
         self.version = p["version"]
         self.data_offset, self.data_len = p["data_offset"], p["data_len"]
@@ -163,9 +163,9 @@ class FileReader:
     def _header(self, p: dict) -> dict:
         at, n = F.PREAMBLE.size, p["header_len"]
         raw = self._bytes(at, n)
-        if zlib.crc32(raw) != p["header_crc"]:
+        if crc32(raw) != p["header_crc"]:
             raise self._err("header", f"checksum mismatch: stored 0x{p['header_crc']:08x}, computed "
-                                      f"0x{zlib.crc32(raw):08x}", at)
+                                      f"0x{crc32(raw):08x}", at)
         try:
             header = strict_json(raw.decode("utf-8"))
         except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -418,7 +418,7 @@ def _crc(v: np.ndarray, tick=None) -> int:
     crc = 0
     for i in range(0, len(v), F.CRC_CHUNK):
         chunk = v[i : i + F.CRC_CHUNK]
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         if tick is not None:
             tick(len(chunk))
     return crc

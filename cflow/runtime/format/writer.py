@@ -11,7 +11,6 @@ import contextlib
 import enum
 import json
 import os
-import zlib
 from typing import Self
 
 import numpy as np
@@ -21,6 +20,7 @@ from cflow.layout.packed import FileLayout
 from cflow.layout.tile import DEFAULT_TILE
 from cflow.util import atomic_path
 
+from ...util import crc32
 from . import spec as F
 from .folios import drop_cached
 from .spec import DType
@@ -176,7 +176,7 @@ class FileWriter:
         crc = 0
         for i in range(0, buf.nbytes, F.CRC_CHUNK):  # write + checksum chunk by chunk (cache-warm)
             chunk = buf[i : i + F.CRC_CHUNK]
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             self._write(chunk)
         self._pad_to(F.pad(self._pos))
         idx = len(self._rows)
@@ -203,9 +203,9 @@ class FileWriter:
             fields = (F.MAGIC, F.VERSION, self._flags, F.ALIGN, F.PREAMBLE.size, header_len,
                       self._data_offset, data_len, index_offset, len(index), self._pos,
                       len(self._rows), len(self._experts), sum(map(len, self._experts.values())),
-                      len(self._pool), zlib.crc32(self._header), zlib.crc32(index), bytes(28), 0)
+                      len(self._pool), crc32(self._header), crc32(index), bytes(28), 0)
             pre = F.PREAMBLE.pack(*fields)
-            pre = pre[:-4] + zlib.crc32(pre[:-4]).to_bytes(4, "little")
+            pre = pre[:-4] + crc32(pre[:-4]).to_bytes(4, "little")
             self._file.seek(0)
             self._file.write(pre)
             self._file.close()
