@@ -167,6 +167,8 @@ def test_bench_json_and_inspect_plot_checked_first(tiny, tmp_path, capsys):
     (["run", "{f}", "--max-seq", "0"], "--max-seq"),
     (["run", "{f}", "--expert-cache-mb", "0", "--experts-on-disk"], "--expert-cache-mb"),
     (["run", "{f}", "--read-ahead", "-1", "--weights-on-disk"], "--read-ahead"),
+    (["run", "{f}", "--max-ram", "0"], "--max-ram"),
+    (["run", "{f}", "--max-ram", "8X"], "--max-ram"),
     (["run", "{f}", "--no-such-option"], "unrecognized arguments"),
     (["demo", "-n", "0"], "--max-new-tokens"),
     (["train", "arch1", "--data", "x", "--lr", "0"], "--lr"),
@@ -179,6 +181,16 @@ def test_options_out_of_range_are_one_line(tiny, capsys, argv, needle):
     err = capsys.readouterr().err
     assert e.value.code == 1
     one_line_error(1, err, needle)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "{f}", "--max-ram", "1G", "--expert-cache-mb", "4"], "--max-ram"),
+    (["run", "{f}", "--no-expert-guess"], "--no-expert-guess"),
+    (["serve", "{f}", "--max-ram", "1G", "--max-batch", "2"], "--max-ram"),
+])
+def test_option_combinations_are_one_line(tiny, capsys, argv, needle):
+    code, _, err = run(cflow_main, [a.format(f=tiny) for a in argv], capsys)
+    one_line_error(code, err, needle)
 
 
 @pytest.mark.parametrize("argv, needle", [

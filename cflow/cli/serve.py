@@ -6,7 +6,7 @@ HELP = "serve a compiled model over HTTP with OpenAI's API (completions, chat, s
 
 
 def add_args(p):
-    from . import KV_CHOICES
+    from . import KV_CHOICES, size_mb
 
     p.add_argument("file", help="compiled model (.vflow or .cflow)")
     p.add_argument("--host", default="127.0.0.1",
@@ -39,6 +39,10 @@ def add_args(p):
     p.add_argument("--expert-cache-mb", type=float, default=None, metavar="MB",
                    help="with --experts-on-disk: RAM for recently used experts, per sequence slot (default: the "
                    "runtime's choice)")
+    p.add_argument("--max-ram", type=size_mb, default=None, metavar="SIZE",
+                   help="memory for the whole server process (8G, 512M): the weights stay mapped if they fit, else "
+                   "the experts go to disk with a cache of what is left, else the big matrices are streamed too; "
+                   "with --max-batch 1 (default: no budget)")
     p.add_argument("--weights-on-disk", action="store_true",
                    help="stream the big matrices from the file every token (a model larger than RAM; implies "
                    "--experts-on-disk) (default: mapped in RAM)")
@@ -113,6 +117,9 @@ def run(args) -> int:
         raise CflowError(f"--threads must be >= 1, not {args.threads}")
     if args.expert_cache_mb is not None and not (args.experts_on_disk or args.weights_on_disk):
         raise CflowError("--expert-cache-mb needs --experts-on-disk")
+    if args.max_ram is not None and (args.max_batch != 1 or args.expert_cache_mb is not None):
+        raise CflowError("--max-ram sizes one model's expert cache: give it with --max-batch 1 and without "
+                         "--expert-cache-mb")
     if not os.path.isfile(args.file):
         raise CflowError(f"{args.file}: no such file")
     check_port(args.host, args.port)  # before the model loads: a busy port is one line, not a load and exit 3
@@ -126,7 +133,8 @@ def run(args) -> int:
                     api_key=api_key, model_id=args.model_name, cache_mb=args.cache_mb,
                     experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                     weights="disk" if args.weights_on_disk else "ram", kv=args.kv, speculate=args.speculate,
-                    **({"draft": args.draft} if args.draft else {}))
+                    **({"draft": args.draft} if args.draft else {}),
+                    **({"max_ram_mb": args.max_ram} if args.max_ram is not None else {}))
     st = app.state.engine.stats()
     m = app.state.model
     cache = getattr(app.state.engine.backend, "prefix_cache", None)
