@@ -68,7 +68,8 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
                 st.guessed_used) if st else None
         io0, flt0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         out, routes = [], []
-        if st:  # the route of every layer, for replaying cache policies (policy_hits)
+        if st:  # the route of every layer, for replaying cache policies (policy_hits); the reads and waits
+            s.tier.trace = trace = []
             real = s._route
             s._route = lambda layer: routes.append([s.config.block_of(layer), *map(int, r := real(layer))]) or r
         t0 = time.perf_counter()
@@ -88,10 +89,11 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
                        read_s_per_token=(st.read_seconds - base[4]) / tokens,
                        guessed_per_token=(st.guessed - base[5]) / tokens,
                        guessed_used_per_token=(st.guessed_used - base[6]) / tokens,
-                       # the disk's rate while the step waited: the bytes of the reads over the time spent waiting
-                       gbs_while_waiting=read / max(1e-9, st.wait_seconds - base[3]) / 1e9,
+                       # every byte read over the time spent waiting (an upper bound of the rate while waiting:
+                       # reads that overlapped compute count too; disk_while_waiting has the real one)
+                       gbs_read_per_wait=read / max(1e-9, st.wait_seconds - base[3]) / 1e9,
                        cache_mb=len(s.tier.slots) * s.tier.slot_bytes / 2**20, cached_experts=len(s.tier.slots),
-                       routes=routes,
+                       routes=routes, **disk_while_waiting(trace, s.tier),
                        direct=s.tier.direct)
         return rec
 
@@ -155,6 +157,35 @@ def run_engine(engine: str, path: str, budget: int | None, tokens: int, threads:
     else:  # an OOM kill or a crash is a result too: say what happened
         rec["error"] = (err.strip().splitlines() or ["(no output)"])[-1][-300:]
     return rec
+
+
+def disk_while_waiting(trace: list, tier) -> dict:
+    """From the tier's trace of reads and waits: the disk's rate while the step waited (each read's bytes spread
+    over its time on the disk, the part inside wait intervals summed, over the summed wait time), and the share
+    of the wait with no read on the disk at all (time lost to the checksum, the queue or the host)."""
+    from cflow.runtime.format.spec import pad
+
+    waits = [(a, b) for kind, _, a, b in (t[:4] for t in trace if t[0] == "wait") if b > a]
+    reads = [(t[5], t[6], sum(pad(r.nbytes) for _, _, r in tier.layout[(t[1], t[2])]))
+             for t in trace if t[0] == "read"]
+    total = sum(b - a for a, b in waits)
+    if not waits or total <= 0:
+        return {"wait_s_traced": 0.0}
+    inside = sum(n * max(0.0, min(d1, w1) - max(d0, w0)) / max(d1 - d0, 1e-9)
+                 for d0, d1, n in reads for w0, w1 in waits)
+    busy = 0.0  # wait time with at least one read on the disk (the union of the reads' disk intervals)
+    spans = sorted((d0, d1) for d0, d1, _ in reads)
+    for w0, w1 in waits:
+        edge = w0
+        for d0, d1 in spans:
+            if d1 <= edge or d0 >= w1:
+                continue
+            lo, hi = max(d0, edge), min(d1, w1)
+            if hi > lo:
+                busy += hi - lo
+                edge = hi
+    return {"wait_s_traced": total, "gbs_disk_while_waiting": inside / total / 1e9,
+            "wait_share_disk_idle": 1 - busy / total}
 
 
 def policy_hits(routes: list[list[int]], slots: int) -> dict[str, float]:
@@ -261,7 +292,7 @@ def main(argv=None) -> None:
           f"{d2:.2f} GB/s two in flight; {args.tokens} greedy tokens after {len(PROMPT)} prompt tokens, "
           f"{args.threads} threads")
     print(f"{'engine':<13} {'placement':<26} {'tok/s':>7} {'load s':>7} {'disk MB/tok':>11} {'disk GB/s':>9} "
-          f"{'waiting GB/s':>12} {'hit rate':>8} {'peak MiB':>9} {'RSS MiB':>8} {'tokens':>8}")
+          f"{'waiting GB/s':>12} {'idle':>5} {'hit rate':>8} {'peak MiB':>9} {'RSS MiB':>8} {'tokens':>8}")
     records, ref = [], None
     for engine in engines:
         path = args.gguf if engine.startswith("llama") else args.vflow
@@ -279,7 +310,8 @@ def main(argv=None) -> None:
             gbs = r["disk_bytes_per_token"] * r["tok_s"] / 1e9
             print(f"{engine:<13} {r['placement']:<26} {r['tok_s']:7.2f} {r['load_s']:7.1f} "
                   f"{r['disk_bytes_per_token'] / 1e6:11.1f} {gbs:9.2f} "
-                  f"{r.get('gbs_while_waiting', float('nan')):12.2f} {r.get('hit_rate', float('nan')):8.1%} "
+                  f"{r.get('gbs_disk_while_waiting', float('nan')):12.2f} "
+                  f"{r.get('wait_share_disk_idle', float('nan')):5.0%} {r.get('hit_rate', float('nan')):8.1%} "
                   f"{((r.get('cgroup') or {}).get('peak') or 0) / 2**20:9.0f} "
                   f"{r['peak_rss'] / 2**20:8.0f} {' '.join(map(str, r['tokens'][:3]))}..")
         records.append(run.record(engine=engine, model=os.path.basename(path), quant="Q4_0", threads=args.threads,

@@ -38,3 +38,20 @@ def test_run_in_a_memory_group(tmp_path):
     (group,) = parent.iterdir()  # one group, for the engine with a budget, its limit written
     assert (group / "memory.limit_in_bytes").read_text() == str(2**30)
     assert doc["extra"]["budget"] == 2**30 and doc["extra"]["disk_gbs_one"] > 0
+
+
+def test_disk_rate_while_waiting_from_a_trace():
+    from types import SimpleNamespace
+
+    from benchmarks.larger_than_ram import disk_while_waiting
+
+    rng = SimpleNamespace(nbytes=4096 * 250)  # one range of 1,024,000 bytes per expert
+    tier = SimpleNamespace(layout={(0, e): [("w", 0, rng)] for e in range(3)})
+    trace = [("read", 0, 0, 1, 0.0, 0.0, 1.0, 1.1),  # on the disk 0..1 s: half of it inside the wait
+             ("read", 0, 1, 1, 0.0, 2.0, 3.0, 3.1),  # 2..3 s: all inside
+             ("wait", 0, 0.5, 1.5), ("wait", 0, 2.0, 3.0)]
+    r = disk_while_waiting(trace, tier)
+    assert r["wait_s_traced"] == 2.0
+    assert abs(r["gbs_disk_while_waiting"] - 1.5 * 1024000 / 2.0 / 1e9) < 1e-12
+    assert abs(r["wait_share_disk_idle"] - 0.25) < 1e-12  # 1.0..1.5 s of the first wait: nothing on the disk
+    assert disk_while_waiting([], tier) == {"wait_s_traced": 0.0}
