@@ -11,6 +11,7 @@ ids) and decodes the same number of greedy tokens:
     cflow          cflow.load(max_ram_mb=budget): the weights stay mapped if they fit, else the experts go to disk
                    (O_DIRECT) with a cache of what the budget leaves, else the big matrices are streamed too
     cflow-noguess  the same without the next layer's reads started on a guess of its route (expert_guess=False)
+    cflow-lru      the same with the expert cache evicting the least recently used (the default: least often chosen)
     cflow-mmap     cflow.load() as by default: the file mapped, the kernel's page cache decides what stays
     llama          llama.cpp (llama-cpp-python) on the GGUF, as by default: the file mapped
     llama-nommap   llama.cpp with use_mmap=False: the file read into memory (only where it fits the budget)
@@ -36,7 +37,7 @@ from benchmarks.common.cgroup import MemoryGroup, cached_bytes, drop_page_cache
 from benchmarks.common.process import child_env, module_command
 from benchmarks.common.record import Run, add_json_argument
 
-ENGINES = ("cflow", "cflow-noguess", "cflow-mmap", "llama", "llama-nommap", "cflow-ram")
+ENGINES = ("cflow", "cflow-noguess", "cflow-lru", "cflow-mmap", "llama", "llama-nommap", "cflow-ram")
 PROMPT = [1, 17, 42, 99, 7, 123, 5, 250]
 
 
@@ -55,10 +56,13 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
 
     import cflow
 
-    kw = {"max_ram_mb": budget_mb, "expert_guess": engine == "cflow"} if engine in ("cflow", "cflow-noguess") else {}
+    budgeted = ("cflow", "cflow-noguess", "cflow-lru")
+    kw = {"max_ram_mb": budget_mb, "expert_guess": engine != "cflow-noguess"} if engine in budgeted else {}
     t0 = time.perf_counter()
     with cflow.load(path, threads=threads, max_seq=len(prompt) + tokens + 8, **kw) as m:
         s = m.session
+        if engine == "cflow-lru" and s.tier is not None:
+            s.tier.policy = "lru"
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         logits = s.prefill(prompt)
@@ -263,7 +267,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gguf", help="the same weights as a GGUF file, for llama.cpp")
     ap.add_argument("--budget", type=size_mb, default=8192, metavar="SIZE",
                     help="the memory cgroup's limit for each engine (8G, 2G, ...; default 8G)")
-    ap.add_argument("--engines", default="cflow,cflow-noguess,cflow-mmap,llama,llama-nommap,cflow-ram",
+    ap.add_argument("--engines", default="cflow,cflow-noguess,cflow-lru,cflow-mmap,llama,llama-nommap,cflow-ram",
                     help=f"engines to run, in this order (of {', '.join(ENGINES)})")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded (default 64)")
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine (default 2)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import heapq
 import math
 import os
 import threading
@@ -118,6 +119,16 @@ class ExpertTier:
         self.slots = [_Slot(aligned_empty(slot_bytes, F.ALIGN)) for _ in range(n_slots)]
         self.where: dict[tuple[int, int], int] = {}  # key -> slot index
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(n_slots))
+        # Which cached expert makes room: "lfu" (default) the one chosen least often since load, the least recently
+        # used of those; "lru" the least recently used. Measured by replaying a model's routes through both
+        # (benchmarks/larger_than_ram.py policy_hits; docs/expert-tier.md).
+        self.policy = "lfu"
+        self.freq: collections.Counter = collections.Counter()  # (block, expert) -> times chosen since load
+        self._heap: list[tuple[int, int, int]] = []  # (freq, tick, slot): the LFU order, stale entries skipped
+        self._stamp = [0] * n_slots  # slot -> tick of its live heap entry
+        self._tick = 0
+        for i in range(n_slots):
+            self._rank(i)
         self.guesses: set[tuple[int, int]] = set()  # experts read on a guess and not chosen since
         self.stats = TierStats()
         self.direct = direct
@@ -168,11 +179,46 @@ class ExpertTier:
         os.preadv(fd, [memoryview(buf)], 0)
 
     # --- cache ------------------------------------------------------------------------------------
+    def _free(self, i: int, for_guess: bool) -> bool:
+        """May slot i be reused now? Not while pinned or being read; a guess never evicts another guess not yet
+        chosen."""
+        s = self.slots[i]
+        return s.pins == 0 and (s.future is None or s.future.done()) and not (for_guess and s.key in self.guesses)
+
+    def _rank(self, i: int) -> None:
+        """Slot i's place in the LFU order (after its expert was chosen, loaded or dropped)."""
+        self._tick += 1
+        self._stamp[i] = self._tick
+        key = self.slots[i].key
+        heapq.heappush(self._heap, (self.freq[key] if key is not None else -1, self._tick, i))
+        if len(self._heap) > 4 * len(self.slots) + 64:  # drop the stale entries
+            self._heap = [e for e in self._heap if self._stamp[e[2]] == e[1]]
+            heapq.heapify(self._heap)
+
+    def _lfu_victim(self, for_guess: bool) -> int | None:
+        aside, found = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._stamp[entry[2]] != entry[1]:
+                continue  # stale
+            if self._free(entry[2], for_guess):
+                found = entry[2]
+                self._stamp[found] = -1  # its entry is gone: _start ranks it again
+                break
+            aside.append(entry)
+        for entry in aside:
+            heapq.heappush(self._heap, entry)
+        return found
+
     def _victim(self, for_guess: bool = False) -> int:
-        for i in self.lru:  # least recently used first; a guess never evicts another guess not yet chosen
-            s = self.slots[i]
-            if s.pins == 0 and (s.future is None or s.future.done()) and not (for_guess and s.key in self.guesses):
+        if self.policy == "lfu":
+            i = self._lfu_victim(for_guess)
+            if i is not None:
                 return i
+        else:
+            for i in self.lru:  # least recently used first
+                if self._free(i, for_guess):
+                    return i
         if not for_guess:  # a chosen expert takes the slot of a guess still being read, once its read is done
             for i in self.lru:
                 s = self.slots[i]
@@ -187,26 +233,28 @@ class ExpertTier:
 
     def _touch(self, i: int) -> None:
         self.lru.move_to_end(i)
+        self._rank(i)
 
     def issue(self, block: int, experts, layer: int | None = None) -> int:
         """Start reading the experts of `block` that are not cached or in flight; returns how many.
         layer: the executed layer whose router chose them (named in a read error)."""
-        misses = 0
-        for e in experts:
-            key = (block, int(e))
+        keys = [(block, int(e)) for e in experts]
+        misses = [key for key in keys if key not in self.where]
+        for key in keys:
+            self.freq[key] += 1
             i = self.where.get(key)
-            if i is not None:
-                self.stats.hits += 1
-                if key in self.guesses:
-                    self.guesses.discard(key)
-                    self.stats.guessed_used += 1
-                self.slots[i].pins += 1
-                self._touch(i)
+            if i is None:
                 continue
+            self.stats.hits += 1  # pinned before any miss makes room: a miss never evicts a chosen expert
+            if key in self.guesses:
+                self.guesses.discard(key)
+                self.stats.guessed_used += 1
+            self.slots[i].pins += 1
+            self._touch(i)
+        for key in misses:
             self.stats.misses += 1
-            misses += 1
             self._start(key, self._victim(), 1, layer)
-        return misses
+        return len(misses)
 
     def prefetch(self, block: int, experts, layer: int | None = None) -> int:
         """Start reading experts a guess expects (RouteGuess) that are neither cached nor in flight, into slots
@@ -273,6 +321,7 @@ class ExpertTier:
         if i is not None:
             s = self.slots[i]
             s.key, s.ready, s.pins, s.future = None, False, 0, None
+            self._rank(i)  # an empty slot: first to be reused
 
     def reset(self) -> None:
         """After a failed or abandoned token: wait for reads in flight, drop every pin (cached data stays)."""

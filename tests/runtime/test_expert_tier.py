@@ -445,3 +445,26 @@ def test_prefetch_is_unpinned_and_counted(files):
         assert tier.prefetch(1, range(2 * n)) <= n
         tier.reset()
         assert tier.issue(2, range(min(n, 3))) >= 0 and tier.wait(2, range(min(n, 3)))
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_cache_policy_keeps_the_often_chosen(files, policy):
+    """LFU (the default) keeps an expert chosen often through a run of experts chosen once; LRU evicts it."""
+    with cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.5, expert_guess=False) as m:
+        tier = m.session.tier
+        tier.reset()
+        tier.policy = policy
+
+        def choose(block, e):
+            tier.issue(block, [e])
+            tier.wait(block, [e])
+            tier.release(block, [e])
+
+        for _ in range(3):
+            choose(0, 0)
+        others = sorted(k for k in tier.names if k != (0, 0))[: len(tier.slots) + 2]
+        assert len(others) > len(tier.slots)  # enough to evict
+        for b, e in others:
+            choose(b, e)
+        assert ((0, 0) in tier.where) == (policy == "lfu")
+        assert all(s.pins == 0 for s in tier.slots)
