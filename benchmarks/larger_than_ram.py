@@ -258,6 +258,19 @@ def _expert_bytes(vflow: str) -> int:
     return max(per.values(), default=4 << 20)
 
 
+def _print_run(engine: str, r: dict) -> None:
+    if "error" in r:
+        print(f"{engine:<13} failed (exit {r['returncode']}): {r['error']}", flush=True)
+        return
+    gbs = r["disk_bytes_per_token"] * r["tok_s"] / 1e9
+    print(f"{engine:<13} {r['placement']:<26} {r['tok_s']:7.2f} {r['load_s']:7.1f} "
+          f"{r['disk_bytes_per_token'] / 1e6:11.1f} {gbs:9.2f} "
+          f"{r.get('gbs_disk_while_waiting', float('nan')):12.2f} "
+          f"{r.get('wait_share_disk_idle', float('nan')):5.0%} {r.get('hit_rate', float('nan')):8.1%} "
+          f"{((r.get('cgroup') or {}).get('peak') or 0) / 2**20:9.0f} "
+          f"{r['peak_rss'] / 2**20:8.0f} {' '.join(map(str, r['tokens'][:3]))}..", flush=True)
+
+
 def main(argv=None) -> None:
     from cflow.cli import size_mb
     from cflow.codegen.target import cpu_model, isa_path
@@ -271,6 +284,8 @@ def main(argv=None) -> None:
                     help=f"engines to run, in this order (of {', '.join(ENGINES)})")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded (default 64)")
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine (default 2)")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each engine, alternating; the median is recorded "
+                    "(default 1)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
     add_json_argument(ap, "write one record per engine")
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
@@ -297,30 +312,35 @@ def main(argv=None) -> None:
           f"{args.threads} threads")
     print(f"{'engine':<13} {'placement':<26} {'tok/s':>7} {'load s':>7} {'disk MB/tok':>11} {'disk GB/s':>9} "
           f"{'waiting GB/s':>12} {'idle':>5} {'hit rate':>8} {'peak MiB':>9} {'RSS MiB':>8} {'tokens':>8}")
-    records, ref = [], None
-    for engine in engines:
+    records: list[dict] = []
+    ref = None
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.reps):  # the engines alternate, in reverse order every other round (drifting load)
+        for engine in engines if rep % 2 == 0 else engines[::-1]:
+            path = args.gguf if engine.startswith("llama") else args.vflow
+            if engine == "llama-nommap" and sizes["gguf"] > budget:
+                if rep == 0:
+                    print(f"{engine:<13} skipped: the GGUF ({sizes['gguf'] / 2**30:.2f} GiB) does not fit the budget")
+                continue
+            r = run_engine(engine, path, None if engine == "cflow-ram" else budget, args.tokens, args.threads,
+                           args.timeout, tuple(args.cgroup_parent) if args.cgroup_parent else None)
+            r["page_cache_after"] = cached_bytes(path)
+            runs.setdefault(engine, []).append(r)
+            _print_run(engine, r)
+    for engine, rs in runs.items():  # one record per engine: its median run by tok/s, every run's tok/s with it
+        ok = sorted((r for r in rs if "error" not in r), key=lambda r: r["tok_s"])
+        r = ok[len(ok) // 2] if ok else rs[0]
+        r["tok_s_runs"] = [x.get("tok_s") for x in rs]
+        if engine == "cflow-ram" and "tokens" in r:
+            ref = r["tokens"]
         path = args.gguf if engine.startswith("llama") else args.vflow
-        if engine == "llama-nommap" and sizes["gguf"] > budget:
-            print(f"{engine:<13} skipped: the GGUF ({sizes['gguf'] / 2**30:.2f} GiB) does not fit the budget")
-            continue
-        r = run_engine(engine, path, None if engine == "cflow-ram" else budget, args.tokens, args.threads,
-                       args.timeout, tuple(args.cgroup_parent) if args.cgroup_parent else None)
-        r["page_cache_after"] = cached_bytes(path)
-        if "error" in r:
-            print(f"{engine:<13} failed (exit {r['returncode']}): {r['error']}")
-        else:
-            if engine == "cflow-ram":
-                ref = r["tokens"]
-            gbs = r["disk_bytes_per_token"] * r["tok_s"] / 1e9
-            print(f"{engine:<13} {r['placement']:<26} {r['tok_s']:7.2f} {r['load_s']:7.1f} "
-                  f"{r['disk_bytes_per_token'] / 1e6:11.1f} {gbs:9.2f} "
-                  f"{r.get('gbs_disk_while_waiting', float('nan')):12.2f} "
-                  f"{r.get('wait_share_disk_idle', float('nan')):5.0%} {r.get('hit_rate', float('nan')):8.1%} "
-                  f"{((r.get('cgroup') or {}).get('peak') or 0) / 2**20:9.0f} "
-                  f"{r['peak_rss'] / 2**20:8.0f} {' '.join(map(str, r['tokens'][:3]))}..")
         records.append(run.record(engine=engine, model=os.path.basename(path), quant="Q4_0", threads=args.threads,
                                   variant=f"budget {budget / 2**30:g} GiB" if engine != "cflow-ram" else "no budget",
                                   tok_s=r.pop("tok_s", None), **r))
+    if args.reps > 1:
+        each = {rec["engine"]: " ".join(f"{t:.2f}" for t in rec["extra"]["tok_s_runs"] if t) for rec in records}
+        print("# medians of the runs: " + ", ".join(f"{rec['engine']} {rec['tok_s']:.2f} tok/s ({each[rec['engine']]})"
+                                                    for rec in records if rec["tok_s"]))
     for rec in records:  # cache policies replayed on what each disk run chose (hit rates: second half)
         ex = rec["extra"]
         if ex.get("routes"):

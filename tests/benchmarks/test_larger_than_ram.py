@@ -28,7 +28,7 @@ def test_run_in_a_memory_group(tmp_path):
     parent.mkdir()
     out = tmp_path / "r.json"
     main(["--vflow", str(vflow), "--budget", "1G", "--engines", "cflow-mmap,cflow-ram", "--tokens", "4",
-          "--threads", "1", "--json", str(out), "--cgroup-parent", "v1", str(parent)])
+          "--threads", "1", "--reps", "2", "--json", str(out), "--cgroup-parent", "v1", str(parent)])
     doc = json.loads(out.read_text())
     recs = {r["engine"]: r for r in doc["records"]}
     assert set(recs) == {"cflow-mmap", "cflow-ram"}
@@ -38,6 +38,7 @@ def test_run_in_a_memory_group(tmp_path):
     (group,) = parent.iterdir()  # one group, for the engine with a budget, its limit written
     assert (group / "memory.limit_in_bytes").read_text() == str(2**30)
     assert doc["extra"]["budget"] == 2**30 and doc["extra"]["disk_gbs_one"] > 0
+    assert len(recs["cflow-mmap"]["extra"]["tok_s_runs"]) == 2  # two alternating runs, the median recorded
 
 
 def test_disk_rate_while_waiting_from_a_trace():
