@@ -53,4 +53,5 @@ class RouteGuess:
         x = scratch[self.at : self.at + 4 * w.size].view(np.float32)
         xin = x * self.inv[layer] * w
         logits = r @ xin
-        return nxt, np.argpartition(-logits, k - 1)[:k]
+        top = np.argpartition(-logits, k - 1)[:k]
+        return nxt, top[np.argsort(-logits[top])]  # most likely first: the tier may take only the first few

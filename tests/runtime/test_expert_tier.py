@@ -468,3 +468,27 @@ def test_cache_policy_keeps_the_often_chosen(files, policy):
             choose(b, e)
         assert ((0, 0) in tier.where) == (policy == "lfu")
         assert all(s.pins == 0 for s in tier.slots)
+
+
+def test_a_guess_takes_only_idle_io_threads(files):
+    """While the chosen experts' reads keep every I/O thread busy, a guess starts nothing."""
+    import threading
+
+    with cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.5, expert_guess=False) as m:
+        tier = m.session.tier
+        tier.reset()
+        gate = threading.Event()
+        tier.fail_hook = lambda key, k: gate.wait(10)  # hold every read on the disk until released
+        keys = sorted(tier.names)
+        chosen = [e for b, e in keys if b == 0][: tier.io_threads]
+        try:
+            assert tier.issue(0, chosen) == len(chosen)
+            busy = tier.io_threads - len(chosen)
+            assert tier.prefetch(1, [e for b, e in keys if b == 1]) == busy  # only the idle ones take a guess
+        finally:
+            gate.set()
+        tier.wait(0, chosen)
+        tier.release(0, chosen)
+        tier.fail_hook = None
+        tier.reset()
+        assert tier.in_flight == 0
