@@ -180,7 +180,8 @@ class Session:
             expert_cache_mb = max(1, cache_budget(self.max_ram, sum(self.memory_parts().values()))) / 2**20
         self.route_guess = None
         if self.experts == "disk" and self.expert_io == "async" and self.guess_routes:
-            self.route_guess = RouteGuess(self.run_state, self.reader.tensor, at=scratch.xn)
+            self.route_guess = RouteGuess(self.run_state, self.reader.tensor, at=scratch.xn,
+                                          only={l for l, w in plan.window_stages.items() if w == 0})
         if self.experts == "disk":
             try:
                 self.tier, self.tier_tensors = open_tier(self.reader, self.compiled.tensors, self.config,

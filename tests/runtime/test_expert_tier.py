@@ -426,6 +426,9 @@ def test_route_guess_reads_the_router_input_and_changes_no_logit(files):
         assert mine and all(a == b for a, b in mine)
         st = m.expert_stats
         assert st.guessed > 0 and 0 < st.guessed_used <= st.guessed
+    with cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.5) as m:  # windows hide the reads
+        s = m.session
+        assert s.route_guess.only == {l for l, w in s.window_stages.items() if w == 0} != set(s.window_stages)
 
 
 def test_prefetch_is_unpinned_and_counted(files):
