@@ -157,7 +157,7 @@ def make_interpreter(graph, rule, kv: str, roles, other):
 
         skip_head = False
 
-        def matvec(self, x, name):
+        def matvec(self, x, name, point=()):
             w = self.g.weight(name)
             if isinstance(w, (BlockTensor, QTensor)):
                 hit = roles is None or any(name.endswith(r) for r in roles) or ("legacy" in roles and w.dtype in legacy)
