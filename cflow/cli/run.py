@@ -10,7 +10,7 @@ DEFAULT_NEW_TOKENS = 128
 
 
 def add_args(p):
-    from . import KV_CHOICES, MAX_THREADS, number, whole
+    from . import KV_CHOICES, MAX_THREADS, add_activations_argument, number, whole
 
     p.add_argument("file", help="compiled model (.vflow or .cflow), or a directory holding exactly one")
     p.add_argument("--prompt", "-p", default="Once upon a time",
@@ -45,6 +45,7 @@ def add_args(p):
                    "contexts; bf16 as many bytes with f32's range (bf16 dot products in attention); auto is f16 "
                    "for q4/q8 weights (measured equal in perplexity), f32 for f16/f32 "
                    "weights (default auto; the type in use is printed with the speeds)")
+    add_activations_argument(p)
     p.add_argument("--verify", action="store_true",
                    help="verify every checksum before running (default: no full-read check)")
     p.add_argument("--no-stop", action="store_true",
@@ -108,7 +109,7 @@ def run(args) -> int:
     m = cflow.load(path, threads=args.threads, verify=args.verify, max_seq=args.max_seq,
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                    expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
-                   read_ahead=args.read_ahead, kv=args.kv,
+                   read_ahead=args.read_ahead, kv=args.kv, activations=args.activations,
                    draft=compiled_file(args.draft) if args.draft else None)
     try:
         if args.chat:
