@@ -146,7 +146,8 @@ def run(args) -> int:
         decode_s = t1 - (t_first or t1)
         print(f"prompt: {len(ids)} tokens, {len(ids) / prompt_s:.1f} tok/s | decode: {n_new} tokens, "
               f"{(n_new - 1) / decode_s if n_new > 1 and decode_s > 0 else 0:.1f} tok/s | {m.threads} threads, "
-              f"{m.bytes_per_token / 1e6:.1f} MB/token, {m.kv} KV cache", file=sys.stderr)
+              f"{m.bytes_per_token / 1e6:.1f} MB/token, {m.kv} KV cache"
+              + (f", {m.session.activations} activations" if m.session.activations != "q8" else ""), file=sys.stderr)
         if args.speculate:
             _describe_speculation(m.speculation, args.speculate)
         st = m.expert_stats
