@@ -1,6 +1,6 @@
 """Where the top-1 gap to the exact function comes from: each rounding of cflow's stored-type compile, one at a time.
 
-    python -m benchmarks.act_precision [--models gemma3-270m,smollm2-135m] [--chunks 4] [--ctx 512]
+    python -m benchmarks.act_precision [--models gemma3-270m,smollm2-135m,...] [--chunks 4] [--ctx 512]
                                        [--variants NAME,...] [--json FILE]
     python -m benchmarks.act_precision --report FILE      # the table of a saved run
 
@@ -12,6 +12,7 @@ statistics, its 16-bit base rounding included, as the conformance table):
   runtime variants (the compiled file, the JIT kernels):
     shipped          `cflowc model.gguf`, kv auto (f16 for stored types): the conformance table's cflow column
     shipped-kv32     the same file, kv='f32'
+    shipped-q8x2[-kv32]  the same file loaded with activations='q8x2' (two int8 planes for the 32-input types)
   interpreter variants (cflow/ir/interp.py on the same graph, the GGUF's weights dequantised, f32 arithmetic; the
   activation entering each quantised matrix rounded by the variant's rule, then times the dequantised weights:
   in exact arithmetic the kernels' integer block sums are this product):
@@ -26,9 +27,10 @@ statistics, its 16-bit base rounding included, as the conformance table):
                      Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the K-quants and IQ4_XS not)
 
 The emulation is checked against what it emulates: `none` against the exact function (its own row: top-1 100%),
-q8-kv16 against shipped and q8 against shipped-kv32 (top-1 and KLD between the two, printed and recorded as
-emulation_vs_*). Those agree as two draws of the same noise, not bit for bit: a 1-ulp difference in an input moves
-an int8 code across a rounding boundary. So a rounding no kernel has yet is measured without writing the kernel.
+q8-kv16 against shipped, q8 against shipped-kv32 and q8x2f-on-legacy-kv16 against shipped-q8x2 (top-1 and KLD
+between the two, printed and recorded as emulation_vs_*). Those agree as two draws of the same noise, not bit for
+bit: a 1-ulp difference in an input moves an int8 code across a rounding boundary. So a rounding no kernel has
+yet is measured without writing the kernel.
 """
 
 from __future__ import annotations
@@ -43,13 +45,18 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common.record import Run, add_json_argument
-from benchmarks.conformance import TEXT, cache_dir, cflow_compile, fetch
+from benchmarks.conformance import DERIVED, MODELS, TEXT, cache_dir, cflow_compile, derive, fetch
 
 ROLES = {"head": ("tok_embeddings", "lm_head"), "qkv": ("attn.wq", "attn.wk", "attn.wv"), "wo": ("attn.wo",),
          "gate_up": ("ffn.w_gate", "ffn.w_up"), "down": ("ffn.w_down",), "legacy": ("legacy",)}
-DEFAULT_VARIANTS = ("shipped", "shipped-kv32", "q8-kv16", "q8", "none-kv16", "none", "q8x2", "q8x2f", "q8x2f-kv16",
-                    "q16", "q16-kv16", *(f"q8-but-{r}" for r in ROLES if r != "legacy"), "q8x2f-on-qkv",
+DEFAULT_VARIANTS = ("shipped", "shipped-kv32", "shipped-q8x2", "q8-kv16", "q8", "none-kv16", "none", "q8x2", "q8x2f",
+                    "q8x2f-kv16", "q16", "q16-kv16", *(f"q8-but-{r}" for r in ROLES if r != "legacy"), "q8x2f-on-qkv",
                     "q8x2f-on-qkv+down", "q8x2f-on-qkv+gate_up", "q8x2f-on-qkv+wo+gate_up+down", "q8x2f-on-legacy")
+
+
+# each emulation and the runtime it emulates (compared as two draws of the same noise)
+TWINS = {"q8-kv16": "shipped", "q8": "shipped-kv32", "q8x2f-on-legacy-kv16": "shipped-q8x2"}
+TWINS |= {v: k for k, v in TWINS.items()}
 
 
 # --- activation rounding rules: x f32 [..., n] -> the value the kernel's integer sums would represent ----------------
@@ -115,9 +122,11 @@ RULES = {"none": None, "q8": q8, "q8x2": q8x2, "q8x2f": q8x2f, "q16": q16}
 
 
 def parse_variant(name: str) -> tuple[str, dict]:
-    """'shipped' / 'shipped-kv32' -> ('runtime', {kv}); anything else -> ('interp', {rule, kv, roles, other})."""
-    if name in ("shipped", "shipped-kv32"):
-        return "runtime", {"kv": "f32" if name.endswith("kv32") else "auto"}
+    """'shipped[-q8x2][-kv32]' -> ('runtime', {kv, activations}); anything else -> ('interp', {rule, kv, roles,
+    other})."""
+    if name in ("shipped", "shipped-kv32", "shipped-q8x2", "shipped-q8x2-kv32"):
+        return "runtime", {"kv": "f32" if name.endswith("kv32") else "auto",
+                           "activations": "q8x2" if "-q8x2" in name else "q8"}
     kv = "f32"
     if name.endswith("-kv16"):
         name, kv = name[: -len("-kv16")], "f16"
@@ -157,7 +166,7 @@ def make_interpreter(graph, rule, kv: str, roles, other):
 
         skip_head = False
 
-        def matvec(self, x, name):
+        def matvec(self, x, name, point=()):
             w = self.g.weight(name)
             if isinstance(w, (BlockTensor, QTensor)):
                 hit = roles is None or any(name.endswith(r) for r in roles) or ("legacy" in roles and w.dtype in legacy)
@@ -231,7 +240,8 @@ def run_model(name: str, path: Path, args, work: Path) -> dict:
         if kind == "runtime":
             if stored is None:
                 stored = cflow_compile(path, None, work / "stored.vflow")
-            m = cflow.load(str(work / "stored.vflow"), threads=args.threads, max_seq=args.ctx + 16, kv=opt["kv"])
+            m = cflow.load(str(work / "stored.vflow"), threads=args.threads, max_seq=args.ctx + 16, kv=opt["kv"],
+                           activations=opt["activations"])
             kvused = m.kv
             logs = [chunk_logits(m.session, ids) for _, ids in chunks]
             m.close()
@@ -245,10 +255,10 @@ def run_model(name: str, path: Path, args, work: Path) -> dict:
         s = score(logs)
         s["kv"] = kvused
         s["seconds"] = time.perf_counter() - t0
-        if v in ("shipped", "q8-kv16", "shipped-kv32", "q8", "none"):
+        if v in TWINS or v == "none":
             kept[v] = logs
         # the emulator against the runtime it emulates
-        twin = {"q8-kv16": "shipped", "shipped": "q8-kv16", "q8": "shipped-kv32", "shipped-kv32": "q8"}.get(v)
+        twin = TWINS.get(v)
         if twin in kept and v in kept:
             a, b = (kept[twin], kept[v]) if kind == "interp" else (kept[v], kept[twin])
             kld = P.KLDivergence()  # the runtime as the base
@@ -280,7 +290,8 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="gemma3-270m,smollm2-135m", help="comma list of conformance MODELS")
+    p.add_argument("--models", default="gemma3-270m,smollm2-135m",
+                   help="comma list of conformance MODELS or DERIVED")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list (module docstring)")
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--ctx", type=int, default=512)
@@ -294,6 +305,9 @@ def main(argv=None) -> int:
         print(table([{**r["extra"], "model": r["model"]} for r in doc["records"]]))
         return 0
     args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [n for n in args.models.split(",") if n and n not in MODELS and n not in DERIVED]
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join([*MODELS, *DERIVED])})")
     for v in args.variants:
         parse_variant(v)
     run = Run("act_precision", argv)
@@ -301,7 +315,8 @@ def main(argv=None) -> int:
     results, records = [], []
     for name in [n for n in args.models.split(",") if n]:
         with tempfile.TemporaryDirectory(prefix="cflow-actp-") as work:
-            results.append(run_model(name, fetch(name, cache), args, Path(work)))
+            path = fetch(name, cache) if name in MODELS else derive(name, cache)
+            results.append(run_model(name, path, args, Path(work)))
         extra = {k: v for k, v in results[-1].items() if k != "model"}
         records.append(run.record(engine="cflow", model=name, quant="stored", threads=args.threads, **extra))
         run.write(args.json, records)

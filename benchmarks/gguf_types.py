@@ -1,7 +1,7 @@
 """Each GGUF block type's decode mat-vec against the machine's read bandwidth, Q4_0 as the yardstick, one run.
 
     python -m benchmarks.gguf_types [--threads 1,2] [--rounds 3] [--set-gb 1.5] [--types Q4_0,Q4_K,...]
-                                    [--tune] [--json [FILE]]
+                                    [--tune] [--activations q8,q8x2] [--json [FILE]]
 
 For every type: TinyLlama's down projection shape (2048 outputs x 5632 inputs; IQ4_NL and the legacy types the
 same) of random blocks (every code pattern, small finite scales), copied into distinct buffers until the set is
@@ -9,7 +9,9 @@ same) of random blocks (every code pattern, small finite scales), copied into di
 (`codegen/kernels.emit_matvec`, this host's ISA, the built-in knobs or with --tune the host's tuned ones), each
 thread its share of the tile-rows of every copy (Python threads; the kernel releases the GIL). Per round: the read
 loop (codegen/bandwidth) and then each type, back to back, so all see the same machine; the best of --rounds.
-Printed: GB/s, the fraction of read bandwidth, and that fraction over Q4_0's (the target: >= 1).
+Printed: GB/s, the fraction of read bandwidth, and that fraction over Q4_0's (the target: >= 1). --activations
+q8,q8x2 times the 32-input types also with two-plane activations (load(activations='q8x2'): the same weights, the
+kernel's two dots per chunk; in the same rounds), each as a fraction of read and over Q4_0's with int8.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from benchmarks.common.record import Run, add_json_argument
 from cflow.codegen import kernels as K
 from cflow.codegen.target import cpu_model, host_target
 from cflow.layout import blocks as B
-from cflow.layout.quant import DType, quantize
+from cflow.layout.quant import DType, act_planes, quantize
 from cflow.layout.tile import TileLayout, aligned_empty, pack
 
 ROWS, COLS = 2048, 5632
@@ -47,14 +49,18 @@ def _matrix(dt: DType, tile):
 
 
 class Case:
-    def __init__(self, dt: DType, tile, set_bytes: float, knobs: dict):
-        self.dt, self.layout = dt, TileLayout(dt, ROWS, COLS, tile)
-        self.mv = K.MatVec(self.layout, **knobs)
-        one = _matrix(dt, tile)
-        self.n = max(1, int(-(-set_bytes // one.size)))
-        self.buf = aligned_empty(self.n * one.size, 4096)
-        self.buf.reshape(self.n, one.size)[:] = one
-        self.nbytes = self.n * one.size
+    def __init__(self, dt: DType, tile, set_bytes: float, knobs: dict, planes: int = 1, twin: Case | None = None):
+        self.dt, self.layout, self.planes = dt, TileLayout(dt, ROWS, COLS, tile), planes
+        self.label = dt.gguf_name + (" q8x2" if planes == 2 else "")
+        self.mv = K.MatVec(self.layout, planes=planes, **knobs)
+        if twin is not None:  # a two-plane case streams its one-plane twin's copies
+            self.n, self.buf = twin.n, twin.buf
+        else:
+            one = _matrix(dt, tile)
+            self.n = max(1, int(-(-set_bytes // one.size)))
+            self.buf = aligned_empty(self.n * one.size, 4096)
+            self.buf.reshape(self.n, one.size)[:] = one
+        self.nbytes = self.buf.size
         self.act = self.mv.activation(np.random.default_rng(1).standard_normal(COLS).astype(np.float32))
         self.y = [np.zeros(self.layout.rows_p, np.float32) for _ in range(4)]
         self.knobs = knobs
@@ -84,13 +90,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tile", default="128x256")
     ap.add_argument("--tune", action="store_true",
                     help="each type with this host's tuned knobs (cflow tune's; measured now where not cached)")
-    add_json_argument(ap, "write one record per thread count and block type")
+    ap.add_argument("--activations", default="q8",
+                    help="comma list of activation formats: q8 (int8), q8x2 (two planes: the 32-input types only) "
+                    "(default q8)")
+    add_json_argument(ap, "write one record per thread count, block type and activation format")
     args = ap.parse_args(argv)
     run = Run("gguf_types", argv)
     tile = tuple(int(v) for v in args.tile.split("x"))
     target = host_target()
     types = [DType.parse(t) for t in args.types.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
+    formats = [f for f in args.activations.split(",") if f]
+    if not formats or any(f not in ("q8", "q8x2") for f in formats):
+        ap.error(f"--activations: q8 and / or q8x2, not {args.activations!r}")
     cases = []
     for dt in types:
         knobs = {}
@@ -102,10 +114,15 @@ def main(argv=None) -> int:
                               tile=tile)
             knobs = tune.choices([pt], target, search=True, budget=tune.BUDGET).get(
                 tune.kernel_key(TileLayout(dt, ROWS, COLS, tile), False), {})
-        c = Case(dt, tile, args.set_gb * 1e9, knobs)
-        c.run(threads[0])  # page in, warm the code
-        cases.append(c)
-        print(f"{dt.gguf_name:7s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {knobs}", file=sys.stderr)
+        twin = None
+        for f in formats:
+            planes = act_planes(f, [dt])
+            if f == "q8x2" and planes == 1:
+                continue  # a K-quant: int8 under either format
+            c = twin = Case(dt, tile, args.set_gb * 1e9, knobs, planes, twin)
+            c.run(threads[0])  # page in, warm the code
+            cases.append(c)
+            print(f"{c.label:12s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {knobs}", file=sys.stderr)
     records = []
     print(f"cpu: {cpu_model()}  isa: {target.isa}  {ROWS}x{COLS} per matrix, {args.set_gb} GB per type, best of "
           f"{args.rounds} rounds")
@@ -115,17 +132,18 @@ def main(argv=None) -> int:
             bw = measure_read_bandwidth(n)
             best["read"] = max(best.get("read", 0), bw)
             for c in cases:
-                best[c.dt] = max(best.get(c.dt, 0), c.run(n))
-        q4 = best.get(DType.Q4, 0) / best["read"] if DType.Q4 in best else None
+                best[c.label] = max(best.get(c.label, 0), c.run(n))
+        q4 = best.get("Q4_0", 0) / best["read"] if "Q4_0" in best else None
         print(f"\n{n} thread(s): read bandwidth {best['read']:.2f} GB/s")
-        print(f"{'type':8} {'bits/w':>6} {'GB/s':>7} {'of read':>8} {'/ Q4_0':>7}")
+        print(f"{'type':12} {'bits/w':>6} {'GB/s':>7} {'of read':>8} {'/ Q4_0':>7}")
         for c in cases:
-            frac = best[c.dt] / best["read"]
+            frac = best[c.label] / best["read"]
             bits = 8 * c.layout.unit_nbytes / c.layout.tr / c.layout.unit_cols
-            print(f"{c.dt.gguf_name:8} {bits:6.2f} {best[c.dt]:7.2f} {frac:8.1%} "
+            print(f"{c.label:12} {bits:6.2f} {best[c.label]:7.2f} {frac:8.1%} "
                   f"{frac / q4 if q4 else float('nan'):7.3f}")
             records.append(run.record(engine="mat-vec", model=f"{ROWS}x{COLS}", quant=c.dt.gguf_name, threads=n,
-                                      read_gbs=best["read"], gbps=best[c.dt],
+                                      variant="activations q8x2" if c.planes == 2 else None,
+                                      read_gbs=best["read"], gbps=best[c.label],
                                       of_read=frac, over_q4_0=frac / q4 if q4 else None, bits_per_weight=bits,
                                       knobs=c.knobs, copies=c.n))
     run.write(args.json, records, {"tile": list(tile), "set_gb": args.set_gb, "tuned": args.tune})

@@ -30,7 +30,7 @@ from .runtime.requests import check_draft, check_fits, check_sampling, check_spe
 
 
 def compile(model, delays: tuple[int, int] | None = None, quant: str | None = None, tokenizer: str | None = None,
-            threads: int | None = None, tile=None, layout: str = "vflow") -> CompiledModel:
+            threads: int | None = None, tile=None, layout: str = "vflow", activations: str = "q8") -> CompiledModel:
     """Compile a model to tile-native weights and a JIT-compiled decode step.
 
     Args:
@@ -43,6 +43,7 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str | None = No
         tile: (rows, cols); default (128, 256), or for a GGUF kept as stored columns that divide every matrix
             width (nothing padded).
         tokenizer: path to a tokenizer.json (directories bring their own).
+        activations: the quantised activations of the loaded model (load's).
     """
     from .compiler import compile_file
     from .frontend.load import load_graph
@@ -77,7 +78,7 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str | None = No
     path = os.path.join(tmp, f"{safe}.{layout}")
     try:
         compile_file(g, path, quant, tile, delays, layout, tok, g.meta.eos_token_ids)
-        m = load(path, threads=threads)
+        m = load(path, threads=threads, activations=activations)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -88,7 +89,8 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str | None = No
 def load(path, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
          experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async",
          weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64, max_batch: int = 1,
-         kv: str = "auto", draft=None, max_ram_mb: float | None = None, expert_guess: bool = True) -> CompiledModel:
+         kv: str = "auto", draft=None, activations: str = "q8", max_ram_mb: float | None = None,
+         expert_guess: bool = True) -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
@@ -118,6 +120,10 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
             placement `experts` / `weights` ask for. Not with `expert_cache_mb`.
         draft: a smaller compiled model of the same vocabulary (a path, or a loaded CompiledModel) that drafts
             tokens for `speculate="draft"` (runtime/speculate.py); loaded with the same threads.
+        activations: how the activation entering a quantised matrix is rounded: 'q8' (default: int8 blocks of 32,
+            llama.cpp's Q8_0 pairing) or 'q8x2' (two int8 planes on one scale, about 15 bits, for the 32-input block
+            types Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL; the K-quants and IQ4_XS keep int8): closer to the
+            weights' exact function, at some cost in speed (docs/conformance.md). `session.activations` is it.
     """
     from .runtime.session import Session
 
@@ -127,7 +133,7 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
     m = CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
                               expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
                               read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch, kv=kv,
-                              max_ram_mb=max_ram_mb, guess_routes=expert_guess))
+                              activations=activations, max_ram_mb=max_ram_mb, guess_routes=expert_guess))
     if draft is not None:
         d = None
         try:

@@ -29,6 +29,15 @@ VERSION = f"cflow {__version__}"
 # --kv of run / bench / serve: "auto" and the keys of codegen.abi.KV_BYTES, spelled out here because importing
 # that pulls in numpy and --help stays light (tests/runtime/test_kv_cache.py checks the two agree)
 KV_CHOICES = ("auto", "f32", "f16", "bf16")
+# --activations of run / bench / perplexity / serve: layout.quant.ACT_FORMATS, spelled out for the same reason
+ACT_CHOICES = ("q8", "q8x2")
+
+
+def add_activations_argument(p) -> None:
+    p.add_argument("--activations", choices=ACT_CHOICES, default="q8",
+                   help="the activation entering a quantised matrix: q8 (int8 blocks of 32) or q8x2 (two int8 planes "
+                   "on one scale, about 15 bits, for the 32-input block types Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL: "
+                   "closer to the weights' exact function, slower) (default q8)")
 
 
 def _guard(main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

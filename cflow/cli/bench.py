@@ -27,7 +27,7 @@ def _thread_counts(text: str) -> list[int]:
 
 
 def add_args(p):
-    from . import KV_CHOICES, whole
+    from . import KV_CHOICES, add_activations_argument, whole
 
     p.add_argument("file", help="compiled model (.vflow or .cflow), or a directory holding exactly one")
     p.add_argument("--threads", type=_thread_counts, default=None,
@@ -38,6 +38,7 @@ def add_args(p):
     p.add_argument("--kv", choices=KV_CHOICES, default="auto",
                    help="KV cache element type (f32, f16, bf16); auto: f16 for q4/q8 weights, f32 for f16/f32 "
                    "(default auto)")
+    add_activations_argument(p)
     p.add_argument("--json", metavar="FILE",
                    help="also write one record per thread count to this JSON file (default: no file)")
 
@@ -66,7 +67,7 @@ def run(args) -> int:
     records = []
     header_printed = False
     for threads in counts:
-        m = cflow.load(path, threads=threads, kv=args.kv)
+        m = cflow.load(path, threads=threads, kv=args.kv, activations=args.activations)
         try:
             room = m.session.max_seq - len(PROMPT)
             if args.tokens > room:

@@ -13,7 +13,7 @@ HELP = "perplexity of a text (llama-perplexity's protocol), and KL divergence ag
 
 def add_args(p):
     from ..layout import QUANTS
-    from . import KV_CHOICES, MAX_THREADS, whole
+    from . import KV_CHOICES, MAX_THREADS, add_activations_argument, whole
 
     p.add_argument("model", help="compiled model (.vflow / .cflow), a .gguf or a model directory (compiled first)")
     p.add_argument("text", nargs="?", default=None,
@@ -35,6 +35,7 @@ def add_args(p):
     p.add_argument("--threads", type=whole(1, MAX_THREADS), default=None,
                    help="worker threads (default: usable cores)")
     p.add_argument("--kv", choices=KV_CHOICES, default="auto", help="KV cache element type (default auto)")
+    add_activations_argument(p)
     p.add_argument("--json", action="store_true", help="print the final figures as one JSON object on stdout "
                    "(default: text only)")
 
@@ -51,7 +52,7 @@ def _progress(total: int):
     return tqdm(total=total, unit="chunk", desc="scoring", file=sys.stderr, leave=False)
 
 
-def open_model(spec: str, quant: str | None, threads, max_seq: int, kv: str, workdir: str):
+def open_model(spec: str, quant: str | None, threads, max_seq: int, kv: str, workdir: str, activations: str = "q8"):
     """A compiled file is loaded; a .gguf or a model directory is compiled into `workdir` first."""
     import os
 
@@ -83,7 +84,7 @@ def open_model(spec: str, quant: str | None, threads, max_seq: int, kv: str, wor
         ctx = r.header.get("config", {}).get("max_seq_len", max_seq)
     if isinstance(ctx, int) and max_seq > ctx:
         raise CflowError(f"-c {max_seq}: the model's context is {ctx} tokens (give -c {ctx} or less)")
-    return cflow.load(spec, threads=threads, max_seq=max_seq, kv=kv)
+    return cflow.load(spec, threads=threads, max_seq=max_seq, kv=kv, activations=activations)
 
 
 def chunk_logits(session, ids):
@@ -139,7 +140,7 @@ def run(args) -> int:
     workdir = tempfile.mkdtemp(prefix="cflow-ppl-")
     m = None
     try:
-        m = open_model(args.model, args.quant, args.threads, n_ctx, args.kv, workdir)
+        m = open_model(args.model, args.quant, args.threads, n_ctx, args.kv, workdir, args.activations)
         if m.session.max_seq < n_ctx:
             raise CflowError(f"-c {n_ctx}: the model's context is {m.session.max_seq} tokens")
         tok = m.tokenizer

@@ -10,7 +10,7 @@ DEFAULT_NEW_TOKENS = 128
 
 
 def add_args(p):
-    from . import KV_CHOICES, MAX_THREADS, number, size_mb, whole
+    from . import KV_CHOICES, MAX_THREADS, add_activations_argument, number, size_mb, whole
 
     p.add_argument("file", help="compiled model (.vflow or .cflow), or a directory holding exactly one")
     p.add_argument("--prompt", "-p", default="Once upon a time",
@@ -45,6 +45,7 @@ def add_args(p):
                    "contexts; bf16 as many bytes with f32's range (bf16 dot products in attention); auto is f16 "
                    "for q4/q8 weights (measured equal in perplexity), f32 for f16/f32 "
                    "weights (default auto; the type in use is printed with the speeds)")
+    add_activations_argument(p)
     p.add_argument("--verify", action="store_true",
                    help="verify every checksum before running (default: no full-read check)")
     p.add_argument("--no-stop", action="store_true",
@@ -117,7 +118,8 @@ def run(args) -> int:
     m = cflow.load(path, threads=args.threads, verify=args.verify, max_seq=args.max_seq,
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                    expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
-                   read_ahead=args.read_ahead, kv=args.kv, max_ram_mb=args.max_ram, expert_guess=args.expert_guess,
+                   read_ahead=args.read_ahead, kv=args.kv, activations=args.activations, max_ram_mb=args.max_ram,
+                   expert_guess=args.expert_guess,
                    draft=compiled_file(args.draft) if args.draft else None)
     try:
         if args.chat:
@@ -154,7 +156,8 @@ def run(args) -> int:
         decode_s = t1 - (t_first or t1)
         print(f"prompt: {len(ids)} tokens, {len(ids) / prompt_s:.1f} tok/s | decode: {n_new} tokens, "
               f"{(n_new - 1) / decode_s if n_new > 1 and decode_s > 0 else 0:.1f} tok/s | {m.threads} threads, "
-              f"{m.bytes_per_token / 1e6:.1f} MB/token, {m.kv} KV cache", file=sys.stderr)
+              f"{m.bytes_per_token / 1e6:.1f} MB/token, {m.kv} KV cache"
+              + (f", {m.session.activations} activations" if m.session.activations != "q8" else ""), file=sys.stderr)
         if args.speculate:
             _describe_speculation(m.speculation, args.speculate)
         st = m.expert_stats

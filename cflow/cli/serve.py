@@ -6,7 +6,7 @@ HELP = "serve a compiled model over HTTP with OpenAI's API (completions, chat, s
 
 
 def add_args(p):
-    from . import KV_CHOICES, size_mb
+    from . import KV_CHOICES, add_activations_argument, size_mb
 
     p.add_argument("file", help="compiled model (.vflow or .cflow)")
     p.add_argument("--host", default="127.0.0.1",
@@ -49,6 +49,7 @@ def add_args(p):
     p.add_argument("--kv", choices=KV_CHOICES, default="auto",
                    help="KV cache element type (f32, f16, bf16); auto: f16 for q4/q8 weights (measured equal in "
                    "perplexity), f32 for f16/f32 weights (default auto)")
+    add_activations_argument(p)
     p.add_argument("--speculate", choices=("ngram", "draft"), default=None,
                    help="speculative decoding for a request decoding alone: drafts from prompt lookup (ngram) or "
                    "from --draft, checked in one pass; the same tokens as without (default: off)")
@@ -133,6 +134,7 @@ def run(args) -> int:
                     api_key=api_key, model_id=args.model_name, cache_mb=args.cache_mb,
                     experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                     weights="disk" if args.weights_on_disk else "ram", kv=args.kv, speculate=args.speculate,
+                    activations=args.activations,
                     **({"draft": args.draft} if args.draft else {}),
                     **({"max_ram_mb": args.max_ram} if args.max_ram is not None else {}))
     st = app.state.engine.stats()

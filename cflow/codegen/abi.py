@@ -22,7 +22,7 @@ import math
 import attrs
 
 from ..errors import CodegenError
-from ..layout.quant import BLOCK, padded
+from ..layout.quant import BLOCK, act_planes, padded
 
 STEP_SYMBOL, WORKER_SYMBOL, KICK_SYMBOL = "cflow_step", "cflow_worker", "cflow_kick"
 
@@ -120,8 +120,9 @@ class ScratchLayout:
     n_layers: int
     tmax: int = 1  # tokens per multi-token call
     expert_rows: int = 0  # one expert's hidden width, padded to the tile unit (0: no experts)
+    act_planes: int = 1  # int8 planes of the widest quantised activation (2: activations='q8x2', quant.act_planes)
     xn: int = 0  # f32[tmax][kmax]: normalised (or copied) step input
-    xq: int = 0  # i8[tmax][kmax]: its int8 blocks
+    xq: int = 0  # i8[tmax][act_planes * kmax]: its int8 blocks (32 bytes a block per plane)
     xd: int = 0  # f32[tmax][kmax/32]: block scales
     xs: int = 0  # i32[tmax][kmax/32]: block code sums
     tmp: int = 0  # f32[dp]: one expert's down output before its weighted add
@@ -131,7 +132,7 @@ class ScratchLayout:
     route: int = 0  # [tmax][layer 0..n_layers]: i32 idx[k], f32 w[k], f32 shared gate
     # A multi-token call of an MoE model groups the block's tokens by the expert they chose, so each chosen
     # expert's tiles are read once per call (moe.py experts_*_grouped); these fields exist only then.
-    gq: int = 0  # i8[tmax][kmax]: the int8 inputs of one expert's tokens, gathered
+    gq: int = 0  # i8[tmax][act_planes * kmax]: the int8 inputs of one expert's tokens, gathered
     gd: int = 0  # f32[tmax][kmax/32]
     gs: int = 0  # i32[tmax][kmax/32]
     gy: int = 0  # f32: one expert's up outputs [tmax][expert_rows], or every down output [tmax][top_k + 1][dp]
@@ -143,7 +144,7 @@ class ScratchLayout:
     def token_bytes(self, field: str) -> int:
         """Bytes between two tokens' copies of a per-token field."""
         kb = self.kmax // BLOCK
-        return {"xn": 4 * self.kmax, "xq": self.kmax, "xd": 4 * kb, "xs": 4 * kb,
+        return {"xn": 4 * self.kmax, "xq": self.act_planes * self.kmax, "xd": 4 * kb, "xs": 4 * kb,
                 "route": self.route_stride * (self.n_layers + 1)}[field]
 
     def __attrs_post_init__(self):
@@ -166,7 +167,7 @@ class ScratchLayout:
         self.route = take(self.tmax * self.token_bytes("route"))
         if self.grouped:
             T, kb = self.tmax, self.kmax // BLOCK
-            self.gq, self.gd, self.gs = take(T * self.kmax), take(4 * T * kb), take(4 * T * kb)
+            self.gq, self.gd, self.gs = take(T * self.token_bytes("xq")), take(4 * T * kb), take(4 * T * kb)
             self.gy = take(4 * T * max(self.expert_rows, (self.top_k + 1) * self.dp))
             self.gtok, self.gj, self.gpos = take(8 * T), take(8 * T), take(8 * T * self.top_k)
         self.nbytes = padded(off, 4096)
@@ -187,14 +188,15 @@ class ScratchLayout:
     @classmethod
     def from_json(cls, d: dict) -> ScratchLayout:
         s = cls(**{k: d[k] for k in ("kmax", "dp", "max_seq", "n_experts", "top_k", "n_layers", "tmax",
-                                        "expert_rows", "att_rep") if k in d})
+                                        "expert_rows", "att_rep", "act_planes") if k in d})
         if s.to_json() != d:
             raise ValueError("stored scratch layout does not match this version")
         return s
 
 
-def scratch_layout(config, tensors: dict, max_seq: int, tmax: int = 1) -> ScratchLayout:
-    """The scratch layout of the step compiled for these packed tensors (`PackedTensor` by name).
+def scratch_layout(config, tensors: dict, max_seq: int, tmax: int = 1, activations: str = "q8") -> ScratchLayout:
+    """The scratch layout of the step compiled for these packed tensors (`PackedTensor` by name) and activation
+    format (quant.ACT_FORMATS: 'q8x2' doubles the int8 fields when any matrix reads two planes).
 
     kmax is the widest mat-vec input as the kernels read it (padded to the tile unit, lcm of the tile's
     rows and columns). The session's memory check sizes the scratch with this before anything is compiled;
@@ -207,8 +209,10 @@ def scratch_layout(config, tensors: dict, max_seq: int, tmax: int = 1) -> Scratc
     for t in tensors.values():
         if t.form.is_tiled:
             kmax = max(kmax, t.layout.cols_p, padded(t.layout.cols, unit))
+    planes = max((act_planes(activations, t.part_dtypes or (t.dtype,)) for t in tensors.values() if t.form.is_tiled),
+                 default=1)
     return ScratchLayout(kmax=kmax, dp=dp, max_seq=max_seq, n_experts=config.n_experts, top_k=config.top_k,
-                         n_layers=config.n_layers, tmax=tmax,
+                         n_layers=config.n_layers, tmax=tmax, act_planes=planes,
                          att_rep=max(1, config.n_heads // max(config.n_kv_heads, 1)),
                          expert_rows=padded(config.expert_dim, unit) if config.n_experts else 0)
 

@@ -6,7 +6,8 @@ Every type computes the same arithmetic (blocks.matvec_twin):
     acc += sum over 32-input activation blocks j, sub-blocks s of j:
                da_j * (S_s * (sum_k u_k a_k - bias_s * sum_k a_k) + M_s * sum_k a_k)
 
-with a = the int8 activation codes, da their float32 scale, u the weight codes; the integer sums are exact
+with a = the int8 activation codes (or, for the 32-input types under two-plane activations, 256 q1 + q2 summed as
+two int8 dots: kernels.plane_dot), da their float32 scale, u the weight codes; the integer sums are exact
 (vpdpbusd on AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2, widening multiplies in portable IR) and each sub-block's
 sum meets its float scale once. A `Decoder` per type says only where the codes and scales are in the group
 (`codes(j)`: eight <16 x i32> vectors, lane i = the codes of inputs 4c .. 4c+3 of block j for row i, one per
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from ..errors import CodegenError
 from ..layout.blocks import IQ4_VALUES, BlockFormat
 from ..layout.quant import BLOCK, DType
 from .cgutils import (
@@ -370,14 +372,18 @@ def _asum16(b, aptr, h: int):
 
 
 class UnitActivation:
-    """The activation of one unit (QK inputs), shared by its groups: per 32-block its bytes, scale and sums."""
+    """The activation of one unit (QK inputs), shared by its groups: per 32-block its bytes, scale and sums;
+    `planes` int8 planes a block (kernels.plane_dot; two for the 32-input types only)."""
 
-    def __init__(self, b, fmt: BlockFormat, kb, xq, xd, xs):
+    def __init__(self, b, fmt: BlockFormat, kb, xq, xd, xs, planes: int = 1):
         per = fmt.qk // BLOCK
+        if planes != 1 and (per != 1 or fmt.sub != BLOCK):
+            raise CodegenError(f"{fmt.ggml_name} reads one-plane activations only")
+        self.planes = planes
         self.blocks = []
         for j in range(per):
             k = b.add(b.mul(kb, ir.Constant(i64, per)), ir.Constant(i64, j))
-            aptr = ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)))
+            aptr = ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK * planes)))
             da = b.load(ptr(b, xd, k), align=4)
             sums = [_asum16(b, aptr, h) for h in range(2)] if fmt.sub == 16 else [b.load(ptr(b, xs, k), align=4)]
             self.blocks.append((aptr, da, sums))
@@ -395,7 +401,13 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
     by_parts = isa.vnni and not fmt.signed
 
     def dot(j, codes, aptr, h):
-        """The exact integer dot of sub-block h of block j: of its parts (by_parts) or of its assembled codes."""
+        """The exact integer dot of sub-block h of block j (over both planes of a two-plane activation)."""
+        from .kernels import plane_dot
+
+        return plane_dot(b, lambda ap: dot1(j, codes, ap, h), aptr, act.planes)
+
+    def dot1(j, codes, aptr, h):
+        """... over one plane: of its parts (by_parts) or of its assembled codes."""
         cs = range(h * cper, (h + 1) * cper)
         if codes is not None:
             return _idot(b, isa, codes, aptr, cs, fmt.signed and not isa.vnni, fmt.umax)

@@ -12,7 +12,10 @@ Signatures (plain pointers + i64, callable from ctypes and from generated code):
   gate_up(same args, y = h): h[rows of tile-rows r0..r1) = act(gate x) * (up x) on the
       interleaved gate+up stream (tile.pack_gate_up); h is M' long. act: SiLU, or tanh-GELU (GATE_ACTS).
 Numerics (Q4/Q8): per 32-block the exact integer dot of weight codes and int8 activation, times
-fp16 weight scale times f32 activation scale, summed in f32 (quant.quantize_activation_q8).
+fp16 weight scale times f32 activation scale, summed in f32 (quant.quantize_activation_q8). With two-plane
+activations (planes=2, activations='q8x2': quant.quantize_activation_q8x2) a block's codes are 64 bytes, [q1][q2],
+its integer dot 256 (w . q1) + (w . q2) (plane_dot), xd = d/256 and xs = sum(256 q1 + q2): the float part is the
+same.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from llvmlite import ir
 
 from ..errors import CodegenError
-from ..layout.quant import BLOCK, DType
+from ..layout.quant import BLOCK, TWO_PLANE_TYPES, DType
 from ..layout.tile import TileLayout, aligned_empty
 from . import blockdot
 from .cgutils import (
@@ -69,33 +72,49 @@ def _fma(b, x, y, acc, isa):
 
 
 def emit_quantize_act(module: ir.Module, name: str, cols: int, cols_p: int | None = None,
-                      linkage: str = "external") -> ir.Function:
+                      linkage: str = "external", planes: int = 1) -> ir.Function:
     """quantize_act(x, xq, xd, xs): f32 x[cols] -> per 32-block int8 codes, f32 scale, i32 code sum.
 
-    Bit-exact with quant.quantize_activation_q8 (d = amax/127 in f32, q = round-half-away(x/d)).
-    Blocks past `cols` up to cols_p (K') are written as zeros.
+    planes 1: bit-exact with quant.quantize_activation_q8 (d = amax/127 in f32, q = round-half-away(x/d)); 32 code
+    bytes a block, xd = d, xs = sum(q). planes 2: with quant.quantize_activation_q8x2, 64 bytes a block ([q1 x 32]
+    [q2 x 32]), xd = d/256, xs = sum(256 q1 + q2). Blocks past `cols` up to cols_p (K') are written as zeros.
     """
     cols_p = cols if cols_p is None else cols_p
     nfull, rem, nblk_p = cols // BLOCK, cols % BLOCK, cols_p // BLOCK
     if cols_p % BLOCK or cols_p < cols:
         raise CodegenError(f"quantize_act: padded width {cols_p} must be a multiple of {BLOCK} >= {cols}")
+    _check_planes(planes)
     fn = new_function(module, name, QUANT_ARGS, linkage, ("x", "xq", "xd", "xs"))
     x, xq, xd, xs = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    vf = V(f32, BLOCK)
+    vf, vi = V(f32, BLOCK), V(i32, BLOCK)
     fabs = intrinsic(module, "llvm.fabs.v32f32", vf, [vf])
     fmax = intrinsic(module, "llvm.vector.reduce.fmax.v32f32", f32, [vf])
     rnd = intrinsic(module, "llvm.round.v32f32", vf, [vf])
-    radd = intrinsic(module, "llvm.vector.reduce.add.v32i32", i32, [V(i32, BLOCK)])
+    radd = intrinsic(module, "llvm.vector.reduce.add.v32i32", i32, [vi])
     tmp = b.alloca(vf, name="tail")
+    bb = BLOCK * planes  # code bytes a block
 
     def block(v, k):
         amax = b.call(fmax, [b.call(fabs, [v])])
         d = b.fdiv(amax, ir.Constant(f32, 127.0))
         inv = b.select(b.fcmp_ordered("==", d, ir.Constant(f32, 0.0)), ir.Constant(f32, 0.0),
                        b.fdiv(ir.Constant(f32, 1.0), d))
-        q = b.fptosi(b.call(rnd, [b.fmul(v, splat(b, inv, BLOCK))]), V(i32, BLOCK))
-        b.store(b.trunc(q, V(i8, BLOCK)), ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)), V(i8, BLOCK)), align=1)
+        t = b.fmul(v, splat(b, inv, BLOCK))
+        r1 = b.call(rnd, [t])
+        q = b.fptosi(r1, vi)
+        at = b.mul(k, ir.Constant(i64, bb))
+        b.store(b.trunc(q, V(i8, BLOCK)), ptr(b, xq, at, V(i8, BLOCK)), align=1)
+        if planes == 2:  # t - q1 and its * 256 are exact: no rounding before the second code's own
+            r2 = b.call(rnd, [b.fmul(b.fsub(t, r1), ir.Constant(vf, [256.0] * BLOCK))])
+            q2 = b.fptosi(r2, vi)
+            hi, lo = const_vec(i32, BLOCK, 127), const_vec(i32, BLOCK, -127)  # |256 (t - q1)| <= 128
+            q2 = b.select(b.icmp_signed(">", q2, hi), hi, q2)
+            q2 = b.select(b.icmp_signed("<", q2, lo), lo, q2)
+            b.store(b.trunc(q2, V(i8, BLOCK)), ptr(b, xq, b.add(at, ir.Constant(i64, BLOCK)), V(i8, BLOCK)),
+                    align=1)
+            q = b.add(b.shl(q, const_vec(i32, BLOCK, 8)), q2)
+            d = b.fmul(d, ir.Constant(f32, 1.0 / 256))  # exact: a power of two
         b.store(d, ptr(b, xd, k), align=4)
         b.store(b.call(radd, [q]), ptr(b, xs, k), align=4)
 
@@ -110,12 +129,36 @@ def emit_quantize_act(module: ir.Module, name: str, cols: int, cols_p: int | Non
     first_zero = nfull + (1 if rem else 0)
     if nblk_p > first_zero:
         with Loop(b, ir.Constant(i64, first_zero), ir.Constant(i64, nblk_p), "pad") as k:
-            b.store(ir.Constant(V(i8, BLOCK), [0] * BLOCK),
-                    ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK)), V(i8, BLOCK)), align=1)
+            for h in range(planes):
+                b.store(ir.Constant(V(i8, BLOCK), [0] * BLOCK),
+                        ptr(b, xq, b.add(b.mul(k, ir.Constant(i64, bb)), ir.Constant(i64, h * BLOCK)),
+                            V(i8, BLOCK)), align=1)
             b.store(ir.Constant(f32, 0.0), ptr(b, xd, k), align=4)
             b.store(ir.Constant(i32, 0), ptr(b, xs, k), align=4)
     b.ret_void()
     return fn
+
+
+def _check_planes(planes: int) -> None:
+    if planes not in (1, 2):
+        raise CodegenError(f"activation planes must be 1 or 2, not {planes!r}")
+
+
+def _check_layout_planes(L: TileLayout, planes: int) -> None:
+    """Two-plane activations are read by the 32-input block types only (float layouts read x: any)."""
+    _check_planes(planes)
+    if planes == 2 and L.dtype.quantised and L.dtype not in TWO_PLANE_TYPES:
+        raise CodegenError(f"{L.dtype.gguf_name} kernels read one-plane activations only")
+
+
+def plane_dot(b, one, aptr, planes: int):
+    """The exact integer dot of one activation block, <16 x i32>: one(aptr) over its int8 codes (planes 1), or
+    256 one(q1) + one(q2) over the two planes of a two-plane block (quant.quantize_activation_q8x2). Each plane is
+    one int8 vector as before (vpdpbusd, vpmaddubsw's i16 pair sums and the widening products keep their ranges);
+    the combined sums stay below 2^31: 256 x (32 x 255 x 127) + 32 x 255 x 127 < 2.7e8."""
+    if planes == 1:
+        return one(aptr)
+    return b.add(b.shl(one(aptr), const_vec(i32, 16, 8)), one(ptr(b, aptr, BLOCK)))
 
 
 # -- integer block dots: one 32-input block of one 16-row group -> <16 x i32> ----------------
@@ -278,17 +321,17 @@ def _goff(b, g, mult: int, add: int = 0):
     return b.add(b.mul(g, ir.Constant(i64, mult)), ir.Constant(i64, add))
 
 
-def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack: int = 0):
-    """One block unit (32 inputs) for the given groups: acc[g] += (codes . a) * d_w * d_a."""
-    aptr = ptr(b, xq, b.mul(kb, ir.Constant(i64, BLOCK)))
+def _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack: int = 0, planes: int = 1):
+    """One block unit (32 inputs) for the given groups: acc[g] += (codes . a) * d_w * d_a (a: plane_dot's)."""
+    aptr = ptr(b, xq, b.mul(kb, ir.Constant(i64, BLOCK * planes)))
     ad = splat(b, b.load(ptr(b, xd, kb), align=4), 16)
     asum = b.load(ptr(b, xs, kb), align=4)
     bias = 8 if L.dtype == DType.Q4 else (128 if isa.vnni else 0)
     corr = splat(b, b.mul(asum, ir.Constant(i32, bias)), 16) if bias else None
     for g in groups:
         codes = ptr(b, unit, _goff(b, g, L.code_nbytes))
-        isum = (_q4_block_int(b, isa, codes, aptr, unpack) if L.dtype == DType.Q4
-                else _q8_block_int(b, isa, codes, aptr))
+        isum = plane_dot(b, lambda ap, codes=codes: (_q4_block_int(b, isa, codes, ap, unpack) if L.dtype == DType.Q4
+                                                     else _q8_block_int(b, isa, codes, ap)), aptr, planes)
         if corr is not None:  # unsigned-code trick: sum((q - bias) * a) = sum(q * a) - bias * sum(a)
             isum = b.sub(isum, corr)
         ws = half_to_float(b, load(b, unit, _goff(b, g, 32, L.scales_offset), V(i16, 16)), isa)
@@ -308,22 +351,23 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
-def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0) -> None:
+def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0, planes: int = 1) -> None:
     """One unit for `groups` of any dtype: _q_unit (Q4/Q8), _f_unit (F16/F32) or a GGUF block type's
-    (blockdot.block_unit, one block of QK inputs); act = (x, xq, xd, xs)."""
+    (blockdot.block_unit, one block of QK inputs); act = (x, xq, xd, xs), xq of `planes` int8 planes."""
     x, xq, xd, xs = act
     if L.is_block_type:
-        ua = blockdot.UnitActivation(b, L.format, kb, xq, xd, xs)
+        ua = blockdot.UnitActivation(b, L.format, kb, xq, xd, xs, planes)
         for g in groups:
             accs[g] = blockdot.block_unit(b, isa, L.format, ptr(b, unit, _goff(b, g, L.group_nbytes)), ua, accs[g])
         return
     if L.dtype in (DType.Q4, DType.Q8):
-        _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack)
+        _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack, planes)
     else:
         _f_unit(b, L, isa, unit, kb, groups, accs, x)
 
 
-def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_locality, unpack, pf_stride):
+def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_locality, unpack, pf_stride,
+                     planes: int = 1):
     """out[0:TR] = (one tile-row of W) x, one 16-row group of one block unit per loop iteration.
 
     The same arithmetic as one pass of _emit_tile_row, group by group and unit by unit in the same order per
@@ -350,7 +394,7 @@ def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_l
             prefetch_lines(b, unit, offs, pf_locality)
         sp = b.gep(arr, [c32(0), g])
         accs = {g: b.load(sp)}
-        _unit(b, L, isa, unit, kb, [g], accs, act, unpack)
+        _unit(b, L, isa, unit, kb, [g], accs, act, unpack, planes)
         b.store(accs[g], sp)
     outv = b.bitcast(out, P(V(f32, 16)))
     for g in range(ng):
@@ -358,7 +402,7 @@ def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_l
 
 
 def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2, unpack=0,
-                   pf_stride=64):
+                   pf_stride=64, planes: int = 1):
     """outs[a][0:TR] = (one tile-row of W) x_a for every activation a, where w_row points at the tile-row's
     first unit and acts[a] = (x, xq, xd, xs).
 
@@ -386,7 +430,7 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                     prefetch_lines(b, unit, [prefetch + off for off in range(0, UB, pf_stride)], pf_locality)
                 for a, act in enumerate(acts):
                     accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
-                    _unit(b, L, isa, unit, kb, groups, accs, act, unpack)
+                    _unit(b, L, isa, unit, kb, groups, accs, act, unpack, planes)
                     for k, g in enumerate(groups):
                         b.store(accs[g], slots[a * gp + k])
         for a in range(na):
@@ -412,7 +456,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
                 max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int | None = None,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
                 act: str = "silu", vector_bits: int = 0, unpack: int = 0, prefetch_stride: int = 64,
-                group_loop: int = 0) -> ir.Function:
+                group_loop: int = 0, planes: int = 1) -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
@@ -435,9 +479,11 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
             `unroll` units per iteration, groups in passes of max_groups. (For the GGUF block types the group loop
             ran 1.1-1.3x faster from L2 but 0.8-0.9x from DRAM on an AMX Xeon: the unit loop stays the default,
             the tuner tries both.)
+        planes: the activation's int8 planes (emit_quantize_act): 2 for quant.TWO_PLANE_TYPES only.
     """
     isa = _check_isa(isa)
     _check_act(act)
+    _check_layout_planes(layout, planes)
     prefetch = default_prefetch(layout) if prefetch is None else prefetch
     if vector_bits not in (0, 256, 512):
         raise CodegenError(f"matvec: vector_bits must be 0, 256 or 512, not {vector_bits}")
@@ -459,10 +505,10 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     def tile_row(w_row, out):
         if group_loop:
             _emit_group_loop(b, L, isa, w_row, (x, xq, xd, xs), arr, out, prefetch, prefetch_locality, unpack,
-                             prefetch_stride)
+                             prefetch_stride, planes)
         else:
             _emit_tile_row(b, L, isa, w_row, [(x, xq, xd, xs)], slots, [out], unroll, prefetch, prefetch_locality,
-                           unpack, prefetch_stride)
+                           unpack, prefetch_stride, planes)
 
     with Loop(b, r0, r1, "t") as t:
         w_row = ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
@@ -486,12 +532,13 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
                 tail: ir.Function | None = None, linkage: str = "external", token_group: int | None = None,
                 max_groups: int | None = None, unroll: int = 1, prefetch: int | None = None,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
-                act: str = "silu") -> ir.Function:
+                act: str = "silu", act_blocks: int | None = None, planes: int = 1) -> ir.Function:
     """Emit `name`: y[t][r0*TR : r1*TR] = W x_t for tokens t in [0, ntok) over tile-rows [r0, r1).
 
     The multi-token twin of emit_matvec (its arguments, plus ntok, x_stride, y_stride): token t's int8
-    activation is at xq + t*act_stride bytes (xd, xs: act_stride/32 elements), its float input (F16/F32
-    weights) at x + t*x_stride floats, its output at y + t*y_stride floats.
+    activation (`planes` planes) is at xq + t*act_stride bytes, its xd, xs at t*act_blocks elements (default
+    act_stride/32), its float input (F16/F32 weights) at x + t*x_stride floats, its output at y + t*y_stride
+    floats.
     Each tile-row is streamed from memory once and multiplied against every token while it sits in
     L1/L2, `token_group` tokens per pass; the last ntok mod token_group tokens go through `tail` (the
     layout's mat-vec, one tile-row per call; emitted here if not given). Per output the per-block
@@ -502,12 +549,15 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     _check_isa(isa)
     _check_act(act)
     L = layout
+    _check_layout_planes(L, planes)
     prefetch = default_prefetch(L) if prefetch is None else prefetch
-    if act_stride % BLOCK or act_stride < L.cols_p:
-        raise CodegenError(f"matmat: activation stride {act_stride} must be a multiple of {BLOCK} >= {L.cols_p}")
+    nblk = act_stride // BLOCK if act_blocks is None else act_blocks
+    if act_stride % BLOCK or act_stride < planes * L.cols_p or nblk < L.cols_p // BLOCK:
+        raise CodegenError(f"matmat: activation stride {act_stride} must be a multiple of {BLOCK} >= "
+                           f"{planes * L.cols_p}, and {nblk} blocks >= {L.cols_p // BLOCK}")
     if tail is None:
         tail = emit_matvec(module, f"{name}_tail", layout, isa, linkage="internal", gate_up=gate_up, unroll=unroll,
-                           prefetch=prefetch, prefetch_locality=prefetch_locality, act=act)
+                           prefetch=prefetch, prefetch_locality=prefetch_locality, act=act, planes=planes)
     fn = new_function(module, name, MATMAT_ARGS, linkage,
                       ("w", "x", "xq", "xd", "xs", "y", "r0", "r1", "ntok", "x_stride", "y_stride"), noalias=False)
     w, x, xq, xd, xs, y, r0, r1, ntok, x_stride, y_stride = fn.args
@@ -524,7 +574,6 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     ups = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"up{t}"), P(f32)) for t in range(tg)] if gate_up else []
     unroll = _pick_unroll(L.n_units, 1 if L.is_block_type else unroll)
     row_bytes = L.tile_row_nbytes * (2 if gate_up else 1)
-    nblk = act_stride // BLOCK
 
     def token_act(t):
         return (ptr(b, x, b.mul(t, x_stride)), ptr(b, xq, b.mul(t, ir.Constant(i64, act_stride))),
@@ -535,10 +584,11 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
         ts = [b.add(t0, ir.Constant(i64, k)) for k in range(n)]
         acts = [token_act(t) for t in ts]
         w_row = ptr(b, w, b.mul(r, ir.Constant(i64, row_bytes)))
-        _emit_tile_row(b, L, isa, w_row, acts, acc_slots, rows[:n], unroll, prefetch, prefetch_locality)
+        _emit_tile_row(b, L, isa, w_row, acts, acc_slots, rows[:n], unroll, prefetch, prefetch_locality,
+                       planes=planes)
         if gate_up:
             _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), acts, acc_slots, ups[:n], unroll, prefetch,
-                           prefetch_locality)
+                           prefetch_locality, planes=planes)
         for k, t in enumerate(ts):
             y_row = ptr(b, y, b.add(b.mul(t, y_stride), b.mul(r, ir.Constant(i64, L.tr))), V(f32, 16))
             for g in range(L.groups_per_tile):
@@ -585,12 +635,13 @@ def _gate_mul(b, g, u, act: str = "silu"):
 
 
 class Activation:
-    """Host buffers one activation vector lives in: x (f32, K' zero-padded), xq/xd/xs (int8 blocks)."""
+    """Host buffers one activation vector lives in: x (f32, K' zero-padded), xq/xd/xs (int8 blocks, `planes`
+    planes)."""
 
-    def __init__(self, cols: int, cols_p: int):
-        self.cols, self.cols_p = cols, cols_p
+    def __init__(self, cols: int, cols_p: int, planes: int = 1):
+        self.cols, self.cols_p, self.planes = cols, cols_p, planes
         self.x = np.zeros(cols_p, np.float32)
-        self.xq = aligned_empty(cols_p).view(np.int8)
+        self.xq = aligned_empty(cols_p * planes).view(np.int8)
         self.xd = np.zeros(cols_p // BLOCK, np.float32)
         self.xs = np.zeros(cols_p // BLOCK, np.int32)
 
@@ -603,18 +654,18 @@ class MatVec:
     """A compiled quantiser + mat-vec for one layout (a thin ctypes wrapper around a Library)."""
 
     def __init__(self, layout: TileLayout, target=None, isa: str | None = None, cache=None,
-                 gate_up: bool = False, **tuning):
+                 gate_up: bool = False, planes: int = 1, **tuning):
         from .library import Library
         from .target import host_target
 
-        self.layout, self.gate_up = layout, gate_up
+        self.layout, self.gate_up, self.planes = layout, gate_up, planes
         target = target if target is not None else host_target()
         self.isa = _check_isa(isa or target.isa)
         if not self.isa.runs_on(target.isa):
             raise CodegenError(f"kernel ISA {self.isa} needs CPU features the target lacks ({target.describe()})")
         mod = ir.Module(name="matvec")
-        emit_quantize_act(mod, "quantize_act", layout.cols, layout.cols_p)
-        emit_matvec(mod, "matvec", layout, self.isa, gate_up=gate_up, **tuning)
+        emit_quantize_act(mod, "quantize_act", layout.cols, layout.cols_p, planes=planes)
+        emit_matvec(mod, "matvec", layout, self.isa, gate_up=gate_up, planes=planes, **tuning)
         self.library = Library(name="matvec", target=target, cache=cache)
         self.library.add_ir(mod)
         self.library.finalize()
@@ -624,7 +675,7 @@ class MatVec:
 
     def activation(self, x) -> Activation:
         L = self.layout
-        act = Activation(L.cols, L.cols_p)
+        act = Activation(L.cols, L.cols_p, self.planes)
         act.x[: L.cols] = np.asarray(x, np.float32)
         self._quant(_p(act.x), _p(act.xq), _p(act.xd), _p(act.xs))
         return act

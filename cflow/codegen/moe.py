@@ -85,7 +85,8 @@ class MoEEmitter:
         route = self.route_ptr(b, n.layer)
         if router.name not in self.routed_apart:  # else a ROUTE step chose the experts stages ago
             self.call_router(b, router, x, route)
-        cx.quantise_input(b, x, L.cols, gu0.dtype)
+        planes = self.up_planes(n)
+        cx.quantise_input(b, x, L.cols, gu0.dtype, planes)
         h = cx.value_ptr(b, step.writes[0])
         ip = padded(n.hidden, cx.unit)
         lo, hi = cx.rows(b, L.n_tile_rows)
@@ -93,13 +94,13 @@ class MoEEmitter:
         for j in range(n.top_k):
             e = b.sext(b.load(b.gep(idx, [c64(j)])), i64)
             w = self.expert_pointer(b, n, "w_gate_up", e)
-            cx.call_mv(b, L, w, x, b.gep(h, [c64(j * ip)]), lo, hi, gate_up=True)
+            cx.call_mv(b, L, w, x, b.gep(h, [c64(j * ip)]), lo, hi, gate_up=True, planes=planes)
             self.count_expert_rows(b, n, e, 0, lo, hi)
         if n.shared_hidden:
             st = cx.tensors[shared_tensor(n.prefix, "w_gate_up")]
             lo_s, hi_s = cx.rows(b, st.layout.n_tile_rows)
             cx.call_mv(b, st.layout, cx.pointer(b, tensor_key(st.name), i8), x, b.gep(h, [c64(n.top_k * ip)]),
-                       lo_s, hi_s, gate_up=True)
+                       lo_s, hi_s, gate_up=True, planes=planes)
             gate_out = b.gep(b.bitcast(route, P(f32)), [c64(2 * n.top_k)])
             if n.shared_gate:
                 b.call(O.sigmoid_dot(cx.m, cx.d),
@@ -122,15 +123,15 @@ class MoEEmitter:
         for j in range(n.top_k):
             e = b.sext(b.load(b.gep(idx, [c64(j)])), i64)
             x = b.gep(h, [c64(j * ip)])
-            cx.quantise_input(b, x, n.hidden, t0.dtype)
-            cx.call_mv(b, L, self.expert_pointer(b, n, "w_down", e), x, tmp, lo, hi)
+            cx.quantise_input(b, x, n.hidden, t0.dtype, cx.planes(t0.dtype))
+            cx.call_mv(b, L, self.expert_pointer(b, n, "w_down", e), x, tmp, lo, hi, planes=cx.planes(t0.dtype))
             self.count_expert_rows(b, n, e, 1, lo, hi)
             b.call(O.axpy(cx.m), [out, tmp, b.load(b.gep(wts, [c64(j)])), c64(1 if j == 0 else 0), rlo, rhi])
         if n.shared_hidden:
             st = cx.tensors[shared_tensor(n.prefix, "w_down")]
             x = b.gep(h, [c64(n.top_k * ip)])
-            cx.quantise_input(b, x, n.shared_hidden, st.dtype)
-            cx.call_mv(b, st.layout, cx.pointer(b, tensor_key(st.name), i8), x, tmp, lo, hi)
+            cx.quantise_input(b, x, n.shared_hidden, st.dtype, cx.planes(st.dtype))
+            cx.call_mv(b, st.layout, cx.pointer(b, tensor_key(st.name), i8), x, tmp, lo, hi, planes=cx.planes(st.dtype))
             gate = b.load(b.gep(b.bitcast(route, P(f32)), [c64(2 * n.top_k)]))
             b.call(O.axpy(cx.m), [out, tmp, gate, c64(0), rlo, rhi])
 
@@ -190,29 +191,39 @@ class MoEEmitter:
                     b.store(b.add(k, c64(1)), count)
         return b.load(count)
 
-    def group_matmat(self, b, layout: TileLayout, w, n_tok, out, y_stride: int, gate_up: bool = False):
-        """out[k] = W x_k for the gathered inputs k < n_tok, this thread's tile-rows."""
+    def group_matmat(self, b, layout: TileLayout, w, n_tok, out, y_stride: int, gate_up: bool = False,
+                     planes: int = 1):
+        """out[k] = W x_k for the gathered inputs k < n_tok (`planes` int8 planes), this thread's tile-rows."""
         cx = self.cx
         lo, hi = cx.rows(b, layout.n_tile_rows)
         gq, gd, gs = cx.scratch_ptr(b, "gq", i8), cx.scratch_ptr(b, "gd"), cx.scratch_ptr(b, "gs", i32)
-        b.call(cx.matmat_fn(layout, gate_up), [w, cx.scratch_ptr(b, "gy"), gq, gd, gs, out, lo, hi, n_tok,
-                                               c64(cx.scratch.kmax), c64(y_stride)])
+        b.call(cx.matmat_fn(layout, gate_up, planes), [w, cx.scratch_ptr(b, "gy"), gq, gd, gs, out, lo, hi, n_tok,
+                                                       c64(cx.scratch.kmax), c64(y_stride)])
+
+    def up_planes(self, n: ExpertBank) -> int:
+        """The planes of the experts' gate+up input: one quantisation read by every expert and the shared expert."""
+        cx = self.cx
+        dts = [cx.tensors[expert_tensor(n.prefix, 0, "w_gate_up")].dtype]
+        if n.shared_hidden:
+            dts.append(cx.tensors[shared_tensor(n.prefix, "w_gate_up")].dtype)
+        return cx.planes(*dts)
 
     def gather_row(self, b, t, k):
-        """Copy token t's quantised input (xq, xd, xs) into gathered row k."""
+        """Copy token t's quantised input (xq, xd, xs; every plane) into gathered row k."""
         cx = self.cx
-        kmax, kb = cx.scratch.kmax, cx.scratch.kmax // BLOCK
-        for field, g, words in (("xq", "gq", kmax // 4), ("xd", "gd", kb), ("xs", "gs", kb)):  # 4-byte words
+        kb = cx.scratch.kmax // BLOCK
+        for field, g, words in (("xq", "gq", cx.scratch.token_bytes("xq") // 4), ("xd", "gd", kb),
+                                ("xs", "gs", kb)):  # 4-byte words
             src = b.gep(cx.scratch_ptr(b, field, i8), [b.mul(t, c64(cx.scratch.token_bytes(field)))])
             dst = b.gep(cx.scratch_ptr(b, g, i8), [b.mul(k, c64(cx.scratch.token_bytes(field)))])
             b.call(O.copy_words(cx.m), [b.bitcast(dst, P(i32)), b.bitcast(src, P(i32)), c64(0), c64(words)])
 
-    def quantise_row(self, b, x, k, cols: int, dtype: DType):
+    def quantise_row(self, b, x, k, cols: int, dtype: DType, planes: int = 1):
         """Quantise x into gathered row k (the per-token quantisation, written where the mat-mat reads it)."""
         cx = self.cx
         kb = cx.scratch.kmax // BLOCK
-        b.call(cx.quant_fn(cols, cx.cols_p(cols, dtype)),
-               [x, b.gep(cx.scratch_ptr(b, "gq", i8), [b.mul(k, c64(cx.scratch.kmax))]),
+        b.call(cx.quant_fn(cols, cx.cols_p(cols, dtype), planes),
+               [x, b.gep(cx.scratch_ptr(b, "gq", i8), [b.mul(k, c64(cx.scratch.token_bytes("xq")))]),
                 b.gep(cx.scratch_ptr(b, "gd"), [b.mul(k, c64(kb))]),
                 b.gep(cx.scratch_ptr(b, "gs", i32), [b.mul(k, c64(kb))])])
 
@@ -221,11 +232,12 @@ class MoEEmitter:
         router = cx.g[n.inputs[1]]
         gu0 = cx.tensors[expert_tensor(n.prefix, 0, "w_gate_up")]
         L = gu0.layout
+        planes = self.up_planes(n)
         with cx.each_token(b):  # every token: norm, route (unless a ROUTE step did), int8 input
             x = cx.prologue(b, step, L.cols, False)
             if router.name not in self.routed_apart:
                 self.call_router(b, router, x, self.route_ptr(b, n.layer))
-            cx.quantise_input(b, x, L.cols, gu0.dtype)
+            cx.quantise_input(b, x, L.cols, gu0.dtype, planes)
         ip = padded(n.hidden, cx.unit)
         h, hs = cx.value_ptr(b, step.writes[0]), cx.out_stride(step.writes[0])
         gy, gtok, gj = cx.scratch_ptr(b, "gy"), cx.scratch_ptr(b, "gtok", i64), cx.scratch_ptr(b, "gj", i64)
@@ -236,7 +248,8 @@ class MoEEmitter:
             with b.if_then(b.icmp_signed(">", cnt, c64(0))):
                 with Loop(b, c64(0), cnt, "g") as k:
                     self.gather_row(b, b.load(b.gep(gtok, [k])), k)
-                self.group_matmat(b, L, self.expert_pointer(b, n, "w_gate_up", e), cnt, gy, ip, gate_up=True)
+                self.group_matmat(b, L, self.expert_pointer(b, n, "w_gate_up", e), cnt, gy, ip, gate_up=True,
+                                  planes=planes)
                 self.count_expert_rows(b, n, e, 0, lo, hi)
                 with Loop(b, c64(0), cnt, "g") as k:  # this thread's rows into h[t][j]
                     t, j = b.load(b.gep(gtok, [k])), b.load(b.gep(gj, [k]))
@@ -247,7 +260,7 @@ class MoEEmitter:
             lo_s, hi_s = cx.rows(b, st.layout.n_tile_rows)
             cx.call_mv(b, st.layout, cx.pointer(b, tensor_key(st.name), i8), cx.scratch_ptr(b, "xn"),
                        b.gep(h, [c64(n.top_k * ip)]), lo_s, hi_s, gate_up=True, x_stride=cx.scratch.kmax,
-                       y_stride=hs)
+                       y_stride=hs, planes=planes)
             with cx.each_token(b):
                 gate_out = b.gep(b.bitcast(self.route_ptr(b, n.layer), P(f32)), [c64(2 * n.top_k)])
                 if n.shared_gate:
@@ -276,10 +289,10 @@ class MoEEmitter:
                 with Loop(b, c64(0), cnt, "g") as k:
                     t, j = b.load(b.gep(gtok, [k])), b.load(b.gep(gj, [k]))
                     self.quantise_row(b, b.gep(h, [b.add(b.mul(t, c64(hs)), b.mul(j, c64(ip)))]), k, n.hidden,
-                                      t0.dtype)
+                                      t0.dtype, cx.planes(t0.dtype))
                     b.store(b.add(first, k), b.gep(gpos, [b.add(b.mul(t, c64(K)), j)]))
                 self.group_matmat(b, L, self.expert_pointer(b, n, "w_down", e), cnt,
-                                  b.gep(gy, [b.mul(first, c64(dp))]), dp)
+                                  b.gep(gy, [b.mul(first, c64(dp))]), dp, planes=cx.planes(t0.dtype))
                 self.count_expert_rows(b, n, e, 1, lo, hi)
                 b.store(b.add(first, cnt), used)
         shared = b.gep(gy, [c64(cx.tmax * K * dp)])  # token t's shared-expert output at row tmax*K + t
@@ -287,9 +300,9 @@ class MoEEmitter:
             st = cx.tensors[shared_tensor(n.prefix, "w_down")]
             with cx.each_token(b):
                 cx.quantise_input(b, b.gep(cx.value_ptr(b, step.full_reads[0]), [c64(K * ip)]), n.shared_hidden,
-                                  st.dtype)
+                                  st.dtype, cx.planes(st.dtype))
             cx.call_mv(b, st.layout, cx.pointer(b, tensor_key(st.name), i8), b.gep(h, [c64(K * ip)]), shared,
-                       lo, hi, x_stride=hs, y_stride=dp)
+                       lo, hi, x_stride=hs, y_stride=dp, planes=cx.planes(st.dtype))
         with cx.each_token(b):  # each token's weighted sum, in its top-k order (as the per-token path)
             route = self.route_ptr(b, n.layer)
             wts = b.gep(b.bitcast(route, P(f32)), [c64(K)])

@@ -34,15 +34,16 @@ def _source_digest() -> str:
 
 def fingerprint(header: dict, schedule: dict, isa: str, max_seq: int, profile: bool, segmented: bool = False,
                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None,
-                bf16_unit: str = "") -> str:
+                bf16_unit: str = "", activations: str = "q8") -> str:
     """schedule: the one the step runs (the header's, or the disk tier's late one); segmented: stage-range calls;
     tmax: tokens per multi-token call (1: decode only); kv: the KV cache's element type; tuning: this host's
     tuned choices (codegen.tune's mat-vec knobs, codegen.attn_tune's attention prefetch), which change the emitted
     text;
-    bf16_unit: what kv='bf16' attention's dot products were emitted for (Target.bf16_unit: the texts differ)."""
+    bf16_unit: what kv='bf16' attention's dot products were emitted for (Target.bf16_unit: the texts differ);
+    activations: the quantised activations' format (layout.quant.ACT_FORMATS)."""
     plan = {k: header.get(k) for k in ("config", "packing", "tile", "quant")}
     blob = json.dumps([plan, schedule, isa, max_seq, profile, segmented, tmax, kv, tuning or {}, bf16_unit,
-                       _versions(), _source_digest()],
+                       _versions(), _source_digest()] + ([activations] if activations != "q8" else []),
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

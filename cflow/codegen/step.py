@@ -29,6 +29,7 @@ from llvmlite import ir
 from ..errors import CodegenError
 from ..ir import DenseFFN, ExpertBank
 from ..layout.packed import Form
+from ..layout.quant import ACT_FORMATS
 from ..passes.manager import Pass, state_pass
 from ..passes.pack import post_norm_tensor, qkv_tensor
 from ..passes.schedule import Phase, Pool
@@ -95,8 +96,9 @@ class _Emitter(StepContext):
     by MoEEmitter; both on the StepContext this is."""
 
     def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, segmented: bool = False,
-                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None, bf16_unit: str = ""):
-        super().__init__(compiled, isa, max_seq, profile, tmax, kv, tuning, bf16_unit)
+                 tmax: int = 1, kv: str = "f32", tuning: dict | None = None, bf16_unit: str = "",
+                 activations: str = "q8"):
+        super().__init__(compiled, isa, max_seq, profile, tmax, kv, tuning, bf16_unit, activations)
         self.segmented = segmented
         self.stage_counts: dict[str, tuple[int, int]] = {}  # body -> (stages, distinct stage functions)
         self.moe = MoEEmitter(self)
@@ -280,8 +282,9 @@ class _Emitter(StepContext):
         whose parts differ in type (a GGUF's) runs each part's kernel on its rows, the input quantised once."""
         parts = t.concat.parts if t.form == Form.CONCAT and t.concat.mixed else None
         cols_p = max(p.cols_p for p in parts) if parts else L.cols_p
+        planes = self.planes(*(p.dtype for p in parts)) if parts else self.planes(L.dtype)
         with self.each_token(b, first):
-            x = self.prologue(b, step, L.cols, quantised, cols_p=cols_p)
+            x = self.prologue(b, step, L.cols, quantised, cols_p=cols_p, planes=planes)
         if self.multi:
             x = self.scratch_ptr(b, "xn")  # token 0's row: the mat-mat walks the rows itself
         out = step.writes[0]
@@ -291,7 +294,7 @@ class _Emitter(StepContext):
             y = self.value_ptr(b, out)
             self.call_mv(b, Lp, b.gep(w, [c64(byte0)]) if byte0 else w, x, b.gep(y, [c64(row0)]) if row0 else y,
                          lo, hi, gate_up=gate_up, x_stride=self.scratch.kmax, y_stride=self.out_stride(out),
-                         first=first)
+                         first=first, planes=planes)
 
     def step_qkv(self, b, step):
         t = self.tensors[step.tensors[0]]
@@ -336,11 +339,12 @@ class _Emitter(StepContext):
     def _down(self, b, t, value: str, cols: int, out: str):
         """A step whose input is a whole internal value (attention output, FFN hidden): quantise, multiply."""
         L = t.layout
+        planes = self.planes(t.dtype)
         with self.each_token(b):
-            self.quantise_input(b, self.value_ptr(b, value), cols, t.dtype)
+            self.quantise_input(b, self.value_ptr(b, value), cols, t.dtype, planes)
         lo, hi = self.rows(b, L.n_tile_rows)
         self.call_mv(b, L, self.pointer(b, tensor_key(t.name), i8), self.value_ptr(b, value), self.value_ptr(b, out),
-                     lo, hi, x_stride=self.out_stride(value), y_stride=self.out_stride(out))
+                     lo, hi, x_stride=self.out_stride(value), y_stride=self.out_stride(out), planes=planes)
 
     def step_o(self, b, step):
         n = self.g[step.op]
@@ -396,7 +400,7 @@ def _const_array(m: ir.Module, name: str, ty, values) -> ir.GlobalVariable:
 
 def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segmented: bool = False,
                tmax: int = 1, kv: str = "f32", tuning: dict | None = None,
-               bf16_unit: str = "") -> StepProgram:
+               bf16_unit: str = "", activations: str = "q8") -> StepProgram:
     """Build the decode-step module for a lowered state (see module docstring).
 
     profile: also record cycle-counter stamps (binding PROF: i64[threads + 1][n_stages + 1]): worker 0's after
@@ -408,6 +412,8 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
         an FMA emulation of it ('') (Target.bf16_unit).
     tuning: {kernel key: knobs} from codegen.tune (schedule knobs of the mat-vec kernels) and codegen.attn_tune (the
     attention core's prefetch distance); numerics unchanged.
+    activations: the quantised activations, 'q8' (int8) or 'q8x2' (two int8 planes where every reader of an
+        activation is a 32-input block type: layout.quant.act_planes).
     """
     if kv not in KV_BYTES:
         raise CodegenError(f"KV cache type must be one of {', '.join(KV_BYTES)}, not {kv!r}")
@@ -415,7 +421,9 @@ def build_step(state, isa: ISA | str, max_seq: int, profile: bool = False, segme
         raise CodegenError(f"max_seq must be >= 1, got {max_seq}")
     if tmax < 1:
         raise CodegenError(f"tokens per call must be >= 1, got {tmax}")
-    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, bf16_unit)
+    if activations not in ACT_FORMATS:
+        raise CodegenError(f"activations must be one of {', '.join(ACT_FORMATS)}, not {activations!r}")
+    em = _Emitter(state, isa, max_seq, profile, segmented, tmax, kv, tuning, bf16_unit, activations)
     em.moe.reserve_tables(state.graph.nodes())  # expert tables first: contiguous whatever order steps use them in
     return em.emit()
 

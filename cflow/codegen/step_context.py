@@ -14,7 +14,7 @@ import math
 from llvmlite import ir
 
 from ..layout.packed import Form
-from ..layout.quant import BLOCK, DType, padded
+from ..layout.quant import BLOCK, DType, act_planes, padded
 from ..layout.tile import TileLayout
 from ..passes.schedule import Pool
 from . import kernels as K
@@ -29,6 +29,11 @@ def tensor_key(name: str) -> BindingKey:
     return BindingKey(Binding.TENSOR, name)
 
 
+def _pl(planes: int) -> tuple:
+    """A kernel name's suffix for its activation planes (none for one: the names predate two)."""
+    return () if planes == 1 else (f"p{planes}",)
+
+
 class StepContext:
     """The emission state of one step module. The pointer table (slot, pointer) and, inside a stage function, its
     descriptor (k); pool values and scratch fields at the current token (value_ptr, scratch_ptr, each_token);
@@ -37,8 +42,9 @@ class StepContext:
     stage function reads (ptrs, tid, nth, the scratch, token, position; multi: the call's token tables)."""
 
     def __init__(self, compiled, isa: ISA, max_seq: int, profile: bool = False, tmax: int = 1, kv: str = "f32",
-                 tuning: dict | None = None, bf16_unit: str = ""):
+                 tuning: dict | None = None, bf16_unit: str = "", activations: str = "q8"):
         self.profile = profile
+        self.activations = activations  # quant.ACT_FORMATS: the int8 activation's planes per point (planes())
         # this host's measured choices: {codegen.tune.kernel_key: mat-vec knobs, attn_tune.attention_key: the
         # attention core's {"kv_prefetch": bytes}}
         self.tuning = tuning or {}
@@ -62,7 +68,7 @@ class StepContext:
         self.unit = math.lcm(self.tr, self.tc)
         cfg = self.cfg
         self.d, self.dp = cfg.d_model, padded(cfg.d_model, self.unit)
-        self.scratch = scratch_layout(cfg, self.tensors, max_seq, tmax)  # the one the memory check sizes
+        self.scratch = scratch_layout(cfg, self.tensors, max_seq, tmax, activations)  # the memory check's
         self.strides = self._pool_strides()
         self.desc: list[int] | None = None  # the descriptor of the stage function being emitted (self.k)
         self.desc_b = self.desc_arg = None
@@ -140,33 +146,40 @@ class StepContext:
         act = self.cfg.activation
         return act, ((act,) if gate_up and act != "silu" else ())
 
-    def matmat_fn(self, layout: TileLayout, gate_up: bool = False):
+    def planes(self, *dtypes) -> int:
+        """The int8 planes of one quantised activation that matrices of `dtypes` read (quant.act_planes): every
+        quantisation and every kernel reading it are emitted for that many."""
+        return act_planes(self.activations, dtypes)
+
+    def matmat_fn(self, layout: TileLayout, gate_up: bool = False, planes: int = 1):
         # NOTE: keyed without the row count: one mat-mat serves every matrix of a width (JIT time).
         act, suffix = self.gate_act(gate_up)
-        key = ("mm", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up)) + suffix
+        key = ("mm", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up)) + suffix + _pl(planes)
         fn = self.fns.get(key)
         if fn is None:
-            fn = K.emit_matmat(self.m, "_".join(map(str, key)), layout, self.isa, self.scratch.kmax,
-                               tail=self.matvec_fn(layout, gate_up), linkage="internal", gate_up=gate_up, act=act)
+            fn = K.emit_matmat(self.m, "_".join(map(str, key)), layout, self.isa, self.scratch.token_bytes("xq"),
+                               tail=self.matvec_fn(layout, gate_up, planes), linkage="internal", gate_up=gate_up,
+                               act=act, act_blocks=self.scratch.kmax // BLOCK, planes=planes)
             self.fns[key] = fn
         return fn
 
-    def matvec_fn(self, layout: TileLayout, gate_up: bool = False):
+    def matvec_fn(self, layout: TileLayout, gate_up: bool = False, planes: int = 1):
         act, suffix = self.gate_act(gate_up)
-        key = ("mv", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up)) + suffix  # rows: no matter
-        fn = self.fns.get(key)
+        key = ("mv", layout.dtype.label, layout.cols, layout.tr, layout.tc, int(gate_up)) + suffix + _pl(planes)
+        fn = self.fns.get(key)  # (rows: no matter)
         if fn is None:
+            # the knobs tuned for the one-plane kernel: schedule-only, its second dot per chunk changes no offset
             knobs = self.tuning.get(kernel_key(layout, gate_up), {})
             fn = K.emit_matvec(self.m, "_".join(map(str, key)), layout, self.isa, linkage="internal", gate_up=gate_up,
-                               act=act, **knobs)
+                               act=act, planes=planes, **knobs)
             self.fns[key] = fn
         return fn
 
-    def quant_fn(self, cols: int, cols_p: int):
-        key = ("quant", cols, cols_p)
+    def quant_fn(self, cols: int, cols_p: int, planes: int = 1):
+        key = ("quant", cols, cols_p) + _pl(planes)
         fn = self.fns.get(key)
         if fn is None:
-            fn = K.emit_quantize_act(self.m, "_".join(map(str, key)), cols, cols_p, linkage="internal")
+            fn = K.emit_quantize_act(self.m, "_".join(map(str, key)), cols, cols_p, linkage="internal", planes=planes)
             self.fns[key] = fn
         return fn
 
@@ -187,9 +200,10 @@ class StepContext:
         """The padded input width the kernels of `dtype` read (TileLayout.cols_p: whole tiles, whole blocks)."""
         return TileLayout(dtype, 1, cols, (self.tr, self.tc)).cols_p
 
-    def prologue(self, b, step, layout_cols: int, quantised: bool, dtype: DType | None = None, cols_p=None):
+    def prologue(self, b, step, layout_cols: int, quantised: bool, dtype: DType | None = None, cols_p=None,
+                 planes: int = 1):
         """Normalise (or copy) the step's input into this thread's xn, then int8-quantise it if needed (padded to
-        what `dtype`'s kernels read, or to cols_p)."""
+        what `dtype`'s kernels read, or to cols_p; `planes` int8 planes)."""
         src = step.full_reads[0]
         xn = self.scratch_ptr(b, "xn")
         if cols_p is None:
@@ -199,33 +213,36 @@ class StepContext:
             b.call(O.rmsnorm(self.m, self.d, max(cols_p, self.dp), self.cfg.norm_eps),
                    [self.value_ptr(b, src), norm_w, xn])
         if quantised:
-            b.call(self.quant_fn(layout_cols, cols_p),
+            b.call(self.quant_fn(layout_cols, cols_p, planes),
                    [xn, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
         return xn
 
-    def call_mv(self, b, layout, w, x, out, lo, hi, gate_up=False, x_stride=None, y_stride=None, first=None):
+    def call_mv(self, b, layout, w, x, out, lo, hi, gate_up=False, x_stride=None, y_stride=None, first=None,
+                planes: int = 1):
         """out = W x for this thread's tile-rows: one token (decode, or inside a token loop), or, in a
         multi-token body outside a token loop, every token [first, ntok) through the mat-mat kernel
-        (x and out then point at token 0's row; x_stride, y_stride: floats between tokens' rows)."""
+        (x and out then point at token 0's row; x_stride, y_stride: floats between tokens' rows); the quantised
+        activation in `planes` int8 planes (as its quantiser wrote it)."""
         xq, xd, xs = self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)
         if not self.multi or self.t is not None:
-            b.call(self.matvec_fn(layout, gate_up), [w, x, xq, xd, xs, out, lo, hi])
+            b.call(self.matvec_fn(layout, gate_up, planes), [w, x, xq, xd, xs, out, lo, hi])
             return
-        kmax = self.scratch.kmax
+        kb = self.scratch.kmax // BLOCK
         n = self.ntok
         if first is not None:
             x, out = b.gep(x, [b.mul(first, c64(x_stride))]), b.gep(out, [b.mul(first, c64(y_stride))])
-            xq, xd, xs = (b.gep(xq, [b.mul(first, c64(kmax))]), b.gep(xd, [b.mul(first, c64(kmax // BLOCK))]),
-                          b.gep(xs, [b.mul(first, c64(kmax // BLOCK))]))
+            xq, xd, xs = (b.gep(xq, [b.mul(first, c64(self.scratch.token_bytes("xq")))]),
+                          b.gep(xd, [b.mul(first, c64(kb))]), b.gep(xs, [b.mul(first, c64(kb))]))
             n = b.sub(n, first)
-        b.call(self.matmat_fn(layout, gate_up), [w, x, xq, xd, xs, out, lo, hi, n, c64(x_stride), c64(y_stride)])
+        b.call(self.matmat_fn(layout, gate_up, planes),
+               [w, x, xq, xd, xs, out, lo, hi, n, c64(x_stride), c64(y_stride)])
 
     def out_stride(self, value: str) -> int:
         return self.strides[self.sched.buffers[value].pool]
 
-    def quantise_input(self, b, x, cols: int, dtype: DType):
+    def quantise_input(self, b, x, cols: int, dtype: DType, planes: int = 1):
         if dtype.quantised:
-            b.call(self.quant_fn(cols, self.cols_p(cols, dtype)),
+            b.call(self.quant_fn(cols, self.cols_p(cols, dtype), planes),
                    [x, self.scratch_ptr(b, "xq", i8), self.scratch_ptr(b, "xd"), self.scratch_ptr(b, "xs", i32)])
 
     def open_function(self, b, args) -> None:

@@ -2,8 +2,10 @@
 
 `interpret(graph, ids)` -> logits [T, vocab]. `Interpreter(graph)` keeps the KV cache between
 calls (`prefill`, `step`). On a quantised graph it uses the dequantised weights; with
-act_quant="q8" it also quantises each activation entering a Q4/Q8 mat-vec into int8 blocks the
-way the kernels do, so it reproduces the runtime's arithmetic up to float summation order.
+act_quant="q8" it also quantises each activation entering a quantised mat-vec into int8 blocks the
+way the kernels do, so it reproduces the runtime's arithmetic up to float summation order; act_quant="q8x2" the
+same with the runtime's activations="q8x2" (two int8 planes where every reader of the activation is a 32-input
+block type: quant.act_planes).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 
 from ..errors import CflowError, VerifyError
 from ..layout.blocks import BlockTensor, matvec_twin
-from ..layout.quant import DType, QTensor, dequantize, quantize_activation_q8, round_bf16
+from ..layout.quant import ACT_FORMATS, DType, QTensor, act_codes, act_planes, dequantize, round_bf16
 from .graph import INPUT, OUTPUT, Graph
 from .nodes import Add, Attention, DenseFFN, Embedding, ExpertBank, LMHead, Node, RMSNorm, Router
 from .rope import inv_freq, tables
@@ -66,8 +68,8 @@ class Interpreter:
 
     def __init__(self, graph: Graph, act_quant: str | None = None, max_seq_len: int | None = None,
                  cache_weights: bool = True, kv: str = "f32"):
-        if act_quant not in (None, "q8"):
-            raise ValueError(f"act_quant must be None or 'q8', not {act_quant!r}")
+        if act_quant is not None and act_quant not in ACT_FORMATS:
+            raise ValueError(f"act_quant must be None or one of {', '.join(ACT_FORMATS)}, not {act_quant!r}")
         if kv not in ("f32", "f16", "bf16"):
             raise ValueError(f"kv must be 'f32', 'f16' or 'bf16', not {kv!r}")
         # 'f16': K and V rounded to half once when cached, as the runtime's kv='f16' does; 'bf16': to bfloat16,
@@ -83,6 +85,7 @@ class Interpreter:
         self._dense: dict[str, np.ndarray] = {}
         self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._codes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._planes: dict[tuple, int] = {}  # (weight, its point) -> activation planes
         self.reset()
 
     def reset(self) -> None:
@@ -98,17 +101,24 @@ class Interpreter:
                 self._dense[name] = w
         return w
 
-    def matvec(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x [T, in] @ W[out, in].T, emulating int8 activation blocks for Q4/Q8 weights if asked."""
+    def matvec(self, x: np.ndarray, name: str, point: tuple[str, ...] = ()) -> np.ndarray:
+        """x [T, in] @ W[out, in].T, emulating the kernels' quantised activation blocks if asked; `point`: every
+        weight that reads the same quantised x in the runtime (a QKV stream's parts, gate and up, experts and the
+        shared expert), whose types decide its planes (quant.act_planes)."""
         w = self.g.weight(name)
-        if self.act_quant == "q8" and isinstance(w, BlockTensor):  # a GGUF block type: its twin (layout/blocks.py)
-            cache = self._codes.setdefault(name, {}) if self.cache_weights else None
-            return matvec_twin(w, x, cache)
-        if self.act_quant == "q8" and isinstance(w, QTensor):
-            return self._matvec_q8(x, name, w)
+        if self.act_quant is not None and isinstance(w, (BlockTensor, QTensor)):
+            planes = self._planes.get((name, point))
+            if planes is None:
+                ws = [self.g.weight(p) for p in point or (name,)]
+                planes = self._planes[(name, point)] = act_planes(
+                    self.act_quant, [v.dtype for v in ws if isinstance(v, (BlockTensor, QTensor))])
+            if isinstance(w, BlockTensor):  # a GGUF block type: its twin (layout/blocks.py)
+                cache = self._codes.setdefault(name, {}) if self.cache_weights else None
+                return matvec_twin(w, x, cache, planes)
+            return self._matvec_q8(x, name, w, planes)
         return (x @ self.weight(name).T).astype(np.float32)
 
-    def _matvec_q8(self, x: np.ndarray, name: str, w: QTensor) -> np.ndarray:
+    def _matvec_q8(self, x: np.ndarray, name: str, w: QTensor, planes: int = 1) -> np.ndarray:
         codes = self._codes.get(name)
         if codes is None:
             c = w.q.astype(np.float32) - (8.0 if w.dtype == DType.Q4 else 0.0)
@@ -116,9 +126,11 @@ class Interpreter:
             if self.cache_weights:
                 self._codes[name] = codes
         c, dw = codes  # c: [nblk, 32, rows]; dw: [rows, nblk]
-        qa, da = quantize_activation_q8(x)  # qa: [T, nblk, 32]
-        # Integer block dots, exact in float32 (|sum| <= 32 * 127 * 128 < 2^24).
-        isum = np.matmul(qa.astype(np.float32).transpose(1, 0, 2), c)  # [nblk, T, rows]
+        qa, da = act_codes(x, planes)  # qa: [T, nblk, 32]
+        # Integer block dots, exact in float32 for int8 codes (|sum| <= 32 * 127 * 128 < 2^24), in float64 for the
+        # two-plane codes (|sum| <= 32 * 128 * 32639)
+        ft = np.float32 if planes == 1 else np.float64
+        isum = np.matmul(qa.astype(ft).transpose(1, 0, 2), c.astype(ft, copy=False))  # [nblk, T, rows]
         return np.einsum("btr,rb,tb->tr", isum, dw, da, optimize=True).astype(np.float32)
 
     # --- execution -----------------------------------------------------------------------
@@ -177,8 +189,9 @@ class Interpreter:
             return softcap(self.matvec(v[n.inputs[0]], n.weight), n.softcap)
         raise CflowError(f"interpreter: unknown op {n.kind} at %{n.name}")
 
-    def _swiglu(self, x: np.ndarray, prefix: str, act: str = "silu") -> np.ndarray:
-        h = ACTIVATIONS[act](self.matvec(x, f"{prefix}.w_gate")) * self.matvec(x, f"{prefix}.w_up")
+    def _swiglu(self, x: np.ndarray, prefix: str, act: str = "silu", point: tuple[str, ...] = ()) -> np.ndarray:
+        point = point or (f"{prefix}.w_gate",)
+        h = ACTIVATIONS[act](self.matvec(x, f"{prefix}.w_gate", point)) * self.matvec(x, f"{prefix}.w_up", point)
         return self.matvec(h.astype(np.float32), f"{prefix}.w_down")
 
     def _rope_tables(self, n: Attention) -> tuple[np.ndarray, np.ndarray]:
@@ -192,7 +205,8 @@ class Interpreter:
 
     def _attention(self, n: Attention, h: np.ndarray) -> np.ndarray:
         T, hd, H, KV = h.shape[0], n.head_dim, n.n_heads, n.n_kv_heads
-        q, k, vv = (self.matvec(h, f"{n.prefix}.{w}") for w in ("wq", "wk", "wv"))
+        qkv = tuple(f"{n.prefix}.{w}" for w in ("wq", "wk", "wv"))
+        q, k, vv = (self.matvec(h, w, qkv) for w in qkv)
         if n.bias:
             q, k, vv = (q + self.weight(f"{n.prefix}.bq"), k + self.weight(f"{n.prefix}.bk"),
                         vv + self.weight(f"{n.prefix}.bv"))
@@ -237,11 +251,13 @@ class Interpreter:
     def _experts(self, n: ExpertBank, x: np.ndarray, route) -> np.ndarray:
         w, idx = route
         out = np.zeros_like(x)
+        # the experts' and the shared expert's gate+up read one quantised x in the runtime
+        up = (f"{n.prefix}.experts.0.w_gate",) + ((f"{n.prefix}.shared.w_gate",) if n.shared_hidden else ())
         for e in np.unique(idx):
             tok, slot = np.nonzero(idx == e)
-            out[tok] += w[tok, slot, None] * self._swiglu(x[tok], f"{n.prefix}.experts.{e}", n.act)
+            out[tok] += w[tok, slot, None] * self._swiglu(x[tok], f"{n.prefix}.experts.{e}", n.act, up)
         if n.shared_hidden:
-            s = self._swiglu(x, f"{n.prefix}.shared", n.act)
+            s = self._swiglu(x, f"{n.prefix}.shared", n.act, up)
             if n.shared_gate:
                 s = s * (1.0 / (1.0 + np.exp(-self.matvec(x, f"{n.prefix}.shared_gate"))))
             out += s

@@ -269,13 +269,15 @@ def dequantize_blocks(t: BlockTensor) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(t.rows, t.cols), np.float32)
 
 
-def matvec_twin(t: BlockTensor, x: np.ndarray, cache: dict | None = None) -> np.ndarray:
-    """x [T, cols] @ W.T the way the kernels compute it: x quantised to int8 blocks of 32 (quant.
-    quantize_activation_q8), exact integer sums per sub-block, float scales after (float64 here: the kernels'
-    float32 accumulation differs from it by rounding only)."""
-    from .quant import quantize_activation_q8
+def matvec_twin(t: BlockTensor, x: np.ndarray, cache: dict | None = None, planes: int = 1) -> np.ndarray:
+    """x [T, cols] @ W.T the way the kernels compute it: x quantised to int8 blocks of 32 (quant.act_codes: one
+    plane, or planes=2: two on one scale, the codes 256 q1 + q2), exact integer sums per sub-block, float scales after
+    (float64 here: the kernels' float32 accumulation differs from it by rounding only)."""
+    from .quant import act_codes
 
     fmt = t.format
+    if planes != 1 and fmt.qk != 32:
+        raise ValueError(f"{fmt.ggml_name} reads one-plane activations only")
     if cache is not None and "codes" in cache:
         c, S, M = cache["codes"]
     else:
@@ -284,12 +286,14 @@ def matvec_twin(t: BlockTensor, x: np.ndarray, cache: dict | None = None) -> np.
         c = np.ascontiguousarray(c.transpose(1, 2, 0))  # [nsub, sub, rows]
         if cache is not None:
             cache["codes"] = (c, S, M)
-    qa, da = quantize_activation_q8(x)  # [T, cols/32, 32], [T, cols/32]
+    qa, da = act_codes(x, planes)  # [T, cols/32, 32], [T, cols/32]
     T = qa.shape[0]
     per = 32 // fmt.sub  # sub-blocks per activation block
-    qa = qa.astype(np.float32).reshape(T, -1, fmt.sub)  # [T, nsub, sub]
+    # exact integer sums: in float32 for int8 codes (|sum| < 2^24), float64 for the two-plane codes
+    ft = np.float32 if planes == 1 else np.float64
+    qa = qa.astype(ft).reshape(T, -1, fmt.sub)  # [T, nsub, sub]
     dsub = np.repeat(da, per, axis=1).astype(np.float64)  # [T, nsub]
-    isum = np.matmul(qa.transpose(1, 0, 2), c).astype(np.float64)  # [nsub, T, rows], exact integers
+    isum = np.matmul(qa.transpose(1, 0, 2), c.astype(ft, copy=False)).astype(np.float64)  # [nsub, T, rows]
     out = np.einsum("stR,Rs,ts->tR", isum, S.astype(np.float64), dsub, optimize=True)
     if M is not None:
         asum = qa.sum(axis=2).astype(np.float64)  # [T, nsub]

@@ -230,6 +230,72 @@ def quantize_activation_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, d.astype(np.float32)
 
 
+# The activation entering a quantised matrix, a load-time choice (cflow.load(activations=...)):
+#   q8    one int8 plane per block of 32 (quantize_activation_q8): llama.cpp's Q8_0 pairing, scale in f32
+#   q8x2  two int8 planes on one scale for the 32-input block types (TWO_PLANE_TYPES), x ~ d (q1 + q2 / 256)
+#         (quantize_activation_q8x2): about 15 bits, two integer dots per weight chunk; the K-quants and IQ4_XS
+#         keep one plane
+ACT_FORMATS = ("q8", "q8x2")
+TWO_PLANE_TYPES = frozenset({DType.Q4, DType.Q8, DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.IQ4_NL})
+
+
+def check_activations(activations: str) -> str:
+    if activations not in ACT_FORMATS:
+        raise ValueError(f"activations must be one of {', '.join(ACT_FORMATS)}, not {activations!r}")
+    return activations
+
+
+def act_planes(activations: str, dtypes) -> int:
+    """Int8 planes of one quantised activation read by matrices of `dtypes` (every reader of that one quantisation:
+    a QKV stream's parts, experts and the shared expert): 2 under activations='q8x2' when every quantised reader
+    is a 32-input block type, else 1 (a K-quant reader keeps the whole activation at one plane)."""
+    q = [DType(d) for d in dtypes if DType(d).quantised]
+    return 2 if check_activations(activations) == "q8x2" and q and all(d in TWO_PLANE_TYPES for d in q) else 1
+
+
+def quantize_activation_q8x2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' two-plane activation: x f32[..., n] -> (q int8[..., nblk, 2, 32], d f32[..., nblk]).
+
+    d = amax/127 (f32), t = x * (1/d), q1 = round-half-away(t), q2 = clip(round-half-away((t - q1) * 256), +-127);
+    the block's value d * (q1 + q2/256) = (d/256) * (256 q1 + q2). t - q1 and the * 256 are exact in f32, so the
+    kernel's quantiser gives the same bits. Kernel buffers hold [q1 x 32][q2 x 32] per block (64 bytes), xd = d/256
+    and xs = sum(256 q1 + q2) (act_buffers_q8x2), so every kernel's float arithmetic is the one-plane kernel's.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    n = x.shape[-1]
+    pn = padded(n, BLOCK)
+    if pn != n:
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + (pn - n,), np.float32)], axis=-1)
+    b = x.reshape(x.shape[:-1] + (pn // BLOCK, BLOCK))
+    d = np.abs(b).max(axis=-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    t = (b * inv[..., None]).astype(np.float32)
+    q1 = _round_half_away(t).astype(np.float32)
+    q2 = np.clip(_round_half_away((t - q1) * np.float32(256)), -127, 127)
+    return np.stack([q1, q2], axis=-2).astype(np.int8), d.astype(np.float32)
+
+
+def act_codes(x: np.ndarray, planes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The activation as the kernels' integer sums see it: (codes int32[..., nblk, 32], scale f32[..., nblk]) with
+    x ~ codes * scale: int8 codes and d (planes 1), or 256 q1 + q2 and d/256 (planes 2)."""
+    if planes == 1:
+        q, d = quantize_activation_q8(x)
+        return q.astype(np.int32), d
+    q, d = quantize_activation_q8x2(x)
+    return 256 * q[..., 0, :].astype(np.int32) + q[..., 1, :], (d / np.float32(256)).astype(np.float32)
+
+
+def act_buffers(x: np.ndarray, planes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the kernels' quantiser writes for x f32[n]: (xq int8[nblk * 32 * planes], xd f32[nblk], xs i32[nblk])."""
+    if planes == 1:
+        q, d = quantize_activation_q8(x)
+    else:
+        q, d = quantize_activation_q8x2(x)
+    codes, scale = act_codes(x, planes)
+    return q.reshape(-1), (d if planes == 1 else scale), codes.sum(-1).astype(np.int32)
+
+
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bits (uint16): the top half, rounded to nearest even, NaN kept quiet (the twin of
     codegen.cgutils.float_to_bf16, which the bf16 KV cache and attention use)."""

@@ -9,7 +9,8 @@ from ..errors import CflowError
 
 
 def memory_parts(compiled, run_state, *, tmax: int, max_seq: int, n_slots: int, kv: str, threads: int,
-                 weights: str, experts: str, read_ahead: int, expert_cache_mb: float | None = None) -> dict[str, int]:
+                 weights: str, experts: str, read_ahead: int, expert_cache_mb: float | None = None,
+                 activations: str = "q8") -> dict[str, int]:
     """Bytes loading allocates, by part (what the memory check adds up). `compiled` is the file's plan,
     `run_state` the one the step runs (the disk tier's late schedule). The KV cache and the scratch are exact,
     sized by codegen.abi next to the layouts they describe (ScratchLayout, Binding.KV) rather than by a second
@@ -28,7 +29,7 @@ def memory_parts(compiled, run_state, *, tmax: int, max_seq: int, n_slots: int, 
         f"the RoPE tables (config.max_seq_len={S})": S * c.head_dim * 4 * (  # a second pair: Gemma 3's local
             2 if c.local_rope_theta and any(c.is_sliding(l) for l in range(1, c.n_layers + 1)) else 1),
         f"the per-thread scratch ({threads} threads)":
-            scratch_layout(c, run_state.tensors, S, T).nbytes * threads,
+            scratch_layout(c, run_state.tensors, S, T, activations).nbytes * threads,
         "the activation buffers": 4 * T * (padded(c.vocab_size, 64) + 32 * widest),
     }
     tensors = compiled.tensors

@@ -32,8 +32,10 @@ class NativeStep:
     thread while workers are descheduled (workers.Backoff)."""
 
     def __init__(self, state, header: dict, *, max_seq: int, tmax: int, kv: str, n_slots: int, threads: int,
-                 profile: bool = False, segmented: bool = False, adaptive: bool = False, cache=None):
+                 profile: bool = False, segmented: bool = False, adaptive: bool = False, cache=None,
+                 activations: str = "q8"):
         self.state, self.header, self.config = state, header, state.graph.config
+        self.activations = activations  # the quantised activations' format (layout.quant.ACT_FORMATS)
         self.max_seq, self.tmax, self.kv_dtype, self.n_slots = max_seq, tmax, kv, n_slots
         self.threads, self.profile, self.segmented, self.adaptive = threads, profile, segmented, adaptive
         self.ptrs = None  # the pointer table: None until bind()
@@ -66,7 +68,7 @@ class NativeStep:
         bf16_unit = target.bf16_unit if self.kv_dtype == "bf16" else ""
         fp = (program_cache.fingerprint(self.header, state.schedule.to_json(), target.isa, self.max_seq,
                                         self.profile, self.segmented, self.tmax, self.kv_dtype, self.tuning,
-                                        bf16_unit)
+                                        bf16_unit, self.activations)
               if cache is not False else None)
         hit = program_cache.load(fp) if fp else None
         self.program = None
@@ -78,7 +80,7 @@ class NativeStep:
         if self.program is None:
             self.program = build_step(state, target.isa, self.max_seq, profile=self.profile,
                                       segmented=self.segmented, tmax=self.tmax, kv=self.kv_dtype, tuning=self.tuning,
-                                      bf16_unit=bf16_unit)
+                                      bf16_unit=bf16_unit, activations=self.activations)
         ir_text = self.program.module if isinstance(self.program.module, str) else str(self.program.module)
         if fp and hit is None:
             program_cache.save(fp, ir_text, self.program.meta())

@@ -7,7 +7,7 @@ from ..codegen.abi import KV_BYTES
 from ..errors import CflowError
 from ..ir.config import ModelConfig
 from ..layout import STORED
-from ..layout.quant import QUANT_TARGETS
+from ..layout.quant import ACT_FORMATS, QUANT_TARGETS
 from .requests import whole
 
 MAX_THREADS = 1024  # worker threads of one model
@@ -29,8 +29,11 @@ def resolve_kv(kv: str, quant: str) -> str:
     return kv
 
 
-def check_options(threads, max_seq, experts: str, weights: str, expert_io: str, read_ahead, kv: str) -> None:
+def check_options(threads, max_seq, experts: str, weights: str, expert_io: str, read_ahead, kv: str,
+                  activations: str = "q8") -> None:
     """The checks that need no file."""
+    if activations not in ACT_FORMATS:
+        raise CflowError(f"activations must be one of {', '.join(ACT_FORMATS)}, not {activations!r}")
     if experts not in ("ram", "disk"):
         raise CflowError(f"experts must be 'ram' or 'disk', not {experts!r}")
     if weights not in ("ram", "disk"):

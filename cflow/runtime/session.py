@@ -70,8 +70,10 @@ class Session:
     def __init__(self, path: str, threads: int | None = None, verify: bool = False, max_seq: int | None = None,
                  cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
                  expert_io: str = "async", weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64,
-                 max_batch: int = 1, kv: str = "auto", max_ram_mb: float | None = None, guess_routes: bool = True):
-        check_options(threads, max_seq, experts, weights, expert_io, read_ahead, kv)
+                 max_batch: int = 1, kv: str = "auto", activations: str = "q8", max_ram_mb: float | None = None,
+                 guess_routes: bool = True):
+        check_options(threads, max_seq, experts, weights, expert_io, read_ahead, kv, activations)
+        self.activations = activations  # the quantised activations' format (layout.quant.ACT_FORMATS)
         if max_ram_mb is not None and not (isinstance(max_ram_mb, (int, float)) and max_ram_mb > 0):
             raise CflowError(f"max_ram must be a number of MiB > 0, not {max_ram_mb!r}")
         if max_ram_mb is not None and expert_cache_mb is not None:
@@ -146,11 +148,13 @@ class Session:
         """Bytes loading allocates, by part (memory_estimate.memory_parts for this load's options)."""
         return memory_parts(self.compiled, self.run_state, tmax=self.tmax, max_seq=self.max_seq,
                             n_slots=self.n_slots, kv=self.kv_dtype, threads=self.threads, weights=self.weights,
+                            activations=self.activations,
                             experts=self.experts, read_ahead=self.read_ahead, expert_cache_mb=expert_cache_mb)
 
     # --- native code ----------------------------------------------------------------------------
     def _build(self, cache, adaptive: bool = False) -> None:
         self.native = NativeStep(self.run_state, self.header, max_seq=self.max_seq, tmax=self.tmax, kv=self.kv_dtype,
+                                 activations=self.activations,
                                  n_slots=self.n_slots, threads=self.threads, profile=self.profile,
                                  segmented=self.segmented, adaptive=adaptive, cache=cache)
 

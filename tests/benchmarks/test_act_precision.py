@@ -56,8 +56,9 @@ def test_q8x2f_codes_are_two_int8_planes():
 
 def test_variants_parse_as_documented():
     kind, o = A.parse_variant("shipped")
-    assert kind == "runtime" and o == {"kv": "auto"}
-    assert A.parse_variant("shipped-kv32") == ("runtime", {"kv": "f32"})
+    assert kind == "runtime" and o == {"kv": "auto", "activations": "q8"}
+    assert A.parse_variant("shipped-kv32") == ("runtime", {"kv": "f32", "activations": "q8"})
+    assert A.parse_variant("shipped-q8x2") == ("runtime", {"kv": "auto", "activations": "q8x2"})
     _, o = A.parse_variant("q8x2f-kv16")
     assert o["rule"] is A.q8x2f and o["other"] is A.q8x2f and o["roles"] is None and o["kv"] == "f16"
     _, o = A.parse_variant("q8-but-head")  # f32 on the head, q8 elsewhere

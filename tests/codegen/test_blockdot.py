@@ -3,7 +3,8 @@
 Random blocks (every code and scale bit pattern), activations of order 1, a matrix wider than one block and taller
 than one tile-row (a partial last tile-row): the mat-vec equals blocks.matvec_twin to float rounding; the
 mat-mat's tokens (full token groups and a tail) equal the mat-vec's bit for bit; the gate+up kernel is its
-activation of the twin's gate times the twin's up; the embedding row lookup is the dequantised row. The decoders
+activation of the twin's gate times the twin's up; the embedding row lookup is the dequantised row; the 32-input types
+also with two-plane activations (activations='q8x2') against the twin of the two-plane codes. The decoders
 (where each type's codes and scales are) are the same IR on every path; what differs per ISA is the integer dot
 and the IQ4 code-book lookup, so the portable path runs for the types that reach each of its branches (a K-quant's
 portable kernel takes 15-40 s to compile).
@@ -21,7 +22,7 @@ from cflow.codegen.library import Library
 from cflow.codegen.target import ISA
 from cflow.layout import blocks as B
 from cflow.layout import tile as T
-from cflow.layout.quant import DType
+from cflow.layout.quant import TWO_PLANE_TYPES, DType
 from tests._isa import isa_target as _target
 from tests.runtime._gguf_blocks import random_blocks
 
@@ -31,7 +32,12 @@ GENERIC_TYPES = {DType.Q5_1, DType.IQ4_NL, DType.Q2_K}  # unsigned and signed do
 # code book, a 16-input sub-block)
 VNNI256_TYPES = {DType.Q5_1, DType.Q4_K, DType.Q6_K, DType.IQ4_XS, DType.Q2_K}
 SUBSETS = {ISA.GENERIC: GENERIC_TYPES, ISA.AVXVNNI: VNNI256_TYPES}
-CASES = [(dt, isa) for dt in B.FORMATS for isa in ISA if dt in SUBSETS.get(isa, B.FORMATS)]
+CASES = [(dt, isa, 1) for dt in B.FORMATS for isa in ISA if dt in SUBSETS.get(isa, B.FORMATS)]
+# two-plane activations (activations='q8x2', kernels.plane_dot: each plane the one-plane dot): the 32-input types on
+# AVX-512 VNNI; elsewhere a bias and a signed code book on AVX2, a min on AVX-VNNI, the portable signed dot
+TWO_PLANE = {ISA.AVX512VNNI: TWO_PLANE_TYPES, ISA.AVXVNNI: {DType.Q5_1}, ISA.AVX2: {DType.Q5_0, DType.IQ4_NL},
+             ISA.GENERIC: {DType.IQ4_NL}}
+CASES += [(dt, isa, 2) for dt, isa, _ in CASES if dt in TWO_PLANE[isa]]
 
 
 
@@ -45,8 +51,8 @@ def _gelu(g):
     return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
 
 
-@pytest.mark.parametrize("dt, isa", CASES, ids=[f"{d.name}-{i}" for d, i in CASES])
-def test_block_kernels(dt, isa):
+@pytest.mark.parametrize("dt, isa, planes", CASES, ids=[f"{d.name}-{i}" + "-x2" * (p == 2) for d, i, p in CASES])
+def test_block_kernels(dt, isa, planes):
     target = _target(isa)
     if target is None:
         pytest.skip(f"host lacks {isa}")
@@ -63,10 +69,10 @@ def test_block_kernels(dt, isa):
     gu = T.pack_gate_up(W, U, dt, tile)
     stride, ys = L.cols_p + 64, L.rows_p + 16
     mod = ir.Module("t")
-    K.emit_quantize_act(mod, "q", Kd, L.cols_p)
-    K.emit_matvec(mod, "mv", L, isa)
-    K.emit_matmat(mod, "mm", L, isa, stride)
-    K.emit_matvec(mod, "gu", L, isa, gate_up=True, act="gelu_tanh")
+    K.emit_quantize_act(mod, "q", Kd, L.cols_p, planes=planes)
+    K.emit_matvec(mod, "mv", L, isa, planes=planes)
+    K.emit_matmat(mod, "mm", L, isa, planes * stride, act_blocks=stride // 32, planes=planes)
+    K.emit_matvec(mod, "gu", L, isa, gate_up=True, act="gelu_tanh", planes=planes)
     emb = blockdot.emit_embed_row(mod, L, isa)
     ext = ir.Function(mod, emb.function_type, "emb")
     eb = ir.IRBuilder(ext.append_basic_block())
@@ -84,21 +90,21 @@ def test_block_kernels(dt, isa):
     n = 11  # a full token group of 8 (or two of 4) and a tail
     X = np.zeros((n, stride), np.float32)
     X[:, :Kd] = rng.standard_normal((n, Kd))
-    XQ, XD, XS = np.zeros((n, stride), np.int8), np.zeros((n, stride // 32), np.float32), np.zeros(
+    XQ, XD, XS = np.zeros((n, planes * stride), np.int8), np.zeros((n, stride // 32), np.float32), np.zeros(
         (n, stride // 32), np.int32)
     for t in range(n):
         q(_p(X[t]), _p(XQ[t]), _p(XD[t]), _p(XS[t]))
     want = np.zeros((n, ys), np.float32)
     for t in range(n):
         mv(_p(w), _p(X[t]), _p(XQ[t]), _p(XD[t]), _p(XS[t]), _p(want[t]), 0, L.n_tile_rows)
-    ref = B.matvec_twin(W, X[:, :Kd])
+    ref = B.matvec_twin(W, X[:, :Kd], planes=planes)
     assert np.abs(want[:, :M] - ref).max() <= 2e-6 * np.abs(ref).max()
     got = np.zeros((n, ys), np.float32)
     mm(_p(w), _p(X), _p(XQ), _p(XD), _p(XS), _p(got), 0, L.n_tile_rows, n, stride, ys)
     assert np.array_equal(got, want)
     h = np.zeros(L.rows_p, np.float32)
     gfn(_p(gu), _p(X[0]), _p(XQ[0]), _p(XD[0]), _p(XS[0]), _p(h), 0, L.n_tile_rows)
-    href = _gelu(ref[0]) * B.matvec_twin(U, X[:1, :Kd])[0]
+    href = _gelu(ref[0]) * B.matvec_twin(U, X[:1, :Kd], planes=planes)[0]
     assert np.abs(h[:M] - href).max() <= 1e-5 * np.abs(href).max()
     deq = W.dequantize()
     for row in (0, 17, M - 1):

@@ -10,7 +10,7 @@ from cflow.codegen import kernels as K
 from cflow.codegen.library import Library
 from cflow.codegen.target import ISA, generic_target, host_target
 from cflow.layout import tile as T
-from cflow.layout.quant import dequantize, quantize, quantize_activation_q8
+from cflow.layout.quant import DType, QTensor, act_buffers, act_codes, dequantize, quantize, quantize_activation_q8
 from tests._isa import isa_target as _isa_target
 
 HOST = host_target(env=False)
@@ -229,3 +229,47 @@ def test_hsum_many_is_each_vectors_halving_tree(k, w, gen):
         h = want.shape[1] // 2
         want = (want[:, :h] + want[:, h:]).astype(np.float32)
     assert out.tobytes() == want[:, 0].tobytes()
+
+
+def _two_plane_oracle(w, dtype, x):
+    """float64 twin of activations='q8x2' (quant.act_codes: 256 q1 + q2 on d/256): exact sums, then the scales."""
+    t = quantize(w, dtype) if not isinstance(w, QTensor) else w
+    c, s = act_codes(x, 2)
+    codes = t.q.astype(np.int64) - (8 if t.dtype == DType.Q4 else 0)
+    isum = (codes * c[None].astype(np.int64)).sum(-1)
+    return (isum * t.scales.astype(np.float64) * s[None].astype(np.float64)).sum(-1)
+
+
+@pytest.mark.parametrize("isa", list(ISA))
+@pytest.mark.parametrize("dtype", ["q4", "q8"])
+def test_two_plane_activations(rng, isa, dtype):
+    """planes=2 (activations='q8x2'): the kernel's quantiser writes quant.act_buffers bit for bit on every path (a
+    partial block, a zero block, padding blocks, ties, second codes clipped at +-127), and the mat-vec equals the
+    float64 twin of the two-plane codes, also at the extremes: every activation at +-amax against every weight code
+    at its largest magnitude (Q8 +-127 with the activation's sign, Q4 code 0 = -8) for the integer ranges; the group
+    loop gives the same bits."""
+    target = isa_target(isa)
+    rows, cols, tile = 40, 166, (16, 64)  # 6 blocks: 5 full, a partial one (6 inputs), 2 of padding
+    L = T.TileLayout(dtype, rows, cols, tile)
+    mv = K.MatVec(L, target=target, cache=False, planes=2)
+    x = rng.standard_normal(cols).astype(np.float32) * 3
+    x[64:96] = 0.0
+    x[96:104] = [127.0, 3.498046875, -3.498046875, 2.5, -2.5, 0.5, -0.5, 126.50195]  # d = 1: t exact
+    act = mv.activation(x)
+    xq, xd, xs = act_buffers(x, 2)
+    assert xq.reshape(-1, 2, 32)[3, 1, 1:3].tolist() == [127, -127]  # 256 * 0.498046875 = 127.5 -> 128, clipped
+    np.testing.assert_array_equal(act.xq[: xq.size], xq)
+    np.testing.assert_array_equal(act.xd[: xd.size], xd)
+    np.testing.assert_array_equal(act.xs[: xs.size], xs)
+    assert not act.xq[xq.size :].any() and not act.xd[xd.size :].any() and not act.xs[xs.size :].any()
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    check(mv(T.pack(w, dtype, tile), act)[:rows], _two_plane_oracle(w, dtype, x), dtype)
+    sign = np.where(rng.random(cols) < 0.5, -1.0, 1.0).astype(np.float32) if dtype == "q8" else np.ones(cols)
+    xe = (sign * 5.0).astype(np.float32)  # |t| = 127: |256 q1 + q2| = 32512, the weights' codes with its sign
+    we = np.broadcast_to(sign if dtype == "q8" else np.float32(-1.0), (rows, cols)).astype(np.float32)
+    ye = mv(T.pack(we, dtype, tile), mv.activation(xe))[:rows]
+    check(ye, _two_plane_oracle(we, dtype, xe), dtype)
+    assert np.abs(ye).min() > 0.99 * 5 * cols  # every block's sum at its largest: 127 (or 8) x 32512 x 32
+    if isa == HOST.isa:
+        gl = K.MatVec(L, target=target, cache=False, planes=2, group_loop=1)
+        np.testing.assert_array_equal(gl(T.pack(w, dtype, tile), gl.activation(x)), mv(T.pack(w, dtype, tile), act))

@@ -28,13 +28,19 @@ def _act_ref(g, act):
     return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
 
 
-@pytest.mark.parametrize("isa", list(ISA))
-@pytest.mark.parametrize("dtype", ["q4", "q8", "f16", "f32"])
-@pytest.mark.parametrize("gate_up, act", ACTS, ids=["matrix", "silu", "gelu_tanh"])
-def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act):
+CASES = [(isa, dt, gu, act, 1) for isa in ISA for dt in ("q4", "q8", "f16", "f32") for gu, act in ACTS]
+# two-plane activations (q8x2): the strides and a gate on the vector paths (portable: tests/codegen/test_kernels.py)
+CASES += [(ISA.AVX512VNNI, "q4", False, "silu", 2), (ISA.AVX512VNNI, "q8", True, "gelu_tanh", 2),
+          (ISA.AVXVNNI, "q8", False, "silu", 2), (ISA.AVX2, "q4", True, "silu", 2)]
+
+
+@pytest.mark.parametrize("isa, dtype, gate_up, act, planes", CASES,
+                         ids=[f"{i}-{d}-{a if g else 'matrix'}" + "-x2" * (p == 2) for i, d, g, a, p in CASES])
+def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
     """Every token of the multi-token kernel (full token groups of 8 or 4 and a tail) equals the decode kernel on
     it alone, and a gate kernel's output is its activation of the gate times the up projection: gate values of
-    order 1 (where SiLU and tanh-GELU differ by up to 0.2), so a kernel computing the wrong one fails by far."""
+    order 1 (where SiLU and tanh-GELU differ by up to 0.2), so a kernel computing the wrong one fails by far.
+    planes 2: two-plane activations, their stride (2 x the one-plane's) apart from the scales' (blocks)."""
     target = _target(isa)
     if target is None:
         pytest.skip(f"host lacks {isa}")
@@ -45,10 +51,11 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act):
     w = T.pack_gate_up(W, W[::-1].copy(), dtype) if gate_up else T.pack(W, dtype)
     stride, ys = L.cols_p + 64, L.rows_p + 16  # strides wider than the rows: the kernel must honour them
     mod = ir.Module("t")
-    K.emit_quantize_act(mod, "q", Kd, L.cols_p)
-    K.emit_matvec(mod, "mv", L, isa, gate_up=gate_up, act=act)
-    K.emit_matmat(mod, "mm", L, isa, stride, gate_up=gate_up, act=act)
-    K.emit_matvec(mod, "plain", L, isa)  # W x alone: the gate and up projections for the reference
+    K.emit_quantize_act(mod, "q", Kd, L.cols_p, planes=planes)
+    K.emit_matvec(mod, "mv", L, isa, gate_up=gate_up, act=act, planes=planes)
+    K.emit_matmat(mod, "mm", L, isa, planes * stride, gate_up=gate_up, act=act, act_blocks=stride // 32,
+                  planes=planes)
+    K.emit_matvec(mod, "plain", L, isa, planes=planes)  # W x alone: the gate and up projections for the reference
     lib = Library(name="t", target=target, cache=False)
     lib.add_ir(mod)
     lib.finalize()
@@ -60,7 +67,7 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act):
     n = 11  # a full group of 8 (or two of 4) and a tail
     X = np.zeros((n, stride), np.float32)
     X[:, :Kd] = rng.standard_normal((n, Kd))
-    XQ = np.zeros((n, stride), np.int8)
+    XQ = np.zeros((n, planes * stride), np.int8)
     XD = np.zeros((n, stride // 32), np.float32)
     XS = np.zeros((n, stride // 32), np.int32)
     for t in range(n):

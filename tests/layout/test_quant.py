@@ -62,3 +62,20 @@ def test_activation_blocks_match_q8_numerics(rng):
 def test_f16_f32_passthrough(rng):
     x = rng.standard_normal((4, 8)).astype(np.float32)
     assert quantize(x, "f16").dtype == np.float16 and np.array_equal(quantize(x, "f32"), x)
+
+
+def test_two_plane_activation_blocks(rng):
+    """q8x2: the first plane is the int8 activation itself, the second its residual on d/256 (clipped to +-127),
+    so a block's value d (q1 + q2/256) is within d/512 of x; act_planes keeps a K-quant reader's point at one plane."""
+    from cflow.layout.quant import act_codes, act_planes, quantize_activation_q8x2
+
+    x = rng.standard_normal((3, 100)).astype(np.float32)
+    x[0, :4] = [4.0, 1.5, -1.5, 0.0]
+    q, d = quantize_activation_q8x2(x)
+    q8, d8 = quantize_activation_q8(x)
+    assert q.shape == (3, 4, 2, 32) and np.array_equal(q[..., 0, :], q8) and np.array_equal(d, d8)
+    c, s = act_codes(x, 2)
+    err = np.abs((c * s[..., None]).reshape(3, -1)[:, :100] - x) / np.repeat(d, 32, -1)[:, :100]
+    assert err.max() <= 1 / 512 + 1e-6 and np.abs(q[..., 1, :]).max() <= 127
+    assert act_planes("q8x2", [DType.Q4, DType.Q5_0, DType.F32]) == 2
+    assert act_planes("q8x2", [DType.Q5_0, DType.Q6_K]) == act_planes("q8", [DType.Q4]) == 1

@@ -113,6 +113,15 @@ def test_bad_kv_type_is_one_clear_error(path):
         cflow.load(path, kv="f8")
 
 
+def test_bad_activations_are_one_clear_error(path):
+    from cflow.cli import ACT_CHOICES
+    from cflow.layout.quant import ACT_FORMATS
+
+    assert ACT_CHOICES == ACT_FORMATS
+    with pytest.raises(cflow.CflowError, match="activations must be one of q8, q8x2, not 'q4'"):
+        cflow.load(path, activations="q4")
+
+
 def test_cli_kv_choices_are_the_cache_types():
     from cflow.cli import KV_CHOICES
     from cflow.codegen.abi import KV_BYTES

@@ -16,7 +16,8 @@ def _part(parts: dict, prefix: str) -> int:
 
 
 @pytest.mark.parametrize("preset, quant, tile, kw", [
-    ("arch2_4_combined", "q4", (32, 64), dict(threads=2)),  # experts, both delays, a tile narrower than d_model
+    # experts, both delays, a tile narrower than d_model, two-plane activations (the int8 fields doubled)
+    ("arch2_4_combined", "q4", (32, 64), dict(threads=2, activations="q8x2")),
     ("arch5_shared", "q8", (16, 32), dict(threads=1, max_batch=3, max_seq=48)),  # shared blocks, batch slots
     ("arch1", "q4", (128, 256), dict(threads=2, prefill_block=5)),  # a tile wider than every matrix, T = 5
     ("arch4_async_experts", "q4", (32, 64), dict(threads=1, experts="disk")),  # the segmented step

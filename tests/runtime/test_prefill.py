@@ -23,8 +23,8 @@ def files(tmp_path_factory):
     return out
 
 
-def _run(path, block, threads, ids, steps=4):
-    with Session(str(path), threads=threads, prefill_block=block) as s:
+def _run(path, block, threads, ids, steps=4, activations="q8"):
+    with Session(str(path), threads=threads, prefill_block=block, activations=activations) as s:
         logits = s.prefill(ids)
         rest = [s.step(int(np.argmax(logits))).copy()]
         for _ in range(steps - 1):
@@ -64,3 +64,15 @@ def test_prefill_errors_leave_the_model_usable(files):
             s.prefill([1] * (s.max_seq + 1))
         s.reset()
         assert np.isfinite(s.prefill([1, 2, 3])).all()
+
+
+def test_two_plane_activations_in_blocks(files):
+    """activations='q8x2' on an MoE with a shared expert (a prompt block groups the experts' tokens and gathers their
+    two-plane inputs): the block equals token by token bit for bit, and both the interpreter's twin."""
+    path, ids = files["arch5_shared", "q4"], list(np.random.default_rng(7).integers(0, 256, 21))
+    want, _ = _run(path, 1, 1, ids, steps=1, activations="q8x2")
+    with cflow.load(path, threads=2, prefill_block=16, activations="q8x2") as m:
+        got = m.session.prefill(ids)
+        ref = Interpreter(m.ir, act_quant="q8x2", kv=m.kv).prefill(ids)[-1]
+    assert np.array_equal(got, want)
+    assert np.abs(got - ref).max() < 1e-3 * np.abs(ref).max() and int(np.argmax(got)) == int(np.argmax(ref))
