@@ -1,5 +1,6 @@
 """A model larger than its memory budget: each engine in its own memory cgroup, the page cache dropped first.
 
+    python -m benchmarks.larger_than_ram --quick       # the ~4 GB sibling at 2 GiB against llama.cpp, minutes
     python -m benchmarks.larger_than_ram --vflow M.vflow --gguf M.gguf --budget 2G
     python -m benchmarks.larger_than_ram --vflow M.vflow --gguf M.gguf --budget 8G --engines cflow,llama
 
@@ -271,6 +272,30 @@ def _print_run(engine: str, r: dict) -> None:
           f"{r['peak_rss'] / 2**20:8.0f} {' '.join(map(str, r['tokens'][:3]))}..", flush=True)
 
 
+def sibling_files(models: str | None) -> tuple[str, str]:
+    """The ~4 GB sibling's .vflow and GGUF twin (benchmarks/make_moe.py), built there on first use."""
+    from pathlib import Path
+
+    from benchmarks import make_moe
+
+    d = Path(models or os.environ.get("CFLOW_MODELS") or Path.home() / ".cache" / "cflow" / "models") / "bigmoe"
+    name = make_moe.geometry("sibling-4g").name
+    vflow, gguf = d / f"{name}.vflow", d / f"{name}.gguf"
+    if not (vflow.exists() and gguf.exists()):
+        print(f"# building the sibling in {d} (4.3 GB .vflow + 4.3 GB GGUF, a few minutes)", flush=True)
+        make_moe.main(["--geometry", "sibling-4g", "--out", str(d), "--gguf", "--no-dd"])
+    return str(vflow), str(gguf)
+
+
+def summary(records: list[dict]) -> None:
+    """The last line: cflow against llama.cpp in the same budget, and whether their greedy tokens agree."""
+    by = {r["engine"]: r for r in records}
+    c, ll = by.get("cflow"), by.get("llama")
+    if c and ll and c["tok_s"] and ll["tok_s"]:
+        same = c["extra"].get("tokens") == ll["extra"].get("tokens")
+        print(f"cflow / llama.cpp = {c['tok_s'] / ll['tok_s']:.2f}x, tokens identical: {'yes' if same else 'no'}")
+
+
 def main(argv=None) -> None:
     from cflow.cli import size_mb
     from cflow.codegen.target import cpu_model, isa_path
@@ -288,9 +313,16 @@ def main(argv=None) -> None:
                     "(default 1)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
     add_json_argument(ap, "write one record per engine")
+    ap.add_argument("--quick", action="store_true", help="the ~4 GB sibling of the Qwen3-30B-A3B geometry at a 2 GiB "
+                    "budget: cflow, llama.cpp and cflow in RAM (the files built on first use, ~9 GB)")
+    ap.add_argument("--models", default=None, help="where --quick finds or builds the sibling (default "
+                    "$CFLOW_MODELS/bigmoe or ~/.cache/cflow/models/bigmoe)")
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--cgroup-parent", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)  # tests
     args = ap.parse_args(argv)
+    if args.quick:
+        args.vflow, args.gguf = sibling_files(args.models)
+        args.budget, args.engines = 2048, "cflow,llama,cflow-ram"
     if args.worker:
         engine, path, budget, tokens, threads = args.worker
         print(json.dumps(worker(engine, path, float(budget), int(tokens), int(threads))))
@@ -355,6 +387,7 @@ def main(argv=None) -> None:
                 rec["extra"]["tokens_equal_to_ram"] = same
                 print(f"# {rec['engine']}: {'all ' + str(same) if same == len(ref) else same} greedy tokens equal "
                       f"to cflow in RAM")
+    summary(records)
     run.write(args.json, records, {"budget": budget, "disk_gbs_one": d1, "disk_gbs_two": d2, "expert_bytes": one,
                                    "file_bytes": sizes, "prompt": PROMPT})
 

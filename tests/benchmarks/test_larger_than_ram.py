@@ -56,3 +56,13 @@ def test_disk_rate_while_waiting_from_a_trace():
     assert abs(r["gbs_disk_while_waiting"] - 1.5 * 1024000 / 2.0 / 1e9) < 1e-12
     assert abs(r["wait_share_disk_idle"] - 0.25) < 1e-12  # 1.0..1.5 s of the first wait: nothing on the disk
     assert disk_while_waiting([], tier) == {"wait_s_traced": 0.0}
+
+
+def test_summary_line(capsys):
+    from benchmarks.larger_than_ram import summary
+
+    rec = lambda e, t, toks: {"engine": e, "tok_s": t, "extra": {"tokens": toks}}  # noqa: E731
+    summary([rec("cflow", 7.2, [1, 2]), rec("llama", 0.45, [1, 2]), rec("cflow-ram", 30.0, [1, 2])])
+    summary([rec("cflow", 1.0, [1, 2]), rec("llama", 2.0, [1, 3])])
+    assert capsys.readouterr().out.splitlines() == ["cflow / llama.cpp = 16.00x, tokens identical: yes",
+                                                    "cflow / llama.cpp = 0.50x, tokens identical: no"]
