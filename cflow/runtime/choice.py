@@ -24,26 +24,33 @@ logit, ties by the lower id). A caller takes the record of each token it emits w
 
 A constraint is any object with `allowed()` -> a bool array [n] of the tokens allowed next (ids >= n are not) or
 None (no restriction now), `accept(token)`, and a `finished` property (only end-of-text may follow: the Chooser
-then returns `eos_id` without drawing). One Chooser serves one generation: it keeps that sequence's history.
+then returns `eos_id` without drawing); optionally `try_accept(token)` -> bool (advance if allowed: the Chooser
+then draws first and masks only refused draws, see `_draw_then_check`) and `forced()` -> the one token allowed
+next when the grammar forces it, else None (taken without a mask or a draw). One Chooser serves one generation:
+it keeps that sequence's history.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import CflowError
-from .sampling import Sampler, _pick, _top
+from .sampling import BLOCK, Sampler, _crossing, _pick, _top
 
 MAX_TOP_LOGPROBS = 20  # alternatives a record may list (OpenAI's limit for chat)
 REPETITION_WINDOW = 64  # llama.cpp's default penalty_last_n
-# A grammar's mask is computed first while more than REFUSED_SHARE of the recent first draws were refused (a
-# running mean, weight REFUSED_DECAY per draw); masked tokens let it fall by REFUSED_FORGET each, so that a
-# model that stopped disagreeing is drawn first again after a few tokens.
+# A grammar's mask is computed first while more than REFUSED_SHARE of the recent draws from the unmasked row ended
+# in the mask all the same (a running mean, weight REFUSED_DECAY per token); masked tokens let it fall by
+# REFUSED_FORGET each, so that a model that stopped disagreeing is drawn first again after a few tokens.
 REFUSED_SHARE, REFUSED_DECAY, REFUSED_FORGET = 0.5, 0.25, 0.05
+FEW = 32  # masked draws over at most this many tokens are computed without numpy
+TRIES = 3  # draws from the unmasked row before the grammar's mask is computed (see Chooser._draw_then_check)
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,10 @@ class Chooser:
         self._edits = bool(bias) or self.presence != 0 or self.frequency != 0 or (
             self.repetition != 1 and self.window != 0)  # rules that change logits (on a copy)
         self._rules = self._edits or self.min_p > 0
-        self._refused = 0.0  # running share of first draws the grammar refused (see _draw_first)
+        self._refused = 0.0  # running share of draws first that ended in the mask (see _draw_then_check)
+        plain = self.greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
+        self._try_first = plain and hasattr(constraint, "try_accept")  # draw first, mask if refused: exact here
+        self._forced = getattr(constraint, "forced", None)  # the token the grammar forces next, or None
 
     # --- a Sampler's interface -----------------------------------------------------------------------------
     @property
@@ -125,26 +135,12 @@ class Chooser:
     def draw(self, logits: np.ndarray, u: float | None) -> int:
         """The token uniform `u` selects from the distribution the rules leave; recorded and accepted."""
         c = self.constraint
-        if c is not None and c.finished:
-            x, ids = None, None
+        if c is not None:
+            tok = self._draw_constrained(c, logits, u)
         else:
-            x, ids = self._adjusted(logits, mask=not self._draw_first)
-        if x is None:  # the constraint is complete, or allows nothing more: end the sequence
-            tok = self._end("the constraint allows no token" if c is not None and not c.finished else
-                            "the constraint is complete")
-        elif c is not None and self._draw_first:
-            tok = self._draw_then_check(logits, u)
-        else:
-            if c is not None and ids is not None and ids.size == 1:  # one token allowed: nothing to draw
-                tok = int(ids[0])
-            elif c is not None and ids is not None:
-                tok = self._pick(x, ids, u)
-            else:
-                i = self.sampler.draw(x, u)
-                tok = i if ids is None else int(ids[i])
-            if c is not None:
-                c.accept(tok)
-                self._refused *= 1 - REFUSED_FORGET  # masked draws: try drawing first again now and then
+            x, ids = self._adjusted(logits)
+            i = self.sampler.draw(x, u)
+            tok = i if ids is None else int(ids[i])
         if self.top_n is not None:
             self._records.append(self.logprob(logits, tok))
         self.history.append(tok)
@@ -153,24 +149,51 @@ class Chooser:
         self._counts[tok] = self._counts.get(tok, 0) + 1
         return tok
 
-    @property
-    def _draw_first(self) -> bool:
-        """Draw from the unmasked row and compute the mask only when the grammar refuses the token: the same
-        distribution as masking first when nothing truncates by rank or by the best token (greedy, or plain
-        temperature: a draw the grammar accepts is the masked draw's, one it refuses is redrawn from the masked
-        row, which is rejection sampling), and the mask, which costs more than a decode step of a small model,
-        is then computed for the few tokens a model gets wrong (docs/structured-output.md). While the grammar
-        refuses most first draws (a model that would rather write something else), a refused draw is a wasted
-        one: then the mask comes first. Either way is exact, so switching by the past draws changes nothing."""
-        c = self.constraint
-        plain = self.greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
-        return c is not None and plain and self._refused < REFUSED_SHARE and hasattr(c, "try_accept")
+    def _draw_constrained(self, c, logits: np.ndarray, u: float | None) -> int:
+        if c.finished:  # only end of text may follow: end the sequence
+            return self._end("the constraint is complete")
+        tok = self._forced() if self._forced is not None else None
+        if tok is not None:  # the grammar forces it: the only token its mask would allow, nothing to draw
+            c.accept(tok)
+            return tok
+        if self._try_first and self._refused < REFUSED_SHARE:
+            return self._draw_then_check(logits, u)
+        x, ids = self._adjusted(logits)
+        if x is None:
+            return self._end("the constraint allows no token")
+        if ids is None:  # the constraint restricts nothing here
+            tok = self.sampler.draw(x, u)
+        elif ids.size == 1:  # one token allowed: nothing to draw
+            tok = int(ids[0])
+        else:
+            tok = self._pick(x, ids, u)
+        c.accept(tok)
+        self._refused *= 1 - REFUSED_FORGET  # masked draws: try drawing first again now and then
+        return tok
 
     def _draw_then_check(self, logits: np.ndarray, u: float | None) -> int:
-        x, ids = self._adjusted(logits, mask=False)
-        i = self.sampler.draw(x, u)
-        tok = i if ids is None else int(ids[i])
-        ok = self.constraint.try_accept(tok)
+        """Draw from the unmasked row and compute the mask only when the grammar refuses the token: the same
+        distribution as masking first when nothing truncates by rank or by the best token. Greedy: the argmax if
+        the grammar takes it, else the masked argmax. Plain temperature: up to TRIES draws from the unmasked row
+        (the first with `u`, the others with fresh uniforms) until the grammar takes one, then a draw from the
+        masked row; each draw the grammar takes is distributed as the masked draw (rejection sampling), so the
+        token is, whichever try gives it. The mask, which costs more than a decode step of a small model, is so
+        computed for the few tokens a model gets wrong (docs/structured-output.md). While most of these draws
+        end in the mask (a model that would rather write something else), they are wasted: then the mask comes
+        first (`_refused`, a running share). Either way is exact, so switching by the past draws changes
+        nothing. Tokens the grammar forces are neither drawn nor counted here."""
+        c = self.constraint
+        x, _ = self._adjusted(logits, mask=False)
+        if self.greedy:
+            tok = int(np.argmax(x))
+            ok = c.try_accept(tok)
+        else:
+            draws = _Draws(x, self.temperature)
+            for k in range(TRIES):
+                tok = draws.pick(u if k == 0 else self.rng.random())
+                ok = c.try_accept(tok)
+                if ok:
+                    break
         self._refused = (1 - REFUSED_DECAY) * self._refused + REFUSED_DECAY * (not ok)
         if ok:
             return tok
@@ -178,13 +201,20 @@ class Chooser:
         if x is None:
             return self._end("the constraint allows no token")
         tok = int(ids[0]) if ids is not None and ids.size == 1 else self._pick(x, ids, self.rng.random())
-        self.constraint.accept(tok)
+        c.accept(tok)
         return tok
 
     def _pick(self, x: np.ndarray, ids: np.ndarray | None, u: float) -> int:
         """The Sampler's draw; for the few tokens a mask leaves under plain temperature its arithmetic without its
-        general machinery (the same weights, exp((x - max) / T) in float64, and the same inverse CDF)."""
+        general machinery (the same weights, exp((x - max) / T) in float64, and the same inverse CDF), in plain
+        Python for a handful of tokens."""
         if ids is not None and not self.greedy and self.top_k == 0 and self.top_p == 1.0:
+            if ids.size <= FEW:  # in plain Python: a handful of numpy calls cost more than the arithmetic
+                xs = x.tolist()
+                top, t = max(xs), self.temperature
+                c = list(itertools.accumulate(math.exp((v - top) / t) for v in xs))
+                i = bisect.bisect_right(c, u * c[-1])
+                return int(ids[i if i < len(c) else bisect.bisect_left(c, c[-1])])
             w = np.exp(np.subtract(x, x.max(), dtype=np.float64) / self.temperature)
             return int(ids[_pick(w, u)])
         i = self.sampler.draw(x, None if self.greedy else u)
@@ -233,7 +263,7 @@ class Chooser:
         x = np.asarray(logits)
         if x.dtype.kind != "f":
             x = x.astype(np.float64)
-        if not self._rules and self.constraint is None:
+        if not self._rules and (not mask or self.constraint is None):
             return x, None
         if self._edits:
             x = x.copy()  # the caller's row stays as it is
@@ -282,6 +312,38 @@ class Chooser:
         if self.eos_id is None:
             raise CflowError(f"{why} and there is no end-of-text token to end the sequence with")
         return int(self.eos_id)
+
+
+class _Draws:
+    """Draws from softmax(x / temperature) by inverse CDF, as Sampler.draw makes them over a whole row (the same
+    float64 weights and the same cumulative sums, block by block for a long row: sampling._pick), the sums kept
+    for further draws."""
+
+    def __init__(self, x: np.ndarray, temperature: float):
+        top = x.max()
+        if not np.isfinite(top):
+            raise CflowError(f"cannot sample: the largest logit is {top}")
+        w = np.subtract(x, top, dtype=np.float64)
+        w /= temperature
+        np.exp(w, out=w)
+        self.w = w
+        if w.size <= 4 * BLOCK:
+            self.c, self.blocked = np.cumsum(w), False
+        else:
+            nb = w.size // BLOCK
+            sums = w[: nb * BLOCK].reshape(nb, BLOCK).sum(axis=1)
+            if w.size > nb * BLOCK:
+                sums = np.append(sums, w[nb * BLOCK :].sum())
+            self.c, self.blocked = np.cumsum(sums), True
+
+    def pick(self, u: float) -> int:
+        c = self.c
+        t = u * c[-1]
+        j = _crossing(c, t)
+        if not self.blocked:
+            return j
+        lo = j * BLOCK
+        return lo + _crossing(np.cumsum(self.w[lo : lo + BLOCK]), t - (c[j - 1] if j else 0.0))
 
 
 def _check(ok: bool, what: str, got) -> None:
