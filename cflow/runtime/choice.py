@@ -45,12 +45,19 @@ from .sampling import BLOCK, Sampler, _crossing, _pick, _top
 
 MAX_TOP_LOGPROBS = 20  # alternatives a record may list (OpenAI's limit for chat)
 REPETITION_WINDOW = 64  # llama.cpp's default penalty_last_n
-# A grammar's mask is computed first while more than REFUSED_SHARE of the recent draws from the unmasked row ended
-# in the mask all the same (a running mean, weight REFUSED_DECAY per token); masked tokens let it fall by
-# REFUSED_FORGET each, so that a model that stopped disagreeing is drawn first again after a few tokens.
-REFUSED_SHARE, REFUSED_DECAY, REFUSED_FORGET = 0.5, 0.25, 0.05
-FEW = 32  # masked draws over at most this many tokens are computed without numpy
+# Under a grammar a token is drawn from the unmasked row first (the mask computed only if the grammar refuses it),
+# or from the masked row at once, whichever is likely cheaper: where the grammar leaves few tokens (FEW or less: a
+# JSON value's end, a key's start) the model's own draw is seldom one of them and costs a whole row's softmax for
+# nothing, while a draw among few tokens costs next to nothing; where it leaves many (inside a string) the masked
+# draw is a whole row's too, after the mask. So the Chooser keeps, for each kind of token before (`_after`: none,
+# forced, a draw among many, among few), the running share of tokens that needed the mask (weight NEED_RATE per
+# token), and draws from the masked row first while that share is above MASK_FIRST (the share at which both cost
+# the same on the bundled model). Either way the token is the masked distribution's.
+MASK_FIRST, NEED_RATE = 0.5, 0.25
+_START, _FORCED, _WIDE, _NARROW = range(4)
+FEW = 32  # a mask leaving this many tokens or fewer is narrow; a draw among them is done without numpy
 TRIES = 3  # draws from the unmasked row before the grammar's mask is computed (see Chooser._draw_then_check)
+TRIES_WIDE = 8  # and after it, where it leaves many tokens
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,10 @@ class Chooser:
         self._edits = bool(bias) or self.presence != 0 or self.frequency != 0 or (
             self.repetition != 1 and self.window != 0)  # rules that change logits (on a copy)
         self._rules = self._edits or self.min_p > 0
-        self._refused = 0.0  # running share of draws first that ended in the mask (see _draw_then_check)
-        plain = self.greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
+        self._need = [1.0, 0.5, 0.0, 0.5]  # share of tokens that needed the mask, by the kind of token before
+        self._after = _START
+        self._greedy = self.sampler.greedy
+        plain = self._greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
         self._try_first = plain and hasattr(constraint, "try_accept")  # draw first, mask if refused: exact here
         self._forced = getattr(constraint, "forced", None)  # the token the grammar forces next, or None
 
@@ -150,59 +159,72 @@ class Chooser:
         return tok
 
     def _draw_constrained(self, c, logits: np.ndarray, u: float | None) -> int:
+        """The next token under constraint `c`: a token the grammar forces is taken as it is (the only one its mask
+        would allow: nothing to draw); otherwise drawn first (`_draw_then_check`) or from the masked row, by which
+        is likely cheaper here (`_need`). Either way the token is the masked distribution's."""
         if c.finished:  # only end of text may follow: end the sequence
             return self._end("the constraint is complete")
         tok = self._forced() if self._forced is not None else None
-        if tok is not None:  # the grammar forces it: the only token its mask would allow, nothing to draw
+        if tok is not None:
             c.accept(tok)
+            self._after = _FORCED
             return tok
-        if self._try_first and self._refused < REFUSED_SHARE:
-            return self._draw_then_check(logits, u)
+        after = self._after
+        if self._try_first and (self._greedy or self._need[after] < MASK_FIRST):
+            tok, needed = self._draw_then_check(logits, u)
+        else:
+            tok, needed = self._draw_masked(logits, u)
+        self._need[after] += NEED_RATE * (needed - self._need[after])
+        self._after = _NARROW if needed else _WIDE
+        return tok
+
+    def _draw_then_check(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
+        """(token, whether the mask left few tokens): a draw from the unmasked row, the mask computed only when the
+        grammar refuses it. The same distribution as masking first when nothing truncates by rank or by the best
+        token. Greedy: the argmax if the grammar takes it, else the masked argmax. Plain temperature: up to TRIES
+        draws (the first with `u`, the others with fresh uniforms) from the unmasked row less the tokens refused
+        so far, until the grammar takes one; then the mask: where it leaves many tokens (the model insists on one
+        it refuses, a line break inside a JSON string), more such draws checked against it, else (and if those
+        fail) a draw from the masked row. The grammar allows none of the tokens left out, so each draw it takes
+        is distributed as the masked draw (rejection sampling), whichever try gives it."""
+        c = self.constraint
+        x = logits
+        if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
+            x, _ = self._adjusted(logits, mask=False)
+        if self._greedy:
+            tok = int(np.argmax(x))
+            return (tok, False) if c.try_accept(tok) else self._draw_masked(logits, None)
+        draws = _Draws(x, self.temperature)
+        for k in range(TRIES):
+            tok = draws.pick(u if k == 0 else self.rng.random())
+            if c.try_accept(tok):
+                return tok, False
+            if not draws.drop(tok):
+                return self._draw_masked(logits, self.rng.random())
+        allowed = c.allowed()
+        if allowed is not None and np.count_nonzero(allowed) > FEW:
+            for _ in range(TRIES_WIDE):
+                tok = draws.pick(self.rng.random())
+                if tok < allowed.size and allowed[tok]:
+                    c.accept(tok)
+                    return tok, False
+                if not draws.drop(tok):
+                    break
+        return self._draw_masked(logits, self.rng.random())
+
+    def _draw_masked(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
+        """(token, whether the mask left few tokens): a draw from the masked row."""
         x, ids = self._adjusted(logits)
         if x is None:
-            return self._end("the constraint allows no token")
+            return self._end("the constraint allows no token"), True
         if ids is None:  # the constraint restricts nothing here
             tok = self.sampler.draw(x, u)
         elif ids.size == 1:  # one token allowed: nothing to draw
             tok = int(ids[0])
         else:
             tok = self._pick(x, ids, u)
-        c.accept(tok)
-        self._refused *= 1 - REFUSED_FORGET  # masked draws: try drawing first again now and then
-        return tok
-
-    def _draw_then_check(self, logits: np.ndarray, u: float | None) -> int:
-        """Draw from the unmasked row and compute the mask only when the grammar refuses the token: the same
-        distribution as masking first when nothing truncates by rank or by the best token. Greedy: the argmax if
-        the grammar takes it, else the masked argmax. Plain temperature: up to TRIES draws from the unmasked row
-        (the first with `u`, the others with fresh uniforms) until the grammar takes one, then a draw from the
-        masked row; each draw the grammar takes is distributed as the masked draw (rejection sampling), so the
-        token is, whichever try gives it. The mask, which costs more than a decode step of a small model, is so
-        computed for the few tokens a model gets wrong (docs/structured-output.md). While most of these draws
-        end in the mask (a model that would rather write something else), they are wasted: then the mask comes
-        first (`_refused`, a running share). Either way is exact, so switching by the past draws changes
-        nothing. Tokens the grammar forces are neither drawn nor counted here."""
-        c = self.constraint
-        x, _ = self._adjusted(logits, mask=False)
-        if self.greedy:
-            tok = int(np.argmax(x))
-            ok = c.try_accept(tok)
-        else:
-            draws = _Draws(x, self.temperature)
-            for k in range(TRIES):
-                tok = draws.pick(u if k == 0 else self.rng.random())
-                ok = c.try_accept(tok)
-                if ok:
-                    break
-        self._refused = (1 - REFUSED_DECAY) * self._refused + REFUSED_DECAY * (not ok)
-        if ok:
-            return tok
-        x, ids = self._adjusted(logits)  # refused: the masked row, and a fresh uniform for its draw
-        if x is None:
-            return self._end("the constraint allows no token")
-        tok = int(ids[0]) if ids is not None and ids.size == 1 else self._pick(x, ids, self.rng.random())
-        c.accept(tok)
-        return tok
+        self.constraint.accept(tok)
+        return tok, ids is not None and ids.size <= FEW
 
     def _pick(self, x: np.ndarray, ids: np.ndarray | None, u: float) -> int:
         """The Sampler's draw; for the few tokens a mask leaves under plain temperature its arithmetic without its
@@ -317,7 +339,7 @@ class Chooser:
 class _Draws:
     """Draws from softmax(x / temperature) by inverse CDF, as Sampler.draw makes them over a whole row (the same
     float64 weights and the same cumulative sums, block by block for a long row: sampling._pick), the sums kept
-    for further draws."""
+    for further draws, from which tokens can be left out."""
 
     def __init__(self, x: np.ndarray, temperature: float):
         top = x.max()
@@ -335,6 +357,13 @@ class _Draws:
             if w.size > nb * BLOCK:
                 sums = np.append(sums, w[nb * BLOCK :].sum())
             self.c, self.blocked = np.cumsum(sums), True
+
+    def drop(self, i: int) -> bool:
+        """Leave token i out of further draws; False if no weight is left."""
+        wi = self.w[i]
+        self.w[i] = 0.0
+        self.c[i // BLOCK if self.blocked else i :] -= wi
+        return self.c[-1] > 0
 
     def pick(self, u: float) -> int:
         c = self.c

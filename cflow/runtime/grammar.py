@@ -16,9 +16,9 @@ A Constraint is what the sampler asks, once per token:
 
 Where the grammar forces the next bytes (a JSON key and its `": "`, the rest of an enum value), llguidance's mask
 is the first token of those bytes as its tokenizer writes them, alone; one engine call (compute_ff_tokens) gives
-the whole run. The constraint asks it right after each token the sampler chose (and whether the grammar stopped),
-while the engine's data is still in the cache: the first engine call after a decode step costs several times what
-the next ones do.
+the whole run. The constraint asks it (and whether the grammar stopped) right after the token the sampler chose,
+while the engine's data is still in the cache (the first engine call after a decode step costs several times what
+the next ones do), as long as the grammar forces runs often enough to pay for the question.
 
 The engine's view of a tokenizer (every token's bytes and a trie over them) takes about a second to build for a
 150k vocabulary, so it is built once per cflow Tokenizer and kept while the tokenizer lives; a compiled grammar
@@ -42,6 +42,7 @@ SYNTAXES = ("gbnf", "lark", "regex")
 # JSON as json.dumps writes it: one line, ", " and ": ". A fixed layout leaves the model no run of whitespace to
 # get lost in, and it is what models have seen most.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+RUN_PROBE, RUN_RATE = 0.05, 0.125  # see Constraint._learn
 _KEPT_GRAMMARS = 32  # compiled grammars kept per tokenizer (a server's schemas repeat; n > 1 shares one)
 
 _lock = threading.Lock()
@@ -131,7 +132,10 @@ class Constraint:
         self._forced: list[int] = []
         self._probed = False
         self._ok: np.ndarray | None = None
-        self._learn(probe=True)
+        # how often a drawn token led to a forced run (a running share): below RUN_PROBE the question is asked only
+        # where a mask is computed anyway (`_skipped`: not asked after the last token)
+        self._runs, self._skipped = 2 * RUN_PROBE, False
+        self._learn(drawn=True)
 
     def allowed(self) -> np.ndarray:
         if self._ok is None:
@@ -158,7 +162,9 @@ class Constraint:
                 token = self._eos
             if self._m.try_consume_tokens([token]) != 1:
                 return False
-            self._learn(probe=True)
+            if self._skipped:  # the state before was not asked about; its draw was taken: it forced nothing
+                self._runs *= 1 - RUN_RATE
+            self._learn(drawn=True)
             return True
         if ok:
             self._consume(token)
@@ -172,37 +178,40 @@ class Constraint:
     def finished(self) -> bool:
         return self._stopped
 
-    def _learn(self, probe: bool) -> None:
-        """After a token: is the grammar stopped, and (probe) does it force the next tokens?"""
+    def _learn(self, drawn: bool) -> None:
+        """After a token: is the grammar stopped, and does it force the next tokens? Asked after a drawn token
+        while drawn tokens often lead to forced runs (a JSON value's end to the next key); a forced run ends
+        where the grammar stops forcing, so the state after one seldom forces."""
         m = self._m
-        self._ok = None
+        self._ok, self._skipped = None, False
         self._stopped = m.is_stopped()
         if self._forced:
             self._probed = True  # the rest of a forced run
-        elif probe and not self._stopped:
+        elif drawn and not self._stopped and self._runs > RUN_PROBE:
             self._forced, self._probed = m.compute_ff_tokens()[::-1], True
+            self._runs += RUN_RATE * (bool(self._forced) - self._runs)
         else:
-            self._probed = False
+            self._probed, self._skipped = False, drawn and not self._stopped
 
     def _consume(self, token: int) -> None:
         """Advance with a token known to be allowed."""
         forced = self._forced
         if forced:
             forced.pop()
-            probe = False  # a forced run ends where the grammar stops forcing: the next state seldom forces
-        else:
-            probe = True
-            if token in self._stop_set:
-                token = self._eos
+        elif token in self._stop_set:
+            token = self._eos
         if not self._m.consume_token(token):
             raise CflowError(f"grammar: {_message(self._m.get_error())}")
-        self._learn(probe)
+        self._learn(drawn=not forced)
 
     def _mask(self) -> np.ndarray:
         """The allowed tokens of the current state (stop tokens where end of text is allowed)."""
         m = self._m
         if not self._probed and not self._stopped:
             self._forced, self._probed = m.compute_ff_tokens()[::-1], True
+            if self._skipped:  # what the question after the last token would have found
+                self._runs += RUN_RATE * (bool(self._forced) - self._runs)
+                self._skipped = False
         if self._forced:  # the engine's mask is this token alone
             ok = np.zeros(self.n, bool)
             ok[self._forced[-1]] = True

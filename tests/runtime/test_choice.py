@@ -177,21 +177,23 @@ class Tries(Allow):
         return self.force
 
 
-@pytest.mark.parametrize("temperature,ids", [(0.8, [i for i in range(1, 30) if i not in (7, 13)]),
+@pytest.mark.parametrize("temperature,ids", [(0.8, [i for i in range(1, 200) if i % 40]), (1.0, list(range(150, 200))),
                                              (1.0, [3, 5, 8, 9, 12, 15, 20, 22, 27]), (0.7, [2, 6]), (1.4, [4])])
 def test_drawing_first_is_the_masked_distribution(temperature, ids):
-    """Draws from the unmasked row, redrawn while refused, then the masked row: the masked softmax, whether the
-    allowed tokens hold most of the mass or little of it (then most tokens go to the mask, and it comes first)."""
-    x = (np.random.default_rng(5).standard_normal(30) * 2).astype(np.float32)
+    """Draws from the unmasked row, redrawn while refused, then the masked row, or the masked row at once: the
+    masked softmax, whether the allowed tokens are many and hold most of the mass (the mask is then seldom
+    computed) or few and hold little of it (most tokens go to the mask, and it comes first)."""
+    x = (np.random.default_rng(5).standard_normal(200) * 2).astype(np.float32)
     x[ids[0]] -= 3  # an allowed token the model seldom draws
-    c = Tries(ids, n=30)
+    c = Tries(ids, n=200)
     ch, n = Chooser(temperature, seed=9, constraint=c, eos_id=0), 20000
-    got = np.bincount([ch(x) for _ in range(n)], minlength=30) / n
-    p = np.zeros(30)
+    got = np.bincount([ch(x) for _ in range(n)], minlength=200) / n
+    p = np.zeros(200)
     p[ids] = softmax(x[ids] / temperature)
     np.testing.assert_allclose(got, p, atol=4 * np.sqrt(p * (1 - p) / n).max() + 1e-9)
-    assert c.masks < n  # the mask only for refused draws
-    assert Chooser(0.0, constraint=Tries(ids, n=30), eos_id=0)(x) == ids[int(np.argmax(x[ids]))]
+    if softmax(x / temperature)[ids].sum() > 0.9:  # the draws are seldom refused: seldom a mask
+        assert c.masks < n / 100
+    assert Chooser(0.0, constraint=Tries(ids, n=200), eos_id=0)(x) == ids[int(np.argmax(x[ids]))]
 
 
 def test_forced_tokens_are_taken_without_a_mask_or_a_draw():
