@@ -44,6 +44,14 @@ earlier request): two servers per --max-batch, --rounds requests each, one at a 
 --one-slot (engine, no HTTP): one stream decoding through StreamSlots and through a one-slot BatchedSlots, in
 turns (what serving one slot with BatchedSlots costs).
 
+--shapes (server, HTTP): what structured output costs per served token: free text against a JSON schema,
+json_object and a GBNF grammar, --rounds requests of each, one at a time in turns (the share of the cores other
+processes used meanwhile is printed and recorded). With --engine-only, the engine's side of it in this process
+(the server's Job and Chooser over a one-slot BatchedSlots), in thread CPU time per token.
+
+    python -m benchmarks.serve --shapes --models bundled --threads 1 --rounds 401 --max-tokens 64 --json
+    python -m benchmarks.serve --shapes --engine-only --models bundled --threads 1 --rounds 60 --max-tokens 64 --json
+
 --json writes one record (benchmarks/common/record.py) per level (server runs: tok_s is the aggregate), per B and
 run (--engine-only) or per run and mode (--chunked-prefill: no tok_s); the run's extra has the usable cores.
 """
