@@ -588,8 +588,10 @@ def shape_cost_engine(which: str, path: str, args) -> list[dict]:
     """--shapes --engine-only: the engine's side of a served token for each output shape, in this process (no HTTP,
     no other thread): a one-slot BatchedSlots and the Job the server makes for the request (its Chooser over the
     request's grammar, its detokenizer), the same prompts, turns and temperature as --shapes. Per token the thread
-    CPU time of the decode step, of the Chooser and of the whole turn (step, sampling, text): CPU time, not wall
-    time, so that a shared machine's preemptions stay out of it (its cache traffic does not)."""
+    CPU time of the decode step, of the Chooser and of the whole turn (step, sampling, text), and, timed in
+    rounds of their own (every other one: the timing costs a little on each call), of the grammar's calls within
+    the Chooser (the constraint's methods: the engine's consume and masks). CPU time, not wall time, so that a
+    shared machine's preemptions stay out of it (its cache traffic does not)."""
     import cflow
     from cflow.serve.backends import BatchedSlots
     from cflow.serve.job import Job, SamplingParams
@@ -599,7 +601,7 @@ def shape_cost_engine(which: str, path: str, args) -> list[dict]:
     cpu = time.thread_time_ns
     m = cflow.load(path, threads=args.threads, max_batch=1)
     kinds = ("free", *SHAPES)
-    spent = {k: {"turn": 0, "step": 0, "chooser": 0, "tokens": 0} for k in kinds}
+    spent = {k: {"turn": 0, "step": 0, "chooser": 0, "tokens": 0, "grammar": 0, "grammar_tokens": 0} for k in kinds}
     try:
         backend, loop, tok = BatchedSlots(m), asyncio.new_event_loop(), m.tokenizer
         stops = frozenset(m.eos_ids)
@@ -618,41 +620,72 @@ def shape_cost_engine(which: str, path: str, args) -> list[dict]:
         rng = random.Random(3)
         for r in range(args.rounds):
             for kind in kinds:
-                make = makers[kind]
+                make, acc = makers[kind], spent[kind]
+                grammar = make() if make else None
+                if grammar is not None and r % 2:
+                    grammar = _TimedConstraint(grammar, acc, cpu)
                 job = Job(tok.encode(STORY_PROMPTS[r % len(STORY_PROMPTS)]),
                           SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=rng.randrange(2**31)),
-                          tok, loop=loop, constraint=make() if make else None, eos_id=min(stops) if make else None)
+                          tok, loop=loop, constraint=grammar, eos_id=min(stops) if make else None)
                 job._emit = lambda ev: None  # no client: the text is made, not sent
                 left = backend.start(0, job)
                 while left:
                     left = backend.prefill(0)
-                chooser, acc = backend._sampler[0], spent[kind]
-                backend._sampler[0] = _TimedChooser(chooser, acc, cpu)
-                now[0] = acc
+                counts = {"turn": 0, "step": 0, "chooser": 0, "tokens": 0}
+                backend._sampler[0] = _TimedChooser(backend._sampler[0], counts, cpu)
+                now[0] = counts
                 a = cpu()
                 while True:
                     out = backend.advance([0])[0]
                     if out is None or isinstance(out, BaseException):
                         break
-                    acc["tokens"] += 1
+                    counts["tokens"] += 1
                     if job._feed(out) is not None:
                         break
-                acc["turn"] += cpu() - a
+                counts["turn"] += cpu() - a
                 now[0] = None
                 backend.stop(0)
+                if r % 2:  # the grammar's calls timed: its share only
+                    acc["grammar_tokens"] += counts["tokens"]
+                else:
+                    for k, v in counts.items():
+                        acc[k] += v
     finally:
         m.close()
     records = []
     free = spent["free"]["turn"] / spent["free"]["tokens"]
     for kind, acc in spent.items():
         n = acc["tokens"]
-        turn, st, ch = acc["turn"] / n / 1e3, acc["step"] / n / 1e3, acc["chooser"] / n / 1e3
+        turn, st, ch = (acc[k] / n / 1e3 for k in ("turn", "step", "chooser"))
+        gr = acc["grammar"] / max(acc["grammar_tokens"], 1) / 1e3
         records.append({"model": which, "shape": kind, "threads": args.threads or len(os.sched_getaffinity(0)),
                         "engine_only": True, "tokens": n, "cpu_turn_us": round(turn, 1), "cpu_step_us": round(st, 1),
-                        "cpu_chooser_us": round(ch, 1), "vs_free": round(turn * 1e3 / free, 4)})
-        print(f"{which:>8} {kind:>12}: {turn:6.1f} us of thread CPU a token (step {st:6.1f}, chooser {ch:5.1f}), "
-              f"{turn * 1e3 / free - 1:+6.1%} against free text ({n} tokens)", flush=True)
+                        "cpu_chooser_us": round(ch, 1), "cpu_grammar_us": round(gr, 1),
+                        "vs_free": round(turn * 1e3 / free, 4)})
+        print(f"{which:>8} {kind:>12}: {turn:6.1f} us of thread CPU a token (step {st:6.1f}, chooser {ch:5.1f}, of "
+              f"which grammar {gr:4.1f}), {turn * 1e3 / free - 1:+6.1%} against free text ({n} tokens)", flush=True)
     return records
+
+
+class _TimedConstraint:
+    """A grammar constraint whose calls add their thread CPU time to acc["grammar"]."""
+
+    def __init__(self, constraint, acc, clock):
+        self.c, self.acc, self.clock = constraint, acc, clock
+
+    def _timed(self, f, *a):
+        t = self.clock()
+        out = f(*a)
+        self.acc["grammar"] += self.clock() - t
+        return out
+
+    def __getattr__(self, name):  # allowed, accept, and try_accept and forced where the constraint has them
+        f = getattr(self.c, name)
+        return lambda *a: self._timed(f, *a)
+
+    @property
+    def finished(self):
+        return self._timed(lambda: self.c.finished)
 
 
 class _TimedChooser:
