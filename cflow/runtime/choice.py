@@ -57,7 +57,6 @@ MASK_FIRST, NEED_RATE = 0.5, 0.25
 _START, _FORCED, _WIDE, _NARROW = range(4)
 FEW = 32  # a mask leaving this many tokens or fewer is narrow; a draw among them is done without numpy
 TRIES = 3  # draws from the unmasked row before the grammar's mask is computed (see Chooser._draw_then_check)
-TRIES_WIDE = 8  # and after it, where it leaves many tokens
 
 
 @dataclass(frozen=True)
@@ -183,10 +182,10 @@ class Chooser:
         grammar refuses it. The same distribution as masking first when nothing truncates by rank or by the best
         token. Greedy: the argmax if the grammar takes it, else the masked argmax. Plain temperature: up to TRIES
         draws (the first with `u`, the others with fresh uniforms) from the unmasked row less the tokens refused
-        so far, until the grammar takes one; then the mask: where it leaves many tokens (the model insists on one
-        it refuses, a line break inside a JSON string), more such draws checked against it, else (and if those
-        fail) a draw from the masked row. The grammar allows none of the tokens left out, so each draw it takes
-        is distributed as the masked draw (rejection sampling), whichever try gives it."""
+        so far, until the grammar takes one; the grammar allows none of the tokens left out, so each draw it
+        takes is distributed as the masked draw (rejection sampling), whichever try gives it. Leaving them out
+        spares the tries a token the model insists on (a line break inside a JSON string). If none is taken,
+        the mask, and a draw from the same weights kept to the allowed tokens (the masked row's up to a factor)."""
         c = self.constraint
         x = logits
         if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
@@ -200,16 +199,13 @@ class Chooser:
             if c.try_accept(tok):
                 return tok, False
             if not draws.drop(tok):
-                return self._draw_masked(logits, self.rng.random())
+                break
         allowed = c.allowed()
-        if allowed is not None and np.count_nonzero(allowed) > FEW:
-            for _ in range(TRIES_WIDE):
-                tok = draws.pick(self.rng.random())
-                if tok < allowed.size and allowed[tok]:
-                    c.accept(tok)
-                    return tok, False
-                if not draws.drop(tok):
-                    break
+        if allowed is not None:  # the row's weights kept to the allowed tokens: the masked row's, scaled
+            tok = draws.pick_in(allowed, self.rng.random())
+            if tok is not None:
+                c.accept(tok)
+                return tok, np.count_nonzero(allowed) <= FEW
         return self._draw_masked(logits, self.rng.random())
 
     def _draw_masked(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
@@ -364,6 +360,13 @@ class _Draws:
         self.w[i] = 0.0
         self.c[i // BLOCK if self.blocked else i :] -= wi
         return self.c[-1] > 0
+
+    def pick_in(self, allowed: np.ndarray, u: float) -> int | None:
+        """A draw among the tokens `allowed` (a bool mask over the first ids; the rest are out) with the same
+        weights; None if they carry none (all of them too unlikely to register against the row's best)."""
+        w = self.w[: allowed.size] * allowed
+        c = np.cumsum(w)
+        return _crossing(c, u * c[-1]) if c[-1] > 0 else None
 
     def pick(self, u: float) -> int:
         c = self.c
