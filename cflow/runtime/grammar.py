@@ -138,6 +138,7 @@ class Constraint:
         self._learn(drawn=True)
 
     def allowed(self) -> np.ndarray:
+        """The mask of the current state (kept for it: read it, do not change it)."""
         if self._ok is None:
             self._ok = self._mask()
         return self._ok
@@ -195,14 +196,14 @@ class Constraint:
 
     def _consume(self, token: int) -> None:
         """Advance with a token known to be allowed."""
-        forced = self._forced
-        if forced:
-            forced.pop()
+        drawn = not self._forced
+        if not drawn:
+            self._forced.pop()
         elif token in self._stop_set:
             token = self._eos
         if not self._m.consume_token(token):
             raise CflowError(f"grammar: {_message(self._m.get_error())}")
-        self._learn(drawn=not forced)
+        self._learn(drawn)
 
     def _mask(self) -> np.ndarray:
         """The allowed tokens of the current state (stop tokens where end of text is allowed)."""
