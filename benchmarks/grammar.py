@@ -24,8 +24,11 @@ each speed case up to the first mask, and per token: the allowed-token mask as a
 over random walks (the worst cases: unlikely tokens) and over the model's own sampled tokens (temperature 0.8,
 --tokens tokens, --rounds rounds, interleaved) next to the same loop unconstrained. The ratio (mask + advance) /
 decode time per token is the cost the constraint adds; `m.generate` tok/s (sampled) is printed beside it. cflow's
-constraint also runs as `sample-first` (draw unmasked, try_accept, mask only when refused) and `ahead` (the next
-mask computed on a helper thread while the model steps).
+constraint also runs under `chooser`, the server's sampler (cflow.runtime.choice.Chooser: forced tokens taken
+without a mask, draws from the unmasked row first, the mask only when the grammar refuses them or leaves few
+tokens; its cost is its time per token less a plain sampler's on the same row, which can be negative: a draw
+among a few allowed tokens is cheaper than one over the whole row), and `ahead` (the next mask computed on a
+helper thread while the model steps).
 """
 
 from __future__ import annotations
@@ -367,7 +370,15 @@ class Cflow:
 
 class _CflowConstraint:
     def __init__(self, c):
-        self.c = c
+        self.c, self.masks = c, 0
+        computed = c._mask
+
+        def counted():  # the masks the engine computes (a forced token's is known without one)
+            ok = computed()
+            self.masks += not c._forced
+            return ok
+
+        c._mask = counted
 
     def mask(self):
         return self.c.allowed()
@@ -518,45 +529,65 @@ def prompt_ids(m, case: str) -> list[int]:
 def decode_loop(m, ids: list[int], tokens: int, seed: int, start=None, mode: str = "mask") -> dict:
     """`tokens` sampled tokens (temperature 0.8) one decode step each, as the server's loop takes them; with
     `start` (a constraint factory) under the constraint, a new one whenever the last is finished. mode "mask":
-    mask, draw from the masked logits, accept; "sample-first": draw, try_accept, and only if refused mask and draw
-    again; "ahead": as "mask", the next mask computed on a helper thread while the model steps. Returns seconds
-    per token of the loop and of the constraint's calls, and how many masks were computed."""
+    mask, draw from the masked logits, accept; "chooser" (cflow's constraint): the server's sampler,
+    cflow.runtime.choice.Chooser, over the constraint (forced tokens taken, draws first, the mask when refused);
+    "ahead": as "mask", the next mask computed on a helper thread while the model steps. Returns seconds per token
+    of the loop, of the constraint's calls (in "chooser" mode: the Chooser's time less a plain sampler's on the
+    same row), of the sampler's calls (the whole Chooser in "chooser" mode), and how many masks the engine
+    computed."""
+    from cflow.runtime.choice import Chooser
     from cflow.runtime.sampling import Sampler
 
     s, sampler = m.session, Sampler(0.8, seed=seed)
     s.reset()
     logits = s.prefill(ids)
-    c, cost, masks, t0 = (start() if start else None), 0.0, 0, time.perf_counter()
+    c, cost, masks, draw_s, t0 = (start() if start else None), 0.0, 0, 0.0, time.perf_counter()
+    chooser, choosers = None, 0
     for i in range(tokens):
         if c is None:
+            a = time.perf_counter()
             tok = sampler(logits)
+            draw_s += time.perf_counter() - a
+        elif mode == "chooser":
+            if chooser is None:
+                chooser = Chooser(0.8, seed=seed + choosers, constraint=c.m.c, eos_id=min(m.eos_ids))
+                choosers += 1
+            # paired: the plain sampler on the same row (its token unused), before or after by turns, so that
+            # the cost is the chooser's time less the plain sampler's, token by token
+            a = time.perf_counter()
+            if i % 2:
+                sampler(logits)
+            b = time.perf_counter()
+            tok = chooser(logits)
+            d = time.perf_counter()
+            if not i % 2:
+                sampler(logits)
+            e = time.perf_counter()
+            draw_s += d - b
+            cost += (d - b) - (b - a) - (e - d)
         else:
             a = time.perf_counter()
-            took = False
-            if mode == "sample-first":
-                tok = sampler(logits)
-                a = time.perf_counter()
-                took = c.try_accept(tok)
-            if not took:
-                allowed = c.mask()
-                b = time.perf_counter()
-                x = np.full(logits.shape, -np.inf, dtype=logits.dtype)
-                np.copyto(x[: allowed.size], logits[: allowed.size], where=allowed)
-                tok = sampler(x)
-                cost += b - a
-                a = time.perf_counter()
-                c.accept(tok)
-                masks += 1
+            allowed = c.mask()
+            b = time.perf_counter()
+            x = np.full(logits.shape, -np.inf, dtype=logits.dtype)
+            np.copyto(x[: allowed.size], logits[: allowed.size], where=allowed)
+            tok = sampler(x)
+            cost += b - a
+            a = time.perf_counter()
+            c.accept(tok)
             cost += time.perf_counter() - a
+        if c is not None:
             if c.done or tok in m.eos_ids:
+                masks += c.masks
                 c.close()
-                c = start()
+                c, chooser = start(), None
         if i + 1 < tokens:
             logits = s.step(tok)
     if c is not None:
+        masks += c.masks
         c.close()
     n = max(tokens, 1)
-    return {"loop_s": (time.perf_counter() - t0) / n, "constraint_s": cost / n, "masks": masks}
+    return {"loop_s": (time.perf_counter() - t0) / n, "constraint_s": cost / n, "draw_s": draw_s / n, "masks": masks}
 
 
 def generate_tok_s(m, ids: list[int], tokens: int) -> float:
@@ -576,7 +607,7 @@ def model_runs(name: str, path: str, engines: list, args) -> list[dict]:
         prompt = {c: prompt_ids(m, c) for c in cases}
         tokens = min(args.tokens, m.session.max_seq - max(len(p) for p in prompt.values()))
         plans = [(e, "mask") for e in engines] + [(e, mode) for e in engines if e.name == "cflow"
-                                                    for mode in ("sample-first", "ahead")]
+                                                    for mode in ("chooser", "ahead")]
         starts = {}
         for e in engines:
             info = e.prepare(m.tokenizer)
@@ -611,20 +642,22 @@ def model_runs(name: str, path: str, engines: list, args) -> list[dict]:
 
 
 class _Sampling:
-    """A benchmark matcher (mask / accept / done) with try_accept where the engine is cflow's constraint."""
+    """A benchmark matcher (mask / accept / done) that counts the masks its engine computes."""
 
     def __init__(self, matcher):
-        self.m = matcher
+        self.m, self.calls = matcher, 0
 
     def mask(self):
+        self.calls += 1
         return self.m.mask()
+
+    @property
+    def masks(self):
+        return getattr(self.m, "masks", self.calls)  # cflow's constraint counts its engine's own
 
     def accept(self, t):
         if not self.m.accept(t):
             raise RuntimeError(f"token {t} refused after it was allowed")
-
-    def try_accept(self, t):
-        return self.m.c.try_accept(t)
 
     @property
     def done(self):

@@ -44,6 +44,14 @@ earlier request): two servers per --max-batch, --rounds requests each, one at a 
 --one-slot (engine, no HTTP): one stream decoding through StreamSlots and through a one-slot BatchedSlots, in
 turns (what serving one slot with BatchedSlots costs).
 
+--shapes (server, HTTP): what structured output costs per served token: free text against a JSON schema,
+json_object and a GBNF grammar, --rounds requests of each, one at a time in turns (the share of the cores other
+processes used meanwhile is printed and recorded). With --engine-only, the engine's side of it in this process
+(the server's Job and Chooser over a one-slot BatchedSlots), in thread CPU time per token.
+
+    python -m benchmarks.serve --shapes --models bundled --threads 1 --rounds 401 --max-tokens 64 --json
+    python -m benchmarks.serve --shapes --engine-only --models bundled --threads 1 --rounds 60 --max-tokens 64 --json
+
 --json writes one record (benchmarks/common/record.py) per level (server runs: tok_s is the aggregate), per B and
 run (--engine-only) or per run and mode (--chunked-prefill: no tok_s); the run's extra has the usable cores.
 """
@@ -542,11 +550,14 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
     between its first and last token / (tokens - 1), medians compared. The texts differ (a grammar makes the
     model write something else), the model's step per token does not: the difference is the sampler's and the
     grammar's work per token."""
+    from benchmarks.common.timing import cpu_ticks, other_load
+
     server = Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{which}_shapes.log"))
     per_token: dict[str, list[float]] = {k: [] for k in ("free", *SHAPES)}
     rng = random.Random(3)
     try:
         asyncio.run(stream_once(server.port, {"model": "m", "prompt": "Once", "max_tokens": 8, "stream": True}, 60))
+        ticks = cpu_ticks((server.p.pid,))
         for r in range(args.rounds):
             for kind in per_token:
                 body = {"model": "m", "prompt": STORY_PROMPTS[r % len(STORY_PROMPTS)], "max_tokens": args.max_tokens,
@@ -557,6 +568,7 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
                 t = rec["times"]
                 if len(t) > 8:
                     per_token[kind].append((t[-1] - t[0]) / (len(t) - 1))
+        load = other_load(ticks, cpu_ticks((server.p.pid,)))
     finally:
         server.close()
     free = statistics.median(per_token["free"])
@@ -564,10 +576,132 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
     for kind, ts in per_token.items():
         med = statistics.median(ts)
         records.append({"model": which, "shape": kind, "threads": args.threads or len(os.sched_getaffinity(0)),
-                        "requests": len(ts), "per_token_us": round(med * 1e6, 1), "vs_free": round(med / free, 4)})
+                        "requests": len(ts), "per_token_us": round(med * 1e6, 1), "vs_free": round(med / free, 4),
+                        "other_load": round(load, 3), "per_request_us": [round(x * 1e6, 1) for x in ts]})
         print(f"{which:>8} {kind:>12}: {med * 1e6:7.1f} us a served token (median of {len(ts)} requests), "
               f"{med / free - 1:+6.1%} against free text", flush=True)
+    print(f"# other processes used {load:.0%} of the {len(os.sched_getaffinity(0))} cores meanwhile", flush=True)
     return records
+
+
+def shape_cost_engine(which: str, path: str, args) -> list[dict]:
+    """--shapes --engine-only: the engine's side of a served token for each output shape, in this process (no HTTP,
+    no other thread): a one-slot BatchedSlots and the Job the server makes for the request (its Chooser over the
+    request's grammar, its detokenizer), the same prompts, turns and temperature as --shapes. Per token the thread
+    CPU time of the decode step, of the Chooser and of the whole turn (step, sampling, text), and, timed in
+    rounds of their own (every other one: the timing costs a little on each call), of the grammar's calls within
+    the Chooser (the constraint's methods: the engine's consume and masks). CPU time, not wall time, so that a
+    shared machine's preemptions stay out of it (its cache traffic does not)."""
+    import cflow
+    from cflow.serve.backends import BatchedSlots
+    from cflow.serve.job import Job, SamplingParams
+    from cflow.serve.protocol import CompletionRequest
+    from cflow.serve.shaping import constraint_factory
+
+    cpu = time.thread_time_ns
+    m = cflow.load(path, threads=args.threads, max_batch=1)
+    kinds = ("free", *SHAPES)
+    spent = {k: {"turn": 0, "step": 0, "chooser": 0, "tokens": 0, "grammar": 0, "grammar_tokens": 0} for k in kinds}
+    try:
+        backend, loop, tok = BatchedSlots(m), asyncio.new_event_loop(), m.tokenizer
+        stops = frozenset(m.eos_ids)
+        makers = {k: constraint_factory(CompletionRequest(model="m", prompt="x", **SHAPES.get(k, {})), tok, stops)
+                  for k in kinds}
+        step, now = m.session.step, [None]
+
+        def timed_step(t):
+            a = cpu()
+            out = step(t)
+            if now[0] is not None:
+                now[0]["step"] += cpu() - a
+            return out
+
+        m.session.step = timed_step
+        rng = random.Random(3)
+        for r in range(args.rounds):
+            for kind in kinds:
+                make, acc = makers[kind], spent[kind]
+                grammar = make() if make else None
+                if grammar is not None and r % 2:
+                    grammar = _TimedConstraint(grammar, acc, cpu)
+                job = Job(tok.encode(STORY_PROMPTS[r % len(STORY_PROMPTS)]),
+                          SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=rng.randrange(2**31)),
+                          tok, loop=loop, constraint=grammar, eos_id=min(stops) if make else None)
+                job._emit = lambda ev: None  # no client: the text is made, not sent
+                left = backend.start(0, job)
+                while left:
+                    left = backend.prefill(0)
+                counts = {"turn": 0, "step": 0, "chooser": 0, "tokens": 0}
+                backend._sampler[0] = _TimedChooser(backend._sampler[0], counts, cpu)
+                now[0] = counts
+                a = cpu()
+                while True:
+                    out = backend.advance([0])[0]
+                    if out is None or isinstance(out, BaseException):
+                        break
+                    counts["tokens"] += 1
+                    if job._feed(out) is not None:
+                        break
+                counts["turn"] += cpu() - a
+                now[0] = None
+                backend.stop(0)
+                if r % 2:  # the grammar's calls timed: its share only
+                    acc["grammar_tokens"] += counts["tokens"]
+                else:
+                    for k, v in counts.items():
+                        acc[k] += v
+    finally:
+        m.close()
+    records = []
+    free = spent["free"]["turn"] / spent["free"]["tokens"]
+    for kind, acc in spent.items():
+        n = acc["tokens"]
+        turn, st, ch = (acc[k] / n / 1e3 for k in ("turn", "step", "chooser"))
+        gr = acc["grammar"] / max(acc["grammar_tokens"], 1) / 1e3
+        records.append({"model": which, "shape": kind, "threads": args.threads or len(os.sched_getaffinity(0)),
+                        "engine_only": True, "tokens": n, "cpu_turn_us": round(turn, 1), "cpu_step_us": round(st, 1),
+                        "cpu_chooser_us": round(ch, 1), "cpu_grammar_us": round(gr, 1),
+                        "vs_free": round(turn * 1e3 / free, 4)})
+        print(f"{which:>8} {kind:>12}: {turn:6.1f} us of thread CPU a token (step {st:6.1f}, chooser {ch:5.1f}, of "
+              f"which grammar {gr:4.1f}), {turn * 1e3 / free - 1:+6.1%} against free text ({n} tokens)", flush=True)
+    return records
+
+
+class _TimedConstraint:
+    """A grammar constraint whose calls add their thread CPU time to acc["grammar"]."""
+
+    def __init__(self, constraint, acc, clock):
+        self.c, self.acc, self.clock = constraint, acc, clock
+
+    def _timed(self, f, *a):
+        t = self.clock()
+        out = f(*a)
+        self.acc["grammar"] += self.clock() - t
+        return out
+
+    def __getattr__(self, name):  # allowed, accept, and try_accept and forced where the constraint has them
+        f = getattr(self.c, name)
+        return lambda *a: self._timed(f, *a)
+
+    @property
+    def finished(self):
+        return self._timed(lambda: self.c.finished)
+
+
+class _TimedChooser:
+    """A Chooser whose calls add their thread CPU time to acc["chooser"]."""
+
+    def __init__(self, chooser, acc, clock):
+        self.chooser, self.acc, self.clock = chooser, acc, clock
+
+    def __call__(self, logits):
+        a = self.clock()
+        tok = self.chooser(logits)
+        self.acc["chooser"] += self.clock() - a
+        return tok
+
+    def __getattr__(self, name):
+        return getattr(self.chooser, name)
 
 
 def main(argv=None) -> int:
@@ -634,6 +768,9 @@ def main(argv=None) -> int:
             if args.prefix:
                 records += prefix_ttft(which, path, batches, args, tmp)
                 continue
+            if args.shapes and args.engine_only:
+                records += shape_cost_engine(which, path, args)
+                continue
             if args.shapes:
                 records += shape_cost(which, path, args, tmp)
                 continue
@@ -663,6 +800,8 @@ def schema_record(run: Run, r: dict) -> dict:
     elif "prefix_tokens" in r:
         variant = f"server, max-batch {r['max_batch']}, TTFT of {r['prefix_tokens']} cached + {r['new_tokens']} new"
         tok_s = None
+    elif "shape" in r and r.get("engine_only"):
+        variant, tok_s = f"engine, max-batch 1, output {r['shape']}, thread CPU", 1e6 / r["cpu_turn_us"]
     elif "shape" in r:
         variant, tok_s = f"server, max-batch 1, output {r['shape']}", 1e6 / r["per_token_us"]
     elif r.get("path") == "one slot":

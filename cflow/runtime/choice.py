@@ -24,26 +24,39 @@ logit, ties by the lower id). A caller takes the record of each token it emits w
 
 A constraint is any object with `allowed()` -> a bool array [n] of the tokens allowed next (ids >= n are not) or
 None (no restriction now), `accept(token)`, and a `finished` property (only end-of-text may follow: the Chooser
-then returns `eos_id` without drawing). One Chooser serves one generation: it keeps that sequence's history.
+then returns `eos_id` without drawing); optionally `try_accept(token)` -> bool (advance if allowed: the Chooser
+then draws first and masks only refused draws, see `_draw_then_check`) and `forced()` -> the one token allowed
+next when the grammar forces it, else None (taken without a mask or a draw). One Chooser serves one generation:
+it keeps that sequence's history.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import CflowError
-from .sampling import Sampler, _pick, _top
+from .sampling import BLOCK, Sampler, _crossing, _pick, _top
 
 MAX_TOP_LOGPROBS = 20  # alternatives a record may list (OpenAI's limit for chat)
 REPETITION_WINDOW = 64  # llama.cpp's default penalty_last_n
-# A grammar's mask is computed first while more than REFUSED_SHARE of the recent first draws were refused (a
-# running mean, weight REFUSED_DECAY per draw); masked tokens let it fall by REFUSED_FORGET each, so that a
-# model that stopped disagreeing is drawn first again after a few tokens.
-REFUSED_SHARE, REFUSED_DECAY, REFUSED_FORGET = 0.5, 0.25, 0.05
+# Under a grammar a token is drawn from the unmasked row first (the mask computed only if the grammar refuses it),
+# or from the masked row at once, whichever is likely cheaper: where the grammar leaves few tokens (FEW or less: a
+# JSON value's end, a key's start) the model's own draw is seldom one of them and costs a whole row's softmax for
+# nothing, while a draw among few tokens costs next to nothing; where it leaves many (inside a string) the masked
+# draw is a whole row's too, after the mask. So the Chooser keeps, for each kind of token before (`_after`: none,
+# forced, a draw among many, among few), the running share of tokens that needed the mask (weight NEED_RATE per
+# token), and draws from the masked row first while that share is above MASK_FIRST (the share at which both cost
+# the same on the bundled model). Either way the token is the masked distribution's.
+MASK_FIRST, NEED_RATE = 0.5, 0.25
+_START, _FORCED, _WIDE, _NARROW = range(4)
+FEW = 32  # a mask leaving this many tokens or fewer is narrow; a draw among them is done without numpy
+TRIES = 3  # draws from the unmasked row before the grammar's mask is computed (see Chooser._draw_then_check)
 
 
 @dataclass(frozen=True)
@@ -90,7 +103,12 @@ class Chooser:
         self._edits = bool(bias) or self.presence != 0 or self.frequency != 0 or (
             self.repetition != 1 and self.window != 0)  # rules that change logits (on a copy)
         self._rules = self._edits or self.min_p > 0
-        self._refused = 0.0  # running share of first draws the grammar refused (see _draw_first)
+        self._need = [1.0, 0.5, 0.0, 0.5]  # share of tokens that needed the mask, by the kind of token before
+        self._after = _START
+        self._greedy = self.sampler.greedy
+        plain = self._greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
+        self._try_first = plain and hasattr(constraint, "try_accept")  # draw first, mask if refused: exact here
+        self._forced = getattr(constraint, "forced", None)  # the token the grammar forces next, or None
 
     # --- a Sampler's interface -----------------------------------------------------------------------------
     @property
@@ -125,26 +143,12 @@ class Chooser:
     def draw(self, logits: np.ndarray, u: float | None) -> int:
         """The token uniform `u` selects from the distribution the rules leave; recorded and accepted."""
         c = self.constraint
-        if c is not None and c.finished:
-            x, ids = None, None
+        if c is not None:
+            tok = self._draw_constrained(c, logits, u)
         else:
-            x, ids = self._adjusted(logits, mask=not self._draw_first)
-        if x is None:  # the constraint is complete, or allows nothing more: end the sequence
-            tok = self._end("the constraint allows no token" if c is not None and not c.finished else
-                            "the constraint is complete")
-        elif c is not None and self._draw_first:
-            tok = self._draw_then_check(logits, u)
-        else:
-            if c is not None and ids is not None and ids.size == 1:  # one token allowed: nothing to draw
-                tok = int(ids[0])
-            elif c is not None and ids is not None:
-                tok = self._pick(x, ids, u)
-            else:
-                i = self.sampler.draw(x, u)
-                tok = i if ids is None else int(ids[i])
-            if c is not None:
-                c.accept(tok)
-                self._refused *= 1 - REFUSED_FORGET  # masked draws: try drawing first again now and then
+            x, ids = self._adjusted(logits)
+            i = self.sampler.draw(x, u)
+            tok = i if ids is None else int(ids[i])
         if self.top_n is not None:
             self._records.append(self.logprob(logits, tok))
         self.history.append(tok)
@@ -153,38 +157,82 @@ class Chooser:
         self._counts[tok] = self._counts.get(tok, 0) + 1
         return tok
 
-    @property
-    def _draw_first(self) -> bool:
-        """Draw from the unmasked row and compute the mask only when the grammar refuses the token: the same
-        distribution as masking first when nothing truncates by rank or by the best token (greedy, or plain
-        temperature: a draw the grammar accepts is the masked draw's, one it refuses is redrawn from the masked
-        row, which is rejection sampling), and the mask, which costs more than a decode step of a small model,
-        is then computed for the few tokens a model gets wrong (docs/structured-output.md). While the grammar
-        refuses most first draws (a model that would rather write something else), a refused draw is a wasted
-        one: then the mask comes first. Either way is exact, so switching by the past draws changes nothing."""
-        c = self.constraint
-        plain = self.greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
-        return c is not None and plain and self._refused < REFUSED_SHARE and hasattr(c, "try_accept")
-
-    def _draw_then_check(self, logits: np.ndarray, u: float | None) -> int:
-        x, ids = self._adjusted(logits, mask=False)
-        i = self.sampler.draw(x, u)
-        tok = i if ids is None else int(ids[i])
-        ok = self.constraint.try_accept(tok)
-        self._refused = (1 - REFUSED_DECAY) * self._refused + REFUSED_DECAY * (not ok)
-        if ok:
+    def _draw_constrained(self, c, logits: np.ndarray, u: float | None) -> int:
+        """The next token under constraint `c`: a token the grammar forces is taken as it is (the only one its mask
+        would allow: nothing to draw); otherwise drawn first (`_draw_then_check`) or from the masked row, by which
+        is likely cheaper here (`_need`). Either way the token is the masked distribution's."""
+        if c.finished:  # only end of text may follow: end the sequence
+            return self._end("the constraint is complete")
+        tok = self._forced() if self._forced is not None else None
+        if tok is not None:
+            c.accept(tok)
+            self._after = _FORCED
             return tok
-        x, ids = self._adjusted(logits)  # refused: the masked row, and a fresh uniform for its draw
-        if x is None:
-            return self._end("the constraint allows no token")
-        tok = int(ids[0]) if ids is not None and ids.size == 1 else self._pick(x, ids, self.rng.random())
-        self.constraint.accept(tok)
+        after = self._after
+        if self._try_first and (self._greedy or self._need[after] < MASK_FIRST):
+            tok, needed = self._draw_then_check(logits, u)
+        else:
+            tok, needed = self._draw_masked(logits, u)
+        self._need[after] += NEED_RATE * (needed - self._need[after])
+        self._after = _NARROW if needed else _WIDE
         return tok
+
+    def _draw_then_check(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
+        """(token, whether the mask left few tokens): a draw from the unmasked row, the mask computed only when the
+        grammar refuses it. The same distribution as masking first when nothing truncates by rank or by the best
+        token. Greedy: the argmax if the grammar takes it, else the masked argmax. Plain temperature: up to TRIES
+        draws (the first with `u`, the others with fresh uniforms) from the unmasked row less the tokens refused
+        so far, until the grammar takes one; the grammar allows none of the tokens left out, so each draw it
+        takes is distributed as the masked draw (rejection sampling), whichever try gives it. Leaving them out
+        spares the tries a token the model insists on (a line break inside a JSON string). If none is taken,
+        the mask, and a draw from the same weights kept to the allowed tokens (the masked row's up to a factor)."""
+        c = self.constraint
+        x = logits
+        if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
+            x, _ = self._adjusted(logits, mask=False)
+        if self._greedy:
+            tok = int(np.argmax(x))
+            return (tok, False) if c.try_accept(tok) else self._draw_masked(logits, None)
+        draws = _Draws(x, self.temperature)
+        for k in range(TRIES):
+            tok = draws.pick(u if k == 0 else self.rng.random())
+            if c.try_accept(tok):
+                return tok, False
+            if not draws.drop(tok):
+                break
+        allowed = c.allowed()
+        if allowed is not None:  # the row's weights kept to the allowed tokens: the masked row's, scaled
+            tok = draws.pick_in(allowed, self.rng.random())
+            if tok is not None:
+                c.accept(tok)
+                return tok, np.count_nonzero(allowed) <= FEW
+        return self._draw_masked(logits, self.rng.random())
+
+    def _draw_masked(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
+        """(token, whether the mask left few tokens): a draw from the masked row."""
+        x, ids = self._adjusted(logits)
+        if x is None:
+            return self._end("the constraint allows no token"), True
+        if ids is None:  # the constraint restricts nothing here
+            tok = self.sampler.draw(x, u)
+        elif ids.size == 1:  # one token allowed: nothing to draw
+            tok = int(ids[0])
+        else:
+            tok = self._pick(x, ids, u)
+        self.constraint.accept(tok)
+        return tok, ids is not None and ids.size <= FEW
 
     def _pick(self, x: np.ndarray, ids: np.ndarray | None, u: float) -> int:
         """The Sampler's draw; for the few tokens a mask leaves under plain temperature its arithmetic without its
-        general machinery (the same weights, exp((x - max) / T) in float64, and the same inverse CDF)."""
+        general machinery (the same weights, exp((x - max) / T) in float64, and the same inverse CDF), in plain
+        Python for a handful of tokens."""
         if ids is not None and not self.greedy and self.top_k == 0 and self.top_p == 1.0:
+            if ids.size <= FEW:  # in plain Python: a handful of numpy calls cost more than the arithmetic
+                xs = x.tolist()
+                top, t = max(xs), self.temperature
+                c = list(itertools.accumulate(math.exp((v - top) / t) for v in xs))
+                i = bisect.bisect_right(c, u * c[-1])
+                return int(ids[i if i < len(c) else bisect.bisect_left(c, c[-1])])
             w = np.exp(np.subtract(x, x.max(), dtype=np.float64) / self.temperature)
             return int(ids[_pick(w, u)])
         i = self.sampler.draw(x, None if self.greedy else u)
@@ -233,7 +281,7 @@ class Chooser:
         x = np.asarray(logits)
         if x.dtype.kind != "f":
             x = x.astype(np.float64)
-        if not self._rules and self.constraint is None:
+        if not self._rules and (not mask or self.constraint is None):
             return x, None
         if self._edits:
             x = x.copy()  # the caller's row stays as it is
@@ -282,6 +330,52 @@ class Chooser:
         if self.eos_id is None:
             raise CflowError(f"{why} and there is no end-of-text token to end the sequence with")
         return int(self.eos_id)
+
+
+class _Draws:
+    """Draws from softmax(x / temperature) by inverse CDF, as Sampler.draw makes them over a whole row (the same
+    float64 weights and the same cumulative sums, block by block for a long row: sampling._pick), the sums kept
+    for further draws, from which tokens can be left out."""
+
+    def __init__(self, x: np.ndarray, temperature: float):
+        top = x.max()
+        if not np.isfinite(top):
+            raise CflowError(f"cannot sample: the largest logit is {top}")
+        w = np.subtract(x, top, dtype=np.float64)
+        w /= temperature
+        np.exp(w, out=w)
+        self.w = w
+        if w.size <= 4 * BLOCK:
+            self.c, self.blocked = np.cumsum(w), False
+        else:
+            nb = w.size // BLOCK
+            sums = w[: nb * BLOCK].reshape(nb, BLOCK).sum(axis=1)
+            if w.size > nb * BLOCK:
+                sums = np.append(sums, w[nb * BLOCK :].sum())
+            self.c, self.blocked = np.cumsum(sums), True
+
+    def drop(self, i: int) -> bool:
+        """Leave token i out of further draws; False if no weight is left."""
+        wi = self.w[i]
+        self.w[i] = 0.0
+        self.c[i // BLOCK if self.blocked else i :] -= wi
+        return self.c[-1] > 0
+
+    def pick_in(self, allowed: np.ndarray, u: float) -> int | None:
+        """A draw among the tokens `allowed` (a bool mask over the first ids; the rest are out) with the same
+        weights; None if they carry none (all of them too unlikely to register against the row's best)."""
+        w = self.w[: allowed.size] * allowed
+        c = np.cumsum(w)
+        return _crossing(c, u * c[-1]) if c[-1] > 0 else None
+
+    def pick(self, u: float) -> int:
+        c = self.c
+        t = u * c[-1]
+        j = _crossing(c, t)
+        if not self.blocked:
+            return j
+        lo = j * BLOCK
+        return lo + _crossing(np.cumsum(self.w[lo : lo + BLOCK]), t - (c[j - 1] if j else 0.0))
 
 
 def _check(ok: bool, what: str, got) -> None:

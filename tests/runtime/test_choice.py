@@ -156,6 +156,57 @@ def test_constraint_masks_accepts_and_ends():
     assert Chooser(1.0, constraint=Allow([1], k=0), eos_id=9)(ROWS[0]) == 9
 
 
+class Tries(Allow):
+    """Allow with try_accept (the Chooser draws first and masks only what the constraint refuses) and forced()."""
+
+    def __init__(self, ids, force=None, **kw):
+        super().__init__(ids, **kw)
+        self.force, self.masks = force, 0
+
+    def allowed(self):
+        self.masks += 1
+        return super().allowed()
+
+    def try_accept(self, token):
+        if token not in self.ids:
+            return False
+        self.got.append(token)
+        return True
+
+    def forced(self):
+        return self.force
+
+
+@pytest.mark.parametrize("temperature,ids", [(0.8, [i for i in range(1, 200) if i % 40]), (1.0, list(range(150, 200))),
+                                             (1.0, [3, 5, 8, 9, 12, 15, 20, 22, 27]), (0.7, [2, 6]), (1.4, [4])])
+def test_drawing_first_is_the_masked_distribution(temperature, ids):
+    """Draws from the unmasked row, redrawn while refused, then the masked row, or the masked row at once: the
+    masked softmax, whether the allowed tokens are many and hold most of the mass (the mask is then seldom
+    computed) or few and hold little of it (most tokens go to the mask, and it comes first)."""
+    x = (np.random.default_rng(5).standard_normal(200) * 2).astype(np.float32)
+    x[ids[0]] -= 3  # an allowed token the model seldom draws
+    c = Tries(ids, n=200)
+    ch, n = Chooser(temperature, seed=9, constraint=c, eos_id=0), 20000
+    got = np.bincount([ch(x) for _ in range(n)], minlength=200) / n
+    p = np.zeros(200)
+    p[ids] = softmax(x[ids] / temperature)
+    np.testing.assert_allclose(got, p, atol=4 * np.sqrt(p * (1 - p) / n).max() + 1e-9)
+    if softmax(x / temperature)[ids].sum() > 0.9:  # the draws are seldom refused: seldom a mask
+        assert c.masks < n / 100
+    assert Chooser(0.0, constraint=Tries(ids, n=200), eos_id=0)(x) == ids[int(np.argmax(x[ids]))]
+
+
+def test_forced_tokens_are_taken_without_a_mask_or_a_draw():
+    c = Tries([4, 7], force=7, n=30)
+    ch = Chooser(1.0, seed=3, constraint=c, eos_id=0)
+    state = ch.rng.bit_generator.state
+    assert [ch(ROWS[0][:30]) for _ in range(3)] == [7, 7, 7] and c.masks == 0 and c.got == [7, 7, 7]
+    ref = np.random.default_rng(3)
+    ref.bit_generator.state = state
+    ref.random(3)
+    assert ch.rng.random() == ref.random()  # one uniform a token all the same: seeds keep their streams
+
+
 def test_logprobs_records_and_take():
     x = ROWS[6]
     ch = Chooser(0.9, seed=4, logprobs=5, logit_bias={0: 50.0})  # the bias does not change the recorded values

@@ -167,6 +167,60 @@ def test_refused_token_raises_and_leaves_the_state(tok):
     assert not c.allowed()[brace]
 
 
+def engine_mask(c) -> list[int]:
+    """The engine's own mask of the constraint's state (computed on a copy, so the state is left alone)."""
+    m = c._m.deep_copy()
+    bits = np.zeros((c.n + 31) // 32, np.int32)
+    m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    return np.flatnonzero(np.unpackbits(bits.view(np.uint8), count=c.n, bitorder="little")).tolist()
+
+
+@pytest.mark.parametrize("name", ["nested", "enum", "array-of-objects", "json_object", "gbnf"])
+def test_forced_tokens_are_the_engines_mask(name, tok, closers):
+    """Where forced() names a token (a run learnt from one engine call), the engine's mask allows it alone; elsewhere
+    allowed() is the engine's mask. Walks alternate accept and try_accept."""
+    for seed in range(3):
+        c = (grammar.json_object(tok) if name == "json_object" else grammar.grammar(tok, GBNF) if name == "gbnf"
+             else grammar.json_schema(tok, SCHEMAS[name]))
+        rng, forced = np.random.default_rng(seed), 0
+        for step in range(CAP):
+            if c.finished:
+                break
+            want, f = engine_mask(c), c.forced()
+            if f is not None:
+                assert want == [f]
+                forced += 1
+                t = f
+            else:
+                cand = np.flatnonzero(c.allowed())
+                assert cand.tolist() == want
+                if rng.random() < min(0.9, 0.2 + step / 50):
+                    cand = next((k for k in (cand[cls[cand]] for cls in closers) if k.size and rng.random() < .6),
+                                cand)
+                t = int(rng.choice(cand))
+            if step % 2:
+                c.accept(t)
+            else:
+                assert c.try_accept(t)
+            if t in tok.eos_ids:
+                break
+        else:
+            pytest.fail("no end")
+        assert forced or name in ("gbnf", "json_object")
+
+
+def test_a_forced_run_refuses_other_tokens(tok):
+    c = grammar.json_schema(tok, SCHEMAS["enum"])
+    brace = tok.encode("{", add_special=False)[0]
+    assert c.forced() == brace
+    c.accept(brace)
+    quote = c.forced()
+    assert quote is not None and tok.decode([quote]) == '"'  # the run goes on: {"color": ...
+    assert c.try_accept(brace) is False and c.forced() == quote
+    with pytest.raises(CflowError, match="not allowed"):
+        c.accept(brace)
+
+
 @pytest.mark.parametrize("schema,match", [
     ({"type": "strin"}, "json_schema: Invalid type: strin"),
     ({"$ref": "#/$defs/nope"}, "/\\$defs/nope"),
