@@ -24,6 +24,8 @@ def pytest_configure(config):
     import tempfile
 
     os.environ.setdefault("CFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="cflow-test-cache-"))
+    # Files built once per run and read by every worker (tests/_shared.py), likewise.
+    os.environ.setdefault("CFLOW_TEST_SHARED", tempfile.mkdtemp(prefix="cflow-test-shared-"))
     # No per-host kernel search in the suite (seconds per kernel shape, and the choice would depend on the
     # load): tests/codegen/test_tune.py turns it on where it tests it.
     os.environ.setdefault("CFLOW_TUNE", "off")
