@@ -64,8 +64,8 @@ def test_block_kernels(dt, isa):
     stride, ys = L.cols_p + 64, L.rows_p + 16
     mod = ir.Module("t")
     K.emit_quantize_act(mod, "q", Kd, L.cols_p)
-    K.emit_matvec(mod, "mv", L, isa)
-    K.emit_matmat(mod, "mm", L, isa, stride)
+    mv_fn = K.emit_matvec(mod, "mv", L, isa)
+    K.emit_matmat(mod, "mm", L, isa, stride, tail=mv_fn)  # its tail tokens through the mat-vec, as in a step
     K.emit_matvec(mod, "gu", L, isa, gate_up=True, act="gelu_tanh")
     emb = blockdot.emit_embed_row(mod, L, isa)
     ext = ir.Function(mod, emb.function_type, "emb")
