@@ -17,6 +17,7 @@ from cflow.ir import Interpreter, build_graph
 from cflow.ir.build import weight_shapes
 from cflow.models.presets import get_preset
 from cflow.runtime.session import Session
+from tests._shared import SMALL_TILE
 
 
 def _config(preset, n_layers, size="tiny"):
@@ -31,7 +32,7 @@ def _graph(config, seed=0):
 
 
 def _program(preset, n_layers, tmax=4, **kw):
-    state = lower(_graph(_config(preset, n_layers)), "q4")
+    state = lower(_graph(_config(preset, n_layers)), "q4", SMALL_TILE)  # (stages are the subject: small kernels)
     return state, step_mod.build_step(state, "avx2", 64, tmax=tmax, **kw)
 
 
@@ -93,7 +94,7 @@ def test_deep_shared_stages_match_the_interpreter(tmp_path, monkeypatch, preset,
     layers would blur a comparison with the interpreter)."""
     g = _graph(_config(preset, 10), seed=3)
     path = tmp_path / "deep.vflow"
-    compile_file(g, path, quant)
+    compile_file(g, path, quant, SMALL_TILE)
     ids = np.random.default_rng(5).integers(0, g.config.vocab_size, 9 + 6)
     got, s = _run(path, ids, 2, cache=False, prefill_block=4)
     kv = s.kv_dtype

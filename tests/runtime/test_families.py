@@ -12,6 +12,7 @@ from cflow.compiler import compile_file
 from cflow.frontend import from_torch
 from cflow.ir import Interpreter
 from cflow.runtime.session import Session
+from tests._shared import SMALL_TILE
 from tests.frontend._models import custom_pipeline_native, hf_logits, hf_model
 
 TOL = {"f32": 1e-4, "q4": 1e-2}
@@ -149,7 +150,9 @@ def test_sliding_window_in_a_batch_equals_each_sequence_alone(tmp_path, family):
 # route (8 tokens through the decode body alone: the multi-token body is checked per family by the tests above),
 # runtime vs the interpreter on the same stored weights; greedy choices where the margin is clear at q8/q4; f32 also
 # against transformers. f16 is left out for the families that differ from one already in the matrix only in their
-# RoPE tables (the f16 kernels never see RoPE): that kept the whole matrix near a minute on this 2-core host.
+# RoPE tables (the f16 kernels never see RoPE): that kept the whole matrix near a minute on this 2-core host. Each
+# cell's model has 32-row tiles (tests/_shared.py: SMALL_TILE): the tests above run every weight type's kernels at
+# the default tile.
 _ROPE_ONLY = {"mistral", "llama3", "llama_linear", "llama_dynamic", "qwen2_yarn", "granite"}
 _COVERED = {(f, "f32") for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3", "phi3")} | {
     (f, "q4") for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3", "qwen2_yarn", "phi3")} | {
@@ -163,7 +166,7 @@ MATRIX = [(f, q) for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3",
 def test_every_family_at_every_quantisation(tmp_path, family, quant):
     net = hf_model(family, **OVER.get(family, {}))
     path = tmp_path / "m.vflow"
-    c = compile_file(from_torch(net), path, quant)
+    c = compile_file(from_torch(net), path, quant, SMALL_TILE)
     ids = np.random.default_rng(7).integers(0, c.graph.config.vocab_size, 8)
     with Session(str(path), threads=2, prefill_block=1) as s:
         it = Interpreter(c.graph, act_quant="q8" if quant in ("q8", "q4") else None, kv=s.kv_dtype)
