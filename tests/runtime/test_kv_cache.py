@@ -90,7 +90,7 @@ def test_f16_cache_prefill_decode_and_threads_bit_identical(path):
     ids = list(np.random.default_rng(2).integers(0, 256, 77))
     with Session(str(path), threads=1, prefill_block=1, kv="f16") as s:
         want = _greedy(s, ids)
-    for block, threads in ((16, 1), (32, 2)):
+    for block, threads in ((16, 1), (64, 2)):  # two full blocks and a tail; a full one of 64 and a tail
         with Session(str(path), threads=threads, prefill_block=block, kv="f16") as s:
             got = _greedy(s, ids)
         assert all(np.array_equal(a, b) for a, b in zip(got, want)), (block, threads)
@@ -158,10 +158,11 @@ def test_auto_is_f16_for_quantised_weights_f32_for_float_ones(tmp_path, quant, w
     assert resolve_kv("auto", quant) == want
     p = tmp_path / f"m_{quant}.vflow"
     compile_file(load_graph("preset:arch1@tiny"), p, quant)
-    with cflow.load(p, threads=1) as m:
+    # decode-only programs (prefill_block=1): the cache type is resolved the same way, for half the code to JIT
+    with cflow.load(p, threads=1, prefill_block=1) as m:
         assert m.kv == m.session.kv_dtype == m.session.program.kv == want and f"kv={want}" in repr(m)
     other = "f32" if want == "f16" else "f16"
-    with cflow.load(p, threads=1, kv=other) as m:  # an explicit type wins
+    with cflow.load(p, threads=1, kv=other, prefill_block=1) as m:  # an explicit type wins
         assert m.kv == m.session.program.kv == other
 
 
@@ -210,7 +211,7 @@ def test_a_poisoned_slot_is_harmless_after_reset(path, kv, features, monkeypatch
     cache is NaN before the prompt; the logits equal a clean session's. '-avx512f': the AVX2 kernels."""
     monkeypatch.setenv("CFLOW_FEATURES", features)
     ids = list(np.random.default_rng(8).integers(0, 256, 21))
-    with Session(str(path), threads=2, prefill_block=8, kv=kv) as s:
+    with Session(str(path), threads=2, kv=kv) as s:  # the default block: the programs of the tests above
         want = _greedy(s, ids, steps=5)
         s.kv.view(np.uint16 if kv != "f32" else np.uint32)[:] = 0xFFFF if kv != "f32" else 0x7FC00000  # NaN
         s.reset()
