@@ -85,8 +85,9 @@ def _run(path, ids, threads, **kw):
         s.close()
 
 
-@pytest.mark.parametrize("quant", ["f32", "q4"])
-@pytest.mark.parametrize("preset", ["arch2_4_combined", "arch5_shared"])
+# Each preset at one weight type: the delays and experts (arch2_4) and shared blocks (arch5) reach the descriptor
+# the same way at either; each weight type's stage code reads its layer constants from it in one of them.
+@pytest.mark.parametrize("preset, quant", [("arch2_4_combined", "q4"), ("arch5_shared", "f32")])
 def test_deep_shared_stages_match_the_interpreter(tmp_path, monkeypatch, preset, quant):
     """10 layers through a few shared stage functions (decode and prompt blocks of 4, 2 threads): the logits equal
     the interpreter's (f32: float summation order only), and equal bit for bit a build where every stage has its
