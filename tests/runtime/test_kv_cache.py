@@ -130,7 +130,9 @@ def test_bf16_dot_instruction_and_its_emulation_are_bit_identical(path, monkeypa
     runs = []
     for feats in ("-amx-bf16", "-amx-bf16,-avx512bf16"):  # (the tile unit's order differs: test_attention_amx)
         monkeypatch.setenv("CFLOW_FEATURES", feats)
-        with Session(str(path), threads=2, prefill_block=16, kv="bf16") as s:
+        # decode-only programs: the dot products are the attention core's, one per-token function that a prompt
+        # block calls too (codegen/attention.py); the multi-token body would double the JIT of each
+        with Session(str(path), threads=2, prefill_block=1, kv="bf16") as s:
             text = s.program.module if isinstance(s.program.module, str) else str(s.program.module)
             assert ("avx512bf16.dpbf16ps" in text) == ("avx512bf16" not in feats and host_target().has_avx512_bf16)
             runs.append(_greedy(s, ids, steps=4))
@@ -191,7 +193,10 @@ def test_every_k_block_width_equals_the_interpreter(path, max_seq, kv):
     from cflow.codegen.attention import kv_block
 
     ids = list(np.random.default_rng(max_seq).integers(0, 256, max_seq - 3))
-    with cflow.load(path, threads=2, kv=kv, max_seq=max_seq) as m:
+    # decode-only programs: the K block width is the cache layout's and the attention core's, one per-token function
+    # that a prompt block calls too (codegen/attention.py); the multi-token body would double the JIT of each of
+    # the nine programs (each width and type is one)
+    with cflow.load(path, threads=2, kv=kv, max_seq=max_seq, prefill_block=1) as m:
         assert m.session.max_seq == max_seq
         got = _greedy(m.session, ids, steps=3)
         it = Interpreter(m.ir, act_quant="q8", kv=kv)
