@@ -62,7 +62,7 @@ def test_context_limit_is_a_clear_error(tmp_path):
     from cflow.errors import RuntimeFault
 
     _, path = compiled(tmp_path, "arch1", "q4")
-    s = Session(str(path), threads=1, max_seq=8)
+    s = Session(str(path), threads=1, max_seq=8, prefill_block=1)  # (the check comes before any call)
     with pytest.raises(RuntimeFault, match="does not fit the context"):
         s.prefill(list(range(9)))
     with pytest.raises(RuntimeFault, match="out of range"):
