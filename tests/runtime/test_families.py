@@ -77,8 +77,8 @@ def test_new_family_runtime_matches_interpreter_and_transformers(tmp_path, famil
 # projection (olmoe); GELU-tanh gates, (1 + w) norms and the sqrt(d) embedding scale (gemma*); post norms, attention
 # and final soft-caps and a sliding window of 8 on every other layer, which bites at 24 tokens (gemma2, gemma3); a
 # second RoPE base for the sliding layers (gemma3).
-LEARNT = {"qwen3": ("q4",), "qwen3_moe": ("q8",), "olmoe": ("q4",), "gemma": ("q8", "q4"), "gemma2": ("q4",),
-          "gemma3": ("q8",)}
+LEARNT = {"qwen3": ("q4",), "qwen3_moe": ("q8",), "olmoe": ("q4",), "gemma": ("q8",), "gemma2": ("q4",),
+          "gemma3": ("q8",)}  # (Gemma at q4: the matrix below; GELU-tanh gates at q4 through both bodies: Gemma 2)
 
 # The frontend tests' Gemma 2 caps its logits at 3, which saturates every logit of a random model (top-2 margins ~0:
 # nothing left for a greedy check at q8/q4); a cap of 100 still bends the largest logits (~140 -> ~90). The batch test
