@@ -683,8 +683,9 @@ TARGETS = ("vflow", "gguf", "onnx")
 TARGET_WEIGHTS = {"vflow": 70, "gguf": 15, "onnx": 15}
 
 
-def build_bases(names, out: str, targets=("vflow",)) -> dict[str, tuple[str, bytes]]:
-    """name -> (target, file bytes) of every base file."""
+def build_bases(names, out: str, targets=("vflow",), onnx_base: str | None = None) -> dict[str, tuple[str, bytes]]:
+    """name -> (target, file bytes) of every base file. onnx_base: an export of preset:arch2_4_combined@tiny made
+    before (the same bytes: the export is deterministic), read instead of exporting again."""
     from cflow.compiler import compile_file
     from cflow.frontend.load import load_graph
     from cflow.models.bundled import default_model_dir
@@ -724,8 +725,9 @@ def build_bases(names, out: str, targets=("vflow",)) -> dict[str, tuple[str, byt
     if "onnx" in targets:
         from cflow.frontend.export import export_onnx, load_torch_model
 
-        path = os.path.join(out, "arch2_4_combined-tiny.onnx")
-        export_onnx(load_torch_model("preset:arch2_4_combined@tiny"), path)
+        path = onnx_base or os.path.join(out, "arch2_4_combined-tiny.onnx")
+        if not onnx_base:
+            export_onnx(load_torch_model("preset:arch2_4_combined@tiny"), path)
         with open(path, "rb") as f:
             blobs["arch2_4_combined-tiny-onnx"] = ("onnx", f.read())
     return blobs
@@ -762,7 +764,7 @@ def run(args, bench: Run) -> dict:
     os.environ["CFLOW_CACHE_DIR"] = env["CFLOW_CACHE_DIR"]
     t_start = time.monotonic()
     names = QUICK_BASES if args.quick else tuple(BASES)
-    blobs = build_bases(names, tmp, args.targets)
+    blobs = build_bases(names, tmp, args.targets, args.onnx_base)
     muts = Mutators(_tokenizer_text())
     if args.warm and "vflow" in args.targets:  # the bases' steps into the program cache: unchanged configs load fast
         import cflow
@@ -895,7 +897,7 @@ def write(bench: Run, path: str | None, result: dict) -> None:
 def replay(args) -> int:
     tmp = tempfile.mkdtemp(prefix="cflow-fuzz-replay-")
     names = QUICK_BASES if args.quick else tuple(BASES)
-    blobs = build_bases(names, tmp, args.targets)
+    blobs = build_bases(names, tmp, args.targets, args.onnx_base)
     case, blob = case_for(args.seed, args.replay, blobs, Mutators(_tokenizer_text()))
     path = os.path.join(tmp, f"case.{case['target']}")
     with open(path, "wb") as f:
@@ -924,6 +926,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one base file (the in-suite budget) (default: all bases)")
     ap.add_argument("--no-warm", dest="warm", action="store_false",
                     help="do not pre-load the bases into the program cache (default: pre-load)")
+    ap.add_argument("--onnx-base", metavar="FILE",
+                    help="the ONNX base: a `cflow export-onnx preset:arch2_4_combined@tiny` made before, read instead "
+                    "of exporting it again (default: export it)")
     ap.add_argument("--keep", metavar="DIR", help="where failing cases are kept (default: a temp directory)")
     add_json_argument(ap, "also write the result as one record (default: stdout only)")
     ap.add_argument("--progress", type=int, default=0, metavar="N",

@@ -24,9 +24,16 @@ def pytest_configure(config):
     import tempfile
 
     os.environ.setdefault("CFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="cflow-test-cache-"))
+    # Files built once per run and read by every worker (tests/_shared.py), likewise.
+    os.environ.setdefault("CFLOW_TEST_SHARED", tempfile.mkdtemp(prefix="cflow-test-shared-"))
     # No per-host kernel search in the suite (seconds per kernel shape, and the choice would depend on the
     # load): tests/codegen/test_tune.py turns it on where it tests it.
     os.environ.setdefault("CFLOW_TUNE", "off")
+    # One xdist worker per core: the libraries' own thread pools (torch's OpenMP, OpenBLAS under NumPy) at one
+    # thread, or the two workers' pools oversubscribe the cores and spin while they wait (~10% more CPU on the
+    # torch and ONNX tests). The workers inherit it; cflow's own threads (threads=...) are not these.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
 
 
 # --- pytest-xdist (pyproject.toml: -n auto --dist loadfile --no-loadscope-reorder) -----------------------------------

@@ -70,8 +70,9 @@ def test_block_kernels(dt, isa, planes):
     stride, ys = L.cols_p + 64, L.rows_p + 16
     mod = ir.Module("t")
     K.emit_quantize_act(mod, "q", Kd, L.cols_p, planes=planes)
-    K.emit_matvec(mod, "mv", L, isa, planes=planes)
-    K.emit_matmat(mod, "mm", L, isa, planes * stride, act_blocks=stride // 32, planes=planes)
+    mv_fn = K.emit_matvec(mod, "mv", L, isa, planes=planes)
+    # its tail tokens through the mat-vec, as in a step
+    K.emit_matmat(mod, "mm", L, isa, planes * stride, act_blocks=stride // 32, planes=planes, tail=mv_fn)
     K.emit_matvec(mod, "gu", L, isa, gate_up=True, act="gelu_tanh", planes=planes)
     emb = blockdot.emit_embed_row(mod, L, isa)
     ext = ir.Function(mod, emb.function_type, "emb")

@@ -45,17 +45,24 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
     if target is None:
         pytest.skip(f"host lacks {isa}")
     rng = np.random.default_rng(0)
-    M, Kd = 300, 200
-    L = TileLayout(dtype, M, Kd)
+    # Tiles of 32 rows (two 16-row groups, one pass like the default 128-row tile's eight): the same code with a
+    # quarter of the mat-vec IR to JIT; two full tile-rows and a partial one. Whole models run these kernels at the
+    # 128x256 tile (tests/runtime/test_prefill.py; on every ISA path test_activations.py, and every test with the
+    # path forced by CFLOW_FEATURES).
+    M, Kd, tile = 80, 200, (32, 256)
+    L = TileLayout(dtype, M, Kd, tile)
     W = (rng.standard_normal((M, Kd)) / np.sqrt(Kd)).astype(np.float32)  # outputs of order 1
-    w = T.pack_gate_up(W, W[::-1].copy(), dtype) if gate_up else T.pack(W, dtype)
+    w = T.pack_gate_up(W, W[::-1].copy(), dtype, tile) if gate_up else T.pack(W, dtype, tile)
     stride, ys = L.cols_p + 64, L.rows_p + 16  # strides wider than the rows: the kernel must honour them
     mod = ir.Module("t")
     K.emit_quantize_act(mod, "q", Kd, L.cols_p, planes=planes)
-    K.emit_matvec(mod, "mv", L, isa, gate_up=gate_up, act=act, planes=planes)
+    # the mat-mat's tail tokens go through the mat-vec it is compared with, as a step pairs them
+    # (step_context.matmat_fn)
+    mv_fn = K.emit_matvec(mod, "mv", L, isa, gate_up=gate_up, act=act, planes=planes)
     K.emit_matmat(mod, "mm", L, isa, planes * stride, gate_up=gate_up, act=act, act_blocks=stride // 32,
-                  planes=planes)
-    K.emit_matvec(mod, "plain", L, isa, planes=planes)  # W x alone: the gate and up projections for the reference
+                  planes=planes, tail=mv_fn)
+    if gate_up:
+        K.emit_matvec(mod, "plain", L, isa, planes=planes)  # W x alone: the gate and up projections for the reference
     lib = Library(name="t", target=target, cache=False)
     lib.add_ir(mod)
     lib.finalize()
@@ -63,7 +70,6 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
     q = lib.get_cfunc("q", None, vp, vp, vp, vp)
     mv = lib.get_cfunc("mv", None, vp, vp, vp, vp, vp, vp, i64, i64)
     mm = lib.get_cfunc("mm", None, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64)
-    plain = lib.get_cfunc("plain", None, vp, vp, vp, vp, vp, vp, i64, i64)
     n = 11  # a full group of 8 (or two of 4) and a tail
     X = np.zeros((n, stride), np.float32)
     X[:, :Kd] = rng.standard_normal((n, Kd))
@@ -81,6 +87,7 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
     assert np.array_equal(got, want)
     assert (got[:, : r0 * L.tr] == 7.0).all()  # rows of other threads untouched
     if gate_up:  # act(gate x) * (up x), with gate x and up x from the plain kernel on each half of the stream
+        plain = lib.get_cfunc("plain", None, vp, vp, vp, vp, vp, vp, i64, i64)
         pairs = w.reshape(L.n_tile_rows, 2, L.tile_row_nbytes)
         halves = [np.ascontiguousarray(pairs[:, h]).reshape(-1) for h in range(2)]
         rows = slice(r0 * L.tr, r1 * L.tr)

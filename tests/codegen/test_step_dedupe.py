@@ -17,6 +17,7 @@ from cflow.ir import Interpreter, build_graph
 from cflow.ir.build import weight_shapes
 from cflow.models.presets import get_preset
 from cflow.runtime.session import Session
+from tests._shared import SMALL_TILE
 
 
 def _config(preset, n_layers, size="tiny"):
@@ -31,7 +32,7 @@ def _graph(config, seed=0):
 
 
 def _program(preset, n_layers, tmax=4, **kw):
-    state = lower(_graph(_config(preset, n_layers)), "q4")
+    state = lower(_graph(_config(preset, n_layers)), "q4", SMALL_TILE)  # (stages are the subject: small kernels)
     return state, step_mod.build_step(state, "avx2", 64, tmax=tmax, **kw)
 
 
@@ -84,8 +85,9 @@ def _run(path, ids, threads, **kw):
         s.close()
 
 
-@pytest.mark.parametrize("quant", ["f32", "q4"])
-@pytest.mark.parametrize("preset", ["arch2_4_combined", "arch5_shared"])
+# Each preset at one weight type: the delays and experts (arch2_4) and shared blocks (arch5) reach the descriptor
+# the same way at either; each weight type's stage code reads its layer constants from it in one of them.
+@pytest.mark.parametrize("preset, quant", [("arch2_4_combined", "q4"), ("arch5_shared", "f32")])
 def test_deep_shared_stages_match_the_interpreter(tmp_path, monkeypatch, preset, quant):
     """10 layers through a few shared stage functions (decode and prompt blocks of 4, 2 threads): the logits equal
     the interpreter's (f32: float summation order only), and equal bit for bit a build where every stage has its
@@ -93,7 +95,7 @@ def test_deep_shared_stages_match_the_interpreter(tmp_path, monkeypatch, preset,
     layers would blur a comparison with the interpreter)."""
     g = _graph(_config(preset, 10), seed=3)
     path = tmp_path / "deep.vflow"
-    compile_file(g, path, quant)
+    compile_file(g, path, quant, SMALL_TILE)
     ids = np.random.default_rng(5).integers(0, g.config.vocab_size, 9 + 6)
     got, s = _run(path, ids, 2, cache=False, prefill_block=4)
     kv = s.kv_dtype

@@ -43,6 +43,12 @@ def tuning_on(monkeypatch, tmp_path):
     return tmp_path
 
 
+# Decode-only programs for the loads below: the tuned choices reach the mat-vec kernels and the attention core, which
+# a prompt block calls too (its mat-mat's tail tokens, here all of a 6-token prompt, go through the same mat-vec);
+# a program with the multi-token body is twice the JIT.
+DECODE = dict(prefill_block=1)
+
+
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("tune") / "m.vflow"
@@ -197,7 +203,7 @@ def test_group_loop_neighbours_have_one_spelling():
 
 def test_off_means_defaults(monkeypatch, model_file):
     monkeypatch.setenv("CFLOW_TUNE", "off")
-    m = cflow.load(model_file)
+    m = cflow.load(model_file, **DECODE)
     assert m.session.tuning == {}
 
 
@@ -261,7 +267,7 @@ def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_fi
     """A non-default choice in the cache reaches the emitted kernels (other program) and changes no number."""
     ids = [5, 17, 3, 99, 1, 2]
     monkeypatch.setenv("CFLOW_TUNE", "off")
-    ref = cflow.load(model_file)
+    ref = cflow.load(model_file, **DECODE)
     ref_logits = ref.session.prefill(ids)
     ref_toks = ref.generate(ids, max_new_tokens=6, stop=False)
     monkeypatch.setenv("CFLOW_TUNE", "on")
@@ -279,7 +285,7 @@ def test_a_tuned_program_gives_the_same_numbers(tuning_on, monkeypatch, model_fi
             for g in attn_tune.geometries(ref.session.compiled.graph.nodes())}  # cached: no attention search
     for choice in (odd, {**tune.DEFAULT, "prefetch": 4096, "group_loop": 1}):
         tune._write_table(target, {**{k: {"choice": choice} for k in shapes}, **attn})
-        m = cflow.load(model_file)
+        m = cflow.load(model_file, **DECODE)
         assert m.session.tuning == {k: choice for k in shapes}
         ir_text = m.session.program.module if isinstance(m.session.program.module, str) else str(
             m.session.program.module)
@@ -339,7 +345,7 @@ def test_attention_choice_is_cached_reaches_the_program_and_keeps_the_numbers(tu
 
     ids = [5, 17, 3, 99, 1, 2]
     monkeypatch.setenv("CFLOW_TUNE", "off")
-    ref = cflow.load(model_file, kv="f16")
+    ref = cflow.load(model_file, kv="f16", **DECODE)
     ref_logits = ref.session.prefill(ids)
     monkeypatch.setenv("CFLOW_TUNE", "on")
     geoms = attn_tune.geometries(ref.session.compiled.graph.nodes())
@@ -354,7 +360,7 @@ def test_attention_choice_is_cached_reaches_the_program_and_keeps_the_numbers(tu
         shapes = tune.kernel_shapes(plan_from_header(r.header, r.path).tensors.values())
     table = {k: {"choice": dict(tune.DEFAULT)} for k in shapes}
     tune._write_table(target, {**table, key: {"choice": {"kv_prefetch": 0}}})
-    m = cflow.load(model_file, kv="f16")
+    m = cflow.load(model_file, kv="f16", **DECODE)
     assert m.session.tuning == {key: {"kv_prefetch": 0}}
     assert "pf0" in str(m.session.program.module) and f"pf{attention.KV_PREFETCH}" in str(ref.session.program.module)
     np.testing.assert_array_equal(m.session.prefill(ids), ref_logits)
@@ -546,7 +552,7 @@ def test_a_load_never_searches_and_takes_the_shipped_choice(tuning_on, monkeypat
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        m = cflow.load(model_file, kv="f16")
+        m = cflow.load(model_file, kv="f16", **DECODE)
     assert m.session.tuning and all(
         c.get("group_loop") == 1 or c == {"kv_prefetch": 1024} for c in m.session.tuning.values())
     assert tune.read_table(m.session.target) == {}
@@ -556,7 +562,7 @@ def test_a_load_never_searches_and_takes_the_shipped_choice(tuning_on, monkeypat
         "choice": dict(tune.DEFAULT), "results": []})
     monkeypatch.setattr(attn_tune, "tune_attention", lambda *a, **k: {"choice": {"kv_prefetch": 0}, "results": []})
     with pytest.warns(UserWarning, match=r"kernel shapes \(about 12 s"):  # the budget less start-up and attention
-        cflow.load(model_file, kv="f16")
+        cflow.load(model_file, kv="f16", **DECODE)
     assert searched and all(d is not None for d in searched)
 
 

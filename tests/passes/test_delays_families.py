@@ -13,6 +13,7 @@ from cflow.ir import Interpreter, interpret, verify
 from cflow.passes.delays import DelayRewriteWarning, dense_delay, expert_delay, set_delays
 from cflow.passes.manager import Pipeline
 from cflow.runtime.session import Session
+from tests._shared import SMALL_TILE
 from tests.frontend._models import hf_model
 
 # family -> the delays it can take: a dense delay moves a dense FFN's input, an expert delay an MoE output, so a
@@ -40,7 +41,8 @@ def test_delayed_family_runtime_matches_interpreter(tmp_path, family):
     changed = np.abs(ref - _run(Interpreter(g), ids, 18)).max()
     path = tmp_path / "m.vflow"
     with pytest.warns(DelayRewriteWarning, match="changes the model's function"):
-        c = compile_file(g, path, "f32", delays=(dd, de))  # the path the user takes: cflow.compile(m, delays=...)
+        # the path the user takes (cflow.compile(m, delays=...)), with 32-row tiles: the delays are the subject
+        c = compile_file(g, path, "f32", SMALL_TILE, delays=(dd, de))
     assert c.graph.meta.delays == (dd, de)
     # a prompt of 18 in blocks of 9: full token groups of the multi-token kernels on every ISA (8 or 4) and tails
     with Session(str(path), threads=2, prefill_block=9) as s:

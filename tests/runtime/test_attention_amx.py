@@ -22,6 +22,7 @@ from cflow.ir import Attention, Interpreter, build_graph
 from cflow.ir.build import weight_shapes
 from cflow.ir.config import ModelConfig
 from cflow.runtime.session import Session
+from tests._shared import SMALL_TILE
 
 AMX = host_target().bf16_unit == "amx"
 needs_amx = pytest.mark.skipif(not AMX, reason="this host has no AMX-BF16 tile unit (or Linux refused its state)")
@@ -34,7 +35,7 @@ def _model(tmp_path, name, **kw):
              rng.standard_normal(s) * (1.0 if n == "tok_embeddings" else s[-1] ** -0.5)).astype(np.float32)
          for n, s in weight_shapes(c).items()}
     p = tmp_path / f"{name}.vflow"
-    compile_file(build_graph(c, w, name=name), p, "q8")
+    compile_file(build_graph(c, w, name=name), p, "q8", SMALL_TILE)  # the attention core is the subject here
     return p
 
 
@@ -83,7 +84,9 @@ def test_tile_core_equals_the_vector_core_and_the_twin(model, monkeypatch):
     runs = {}
     for feats in ("", "-amx-bf16"):
         monkeypatch.setenv("CFLOW_FEATURES", feats)
-        with cflow.load(model, threads=2, kv="bf16") as m:
+        # decode-only programs: the core is one per-token function that a prompt block calls too
+        # (codegen/attention.py); the next test compares the bodies
+        with cflow.load(model, threads=2, kv="bf16", prefill_block=1) as m:
             s = m.session
             text = s.program.module if isinstance(s.program.module, str) else str(s.program.module)
             assert ("llvm.x86.tdpbf16ps" in text) == (feats == "")
@@ -108,7 +111,9 @@ def test_tile_core_equals_the_vector_core_and_the_twin(model, monkeypatch):
 def test_tile_core_is_bit_identical_across_blocks_threads_and_decode(model):
     ids = list(np.random.default_rng(6).integers(0, 96, 47))
     want = None
-    for block, threads in ((1, 1), (16, 2), (32, 1)):
+    # blocks of 1 (the program the test above built), 16 (two full calls and a tail: the next test's program) and
+    # the default (the whole prompt in one call); each block size is a program of its own to JIT
+    for block, threads in ((1, 1), (16, 2), (64, 1)):
         with Session(str(model), threads=threads, prefill_block=block, kv="bf16") as s:
             got = [s.prefill(ids).copy()]
             for _ in range(4):
@@ -122,7 +127,7 @@ def test_nan_past_the_position_never_reaches_the_core(model):
     """On every host (the tile core on an AMX host, else VDPBF16PS or its emulation): NaN in the cache past the
     position and in the whole scratch (the scores, the tile core's weights past the scan) changes nothing."""
     ids = list(np.random.default_rng(7).integers(0, 96, 33))
-    with Session(str(model), threads=2, prefill_block=8, kv="bf16") as s:
+    with Session(str(model), threads=2, prefill_block=16, kv="bf16") as s:  # the program of the test above
         want = [s.prefill(ids).copy()] + [s.step(3).copy() for _ in range(3)]
         s.kv.view(np.uint16)[:] = 0xFFFF  # NaN everywhere
         s.scratch.view(np.uint32)[:] = 0x7FC00000  # a quiet NaN in every float of the scratch

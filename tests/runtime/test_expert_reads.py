@@ -15,6 +15,7 @@ from cflow.frontend.load import load_graph
 from cflow.ir import Interpreter
 from cflow.passes.pack import expert_tensor
 from cflow.runtime.session import Session, resolve_kv
+from tests._shared import SMALL_TILE
 
 T = 24
 
@@ -22,7 +23,8 @@ T = 24
 @pytest.fixture(scope="module", params=["arch1", "arch4_async_experts"])
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("reads") / f"{request.param}.vflow"
-    c = compile_file(load_graph(f"preset:{request.param}@tiny"), path, "q4")
+    # 32-row tiles (tests/_shared.py): the reads are counted in tile-rows, whatever their height
+    c = compile_file(load_graph(f"preset:{request.param}@tiny"), path, "q4", SMALL_TILE)
     ids = [int(t) for t in np.random.default_rng(4).integers(0, c.graph.config.vocab_size, T)]
     it = Interpreter(c.graph, act_quant="q8", kv=resolve_kv("auto", "q4"))  # the routes the sessions below take
     it.prefill(ids)

@@ -12,6 +12,7 @@ from cflow.compiler import compile_file
 from cflow.frontend import from_torch
 from cflow.ir import Interpreter
 from cflow.runtime.session import Session
+from tests._shared import SMALL_TILE
 from tests.frontend._models import custom_pipeline_native, hf_logits, hf_model
 
 TOL = {"f32": 1e-4, "q4": 1e-2}
@@ -76,8 +77,8 @@ def test_new_family_runtime_matches_interpreter_and_transformers(tmp_path, famil
 # projection (olmoe); GELU-tanh gates, (1 + w) norms and the sqrt(d) embedding scale (gemma*); post norms, attention
 # and final soft-caps and a sliding window of 8 on every other layer, which bites at 24 tokens (gemma2, gemma3); a
 # second RoPE base for the sliding layers (gemma3).
-LEARNT = {"qwen3": ("q4",), "qwen3_moe": ("q8",), "olmoe": ("q4",), "gemma": ("q8", "q4"), "gemma2": ("q4",),
-          "gemma3": ("q8",)}
+LEARNT = {"qwen3": ("q4",), "qwen3_moe": ("q8",), "olmoe": ("q4",), "gemma": ("q8",), "gemma2": ("q4",),
+          "gemma3": ("q8",)}  # (Gemma at q4: the matrix below; GELU-tanh gates at q4 through both bodies: Gemma 2)
 
 # The frontend tests' Gemma 2 caps its logits at 3, which saturates every logit of a random model (top-2 margins ~0:
 # nothing left for a greedy check at q8/q4); a cap of 100 still bends the largest logits (~140 -> ~90). The batch test
@@ -131,11 +132,13 @@ def test_sliding_window_in_a_batch_equals_each_sequence_alone(tmp_path, family):
     prompts = [rng.integers(0, 256, 11).tolist(), rng.integers(0, 256, 4).tolist()]
     nxt = rng.integers(0, 256, (8, 2))
     alone = []
-    with Session(str(path), threads=2, prefill_block=5) as s:
+    # blocks of 9, as test_learnt_family_runtime's (Gemma 3's program is the one it built): 11 tokens in a full
+    # block and a partial one
+    with Session(str(path), threads=2, prefill_block=9) as s:
         for i, p in enumerate(prompts):
             s.reset()
             alone.append([s.prefill(p)] + [s.step(int(t)).copy() for t in nxt[:, i]])
-    with Session(str(path), threads=2, prefill_block=5, max_batch=2) as s:
+    with Session(str(path), threads=2, prefill_block=9, max_batch=2) as s:
         first = [s.prefill(p, slot=i) for i, p in enumerate(prompts)]
         for i in range(2):
             assert np.array_equal(first[i], alone[i][0])
@@ -149,7 +152,9 @@ def test_sliding_window_in_a_batch_equals_each_sequence_alone(tmp_path, family):
 # route (8 tokens through the decode body alone: the multi-token body is checked per family by the tests above),
 # runtime vs the interpreter on the same stored weights; greedy choices where the margin is clear at q8/q4; f32 also
 # against transformers. f16 is left out for the families that differ from one already in the matrix only in their
-# RoPE tables (the f16 kernels never see RoPE): that kept the whole matrix near a minute on this 2-core host.
+# RoPE tables (the f16 kernels never see RoPE): that kept the whole matrix near a minute on this 2-core host. Each
+# cell's model has 32-row tiles (tests/_shared.py: SMALL_TILE): the tests above run every weight type's kernels at
+# the default tile.
 _ROPE_ONLY = {"mistral", "llama3", "llama_linear", "llama_dynamic", "qwen2_yarn", "granite"}
 _COVERED = {(f, "f32") for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3", "phi3")} | {
     (f, "q4") for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3", "qwen2_yarn", "phi3")} | {
@@ -163,7 +168,7 @@ MATRIX = [(f, q) for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3",
 def test_every_family_at_every_quantisation(tmp_path, family, quant):
     net = hf_model(family, **OVER.get(family, {}))
     path = tmp_path / "m.vflow"
-    c = compile_file(from_torch(net), path, quant)
+    c = compile_file(from_torch(net), path, quant, SMALL_TILE)
     ids = np.random.default_rng(7).integers(0, c.graph.config.vocab_size, 8)
     with Session(str(path), threads=2, prefill_block=1) as s:
         it = Interpreter(c.graph, act_quant="q8" if quant in ("q8", "q4") else None, kv=s.kv_dtype)

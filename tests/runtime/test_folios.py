@@ -167,14 +167,14 @@ def test_load_mends_a_copied_file_and_decodes_the_same(model_file, tmp_path, mon
     copy = tmp_path / "copy.vflow"
     _copy_in_small_folios(model_file, copy)
     monkeypatch.setenv("CFLOW_FOLIOS", "keep")
-    kept = cflow.load(copy, threads=1)
+    kept = cflow.load(copy, threads=1, prefill_block=1)  # decode-only programs: only steps run here
     assert kept.session.folios is None
     ref = [kept.session.step(t).copy() for t in (1, 2, 3)]
     kept.close()
     del kept
     gc.collect()  # its mapping gone: mapped pages cannot leave the page cache
     monkeypatch.delenv("CFLOW_FOLIOS")
-    m = cflow.load(copy, threads=1)
+    m = cflow.load(copy, threads=1, prefill_block=1)
     mended = m.session.folios
     assert isinstance(mended, Mended)
     if mended.before is not None and mended.before.small:  # all dropped, or kept with the reason

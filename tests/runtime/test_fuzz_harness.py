@@ -5,13 +5,15 @@ a worker (a signal), hang, or end in anything but a CflowError or a working mode
 command that replays it. The seed is fixed (CFLOW_FUZZ_SEED picks another); the long run is in docs/reliability.md.
 The budget is a number of cases, not seconds (a time budget made the assertions below depend on how loaded the
 host was: under load a 10 s budget once ran too few cases): a few seconds on a quiet 2-core host, after the bases
-are built and the ONNX one exported once (~10 s)."""
+are built (the ONNX one is the preset's export the suite shares, tests/_shared.py)."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests._shared import arch24_tiny_onnx
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +22,7 @@ def test_fuzz_short_budget(tmp_path):
     seed = int(os.environ.get("CFLOW_FUZZ_SEED", "14"))
     out = tmp_path / "fuzz.json"
     r = subprocess.run([sys.executable, "-m", "benchmarks.fuzz", "--quick", "--cases", "60", "--seed", str(seed),
-                        "--workers", "2", "--targets", "vflow,gguf,onnx",
+                        "--workers", "2", "--targets", "vflow,gguf,onnx", "--onnx-base", str(arch24_tiny_onnx()),
                         "--keep", str(tmp_path / "failures"), "--json", str(out)],
                        capture_output=True, text=True, env=dict(os.environ), timeout=900, cwd=ROOT)
     assert out.exists(), r.stderr[-3000:]

@@ -30,7 +30,8 @@ def test_runtime_matches_interpreter(tmp_path, name, quant):
     ids = np.random.default_rng(7).integers(0, c.graph.config.vocab_size, 16 + 64)
     outs, ref = {}, None
     for threads in (1, 2):
-        s = Session(str(path), threads=threads)
+        # blocks of 16, tests/runtime/test_prefill.py's (its q4 programs are these): the prompt is one full block
+        s = Session(str(path), threads=threads, prefill_block=16)
         if ref is None:  # the twin with the model's KV cache type (kv='auto': f16 for q4, f32 for f32)
             it = Interpreter(c.graph, act_quant="q8" if quant in ("q4", "q8") else None, kv=s.kv_dtype)
             ref = np.concatenate([it.prefill(ids[:16])[-1:]] + [it.step(int(t))[None] for t in ids[16:]])
@@ -45,7 +46,7 @@ def test_runtime_matches_interpreter(tmp_path, name, quant):
 def test_other_dtypes(tmp_path, quant):
     c, path = compiled(tmp_path, "arch2_4_combined", quant)
     ids = np.arange(20) % 256
-    s = Session(str(path), threads=2)
+    s = Session(str(path), threads=2, prefill_block=16)  # a full block and a tail; test_prefill's f16 program
     ref = Interpreter(c.graph, act_quant="q8" if quant == "q8" else None, kv=s.kv_dtype).prefill(ids)[-1]
     assert np.abs(s.prefill(ids) - ref).max() <= TOL[quant]
 
@@ -62,7 +63,7 @@ def test_context_limit_is_a_clear_error(tmp_path):
     from cflow.errors import RuntimeFault
 
     _, path = compiled(tmp_path, "arch1", "q4")
-    s = Session(str(path), threads=1, max_seq=8)
+    s = Session(str(path), threads=1, max_seq=8, prefill_block=1)  # (the check comes before any call)
     with pytest.raises(RuntimeFault, match="does not fit the context"):
         s.prefill(list(range(9)))
     with pytest.raises(RuntimeFault, match="out of range"):
