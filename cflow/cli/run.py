@@ -59,7 +59,7 @@ def add_args(p):
                    help="memory for the whole process (8G, 512M; binary units): the weights stay mapped if they "
                    "fit, else the experts go to disk with a cache of what is left, else the big matrices are "
                    "streamed too (default: no budget)")
-    p.add_argument("--no-expert-guess", dest="expert_guess", action="store_false",
+    p.add_argument("--no-expert-guess", action="store_true",
                    help="with --experts-on-disk: do not start the next layer's expert reads on a guess of its route "
                    "(default: guess, from this layer's router input; the real router still decides)")
     p.add_argument("--weights-on-disk", action="store_true",
@@ -87,7 +87,7 @@ def run(args) -> int:
     from . import compiled_file
 
     # Every option is checked before the model is loaded (ranges by the parser, combinations here).
-    if (args.expert_cache_mb is not None or args.expert_io != "async" or not args.expert_guess) and not (
+    if (args.expert_cache_mb is not None or args.expert_io != "async" or args.no_expert_guess) and not (
             args.experts_on_disk or args.weights_on_disk or args.max_ram is not None):
         raise CflowError("--expert-cache-mb, --expert-io and --no-expert-guess need --experts-on-disk")
     if args.max_ram is not None and args.expert_cache_mb is not None:
@@ -119,7 +119,7 @@ def run(args) -> int:
                    experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                    expert_io=args.expert_io, weights="disk" if args.weights_on_disk else "ram",
                    read_ahead=args.read_ahead, kv=args.kv, activations=args.activations, max_ram_mb=args.max_ram,
-                   expert_guess=args.expert_guess,
+                   expert_guess=not args.no_expert_guess,
                    draft=compiled_file(args.draft) if args.draft else None)
     try:
         if args.chat:
