@@ -50,10 +50,10 @@ def arch24_tiny_onnx() -> Path:
     return shared_file("arch2_4_combined-tiny.onnx", build)
 
 
-# The tile of the test models whose subject is not the mat-vec kernels at the default tile (a cache type, the
-# attention core, the delays' schedule, stage sharing, a family's ops at one more weight type): 32 rows, two 16-row
-# groups in one pass as the default 128x256 tile's eight are, for a fraction of the kernel code to JIT (a tiny
-# model's program in 0.5-0.7x the time, decode-only ones in 0.35-0.6x). The default tile stays in the model tests
-# that do not pass this one: every family (tests/runtime/test_families.py), preset and weight type
-# (test_session.py, test_prefill.py, test_gguf_types.py), on every ISA path (test_activations.py).
+# The tile of the test models whose subject is not the mat-vec kernels at the default tile (a family's stage code, a
+# cache type, the attention core, the delays' schedule, stage sharing, expert reads): 32 rows, two 16-row groups in
+# one pass as the default 128x256 tile's eight are, for a fraction of the kernel code to JIT (a tiny model's program
+# in 0.5-0.8x the time). The default tile stays in the model tests that do not pass this one: every preset and
+# weight type through both bodies (tests/runtime/test_session.py, test_prefill.py, test_gguf_types.py), two families
+# on every ISA path (test_activations.py), and the tests of the serving, tuning and disk-tier paths.
 SMALL_TILE = (32, 256)

@@ -16,6 +16,11 @@ from tests._shared import SMALL_TILE
 from tests.frontend._models import custom_pipeline_native, hf_logits, hf_model
 
 TOL = {"f32": 1e-4, "q4": 1e-2}
+# Every model here has 32-row tiles (tests/_shared.py: SMALL_TILE): what a family adds is stage code (norms, the
+# attention's variants, routing, RoPE tables), the same at any tile (the pools' unit is lcm(tile) = 256 either way),
+# and a family's programs JIT in ~0.6x the time. The default tile runs every preset and weight type through both
+# bodies in tests/runtime/test_session.py, test_prefill.py and test_gguf_types.py, and two families on every ISA
+# path in test_activations.py.
 
 
 def _model(family):
@@ -27,7 +32,7 @@ def _model(family):
 def test_family_runtime_matches_interpreter(tmp_path, family, quant):
     net = _model(family)
     path = tmp_path / "m.vflow"
-    c = compile_file(from_torch(net), path, quant)
+    c = compile_file(from_torch(net), path, quant, SMALL_TILE)
     ids = np.random.default_rng(3).integers(0, c.graph.config.vocab_size, 16 + 64)
     # kv="f32": this tolerance is for the arithmetic with an exact cache. With kv='auto' (f16 for q4) the runtime
     # and its f16 twin agree to ~1e-5 on all steps but one or two (llama at q4: 1 of 65 steps, 0.04, logit std 8).
@@ -57,7 +62,7 @@ NEW_NATIVE = [("llama3", "q4"), ("llama3", "f32"), ("llama3", "q8"), ("qwen2_yar
 def test_new_family_runtime_matches_interpreter_and_transformers(tmp_path, family, quant):
     net = hf_model(family)
     path = tmp_path / "m.vflow"
-    c = compile_file(from_torch(net), path, quant)
+    c = compile_file(from_torch(net), path, quant, SMALL_TILE)
     ids = np.random.default_rng(4).integers(0, c.graph.config.vocab_size, 12 + 20)
     s = Session(str(path), threads=2, kv="f32")  # an exact cache for this tolerance (see the test above)
     it = Interpreter(c.graph, act_quant=None if quant == "f32" else "q8", kv=s.kv_dtype)
@@ -100,7 +105,7 @@ def test_learnt_family_runtime(tmp_path, family):
     g = from_torch(net)
     ids = np.random.default_rng(5).integers(0, g.config.vocab_size, 20 + 12)
     for quant in ("f32",) + LEARNT[family]:
-        c = compile_file(g, tmp_path / f"{quant}.vflow", quant)
+        c = compile_file(g, tmp_path / f"{quant}.vflow", quant, SMALL_TILE)
         runs, ref = [], None
         for threads in (1, 2):
             with Session(str(tmp_path / f"{quant}.vflow"), threads=threads, prefill_block=9) as s:
@@ -127,7 +132,7 @@ def test_sliding_window_in_a_batch_equals_each_sequence_alone(tmp_path, family):
     """Two sequences past the window (8) at different positions, decoded together by the batched body (each token
     its own position, slot and window start), equal each sequence run alone, bit for bit."""
     path = tmp_path / "m.vflow"
-    compile_file(from_torch(hf_model(family)), path, "f32")
+    compile_file(from_torch(hf_model(family)), path, "f32", SMALL_TILE)
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, 256, 11).tolist(), rng.integers(0, 256, 4).tolist()]
     nxt = rng.integers(0, 256, (8, 2))
@@ -152,9 +157,7 @@ def test_sliding_window_in_a_batch_equals_each_sequence_alone(tmp_path, family):
 # route (8 tokens through the decode body alone: the multi-token body is checked per family by the tests above),
 # runtime vs the interpreter on the same stored weights; greedy choices where the margin is clear at q8/q4; f32 also
 # against transformers. f16 is left out for the families that differ from one already in the matrix only in their
-# RoPE tables (the f16 kernels never see RoPE): that kept the whole matrix near a minute on this 2-core host. Each
-# cell's model has 32-row tiles (tests/_shared.py: SMALL_TILE): the tests above run every weight type's kernels at
-# the default tile.
+# RoPE tables (the f16 kernels never see RoPE): that kept the whole matrix near a minute on this 2-core host.
 _ROPE_ONLY = {"mistral", "llama3", "llama_linear", "llama_dynamic", "qwen2_yarn", "granite"}
 _COVERED = {(f, "f32") for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3", "phi3")} | {
     (f, "q4") for f in ("llama", "mistral", "mixtral", "qwen2_moe", "llama3", "qwen2_yarn", "phi3")} | {

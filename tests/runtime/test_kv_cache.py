@@ -12,12 +12,14 @@ from cflow.compiler import compile_file
 from cflow.frontend.load import load_graph
 from cflow.ir import Interpreter
 from cflow.runtime.session import Session
+from tests._shared import SMALL_TILE
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     p = tmp_path_factory.mktemp("kv") / "a.vflow"
-    compile_file(load_graph("preset:arch2_4_combined@tiny"), p, "q4")
+    # 32-row tiles (tests/_shared.py): the cache is the subject; ~20 programs of this model, each in ~0.75x the time
+    compile_file(load_graph("preset:arch2_4_combined@tiny"), p, "q4", SMALL_TILE)
     return p
 
 
