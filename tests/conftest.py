@@ -18,14 +18,22 @@ def _no_delay_warnings_leak():
         yield
 
 
+_MADE: list[str] = []  # temporary directories this process made for the run
+
+
 def pytest_configure(config):
     # Compiled kernels go to a per-run cache, never the user's ~/.cache/cflow. Set before pytest-xdist starts its
     # workers, so they inherit it: a kernel one worker compiled is a cache hit for the other.
+    # The process that makes them (the controller, or a run without xdist) removes them at the end: a run's caches
+    # hold ~0.5 GB of objects and programs.
     import tempfile
 
-    os.environ.setdefault("CFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="cflow-test-cache-"))
-    # Files built once per run and read by every worker (tests/_shared.py), likewise.
-    os.environ.setdefault("CFLOW_TEST_SHARED", tempfile.mkdtemp(prefix="cflow-test-shared-"))
+    for var, prefix in (("CFLOW_CACHE_DIR", "cflow-test-cache-"),
+                        # files built once per run and read by every worker (tests/_shared.py), likewise
+                        ("CFLOW_TEST_SHARED", "cflow-test-shared-")):
+        if var not in os.environ:
+            os.environ[var] = tempfile.mkdtemp(prefix=prefix)
+            _MADE.append(os.environ[var])
     # No per-host kernel search in the suite (seconds per kernel shape, and the choice would depend on the
     # load): tests/codegen/test_tune.py turns it on where it tests it.
     os.environ.setdefault("CFLOW_TUNE", "off")
@@ -34,6 +42,13 @@ def pytest_configure(config):
     # torch and ONNX tests). The workers inherit it; cflow's own threads (threads=...) are not these.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for path in _MADE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # --- pytest-xdist (pyproject.toml: -n auto --dist loadfile --no-loadscope-reorder) -----------------------------------
