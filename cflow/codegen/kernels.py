@@ -411,7 +411,8 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
     allocas that SROA promotes), so the 32 activation bytes of a unit are loaded once per pass and each
     weight vector once per unit for all activations (the multi-token kernels: the tile stays in L1/L2).
     One activation is the decode mat-vec; per output the arithmetic is the same for any number of them.
-    Several activations with one group per pass run the passes as a loop (a fraction of the code to JIT)."""
+    Several activations run the passes as a loop over their first group (one pass's code to JIT, not one per
+    pass: the same speed in cache, measured)."""
     ng, UB = L.groups_per_tile, L.unit_nbytes
     nunits = L.n_units
     na = len(acts)
@@ -437,9 +438,10 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
             for k, g in enumerate(groups):
                 b.store(b.load(slots[a * gp + k]), ptr(b, outvs[a], g), align=4)
 
-    if na > 1 and gp == 1 and ng > 1:
-        with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, ng), "grp") as g:
-            one_pass([g], 0)
+    if na > 1 and ng > gp and ng % gp == 0:
+        with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, ng // gp), "grp") as p:
+            g0 = b.mul(p, ir.Constant(i64, gp))
+            one_pass([g0] + [b.add(g0, ir.Constant(i64, k)) for k in range(1, gp)], 0)
         return
     for g0 in range(0, ng, gp):
         one_pass(list(range(g0, min(ng, g0 + gp))), g0)
@@ -526,6 +528,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
 
 
 MATMAT_ARGS = MATVEC_ARGS + (i64, i64, i64)  # ..., r0, r1, ntok, x_stride, y_stride
+MATMAT_GROUPS = 16  # Q4 / Q8 mat-mat accumulators per pass (token groups x row groups): emit_matmat
 
 
 def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_stride: int, *,
@@ -563,11 +566,13 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     w, x, xq, xd, xs, y, r0, r1, ntok, x_stride, y_stride = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     isa = ISA.parse(isa)
-    # One row group of 8 tokens per pass (AVX-512: 32 registers), 4 elsewhere (16 registers, each <16 x f32>
-    # two of them). Measured on a Zen 4 under load (a first pick: `cflow tune` is to choose per host):
-    # 8x1 beat 8x2 and 4x2, and a second unrolled unit per iteration only doubled the JIT time.
+    # Tokens per group: 8 on AVX-512 (32 registers), 4 elsewhere (16 registers, each <16 x f32> two of them).
+    # Row groups per pass: Q4 / Q8 take MATMAT_GROUPS // tg (2 or 4) 16-row groups per pass over a tile-row, the
+    # GGUF block types one (their unit is up to 8x longer). In cache on an AMX Xeon (benchmarks/matmat.py), against
+    # one group per pass: AVX2 Q4 +19%, Q8 +26%; AVX-512 Q4 +13%, Q8 +37% (an earlier pick on a loaded Zen 4 had
+    # found one group best, with passes unrolled). The K-quants lose 8-25% with more.
     tg = token_group or (8 if isa == ISA.AVX512VNNI else 4)
-    max_groups = max_groups or tg
+    max_groups = max_groups or (MATMAT_GROUPS if L.dtype in (DType.Q4, DType.Q8) else tg)
     per_tok = max(1, max_groups // tg)
     slots = [b.alloca(V(f32, 16), name=f"acc{g}") for g in range(tg * min(per_tok, L.groups_per_tile))]
     rows = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"rows{t}"), P(f32)) for t in range(tg)]
