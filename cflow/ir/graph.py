@@ -129,6 +129,15 @@ class Graph:
     def of_kind(self, kind: str) -> list[Node]:
         return [n for n in self.nodes() if n.kind == kind]
 
+    def lookup_weights(self) -> frozenset[str]:
+        """Weights only embedding nodes read: a step touches one row of them per token, not the whole tensor (an
+        untied embedding; a tied one is also the head's matrix, read whole every step)."""
+        rows = {n.weight for n in self.insertion_order() if n.kind == "embedding"}
+        for n in self.insertion_order():
+            if n.kind != "embedding":
+                rows.difference_update(n.weight_names())
+        return frozenset(rows)
+
     @property
     def dag(self) -> nx.DiGraph:
         """The dependency DAG (node names); read-only by convention."""

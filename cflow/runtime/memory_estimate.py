@@ -33,21 +33,41 @@ def memory_parts(compiled, run_state, *, tmax: int, max_seq: int, n_slots: int, 
         "the activation buffers": 4 * T * (padded(c.vocab_size, 64) + 32 * widest),
     }
     tensors = compiled.tensors
+    lookup = lookup_tensors(compiled) if weights == "disk" or experts == "disk" else frozenset()
+    if lookup:  # an untied embedding stays mapped (Session._tensor): the pages of the rows a context reads
+        parts["the embedding rows a context reads (mapped)"] = sum(
+            min(tensors[n].nbytes, S * n_slots * row_touch(tensors[n])) for n in lookup)
     if weights == "disk":  # streamed: only what is not tiled stays in RAM, plus the read-ahead buffers
         stages = [sum(tensors[n].nbytes for st in stage for n in st.tensors  # experts: the tier's, not streamed
                       if n in tensors and tensors[n].expert < 0 and tensors[n].form.is_tiled)
                   for stage in run_state.schedule.stages]
         parts["the weights kept in RAM and the read-ahead buffers"] = (
-            sum(t.nbytes for t in tensors.values() if t.expert < 0 and not t.form.is_tiled)
+            sum(t.nbytes for n, t in tensors.items() if t.expert < 0 and not t.form.is_tiled and n not in lookup)
             + (read_ahead + 2) * max(stages, default=0))
     elif experts == "disk":
         parts["the non-expert weights read into RAM (--weights-on-disk streams them)"] = sum(
-            t.nbytes for t in tensors.values() if t.expert < 0)
+            t.nbytes for n, t in tensors.items() if t.expert < 0 and n not in lookup)
     if experts == "disk" and expert_cache_mb is not None and expert_cache_mb > 0:
         # the tier never allocates more slots than there are experts (ExpertTier), so neither does the estimate
         parts[f"the expert cache (--expert-cache-mb {expert_cache_mb})"] = min(
             int(expert_cache_mb * 2**20), sum(t.nbytes for t in tensors.values() if t.expert >= 0))
     return parts
+
+
+def lookup_tensors(compiled) -> frozenset[str]:
+    """The stored tensors a step reads a row of per token (an untied embedding: Graph.lookup_weights)."""
+    rows = compiled.graph.lookup_weights()
+    return frozenset(n for n, t in compiled.tensors.items() if t.parts and all(p in rows for p in t.parts))
+
+
+def row_touch(t) -> int:
+    """Bytes of the file one row lookup of tensor `t` brings in: its row's pages, or for a tile stream the
+    tile-row holding it (the row's codes are spread over the tile-row's units)."""
+    from ..layout.quant import padded
+
+    if t.form.is_tiled:
+        return t.layout.tile_row_nbytes
+    return padded(t.nbytes // max(1, t.shape[0]), 4096)
 
 
 def check_memory(path: str, parts: dict[str, int]) -> None:
@@ -91,8 +111,10 @@ def fit_max_ram(session, experts: str, weights: str, prefill_block: int) -> tupl
             continue  # cheaper than asked for, or no experts to put on disk
         session._set_tiers(ex, we, prefill_block)
         need = sum(session.memory_parts().values())
-        if ex == "ram":  # mapped: every page of the file is touched each token
-            need += sum(t.nbytes for t in tensors.values())
+        if ex == "ram":  # mapped: every page of the file is touched each token, but an untied embedding's rows
+            lookup = lookup_tensors(session.compiled)
+            need += sum(t.nbytes if n not in lookup else min(t.nbytes, session.max_seq * row_touch(t))
+                        for n, t in tensors.items())
         options.append((ex, we, need))
     ex, we, _ = choose_tiers(session.max_ram, process_rss(), options)
     return ex, we

@@ -26,7 +26,7 @@ from ..passes.schedule import build_schedule
 from .format import FileReader
 from .format.folios import mend_folios_enabled
 from .format.header import check_header, check_plan, stale_file_error
-from .memory_estimate import cache_budget, check_memory, fit_max_ram, memory_parts
+from .memory_estimate import cache_budget, check_memory, fit_max_ram, lookup_tensors, memory_parts
 from .native_step import NativeStep
 from .options import KV_AUTO as KV_AUTO  # `X as X`: re-exported, other modules import these from here
 from .options import MAX_BATCH as MAX_BATCH
@@ -138,6 +138,7 @@ class Session:
                                                                           experts_late=True))
         self.experts, self.weights = experts, weights
         self.segmented = experts == "disk" or weights == "disk"
+        self.lookup_tensors = lookup_tensors(self.compiled)  # kept mapped when segmented (_tensor)
         self.tmax = tokens_per_call(prefill_block, self.n_slots, self.max_seq, self.segmented)
 
     # --- validation -----------------------------------------------------------------------------
@@ -159,11 +160,14 @@ class Session:
                                  segmented=self.segmented, adaptive=adaptive, cache=cache)
 
     def _tensor(self, name: str) -> np.ndarray | None:
-        """A tensor binding's array: mapped from the file, or read into RAM when segmented (nothing of the file
-        stays mapped); None for one on disk, pointed at when chosen (experts) or read (streamed)."""
+        """A tensor binding's array: mapped from the file, or read into RAM when segmented (of the file only an
+        untied embedding stays mapped: a step reads a row of it per token, and the kernel keeps or drops those
+        pages as memory allows); None for one on disk, pointed at when chosen (experts) or read (streamed)."""
         if name in self.tier_tensors or name in self.streamed:
             return None
-        return read_dense(self._dense_fd, self.reader, self.path, name) if self.segmented else self.reader.tensor(name)
+        if self.segmented and name not in self.lookup_tensors:
+            return read_dense(self._dense_fd, self.reader, self.path, name)
+        return self.reader.tensor(name)
 
     # --- the disk tiers ---------------------------------------------------------------------------------
     def _open_disk(self, expert_cache_mb: float | None) -> None:

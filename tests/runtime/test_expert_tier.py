@@ -55,6 +55,22 @@ def test_disk_tier_equals_ram(files, key):
             assert st.misses > 0 and st.bytes_read > 0 and 0.0 <= st.hit_rate < 1.0
 
 
+def test_untied_embedding_stays_mapped_on_disk_tiers(files):
+    """With the experts on disk the dense weights are read into RAM, but an untied embedding stays mapped: a step
+    reads one row of it per token, so the memory estimate counts the rows a context can touch, not the table."""
+    with cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.5) as m:
+        s = m.session
+        assert s.lookup_tensors == {"tok_embeddings"}
+        emb = s._tensor("tok_embeddings")
+        assert not emb.flags.owndata  # a view of the file's mapping, not a copy
+        parts = s.memory_parts()
+        rows = parts["the embedding rows a context reads (mapped)"]
+        t = s.compiled.tensors["tok_embeddings"]
+        assert 0 < rows <= t.nbytes
+        dense = next(v for k, v in parts.items() if k.startswith("the non-expert weights"))
+        assert dense == sum(x.nbytes for n, x in s.compiled.tensors.items() if x.expert < 0 and n != "tok_embeddings")
+
+
 def test_one_thread_and_small_cache_evicts(files):
     with cflow.load(files["de2"], threads=1) as ram:
         want = _greedy(ram, 24)
