@@ -129,18 +129,18 @@ def write_gguf(cfg: ModelConfig, path: str, seed: int = 0) -> dict:
 
 
 def cpu_rate(cfg: ModelConfig, seed: int = 0) -> dict:
-    """The writer without the disk: every tensor generated, packed (one ahead, as emit_file does) and checksummed,
-    nothing written. Its MB/s is what the writer could reach on an infinitely fast disk."""
-    import zlib
-
+    """The writer without the disk: every tensor generated, packed (by emit_file's own threads, ahead of the
+    consumer) and checksummed, nothing written. Its MB/s is what the writer could reach on an infinitely fast
+    disk."""
     from cflow.compiler import lower
-    from cflow.util import prefetch
+    from cflow.runtime.emit import packed_tensors
+    from cflow.util import crc32
 
     st = lower(graph(cfg, seed), "q4")
     t0 = time.perf_counter()
     nbytes = 0
-    for data in prefetch(st.tensors[n].materialize(st.graph.weights) for n in st.order):
-        zlib.crc32(data)
+    for _, data in packed_tensors(st):
+        crc32(data)
         nbytes += data.nbytes
     seconds = time.perf_counter() - t0
     return {"bytes": nbytes, "seconds": seconds, "mb_s": nbytes / seconds / 1e6}
