@@ -85,13 +85,19 @@ def trace_summary(trace: list, tokens: int) -> dict:
     """From the tier's trace: per read, the time it queued for an I/O thread, its preadv time (split by how many
     other reads were on the disk meanwhile) and its checksum time; per token, the time the step waited."""
     reads = [r for r in trace if r[0] == "read"]
-    disk = [(r[5], r[6]) for r in reads]
-
-    def overlapping(a, b):
-        return sum(1 for c, d in disk if c < b and d > a) - 1
-
-    alone = [b - a for a, b in disk if overlapping(a, b) == 0]
-    shared = [b - a for a, b in disk if overlapping(a, b) > 0]
+    disk = sorted((r[5], r[6]) for r in reads)
+    starts = np.array([a for a, _ in disk])
+    longest = max((b - a for a, b in disk), default=0.0)
+    alone, shared, crowd = [], [], []
+    for i, (a, b) in enumerate(disk):  # the reads on the disk during this one: started before it ends, and
+        lo, hi = np.searchsorted(starts, [a - longest, b])  # no earlier than the longest read before it
+        others = [(c, d) for j, (c, d) in enumerate(disk[lo:hi], lo) if j != i and c < b and d > a]
+        if not others:
+            alone.append(b - a)
+            continue
+        shared.append(b - a)
+        if b > a:  # how many were on the disk, itself included, averaged over its time
+            crowd.append(1 + sum(min(b, d) - max(a, c) for c, d in others) / (b - a))
 
     def mean(xs):
         return float(np.mean(xs)) if xs else 0.0
@@ -100,18 +106,21 @@ def trace_summary(trace: list, tokens: int) -> dict:
         "reads": len(reads), "queue_ms": 1e3 * mean([r[5] - r[4] for r in reads]),
         "disk_ms": 1e3 * mean([b - a for a, b in disk]), "disk_ms_alone": 1e3 * mean(alone),
         "disk_ms_overlapped": 1e3 * mean(shared), "reads_alone": len(alone),
+        "inflight_overlapped": mean(crowd),
         "crc_ms": 1e3 * mean([r[7] - r[6] for r in reads]),
         "wait_ms_per_token": 1e3 * wait_seconds(trace) / tokens}}
 
 
 def read_params(run: dict) -> dict:
     """The disk model's parameters, from a run's own trace (seconds): q, the wait for an I/O thread; d1, one
-    read's preadv alone on the disk; s, what a second read in flight adds (two started together finish after
-    d1 + s); c, the checksum after the read (CPU, in the I/O thread)."""
+    read's preadv alone on the disk; s, what each other read in flight adds (a read with k on the disk takes
+    d1 + (k - 1) s: fitted to the overlapped reads' mean time and mean crowd, two when a trace predates the
+    crowd's count); c, the checksum after the read (CPU, in the I/O thread)."""
     tr = run["trace"]
     d1 = tr["disk_ms_alone"] or tr["disk_ms"]
+    others = max(1.0, tr.get("inflight_overlapped", 2.0) - 1)
     return {"q": tr["queue_ms"] / 1e3, "d1": d1 / 1e3,
-            "s": min(d1, max(0.0, (tr["disk_ms_overlapped"] or d1) - d1)) / 1e3, "c": tr["crc_ms"] / 1e3}
+            "s": min(d1, max(0.0, (tr["disk_ms_overlapped"] or d1) - d1) / others) / 1e3, "c": tr["crc_ms"] / 1e3}
 
 
 class Disk:

@@ -113,3 +113,21 @@ def test_overlap_probe_on_a_run_with_experts_on_disk(tmp_path):
         r = overlap_prediction(run, s)
     assert r["predicted_tok_s"] > 0 and r["compute_ms_per_token"] > 0 and r["predicted_wait_ms_per_token"] >= 0
     assert set(r["read_params_ms"]) == {"q", "d1", "s", "c"}
+
+
+def test_read_costs_from_a_trace():
+    """One read alone takes 2 ms; three started together take 6 ms each: each other read in flight adds 2 ms
+    (fitted with the crowd of 3, not assumed to be 2), and the model's disk reproduces both."""
+    from benchmarks.common.overlap import Disk, read_params, trace_summary
+
+    ms = 1e-3
+    trace = [("read", 0, 0, 1, 0.0, 0.0, 2 * ms, 2.5 * ms)]
+    trace += [("read", 0, e, 1, 10 * ms, 10 * ms, 16 * ms, 16.5 * ms) for e in (1, 2, 3)]
+    run = trace_summary(trace, 1)
+    assert run["trace"]["reads_alone"] == 1 and abs(run["trace"]["inflight_overlapped"] - 3) < 1e-9
+    rp = read_params(run)
+    assert abs(rp["d1"] - 2 * ms) < 1e-12 and abs(rp["s"] - 2 * ms) < 1e-12 and abs(rp["c"] - 0.5 * ms) < 1e-12
+    disk = Disk({**rp, "q": 0.0, "c": 0.0}, threads=4)
+    assert abs(disk.wait([disk.add(0.0)], 0.0) - 2 * ms) < 1e-9
+    ids = [disk.add(1.0) for _ in range(3)]
+    assert abs(disk.wait(ids, 1.0) - (1.0 + 6 * ms)) < 1e-9
