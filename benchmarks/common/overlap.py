@@ -81,10 +81,17 @@ def wait_seconds(trace: list) -> float:
     return sum(w[3] - w[2] for w in trace if w[0] == "wait")
 
 
-def trace_summary(trace: list, tokens: int) -> dict:
-    """From the tier's trace: per read, the time it queued for an I/O thread, its preadv time (split by how many
+def trace_summary(trace: list, tokens: int, io_threads: int | None = None) -> dict:
+    """From the tier's trace: per read, the time it queued for an I/O thread (all reads, and the reads that found
+    one free: the dispatch alone, as the model queues the others itself), its preadv time (split by how many
     other reads were on the disk meanwhile) and its checksum time; per token, the time the step waited."""
-    reads = [r for r in trace if r[0] == "read"]
+    if io_threads is None:
+        from cflow.runtime.experts import IO_THREADS as io_threads
+    reads = sorted((r for r in trace if r[0] == "read"), key=lambda r: r[4])  # by submission
+    done = np.sort([r[7] for r in reads])  # an I/O thread holds a read until its checksum is done
+    # the reads submitted before this one and not done when it was: fewer than the threads, one was free for it
+    ahead = np.arange(len(reads)) - np.searchsorted(done, [r[4] for r in reads], "right")
+    free = [r[5] - r[4] for r, n in zip(reads, ahead) if n < io_threads]
     disk = sorted((r[5], r[6]) for r in reads)
     starts = np.array([a for a, _ in disk])
     longest = max((b - a for a, b in disk), default=0.0)
@@ -104,6 +111,7 @@ def trace_summary(trace: list, tokens: int) -> dict:
 
     return {"trace": {
         "reads": len(reads), "queue_ms": 1e3 * mean([r[5] - r[4] for r in reads]),
+        "queue_ms_free": 1e3 * mean(free), "reads_free": len(free),
         "disk_ms": 1e3 * mean([b - a for a, b in disk]), "disk_ms_alone": 1e3 * mean(alone),
         "disk_ms_overlapped": 1e3 * mean(shared), "reads_alone": len(alone),
         "inflight_overlapped": mean(crowd),
@@ -115,11 +123,13 @@ def read_params(run: dict) -> dict:
     """The disk model's parameters, from a run's own trace (seconds): q, the wait for an I/O thread; d1, one
     read's preadv alone on the disk; s, what each other read in flight adds (a read with k on the disk takes
     d1 + (k - 1) s: fitted to the overlapped reads' mean time and mean crowd, two when a trace predates the
-    crowd's count); c, the checksum after the read (CPU, in the I/O thread)."""
+    crowd's count); c, the checksum after the read (CPU, in the I/O thread). q is the wait of the reads that
+    found an I/O thread free (Disk queues the others itself; every read's wait, in a trace without that count)."""
     tr = run["trace"]
     d1 = tr["disk_ms_alone"] or tr["disk_ms"]
     others = max(1.0, tr.get("inflight_overlapped", 2.0) - 1)
-    return {"q": tr["queue_ms"] / 1e3, "d1": d1 / 1e3,
+    q = tr["queue_ms_free"] if tr.get("reads_free") else tr["queue_ms"]
+    return {"q": q / 1e3, "d1": d1 / 1e3,
             "s": min(d1, max(0.0, (tr["disk_ms_overlapped"] or d1) - d1) / others) / 1e3, "c": tr["crc_ms"] / 1e3}
 
 

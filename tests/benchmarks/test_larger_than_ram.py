@@ -131,3 +131,16 @@ def test_read_costs_from_a_trace():
     assert abs(disk.wait([disk.add(0.0)], 0.0) - 2 * ms) < 1e-9
     ids = [disk.add(1.0) for _ in range(3)]
     assert abs(disk.wait(ids, 1.0) - (1.0 + 6 * ms)) < 1e-9
+
+
+def test_dispatch_time_from_the_reads_that_found_a_thread():
+    """Five reads submitted together on four I/O threads: four start after 0.1 ms, the fifth waits for a thread
+    (2 ms). The model's q is the 0.1 ms dispatch: its Disk queues the fifth read itself."""
+    from benchmarks.common.overlap import read_params, trace_summary
+
+    ms = 1e-3
+    trace = [("read", 0, e, 1, 0.0, 0.1 * ms, 1.5 * ms, 2 * ms) for e in range(4)]
+    trace.append(("read", 0, 4, 1, 0.0, 2 * ms, 3.5 * ms, 4 * ms))
+    tr = trace_summary(trace, 1, io_threads=4)["trace"]
+    assert tr["reads_free"] == 4 and abs(tr["queue_ms_free"] - 0.1) < 1e-9 and abs(tr["queue_ms"] - 0.48) < 1e-9
+    assert abs(read_params({"trace": tr})["q"] - 0.1 * ms) < 1e-12
