@@ -8,14 +8,14 @@ with dd = 1 and that de, then decoded with its experts on disk (O_DIRECT: the pa
 cache of a quarter of all experts, once with blocking reads (sync) and once with reads started when the
 router chooses (async). Each run is its own process (clean cache, its own peak RSS).
 
-The overlap model (`predict`, see docs/expert-tier.md): per token, walk the step's segments (the native calls
-between the host's expert actions) with their measured compute times; each miss is a read that waits for an
-I/O thread, then shares the disk's bandwidth with the other reads in flight, then is checksummed. The read
-costs come from the sync run's own trace of its reads (`ExpertTier.trace`: one alone, two in flight), the
-compute and host time from each mode's own run. Sync reads start at the await, async ones when the router has
-chosen; the step stalls at an await until its layer's reads are done. The predicted speed-up is sync / async;
-the measured one is the ratio of the two runs' tok/s; both per pair of runs next to each other in time (the
-disk's speed drifts), medians over the pairs.
+The overlap model (benchmarks/common/overlap.py's `predict`, see docs/expert-tier.md): per token, walk the step's
+segments (the native calls between the host's expert actions) with their measured compute times; each miss is a
+read that waits for an I/O thread, then shares the disk's bandwidth with the other reads in flight, then is
+checksummed. The read costs come from the sync run's own trace of its reads (`ExpertTier.trace`: one alone, two
+in flight), the compute and host time from each mode's own run. Sync reads start at the await, async ones when
+the router has chosen; the step stalls at an await until its layer's reads are done. The predicted speed-up is
+sync / async; the measured one is the ratio of the two runs' tok/s; both per pair of runs next to each other in
+time (the disk's speed drifts), medians over the pairs.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 
 from benchmarks.common.memory import peak_rss, rss
 from benchmarks.common.models import GEOMETRIES, compile_random, geometry_config
+from benchmarks.common.overlap import OverlapProbe, predict, read_params
 from benchmarks.common.process import child_env, module_command
 from benchmarks.common.record import Run, add_json_argument
 
@@ -53,15 +54,11 @@ def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) ->
         rss_prefilled = rss()  # the KV cache and activation pools touched, the cache partly filled
         st = m.expert_stats
         base = (st.hits, st.misses, st.bytes_read, st.read_seconds)
-        s.segment_seconds[:] = 0
-        s.tier.trace = trace = []
-        misses, last = [], s.misses_by_layer()
+        probe = OverlapProbe(s)
         t0 = time.perf_counter()
         for _ in range(tokens):
             logits = s.step(int(np.argmax(logits)))
-            now = s.misses_by_layer()
-            misses.append({str(k): now[k] - last[k] for k in now})
-            last = now
+            probe.token()
         dt = time.perf_counter() - t0
         hits, n_miss = st.hits - base[0], st.misses - base[1]
         dense = sum(e.nbytes for e in s.reader.tensors if e.expert < 0)
@@ -69,155 +66,14 @@ def worker(path: str, mode: str, budget_mb: float, tokens: int, threads: int) ->
             "mode": mode, "tok_s": tokens / dt, "disk_bytes_per_token": (st.bytes_read - base[2]) / tokens,
             "hit_rate": hits / max(1, hits + n_miss), "misses_per_token": n_miss / tokens,
             "read_s_per_expert": (st.read_seconds - base[3]) / max(1, n_miss),
-            "segment_s": (s.segment_seconds / tokens).tolist(),
-            "segments": [[g.lo, g.hi, list(g.awaits), list(g.issues)] for g in s.segments],
             "misses_per_layer": {str(k): v / tokens for k, v in s.misses_by_layer().items()},
-            "misses_by_token": misses, **trace_summary(trace, tokens),
-            "host_s_per_token": dt / tokens - s.segment_seconds.sum() / tokens - st_wait(trace) / tokens,
+            **probe.result(tokens, dt),
             "peak_rss": peak_rss(), "rss_base": rss_base, "rss_loaded": rss_loaded, "rss_prefilled": rss_prefilled,
             "rss_end": rss(), "kv_bytes": s.kv.nbytes,
             "dense_bytes": dense, "cache_bytes": s.tier.slot_bytes * len(s.tier.slots),
             "expert_bytes_total": sum(e.nbytes for e in s.reader.tensors if e.expert >= 0),
             "direct": s.tier.direct, "window_stages": {str(k): v for k, v in s.window_stages.items()},
         }
-
-
-def st_wait(trace: list) -> float:
-    return sum(w[3] - w[2] for w in trace if w[0] == "wait")
-
-
-def trace_summary(trace: list, tokens: int) -> dict:
-    """From the tier's trace: per read, the time it queued for an I/O thread, its preadv time (split by how many
-    other reads were on the disk meanwhile) and its checksum time; per token, the time the step waited."""
-    reads = [r for r in trace if r[0] == "read"]
-    waits = [w for w in trace if w[0] == "wait"]
-    disk = [(r[5], r[6]) for r in reads]
-
-    def overlapping(a, b):
-        return sum(1 for c, d in disk if c < b and d > a) - 1
-
-    alone = [b - a for a, b in disk if overlapping(a, b) == 0]
-    shared = [b - a for a, b in disk if overlapping(a, b) > 0]
-    def mean(xs):
-        return float(np.mean(xs)) if xs else 0.0
-
-    return {"trace": {
-        "reads": len(reads), "queue_ms": 1e3 * mean([r[5] - r[4] for r in reads]),
-        "disk_ms": 1e3 * mean([b - a for a, b in disk]), "disk_ms_alone": 1e3 * mean(alone),
-        "disk_ms_overlapped": 1e3 * mean(shared), "reads_alone": len(alone),
-        "crc_ms": 1e3 * mean([r[7] - r[6] for r in reads]),
-        "wait_ms_per_token": 1e3 * sum(w[3] - w[2] for w in waits) / tokens}}
-
-
-def read_params(run: dict) -> dict:
-    """The disk model's parameters, from a run's own trace (seconds): q, the wait for an I/O thread; d1, one
-    read's preadv alone on the disk; s, what a second read in flight adds (two started together finish after
-    d1 + s); c, the checksum after the read (CPU, in the I/O thread)."""
-    tr = run["trace"]
-    d1 = tr["disk_ms_alone"] or tr["disk_ms"]
-    return {"q": tr["queue_ms"] / 1e3, "d1": d1 / 1e3,
-            "s": min(d1, max(0.0, (tr["disk_ms_overlapped"] or d1) - d1)) / 1e3, "c": tr["crc_ms"] / 1e3}
-
-
-class Disk:
-    """The disk as the model sees it: a read waits q for an I/O thread (at most `threads` reads are in service,
-    the rest queue in order), then a fixed latency d0, then its transfer, which shares the disk's bandwidth
-    equally with the other transfers in flight (alone it takes x), then its checksum c. With d0 = d1 - s and
-    x = s this reproduces the measured d1 for a read alone and d1 + s for two at once; a read issued early
-    is slowed by the ones issued after it while it is still in flight (a FIFO disk would not do that)."""
-
-    def __init__(self, rp: dict, threads: int = 4):
-        self.d0, self.x, self.q, self.c, self.threads = rp["d1"] - rp["s"], rp["s"], rp["q"], rp["c"], threads
-        self.now = 0.0
-        self.queued: list[tuple[float, int]] = []  # (time it may start, read)
-        self.latent: dict[int, float] = {}  # read -> when its transfer starts
-        self.moving: dict[int, float] = {}  # read -> seconds of transfer left if it were alone
-        self.checking: dict[int, float] = {}  # read -> when its checksum is done
-        self.done: dict[int, float] = {}
-
-    def add(self, read: int, at: float) -> None:
-        self.queued.append((at + self.q, read))
-        self.queued.sort()
-
-    def _in_service(self) -> int:
-        return len(self.latent) + len(self.moving) + len(self.checking)
-
-    def _next(self) -> float | None:
-        ts = list(self.latent.values()) + list(self.checking.values())
-        if self.queued and self._in_service() < self.threads:
-            ts.append(max(self.now, self.queued[0][0]))
-        if self.moving:
-            ts.append(self.now + min(self.moving.values()) * len(self.moving))
-        return min(ts) if ts else None
-
-    def _advance(self, t: float) -> None:
-        if self.moving and t > self.now:
-            share = (t - self.now) / len(self.moving)
-            for r in self.moving:
-                self.moving[r] -= share
-        self.now = max(self.now, t)
-        eps, changed = 1e-12, True
-        while changed:  # one event can free a thread for the next read: repeat until nothing moves
-            changed = False
-            while self.queued and self._in_service() < self.threads and self.queued[0][0] <= self.now + eps:
-                self.latent[self.queued.pop(0)[1]] = self.now + self.d0
-                changed = True
-            for r in [r for r, at in self.latent.items() if at <= self.now + eps]:
-                del self.latent[r]
-                self.moving[r] = self.x
-                changed = True
-            for r in [r for r, left in self.moving.items() if left <= eps]:
-                del self.moving[r]
-                self.checking[r] = self.now + self.c
-                changed = True
-            for r in [r for r, at in self.checking.items() if at <= self.now + eps]:
-                del self.checking[r]
-                self.done[r] = self.now
-                changed = True
-
-    def run_until(self, t: float) -> None:
-        while (nxt := self._next()) is not None and nxt <= t:
-            self._advance(nxt)
-        self._advance(t)
-
-    def wait(self, reads: list[int], t: float) -> float:
-        """When all `reads` are done (at least t)."""
-        self.run_until(t)
-        while not all(r in self.done for r in reads):
-            self._advance(self._next())
-        return max([t] + [self.done[r] for r in reads])
-
-
-def predict(run: dict, rp: dict, mode: str) -> float:
-    """Seconds per token under the overlap model, token by token: walk the step's segments with their measured
-    compute; each miss of a layer is one read on the Disk above. Async reads are submitted after the segment
-    where their layer's router chose, sync ones at the await; the step stalls at an await until its layer's
-    reads are done (max of compute and reads over each window, not their sum). Plus the run's host time per
-    token (the Python between the native calls)."""
-    from cflow.runtime.experts import IO_THREADS
-
-    total = 0.0
-    for miss in run["misses_by_token"]:
-        disk, t, reads = Disk(rp, IO_THREADS), 0.0, {}
-
-        def submit(layer, at, miss=miss, disk=disk, reads=reads):
-            reads[layer] = [len(disk.done) + len(disk.queued) + disk._in_service() + k
-                            for k in range(miss.get(str(layer), 0))]
-            for r in reads[layer]:
-                disk.add(r, at)
-
-        for (_lo, _hi, awaits, issues), c in zip(run["segments"], run["segment_s"]):
-            for layer in awaits:
-                if mode == "sync":
-                    submit(layer, t)
-                t = disk.wait(reads.get(layer, []), t)
-            t += c
-            if mode == "async":
-                disk.run_until(t)
-                for layer in issues:
-                    submit(layer, t)
-        total += t
-    return total / len(run["misses_by_token"]) + run["host_s_per_token"]
 
 
 def score(runs: dict, sync: dict) -> dict:

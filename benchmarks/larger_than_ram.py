@@ -35,6 +35,7 @@ import sys
 import time
 
 from benchmarks.common.cgroup import MemoryGroup, cached_bytes, drop_page_cache
+from benchmarks.common.overlap import OverlapProbe, predict, read_params
 from benchmarks.common.process import child_env, module_command
 from benchmarks.common.record import Run, add_json_argument
 
@@ -72,15 +73,18 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
         base = (st.hits, st.misses, st.bytes_read, st.wait_seconds, st.read_seconds, st.guessed,
                 st.guessed_used) if st else None
         io0, flt0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-        out, routes = [], []
-        if st:  # the route of every layer, for replaying cache policies (policy_hits); the reads and waits
-            s.tier.trace = trace = []
+        out, routes, probe = [], [], None
+        if st:  # the route of every layer, for replaying cache policies (policy_hits); the reads and waits, the
+            # compute per segment and the reads per layer per token, for the overlap model (OverlapProbe)
+            probe = OverlapProbe(s)
             real = s._route
             s._route = lambda layer: routes.append([s.config.block_of(layer), *map(int, r := real(layer))]) or r
         t0 = time.perf_counter()
         for _ in range(tokens):
             out.append(int(np.argmax(logits)))
             logits = s.step(out[-1])
+            if probe:
+                probe.token()
         dt = time.perf_counter() - t0
         rec = {"load_s": load_s, "prompt_s": prompt_s, "tok_s": tokens / dt, "tokens": out,
                "placement": f"experts {s.experts}, weights {s.weights}",
@@ -98,9 +102,23 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
                        # reads that overlapped compute count too; disk_while_waiting has the real one)
                        gbs_read_per_wait=read / max(1e-9, st.wait_seconds - base[3]) / 1e9,
                        cache_mb=len(s.tier.slots) * s.tier.slot_bytes / 2**20, cached_experts=len(s.tier.slots),
-                       routes=routes, **disk_while_waiting(trace, s.tier),
-                       direct=s.tier.direct)
+                       routes=routes, **disk_while_waiting(probe.trace, s.tier),
+                       direct=s.tier.direct, **overlap_prediction(probe.result(tokens, dt), s))
         return rec
+
+
+def overlap_prediction(run: dict, session) -> dict:
+    """The overlap model (benchmarks/common/overlap.py) on a run's own misses, guessed reads, compute per segment,
+    host time and read costs (from its trace): predicted tok/s and wait per token, next to the measured wait.
+    The compute and host time are the run's, so the two differ only by the waits the model predicts. Not for
+    weights streamed from disk (the model has no streamer)."""
+    rp = read_params(run)
+    seconds = predict(run, rp, session.expert_io)
+    compute = sum(run["segment_s"]) + run["host_s_per_token"]
+    return {"overlap": run, "read_params_ms": {k: 1e3 * v for k, v in rp.items()},
+            "predicted_tok_s": 1 / seconds if session.weights != "disk" else None,
+            "predicted_wait_ms_per_token": 1e3 * (seconds - compute),
+            "wait_ms_per_token": run["trace"]["wait_ms_per_token"], "compute_ms_per_token": 1e3 * compute}
 
 
 def _llama(path: str, engine: str, prompt: list[int], tokens: int, threads: int) -> dict:
@@ -264,7 +282,8 @@ def _print_run(engine: str, r: dict) -> None:
         print(f"{engine:<13} failed (exit {r['returncode']}): {r['error']}", flush=True)
         return
     gbs = r["disk_bytes_per_token"] * r["tok_s"] / 1e9
-    print(f"{engine:<13} {r['placement']:<26} {r['tok_s']:7.2f} {r['load_s']:7.1f} "
+    print(f"{engine:<13} {r['placement']:<26} {r['tok_s']:7.2f} {r.get('predicted_tok_s') or float('nan'):7.2f} "
+          f"{r['load_s']:7.1f} "
           f"{r['disk_bytes_per_token'] / 1e6:11.1f} {gbs:9.2f} "
           f"{r.get('gbs_disk_while_waiting', float('nan')):12.2f} "
           f"{r.get('wait_share_disk_idle', float('nan')):5.0%} {r.get('hit_rate', float('nan')):8.1%} "
@@ -342,8 +361,9 @@ def main(argv=None) -> None:
     print(f"# disk, O_DIRECT reads of one expert ({one / 2**20:.2f} MiB): {d1:.2f} GB/s one at a time, "
           f"{d2:.2f} GB/s two in flight; {args.tokens} greedy tokens after {len(PROMPT)} prompt tokens, "
           f"{args.threads} threads")
-    print(f"{'engine':<13} {'placement':<26} {'tok/s':>7} {'load s':>7} {'disk MB/tok':>11} {'disk GB/s':>9} "
-          f"{'waiting GB/s':>12} {'idle':>5} {'hit rate':>8} {'peak MiB':>9} {'RSS MiB':>8} {'tokens':>8}")
+    print(f"{'engine':<13} {'placement':<26} {'tok/s':>7} {'model':>7} {'load s':>7} {'disk MB/tok':>11} "
+          f"{'disk GB/s':>9} {'waiting GB/s':>12} {'idle':>5} {'hit rate':>8} {'peak MiB':>9} {'RSS MiB':>8} "
+          f"{'tokens':>8}")
     records: list[dict] = []
     ref = None
     runs: dict[str, list[dict]] = {}
@@ -373,6 +393,15 @@ def main(argv=None) -> None:
         each = {rec["engine"]: " ".join(f"{t:.2f}" for t in rec["extra"]["tok_s_runs"] if t) for rec in records}
         print("# medians of the runs: " + ", ".join(f"{rec['engine']} {rec['tok_s']:.2f} tok/s ({each[rec['engine']]})"
                                                     for rec in records if rec["tok_s"]))
+    for rec in records:  # the overlap model on each median run: what its waits should have been
+        ex = rec["extra"]
+        if ex.get("predicted_tok_s"):
+            rp = ex["read_params_ms"]
+            print(f"# {rec['engine']}: overlap model {ex['predicted_tok_s']:.2f} tok/s against {rec['tok_s']:.2f} "
+                  f"measured ({ex['predicted_tok_s'] / rec['tok_s']:.2f}x); wait "
+                  f"{ex['predicted_wait_ms_per_token']:.0f} ms/token predicted, {ex['wait_ms_per_token']:.0f} "
+                  f"measured, compute + host {ex['compute_ms_per_token']:.0f}; a read: queue {rp['q']:.2f} + disk "
+                  f"{rp['d1']:.2f} (+{rp['s']:.2f} per read in flight) + checksum {rp['c']:.2f} ms")
     for rec in records:  # cache policies replayed on what each disk run chose (hit rates: second half)
         ex = rec["extra"]
         if ex.get("routes"):

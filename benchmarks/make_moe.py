@@ -28,9 +28,10 @@ Geometries (GEOMETRIES):
 which stream each op reads, not any tensor; Qwen3-MoE has no dense FFN, so only the expert delay acts). llama.cpp
 computes delays (0, 0) only: no GGUF for it.
 
-Measured: the write speed of each file (bytes / seconds, fsync included), against a plain sequential write of
-the same number of bytes (64 MiB buffers, then fsync: what `dd bs=64M conv=fsync` does) in the same directory,
-right before that file (removed at once: the disk's speed drifts, so each file gets its own); with --cpu-rate
+Measured: the write speed of each file (bytes / seconds, fsync included), against plain sequential writes of
+the same number of bytes (64 MiB buffers, then fsync: what `dd bs=64M conv=fsync` does, buffered and with
+O_DIRECT, `oflag=direct`) in the same directory, right before that file (removed at once: the disk's speed
+drifts, so each file gets its own); with --cpu-rate
 first the writer without the disk (generate, pack, checksum, nothing written); and the peak RSS of the process.
 --probe writes nothing: it runs the reference interpreter on the weights generated on demand and prints the
 activation scale per layer (minutes for the full model).
@@ -87,24 +88,28 @@ def planned_bytes(cfg: ModelConfig) -> int:
     return sum(t.nbytes for t in lower(build_graph(cfg, None), "q4").tensors.values())
 
 
-def dd_write(directory: str, nbytes: int) -> dict:
+def dd_write(directory: str, nbytes: int, direct: bool = False) -> dict:
     """A plain sequential write of `nbytes` (64 MiB buffers of random bytes, then fsync) into a scratch file in
-    `directory`, removed afterwards: the disk's write speed to compare the writers with."""
-    buf = os.urandom(DD_BLOCK)
+    `directory`, removed afterwards: the disk's write speed to compare the writers with. direct: with O_DIRECT
+    (`dd bs=64M oflag=direct conv=fsync`: no copy into the page cache, as FileWriter writes tensors)."""
+    import numpy as np
+
+    buf = np.frombuffer(os.urandom(DD_BLOCK + 4096), np.uint8)
+    buf = memoryview(buf[(-buf.ctypes.data) % 4096 :][:DD_BLOCK])  # aligned, as O_DIRECT needs
     path = os.path.join(directory, f".dd_write_{os.getpid()}.tmp")
     t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
     try:
-        with open(path, "wb") as f:
-            left = nbytes
-            while left > 0:
-                left -= f.write(memoryview(buf)[: min(left, DD_BLOCK)])
-            f.flush()
-            os.fsync(f.fileno())
+        left = -(-nbytes // 4096) * 4096 if direct else nbytes  # whole blocks with O_DIRECT
+        while left > 0:
+            left -= os.write(fd, buf[: min(left, DD_BLOCK)])
+        os.fsync(fd)
         seconds = time.perf_counter() - t0
     finally:
+        os.close(fd)
         if os.path.exists(path):
             os.remove(path)
-    return {"bytes": nbytes, "seconds": seconds, "mb_s": nbytes / seconds / 1e6}
+    return {"bytes": nbytes, "seconds": seconds, "mb_s": nbytes / seconds / 1e6, "direct": direct}
 
 
 def write_vflow(cfg: ModelConfig, path: str, seed: int = 0, progress=None) -> dict:
@@ -129,18 +134,18 @@ def write_gguf(cfg: ModelConfig, path: str, seed: int = 0) -> dict:
 
 
 def cpu_rate(cfg: ModelConfig, seed: int = 0) -> dict:
-    """The writer without the disk: every tensor generated, packed (one ahead, as emit_file does) and checksummed,
-    nothing written. Its MB/s is what the writer could reach on an infinitely fast disk."""
-    import zlib
-
+    """The writer without the disk: every tensor generated, packed (by emit_file's own threads, ahead of the
+    consumer) and checksummed, nothing written. Its MB/s is what the writer could reach on an infinitely fast
+    disk."""
     from cflow.compiler import lower
-    from cflow.util import prefetch
+    from cflow.runtime.emit import packed_tensors
+    from cflow.util import crc32
 
     st = lower(graph(cfg, seed), "q4")
     t0 = time.perf_counter()
     nbytes = 0
-    for data in prefetch(st.tensors[n].materialize(st.graph.weights) for n in st.order):
-        zlib.crc32(data)
+    for _, data in packed_tensors(st):
+        crc32(data)
         nbytes += data.nbytes
     seconds = time.perf_counter() - t0
     return {"bytes": nbytes, "seconds": seconds, "mb_s": nbytes / seconds / 1e6}
@@ -248,12 +253,15 @@ def main(argv: list[str] | None = None) -> dict:
     files = ([("vflow", write_vflow)] if not a.no_vflow else []) + ([("gguf", write_gguf)] if a.gguf else [])
     for kind, write in files:
         if not a.no_dd:  # the disk's speed right before this file: it drifts from minute to minute
-            out[f"dd_{kind}"] = dd = _with_cpu(dd_write, a.out, size)
-            print(f"# plain write of {size / 1e9:.2f} GB (64 MiB blocks + fsync): {dd['mb_s']:.0f} MB/s; "
-                  f"{_cpu_text(dd)}", flush=True)
+            for direct in (False, True):
+                key = f"dd_{kind}" + ("_direct" if direct else "")
+                out[key] = dd = _with_cpu(dd_write, a.out, size, direct)
+                print(f"# plain write of {size / 1e9:.2f} GB (64 MiB blocks{', O_DIRECT' if direct else ''} + fsync): "
+                      f"{dd['mb_s']:.0f} MB/s; {_cpu_text(dd)}", flush=True)
         path = os.path.join(a.out, f"{cfg.name}.{kind}")
         out[kind] = info = _with_cpu(write, cfg, path, a.seed, *([_progress()] if kind == "vflow" else []))
-        ratio = f" ({info['mb_s'] / out[f'dd_{kind}']['mb_s']:.0%} of the plain write)" if not a.no_dd else ""
+        ratio = (f" ({info['mb_s'] / out[f'dd_{kind}']['mb_s']:.0%} of the plain write, "
+                 f"{info['mb_s'] / out[f'dd_{kind}_direct']['mb_s']:.0%} of the O_DIRECT one)") if not a.no_dd else ""
         print(f"# {path}: {info['file_bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s, {info['mb_s']:.0f} MB/s"
               f"{ratio}; {_cpu_text(info)}", flush=True)
     out["peak_rss"] = peak_rss()

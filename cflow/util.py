@@ -12,6 +12,7 @@ Every "write somewhere private, then rename over the target" in cflow goes throu
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -336,51 +337,70 @@ def _read_kv(path: str) -> dict[str, int]:
     return out
 
 
-def prefetch(items, depth: int = 1, name: str = "cflow-prefetch"):
-    """Iterate `items` with the next `depth` items produced ahead in a background thread.
+@contextlib.contextmanager
+def small_pages():
+    """Inside: numpy gives new arrays ordinary 4 KiB pages, not transparent huge pages (its default for arrays of
+    4 MiB and more). For a writer's arrays, made, touched once and freed: a huge page fault may stall for
+    compaction (the kernel's THP defrag policy for madvised memory), which costs more than the page faults it
+    saves once the page cache is full of the file being written (measured: 0.8 CPU-s per GB written).
+    Process-wide while inside (other threads' arrays too); restored on exit."""
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage
+    except ImportError:  # pragma: no cover - numpy < 2
+        try:
+            from numpy.core.multiarray import _set_madvise_hugepage
+        except ImportError:
+            yield
+            return
+    before = _set_madvise_hugepage(False)
+    try:
+        yield
+    finally:
+        _set_madvise_hugepage(before)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; os.cpu_count where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def prefetch_map(fn, items, workers: int = 1, name: str = "cflow-prefetch"):
+    """Iterate fn(x) for x in `items`, in order, with the next `workers` results made ahead by as many threads.
 
     For a writer whose items are expensive to make and cheap to hand on (tensors generated and packed while the
-    previous one is checksummed and written: numpy, zlib and file writes release the GIL). At most depth + 2
-    items exist at once (one being produced, `depth` waiting, one with the consumer). An exception in the
-    producer is raised in the consumer at that item; when the consumer stops early (break, exception, close),
-    the producer stops after the item it is making and the thread is joined before the generator returns."""
-    import queue
-    import threading
+    previous one is checksummed and written: numpy, zlib and file writes release the GIL, so `workers` threads
+    use as many cores). At most workers + 1 results exist at once (`workers` being made or waiting, one with the
+    consumer). An exception in fn is raised in the consumer at that item; when the consumer stops early (break,
+    exception, close), the calls not started are dropped and the running ones finish before the generator
+    returns, its threads joined."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
 
-    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
-    stop = threading.Event()
-    end = object()
+    workers = max(1, int(workers))
+    source = iter(items)
+    pending: deque = deque()
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
 
-    def put(entry) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(entry, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for x in items:
-                if not put((True, x)):
-                    return
-                del x
-            put((True, end))
-        except BaseException as e:  # handed to the consumer, raised there
-            put((False, e))
-
-    thread = threading.Thread(target=produce, name=name, daemon=True)
-    thread.start()
-    try:
-        while True:
-            ok, x = q.get()
-            if not ok:
-                raise x
-            if x is end:
+    def fill() -> None:
+        while len(pending) < workers:
+            for x in source:
+                pending.append(pool.submit(fn, x))
+                break
+            else:
                 return
-            yield x
-            del x
+
+    try:
+        fill()
+        while pending:
+            out = pending.popleft().result()
+            fill()  # the next call starts while this result is consumed
+            yield out
+            del out
     finally:
-        stop.set()
-        thread.join()
+        for f in pending:
+            f.cancel()
+        pending.clear()
+        pool.shutdown(wait=True)

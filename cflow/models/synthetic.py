@@ -50,11 +50,13 @@ import numpy as np
 from ..ir.build import weight_shapes
 from ..ir.config import ModelConfig
 from ..layout.quant import BLOCK, DType, QTensor, dequantize
+from ..util import prefetch_map, usable_cpus
 
 ROW_CHUNK_WEIGHTS = 1 << 22  # weights per row chunk (its own generator): part of the definition of the values
 STD = 0.02  # attention, router: the presets' N(0, 0.02) (nn.Linear)
 HEAD_STD = 0.2  # the LM head
 CHAIN_GAIN = 10.0  # the embedding of token t: CHAIN_GAIN x the LM head's row t + 1 (module docstring)
+EMBED_WORKERS = 2  # threads filling the chain embedding's row chunks (its f16 conversion is numpy's slowest step)
 NORM_NOISE = 0.01  # norm weights: 1 + NORM_NOISE * N(0, 1)
 CODE_VAR = 21.5  # E[(q - 8)^2] with q uniform on 0..15: (64 + 2 * (1 + 4 + ... + 49)) / 16
 SCALE_MEAN_SQ = 13 / 12  # E[(0.5 + u)^2], u uniform on [0, 1)
@@ -124,25 +126,27 @@ def synthetic_q4(seed: int, name: str, rows: int, cols: int, std: float) -> QTen
 
 def chain_embedding(seed: int, rows: int, cols: int) -> np.ndarray:
     """The embedding, float16 [rows, cols]: row t = CHAIN_GAIN * the dequantised LM head's row (t + 1) mod rows,
-    built chunk by chunk from the head's own draws (each head chunk drawn once, the first twice for the wrap)."""
+    built from the head's own draws chunk by chunk, each chunk's rows landing one row up (the head's row 0 wraps
+    to the last): the chunks are independent, so EMBED_WORKERS threads fill them (numpy releases the GIL)."""
     chunks = list(_row_chunks(rows, cols))
+    out = np.empty((rows, cols), np.float16)
 
-    def head_chunk(k: int) -> np.ndarray:  # CHAIN_GAIN x the dequantised rows of head chunk k, float32
+    def fill(k: int) -> None:  # CHAIN_GAIN x the dequantised rows of head chunk k, float32, then into `out`
         _, r0, r1 = chunks[k]
         s, q = q4_chunk(_rng(seed, "lm_head", k), r1 - r0, cols, HEAD_STD)
         x = q.astype(np.float32)
         x -= np.float32(8)
         x *= s.astype(np.float32)[..., None]
         x *= np.float32(CHAIN_GAIN)
-        return x.reshape(r1 - r0, cols)
+        x = x.reshape(r1 - r0, cols)
+        if r0:
+            out[r0 - 1 : r1 - 1] = x
+        else:
+            out[: r1 - 1] = x[1:]
+            out[rows - 1] = x[0]
 
-    out = np.empty((rows, cols), np.float16)
-    cur = head_chunk(0)
-    first = cur[0].copy()
-    for k, r0, r1 in chunks:
-        out[r0 : r1 - 1] = cur[1:]
-        cur = head_chunk(k + 1) if k + 1 < len(chunks) else None
-        out[r1 - 1] = cur[0] if cur is not None else first
+    for _ in prefetch_map(fill, range(len(chunks)), workers=min(EMBED_WORKERS, usable_cpus()), name="cflow-embed"):
+        pass
     return out
 
 

@@ -2,9 +2,10 @@
 
 Input: a CompileState after order_tensors (graph with weights). Output: the .vflow/.cflow file
 (atomic: complete or absent) and `state.file` with its size and bytes per token. Tensors are
-quantised and packed one at a time in a background thread, one tensor ahead of the one being checksummed
-and written (util.prefetch), so memory stays near three tensors (the largest ones) and the packing overlaps
-the disk.
+quantised and packed in PACK_WORKERS background threads, the next ones while the current one is checksummed
+and written (util.prefetch_map, in file order), so memory stays near PACK_WORKERS + 1 tensors (the largest
+ones) and the packing overlaps the disk: generating and packing a Q4 tensor costs more CPU per byte than
+writing it, so one thread would leave the disk waiting (docs/expert-tier.md, the writer's table).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from collections.abc import Callable
 from ..layout import STORED
 from ..passes.manager import Pass, state_pass
 from ..passes.state import CompileState
-from ..util import prefetch
+from ..util import prefetch_map, small_pages, usable_cpus
 from .format import FileWriter
 from .format.spec import FORMAT_NAME
+
+PACK_WORKERS = 2  # threads packing ahead of the writer (fewer on a machine with fewer CPUs)
 
 
 def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None) -> dict:
@@ -44,6 +47,19 @@ def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None
     }
 
 
+def packed_tensors(state: CompileState, workers: int | None = None):
+    """(name, stored bytes) of every tensor of the plan in file order, made ahead by `workers` threads
+    (default: PACK_WORKERS, at most the usable CPUs)."""
+    workers = min(PACK_WORKERS, usable_cpus()) if workers is None else workers
+    weights = state.graph.weights
+
+    def pack(name: str):
+        return name, state.tensors[name].materialize(weights)
+
+    with small_pages():  # arrays made once, touched once: no huge pages to compact for (util.small_pages)
+        yield from prefetch_map(pack, state.order, workers=workers, name="cflow-pack")
+
+
 def emit_file(out: str | os.PathLike, tokenizer: str | None = None, eos: list[int] | None = None,
               progress: Callable[[int, int, str], None] | None = None) -> Pass:
     """Quantise, pack and stream every tensor of the plan into `out` in file order."""
@@ -53,9 +69,8 @@ def emit_file(out: str | os.PathLike, tokenizer: str | None = None, eos: list[in
         t0 = time.perf_counter()
         total = sum(state.tensors[n].nbytes for n in state.order)
         done = 0
-        packed = ((name, state.tensors[name].materialize(state.graph.weights)) for name in state.order)
         with FileWriter(out, header_for(state, tokenizer, eos), layout=str(state.layout)) as w:
-            for name, data in prefetch(packed, name="cflow-pack"):  # the next tensor packed while this one is written
+            for name, data in packed_tensors(state):  # the next tensors packed while this one is written
                 t = state.tensors[name]
                 w.add_tensor(name, t.file_dtype, t.shape, data, tile=t.file_tile, layer=t.block, expert=t.expert,
                              stage=state.stage_of[name])

@@ -66,3 +66,81 @@ def test_summary_line(capsys):
     summary([rec("cflow", 1.0, [1, 2]), rec("llama", 2.0, [1, 3])])
     assert capsys.readouterr().out.splitlines() == ["cflow / llama.cpp = 16.00x, tokens identical: yes",
                                                     "cflow / llama.cpp = 0.50x, tokens identical: no"]
+
+
+def test_overlap_model_counts_guessed_reads():
+    """Three segments (layer 1 routes in the first, layer 2 in the second); 1 ms of compute each; a read: 1 ms of
+    latency, then 1 ms of transfer alone, shared with the others in flight. Layer 2's read started on a guess
+    where layer 1 chose is in flight with layer 1's and is done before layer 2 needs it: 6 ms, against 7 ms when
+    the same read starts at layer 2's own choice."""
+    from benchmarks.common.overlap import predict
+
+    run = {"segments": [[0, 1, [], [1]], [1, 2, [1], [2]], [2, 3, [2], []]], "segment_s": [1e-3] * 3,
+           "host_s_per_token": 0.0, "misses_by_token": [{"1": 1, "2": 1}]}
+    rp = {"q": 0.0, "d1": 2e-3, "s": 1e-3, "c": 0.0}
+    assert abs(predict(run, rp, "async", io_threads=4) - 7e-3) < 1e-9
+    guessed = {**run, "misses_by_token": [{"1": 1, "2": 0}], "guessed_by_token": [{"2": 1}],
+               "guessed_used_by_token": [{"2": 1}]}
+    assert abs(predict(guessed, rp, "async", io_threads=4) - 6e-3) < 1e-9
+    wrong = {**guessed, "misses_by_token": [{"1": 1, "2": 1}], "guessed_used_by_token": [{}]}  # a wrong guess
+    assert predict(wrong, rp, "async", io_threads=4) > 7e-3  # its read only slowed layer 1's and 2's
+    assert abs(predict(run, rp, "sync", io_threads=4) - 7e-3) < 1e-9  # sync: read at the await, 2 ms each
+
+
+def test_overlap_probe_on_a_run_with_experts_on_disk(tmp_path):
+    """OverlapProbe around a real decode with the experts on disk: one entry per token, reads counted per layer
+    as the tier counted them, and the model's prediction of the run (the run's own compute, host time, reads)."""
+    import numpy as np
+
+    import cflow
+    from benchmarks.common.overlap import OverlapProbe
+    from benchmarks.larger_than_ram import overlap_prediction
+
+    vflow = tmp_path / "moe.vflow"
+    compile_file(load_graph("preset:arch1@tiny"), vflow, "q4")
+    with cflow.load(vflow, threads=1, experts="disk", expert_cache_mb=0.25) as m:
+        s = m.session
+        logits = s.prefill([5, 17, 3, 99])
+        misses0 = sum(s.misses_by_layer().values())
+        probe = OverlapProbe(s)
+        for _ in range(4):
+            logits = s.step(int(np.argmax(logits)))
+            probe.token()
+        run = probe.result()
+        assert len(run["misses_by_token"]) == 4 and len(run["segment_s"]) == len(s.segments)
+        assert sum(sum(t.values()) for t in run["misses_by_token"]) == sum(s.misses_by_layer().values()) - misses0
+        assert run["trace"]["reads"] > 0 and run["host_s_per_token"] > 0
+        r = overlap_prediction(run, s)
+    assert r["predicted_tok_s"] > 0 and r["compute_ms_per_token"] > 0 and r["predicted_wait_ms_per_token"] >= 0
+    assert set(r["read_params_ms"]) == {"q", "d1", "s", "c"}
+
+
+def test_read_costs_from_a_trace():
+    """One read alone takes 2 ms; three started together take 6 ms each: each other read in flight adds 2 ms
+    (fitted with the crowd of 3, not assumed to be 2), and the model's disk reproduces both."""
+    from benchmarks.common.overlap import Disk, read_params, trace_summary
+
+    ms = 1e-3
+    trace = [("read", 0, 0, 1, 0.0, 0.0, 2 * ms, 2.5 * ms)]
+    trace += [("read", 0, e, 1, 10 * ms, 10 * ms, 16 * ms, 16.5 * ms) for e in (1, 2, 3)]
+    run = trace_summary(trace, 1)
+    assert run["trace"]["reads_alone"] == 1 and abs(run["trace"]["inflight_overlapped"] - 3) < 1e-9
+    rp = read_params(run)
+    assert abs(rp["d1"] - 2 * ms) < 1e-12 and abs(rp["s"] - 2 * ms) < 1e-12 and abs(rp["c"] - 0.5 * ms) < 1e-12
+    disk = Disk({**rp, "q": 0.0, "c": 0.0}, threads=4)
+    assert abs(disk.wait([disk.add(0.0)], 0.0) - 2 * ms) < 1e-9
+    ids = [disk.add(1.0) for _ in range(3)]
+    assert abs(disk.wait(ids, 1.0) - (1.0 + 6 * ms)) < 1e-9
+
+
+def test_dispatch_time_from_the_reads_that_found_a_thread():
+    """Five reads submitted together on four I/O threads: four start after 0.1 ms, the fifth waits for a thread
+    (2 ms). The model's q is the 0.1 ms dispatch: its Disk queues the fifth read itself."""
+    from benchmarks.common.overlap import read_params, trace_summary
+
+    ms = 1e-3
+    trace = [("read", 0, e, 1, 0.0, 0.1 * ms, 1.5 * ms, 2 * ms) for e in range(4)]
+    trace.append(("read", 0, 4, 1, 0.0, 2 * ms, 3.5 * ms, 4 * ms))
+    tr = trace_summary(trace, 1, io_threads=4)["trace"]
+    assert tr["reads_free"] == 4 and abs(tr["queue_ms_free"] - 0.1) < 1e-9 and abs(tr["queue_ms"] - 0.48) < 1e-9
+    assert abs(read_params({"trace": tr})["q"] - 0.1 * ms) < 1e-12

@@ -3,6 +3,7 @@ geometries: the streamed .vflow is compile_file's own output for the same weight
 seed gives the same bytes, the GGUF twin holds the same values (gguf's reader, cflow's GGUF importer, llama.cpp's
 greedy tokens), and the files load and generate (experts in RAM and on disk, the pipeline-native variant too)."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -105,6 +106,45 @@ def test_streamed_file_is_compile_file_of_the_materialised_weights(tmp_path):
     assert (tmp_path / "seed1.vflow").read_bytes() != (tmp_path / f"{TINY.name}.vflow").read_bytes()
 
 
+# sha256 (first 16 hex digits) of every tensor's (name, crc, size) in file order, and of the GGUF's tensor data:
+# the bytes the writer wrote before it packed in parallel threads, pinned so a faster writer stays the same writer
+PINNED = {"qwen3_moe_tiny": "f684bd3de43beeb8", "qwen3_moe_tiny_dd1de2": "c4981f582d2ccb5b",
+          "gguf": "0abaf13eab16fc88", "chunked": "4f73f1723781ae77", "chunked_gguf": "d6ee10bfc7b24ed3"}
+
+
+def _vflow_digest(path) -> str:
+    with FileReader(path) as r:
+        return hashlib.sha256("".join(f"{t.name}:{t.crc:08x}:{t.nbytes};" for t in r.tensors).encode()).hexdigest()[:16]
+
+
+def _gguf_digest(path) -> str:
+    gguf = pytest.importorskip("gguf")
+    h = hashlib.sha256()
+    for t in gguf.GGUFReader(path).tensors:
+        h.update(t.name.encode())
+        h.update(np.ascontiguousarray(t.data).tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_bytes_are_pinned(tiny_files, tmp_path, monkeypatch):
+    """The files' tensors are the pinned bytes: the baseline, the pipeline variant, the GGUF twin, and (row chunks
+    of 7 rows, one tile-row per packing band: the embedding's chunks filled by parallel threads, every band
+    boundary crossed) a chunked variant of the tiny model and its twin."""
+    vpath, gpath, _ = tiny_files
+    assert _vflow_digest(vpath) == PINNED[TINY.name]
+    assert _gguf_digest(gpath) == PINNED["gguf"]
+    make_moe.write_vflow(PIPE, tmp_path / "pipe.vflow")
+    assert _vflow_digest(tmp_path / "pipe.vflow") == PINNED[PIPE.name]
+    from cflow.layout import tile
+
+    monkeypatch.setattr(synthetic, "ROW_CHUNK_WEIGHTS", 7 * TINY.d_model)
+    monkeypatch.setattr(tile, "PACK_BAND_BYTES", 1)
+    make_moe.write_vflow(TINY, tmp_path / "chunked.vflow")
+    assert _vflow_digest(tmp_path / "chunked.vflow") == PINNED["chunked"]
+    make_moe.write_gguf(TINY, tmp_path / "chunked.gguf")
+    assert _gguf_digest(tmp_path / "chunked.gguf") == PINNED["chunked_gguf"]
+
+
 def _write_peak(cfg, path) -> int:
     tracemalloc.start()
     try:
@@ -115,10 +155,13 @@ def _write_peak(cfg, path) -> int:
 
 
 def _bound(cfg) -> tuple[int, int]:
-    """(the peak the writer may reach, the model's bytes): three tensors at a time (util.prefetch: one packed ahead,
-    one waiting, one being written), each its generated form plus its packed bytes, plus the plan's tables (the
-    header JSON, the packing plan and schedule objects, the tensor table: ~2.5 KB per tensor measured, 4 KB
-    allowed) and 1 MiB of Python objects."""
+    """(the peak the writer may reach, the model's bytes): three tensors at a time (util.prefetch_map with
+    emit.PACK_WORKERS = 2: two packed ahead, one being written), each its generated form plus its packed bytes, plus
+    the plan's tables (the header JSON, the packing plan and schedule objects, the tensor table: ~2.5 KB per tensor
+    measured, 4 KB allowed), 1 MiB of Python objects and the two staging buffers of the O_DIRECT writes (a fixed
+    2 x direct.BUFFER_BYTES, whatever the model)."""
+    from cflow.runtime.format import direct
+
     plan = lower(build_graph(cfg, None), "q4")
 
     def io_bytes(t):  # the generated inputs (Q4: 1 byte per code + fp16 scales; else the array) + the output
@@ -129,12 +172,18 @@ def _bound(cfg) -> tuple[int, int]:
         return inputs + t.nbytes
 
     largest = sorted((io_bytes(t) for t in plan.tensors.values()), reverse=True)
-    return sum(largest[:3]) + 4096 * len(plan.tensors) + (1 << 20), sum(t.nbytes for t in plan.tensors.values())
+    staging = 2 * (direct.BUFFER_BYTES + 4096)
+    return (sum(largest[:3]) + 4096 * len(plan.tensors) + (1 << 20) + staging,
+            sum(t.nbytes for t in plan.tensors.values()))
 
 
-def test_memory_is_bounded_by_a_few_tensors(tmp_path):
+def test_memory_is_bounded_by_a_few_tensors(tmp_path, monkeypatch):
     """The writer's peak (tracemalloc) stays under the bound of a few tensors, far below the model; experts twice
-    as wide (a file twice as large, as many tensors) raise it by no more than their larger tensors."""
+    as wide (a file twice as large, as many tensors) raise it by no more than their larger tensors. (Staging
+    buffers of 256 KiB, not 8 MiB: a fixed cost, which on this 57 MB model would hide the tensors' share.)"""
+    from cflow.runtime.format import direct
+
+    monkeypatch.setattr(direct, "BUFFER_BYTES", 256 << 10)
     bound, model = _bound(MID)
     peak = _write_peak(MID, tmp_path / "mid.vflow")
     assert (tmp_path / "mid.vflow").stat().st_size > model
@@ -243,3 +292,11 @@ def test_probe_measures_the_activation_scale():
 def test_cli_refuses_a_gguf_of_the_pipeline_variant(tmp_path):
     with pytest.raises(SystemExit):
         make_moe.main(["--geometry", "tiny", "--out", str(tmp_path), "--gguf", "--pipeline"])
+
+
+def test_plain_write_baselines(tmp_path):
+    """The disk's write speed both ways (buffered, O_DIRECT in whole blocks), the scratch file removed."""
+    for direct in (False, True):
+        r = make_moe.dd_write(str(tmp_path), (3 << 20) + 5, direct)
+        assert r["bytes"] == (3 << 20) + 5 and r["mb_s"] > 0 and r["direct"] is direct
+    assert not list(tmp_path.iterdir())

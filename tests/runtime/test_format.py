@@ -409,3 +409,51 @@ def test_closed_reader(sample):
     assert float(v[0]) == 1.0  # views outlive the reader
     with pytest.raises(FormatError, match="closed"):
         r.tensor("norm")
+
+
+def _odd_tensors(n=30):
+    rng = np.random.default_rng(7)
+    return [(f"t{i}", rng.standard_normal(int(k)).astype(np.float32)) for i, k in enumerate(rng.integers(1, 9000, n))]
+
+
+def _write(path, tensors, **kw) -> bytes:
+    with FileWriter(path, HEADER, **kw) as w:
+        for name, a in tensors:
+            w.add_tensor(name, DType.F32, a.shape, a)
+    return path.read_bytes()
+
+
+def test_direct_writes_are_the_buffered_bytes(tmp_path, monkeypatch):
+    """The tensors written with O_DIRECT (staging buffers of two blocks: most tensors cross one) make the very file
+    the buffered writes make; where O_DIRECT is refused, the buffered writes run."""
+    from cflow.runtime.format import direct
+
+    monkeypatch.setattr(direct, "BUFFER_BYTES", 2 * F.ALIGN)
+    tensors = _odd_tensors()
+    buffered = _write(tmp_path / "b.cflow", tensors, direct=False)
+    with FileWriter(tmp_path / "probe.cflow", HEADER) as w:
+        if w._direct is None:
+            pytest.skip("this file system refuses O_DIRECT")
+    assert _write(tmp_path / "d.cflow", tensors) == buffered
+    with FileReader(tmp_path / "d.cflow") as r:
+        r.verify()
+    monkeypatch.setattr(direct.DirectAppender, "open", classmethod(lambda cls, path, offset, b=None: None))
+    assert _write(tmp_path / "f.cflow", tensors) == buffered
+
+
+def test_direct_write_failure_leaves_nothing(tmp_path, monkeypatch):
+    """A write that fails in the O_DIRECT thread (a full disk) is raised in the writer, which leaves no file."""
+    from cflow.runtime.format import direct
+
+    monkeypatch.setattr(direct, "BUFFER_BYTES", F.ALIGN)
+
+    def full(self, buf, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(direct.DirectAppender, "_pwrite", full)
+    with pytest.raises(OSError, match="No space"), FileWriter(tmp_path / "m.cflow", HEADER) as w:
+        if w._direct is None:
+            pytest.skip("this file system refuses O_DIRECT")
+        for name, a in _odd_tensors(4):
+            w.add_tensor(name, DType.F32, a.shape, a)
+    assert list(tmp_path.iterdir()) == []

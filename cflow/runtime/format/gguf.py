@@ -38,9 +38,10 @@ rotate halves, as cflow does), and for qwen3moe the experts' width under qwen3mo
 llama.cpp's qwen3moe routes as cflow does too (softmax over all experts, the top k renormalised).
 
 Streaming: tensor infos come from the graph's plan (shapes and storage types), then the data is written one
-tensor at a time, a stacked expert tensor one expert at a time (`_Stacked`), each payload made in a background
-thread one ahead of the one being written (util.prefetch): a graph whose weights are generated or quantised on
-access (cflow.models.synthetic.SyntheticWeights) is never in memory as a whole.
+tensor at a time, a stacked expert tensor one expert at a time (`_Stacked`), the next payloads made in
+PAYLOAD_WORKERS background threads while one is written (util.prefetch_map, in file order): a graph whose
+weights are generated or quantised on access (cflow.models.synthetic.SyntheticWeights) is never in memory as a
+whole.
 
 Metadata: context/embedding/feed-forward length, block count, head counts, key/value length, rope
 dimension count and base, RMS eps, vocab size, file type (MOSTLY_Q4_0 etc.) and a tokenizer:
@@ -67,9 +68,10 @@ import numpy as np
 from ...errors import CflowError, UnsupportedModelError
 from ...ir.gguf_names import BLOCK_TENSORS, EXPERT_TENSORS, GLOBAL_TENSORS, rope_row_permutation
 from ...layout.quant import BLOCK, BLOCK_SIZES, DType, QTensor, to_gguf_bytes
-from ...util import atomic_path, prefetch
+from ...util import atomic_path, prefetch_map, small_pages, usable_cpus
 
 ARCH = "llama"
+PAYLOAD_WORKERS = 2  # threads making payloads ahead of the writer (fewer on a machine with fewer CPUs)
 
 def _gguf():
     try:
@@ -475,22 +477,24 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        # the payloads in file order (a stack expert by expert), made one ahead of the one being written
-        stream = prefetch((payload(n)[0] for entry in order for n in (entry if isinstance(entry, list) else [entry])),
-                          name="cflow-gguf")
-        try:
-            for name, (dt, nb) in zip(order, infos):
-                if isinstance(name, list):
-                    w.write_tensor_data(_Stacked(name, stream, dt, nb))
-                    continue
-                data = next(stream)
-                if data.dtype != dt or data.nbytes != nb:
-                    raise CflowError(
-                        f"GGUF export: {name} is {data.dtype}, {data.nbytes} B; its metadata said {dt}, {nb} B")
-                w.write_tensor_data(data)
-                del data
-        finally:
-            stream.close()
+        # the payloads in file order (a stack expert by expert), the next ones made while one is written
+        stream = prefetch_map(lambda n: payload(n)[0],
+                              (n for entry in order for n in (entry if isinstance(entry, list) else [entry])),
+                              workers=min(PAYLOAD_WORKERS, usable_cpus()), name="cflow-gguf")
+        with small_pages():  # as the .vflow writer (util.small_pages)
+            try:
+                for name, (dt, nb) in zip(order, infos):
+                    if isinstance(name, list):
+                        w.write_tensor_data(_Stacked(name, stream, dt, nb))
+                        continue
+                    data = next(stream)
+                    if data.dtype != dt or data.nbytes != nb:
+                        raise CflowError(
+                            f"GGUF export: {name} is {data.dtype}, {data.nbytes} B; its metadata said {dt}, {nb} B")
+                    w.write_tensor_data(data)
+                    del data
+            finally:
+                stream.close()
         w.close()
     return {"path": str(path), "file_bytes": path.stat().st_size, "tensors": len(order),
             "seconds": time.perf_counter() - t0, "file_type": _file_type(graph).name, "arch": arch}

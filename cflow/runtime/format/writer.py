@@ -3,6 +3,8 @@
 Input: a JSON-able header dict, then tensors (name, dtype, shape, bytes) in data order.
 Output: one file at `path` (docs/FORMAT.md), or nothing at all if anything fails. The temp file,
 fsyncs and the rename are cflow.util.atomic_path's, driven by open/close/abort instead of `with`.
+The tensors' bytes go to the disk with O_DIRECT where the file system takes it (direct.DirectAppender);
+the header, index and preamble, small, through the ordinary buffered file.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cflow.util import atomic_path
 
 from ...util import crc32
 from . import spec as F
+from .direct import DirectAppender
 from .folios import drop_cached
 from .spec import DType
 
@@ -62,8 +65,9 @@ class FileWriter:
     """
 
     def __init__(self, path, header: dict, layout: str | None = None, *,
-                 expected_nbytes: F.NbytesHook = F.expected_nbytes):
+                 expected_nbytes: F.NbytesHook = F.expected_nbytes, direct: bool = True):
         self.path = os.fspath(path)
+        self.direct = direct  # tensors written with O_DIRECT where the file system takes it
         self.layout = layout if layout is not None else _layout_from_path(self.path)
         try:
             self._flags = F.layout_flags(self.layout)
@@ -87,6 +91,7 @@ class FileWriter:
         self._pool = bytearray()  # names pool
         self._experts: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> tensor indices
         self._pos = 0  # current end of the temp file
+        self._direct: DirectAppender | None = None  # the data section's O_DIRECT writes, while tensors stream
 
     # -- state machine ---------------------------------------------------------------------
     def _require(self, *states: _State, action: str) -> None:
@@ -102,6 +107,9 @@ class FileWriter:
             self._write(bytes(F.PREAMBLE.size))  # placeholder, rewritten at close
             self._write(self._header)
             self._pad_to(F.pad(self._pos))
+            self._file.flush()
+            if self.direct:
+                self._direct = DirectAppender.open(self._atomic.tmp, self._pos)
         except BaseException:
             self.abort()
             raise
@@ -196,9 +204,14 @@ class FileWriter:
         self._require(_State.TENSORS, action="close")
         try:
             data_len = self._pos - self._data_offset
+            if self._direct is not None:  # the data section on the disk, then the rest through the file
+                direct, self._direct = self._direct, None
+                direct.close()
+                self._file.seek(self._pos)
             index = self._index()
             index_offset = self._pos
             self._write(index)
+            self._file.truncate(self._pos)  # past the end: the O_DIRECT probe's block when no tensor came
             header_len = len(self._header)
             fields = (F.MAGIC, F.VERSION, self._flags, F.ALIGN, F.PREAMBLE.size, header_len,
                       self._data_offset, data_len, index_offset, len(index), self._pos,
@@ -235,6 +248,10 @@ class FileWriter:
         if self._state is _State.DONE:
             return
         self._state = _State.FAILED
+        if self._direct is not None:
+            direct, self._direct = self._direct, None
+            with contextlib.suppress(OSError):
+                direct.abort()
         if self._file is not None:
             try:
                 self._file.close()
@@ -244,7 +261,10 @@ class FileWriter:
 
     # -- low level -------------------------------------------------------------------------
     def _write(self, b) -> None:
-        self._file.write(b)
+        if self._direct is not None:
+            self._direct.write(b)
+        else:
+            self._file.write(b)
         self._pos += memoryview(b).nbytes
 
     def _pad_to(self, end: int) -> None:
