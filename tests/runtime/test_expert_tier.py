@@ -16,6 +16,7 @@ from cflow.errors import CflowError, RuntimeFault
 from cflow.frontend.load import load_graph
 from cflow.runtime.experts import ExpertReadError
 from cflow.runtime.format import FileReader
+from cflow.runtime.native_step import NativeStep
 
 IDS = [5, 17, 3, 99, 1, 2, 3, 4]
 
@@ -355,7 +356,9 @@ def test_max_ram_places_the_weights_and_sizes_the_cache(files, monkeypatch):
     with cflow.load(files["de2"], threads=1, max_ram_mb=2**20) as m:
         assert m.session.experts == "ram" and m.session.weights == "ram"
         want = _greedy(m, 16)
-    need = {(ex, we): n for ex, we, n in seen[-1]}
+    need = {(ex, we): n for ex, we, n, _ in seen[-1]}
+    window = {(ex, we): w for ex, we, _, w in seen[-1]}
+    assert window[("ram", "ram")] == 0 and 0 < window[("disk", "ram")] <= 0.35 * 2**20
     assert need[("disk", "ram")] < need[("ram", "ram")]
     cache = 0.4 * 2**20
     with cflow.load(files["de2"], threads=1, max_ram_mb=(need[("disk", "ram")] + cache) / 2**20) as m:
@@ -365,10 +368,26 @@ def test_max_ram_places_the_weights_and_sizes_the_cache(files, monkeypatch):
         assert _greedy(m, 16) == want
     with pytest.raises(CflowError, match="max_ram .* too small for this model"):
         cflow.load(files["de2"], max_ram_mb=min(need.values()) / 2**20 * 0.99)
-    with pytest.raises(CflowError, match="max_ram .* leaves .* for the expert cache"):  # fits, but no window
-        cflow.load(files["de2"], max_ram_mb=(need[("disk", "ram")] + 4096) / 2**20)
+    # the dense part fits, but not one window of experts besides: refused at load, before the JIT
+    monkeypatch.setattr(NativeStep, "_build", lambda *a: pytest.fail("reached the JIT"))
+    with pytest.raises(CflowError, match="max_ram .* too small .* for one window of experts"):
+        cflow.load(files["de2"], max_ram_mb=(need[("disk", "disk")] + window[("disk", "disk")] - 4096) / 2**20)
     with pytest.raises(CflowError, match="not both"):
         cflow.load(files["de2"], max_ram_mb=64, expert_cache_mb=1)
+
+
+def test_cli_max_ram_below_one_window_is_refused_with_the_numbers(files, capsys, monkeypatch):
+    from cflow.cli import cflow_main
+
+    monkeypatch.setattr(NativeStep, "_build", lambda *a: pytest.fail("reached the JIT"))
+    code = cflow_main(["run", str(files["de2"]), "--prompt", "1 2 3", "-n", "2", "--max-ram", "64M"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    numbers = re.findall(r"([\d,.]+) MiB (for the weights kept in RAM|for one window of experts|reserved for "
+                         r"loading|this process already holds)", err)
+    assert "max_ram 64.0 MiB is too small" in err and len(numbers) == 4, err
+    assert float(numbers[1][0]) > 0 and float(numbers[2][0]) == 256  # the window, the load's reserve
 
 
 def test_max_ram_option_and_cgroup_limit(tmp_path):
