@@ -156,23 +156,38 @@ def test_file_truncated_while_loaded(files, tmp_path):
             m.logits(IDS)
 
 
-def test_filesystem_without_o_direct_falls_back(files, monkeypatch):
-    """Where O_DIRECT is refused (EINVAL at open, as on some filesystems) reads go through the page cache."""
+@pytest.mark.parametrize("where", ["open", "first read"])
+def test_filesystem_without_o_direct_falls_back(files, monkeypatch, where):
+    """Where O_DIRECT is refused (EINVAL at open, or at the first read as some filesystems do) reads go through
+    the page cache, with one warning per tier, the same tokens, and the page cache dropped after each read."""
+    import fcntl
+
     with cflow.load(files["de2"], threads=1) as ram:
         want = _greedy(ram)
-    real_open = os.open
+    real_open, real_preadv, dropped = os.open, os.preadv, []
 
-    def no_direct(path, flags, *a):
+    def no_direct_open(path, flags, *a):
         if flags & os.O_DIRECT:
             raise OSError(22, "Invalid argument")
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(os, "open", no_direct)
-    with pytest.warns(UserWarning, match="O_DIRECT refused"):
-        m = cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.5)
+    def no_direct_read(fd, bufs, offset, *a):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_preadv(fd, bufs, offset, *a)
+
+    if where == "open":
+        monkeypatch.setattr(os, "open", no_direct_open)
+    else:
+        monkeypatch.setattr(os, "preadv", no_direct_read)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: dropped.append(advice))
+    with pytest.warns(UserWarning, match="O_DIRECT refused") as warned:
+        m = cflow.load(files["de2"], threads=1, weights="disk", expert_cache_mb=0.5)
+    assert len([w for w in warned if "O_DIRECT refused" in str(w.message)]) == 2  # the experts', the streamer's
     with m:
-        assert not m.session.tier.direct
+        assert not m.session.tier.direct and not m.session.streamer.direct
         assert _greedy(m) == want
+        assert dropped and set(dropped) == {os.POSIX_FADV_DONTNEED}
 
 
 def test_cli_experts_on_disk(files):
