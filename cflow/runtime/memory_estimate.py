@@ -162,12 +162,14 @@ def fit_max_ram(session, experts: str, weights: str, prefill_block: int) -> tupl
     for k, (ex, we) in enumerate(placements):
         if k < asked or (ex, we) == ("disk", "ram") and not has_experts:
             continue  # cheaper than asked for, or no experts to put on disk
+        if not has_experts:
+            ex = "ram"  # a dense model streamed: no expert tier
         session._set_tiers(ex, we, prefill_block)
         need = sum(session.memory_parts().values())
         window = 0
-        if ex == "ram":  # mapped: every page of the file is touched each token
+        if we == "ram" and ex == "ram":  # mapped: every page of the file is touched each token
             need += sum(t.nbytes for t in tensors.values())
-        else:  # the experts one expert-delay window pins at once: the least cache decoding can run with
+        elif ex == "disk":  # the experts one expert-delay window pins at once: the least cache decoding can run with
             slot, _, slots = expert_slots(session.run_state, tensors, session.config.top_k, every_stage=we == "disk",
                                           sync=session.expert_io == "sync")
             window = slot * slots
@@ -195,9 +197,9 @@ def choose_tiers(max_ram: int, used: int, options: list[tuple[str, str, int, int
     total = used + LOAD_RESERVE + need + window
     raise CflowError(f"max_ram {_mib(max_ram)} is too small for this model: with "
                      f"{'the weights' if weights == 'disk' else 'the experts'} on disk it needs {_mib(total)}: "
-                     f"{_mib(need)} for the {what}, the KV cache and buffers, {_mib(window)} for one window of "
-                     f"experts (those decoding holds at once), {_mib(LOAD_RESERVE)} reserved for loading and "
-                     f"{_mib(used)} this process already holds")
+                     f"{_mib(need)} for the {what}, the KV cache and buffers, "
+                     + (f"{_mib(window)} for one window of experts (those decoding holds at once), " if window else "")
+                     + f"{_mib(LOAD_RESERVE)} reserved for loading and {_mib(used)} this process already holds")
 
 
 def cache_budget(max_ram: int, parts: int) -> int:

@@ -391,6 +391,19 @@ def test_max_ram_places_the_weights_and_sizes_the_cache(files, monkeypatch):
         cflow.load(files["de2"], max_ram_mb=64, expert_cache_mb=1)
 
 
+def test_max_ram_dense_model(dense_files):
+    """A model without experts under max_ram: mapped when it fits, streamed when asked, refused with its numbers
+    (it once tried to put its experts on disk and failed at every budget)."""
+    path = dense_files["vflow"]
+    with cflow.load(path, threads=1, max_ram_mb=2**20) as m:
+        assert (m.session.experts, m.session.weights) == ("ram", "ram")
+    with cflow.load(path, threads=1, max_ram_mb=2**20, weights="disk") as m:
+        assert (m.session.experts, m.session.weights) == ("ram", "disk") and m.session.tier is None
+    with pytest.raises(CflowError, match="max_ram 1.0 MiB is too small") as e:
+        cflow.load(path, max_ram_mb=1)
+    assert "window" not in str(e.value)
+
+
 def test_cli_max_ram_below_one_window_is_refused_with_the_numbers(files, capsys, monkeypatch):
     from cflow.cli import cflow_main
 
