@@ -5,11 +5,13 @@
 
 Each run loads one of the tiny presets (the MoE geometry at expert delays 0-3, a shared-expert model, a dense
 model) with experts on disk (--experts-on-disk) or every big matrix streamed (--weights-on-disk), a tiny expert
-cache (down to 0.35 MiB, a few experts), sync or async reads, with or without route guesses, on 1 or 2 threads
-or the default count (which backs off to one thread while the other core is busy), then feeds a random prompt
-and decodes a few greedy tokens. The prompt's logits must equal the in-RAM run's bit for bit, the tokens too.
-Runs happen in child processes of --runs runs each, so a crash (SIGSEGV) is counted and its faulthandler trace
-kept, not the end of the loop. Meant to run next to other work: the point is a core taken away mid-token.
+cache (down to 0.35 MiB, a few experts), sync or async reads, with or without route guesses, reads coalesced or
+not, on 1 or 2 threads or the default count (which backs off to one thread while the other core is busy), then
+feeds a random prompt and decodes a few greedy tokens; a tenth of the runs go through `cflow run` in a process
+of their own, as tests/runtime/test_expert_tier.py::test_cli_experts_on_disk does. The prompt's logits must
+equal the in-RAM run's bit for bit, the tokens too. Runs happen in child processes of --runs runs each, so a
+crash (SIGSEGV) is counted and its faulthandler trace kept, not the end of the loop. Meant to run next to other
+work: the point is a core taken away mid-token.
 """
 
 from __future__ import annotations
@@ -63,9 +65,11 @@ def pick(rng: random.Random) -> dict:
     key = rng.choice(FILES)
     moe = key != "dense"
     tier = rng.choice(["experts", "experts", "weights"]) if moe else "weights"
-    return {"file": key, "experts": "disk" if moe else "ram", "weights": "disk" if tier == "weights" else "ram",
+    return {"file": key, "cli": rng.random() < 0.1,  # a tenth through `cflow run`, as the tests start it
+            "experts": "disk" if moe else "ram", "weights": "disk" if tier == "weights" else "ram",
             "expert_cache_mb": rng.choice(CACHE_MB) if moe else None, "expert_io": rng.choice(["async", "sync"]),
             "expert_guess": rng.random() < 0.7, "read_ahead": rng.choice([0, 1, 2, 5]),
+            "coalesce": rng.choice(["off", "expert", "layer"]),  # ExpertTier.coalesce (library runs)
             "threads": rng.choice([1, 2, None]), "prompt": [rng.randrange(256) for _ in range(rng.randint(1, 12))],
             "new": rng.randint(2, 12)}
 
@@ -98,8 +102,15 @@ def child(d: str, seed: int, runs: int) -> None:
                                       "read_ahead", "threads")}
             t0 = time.perf_counter()
             out = {"cfg": cfg, "ok": True}
+            if cfg["cli"]:
+                out.update(cli_run(path_of(d, key), cfg, ids, new, want))
+                out["seconds"] = round(time.perf_counter() - t0, 3)
+                print(json.dumps(out), flush=True)
+                continue
             try:
                 with cflow.load(path_of(d, key), **kw) as m:
+                    if m.session.tier is not None:
+                        m.session.tier.coalesce = cfg["coalesce"]
                     got_logits = m.logits(ids)
                     got = m.generate(ids, max_new_tokens=new, stop=False)
                     out["logits_equal"] = bool(np.array_equal(got_logits, want_logits))
@@ -117,6 +128,32 @@ def child(d: str, seed: int, runs: int) -> None:
     finally:
         for m in ram.values():
             m.close()
+
+
+def cli_run(path: str, cfg: dict, ids: list[int], new: int, want: list[int]) -> dict:
+    """The run through `cflow run` in a process of its own (default options where cfg says None): exit code 0 and
+    the in-RAM greedy tokens, or what went wrong (a signal is a negative exit code)."""
+    argv = ["run", path, "--prompt", " ".join(map(str, ids)), "-n", str(new), "--no-stop"]
+    if cfg["experts"] == "disk":
+        argv += ["--experts-on-disk", "--expert-io", cfg["expert_io"]]
+    if cfg["weights"] == "disk":
+        argv += ["--weights-on-disk", "--read-ahead", str(cfg["read_ahead"])]
+    if cfg["expert_cache_mb"] is not None:
+        argv += ["--expert-cache-mb", str(cfg["expert_cache_mb"])]
+    if not cfg["expert_guess"]:
+        argv += ["--no-expert-guess"]
+    if cfg["threads"] is not None:
+        argv += ["--threads", str(cfg["threads"])]
+    code = "import sys, faulthandler; faulthandler.enable(); from cflow.cli import cflow_main; " \
+           "sys.exit(cflow_main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    if r.returncode == 1 and "at once" in r.stderr:
+        return {"refused": True}
+    got = [int(t) for t in r.stdout.split()[len(ids):]] if r.returncode == 0 else None
+    out = {"ok": r.returncode == 0 and got == want, "returncode": r.returncode, "tokens_equal": got == want}
+    if not out["ok"]:
+        out["stderr"] = r.stderr[-3000:]
+    return out
 
 
 def main(argv=None) -> int:
@@ -140,7 +177,8 @@ def main(argv=None) -> int:
     build(args.dir)
     deadline = time.monotonic() + 60 * args.minutes
     counts = {"runs": 0, "ok": 0, "mismatch": 0, "refused": 0, "crashes": 0, "children": 0}
-    by = {"experts": 0, "weights": 0, "sync": 0, "async": 0, "threads_1": 0, "threads_2": 0, "threads_default": 0}
+    by = {"experts": 0, "weights": 0, "sync": 0, "async": 0, "threads_1": 0, "threads_2": 0, "threads_default": 0,
+          "cli": 0}
     failures = []
     seed = args.seed
     t0 = time.monotonic()
@@ -161,8 +199,14 @@ def main(argv=None) -> int:
             by["weights" if cfg["weights"] == "disk" else "experts"] += 1
             by[cfg["expert_io"]] += 1
             by[f"threads_{cfg['threads'] or 'default'}"] += 1
+            by["cli"] += bool(cfg.get("cli"))
             if rec["ok"]:
                 counts["ok"] += 1
+            elif rec.get("returncode", 0) != 0:  # `cflow run` failed or died (a negative code: a signal)
+                counts["crashes"] += 1
+                failures.append({"seed": seed, "kind": f"cflow run exit {rec['returncode']}", **rec})
+                print(f"child seed {seed}: cflow run exit {rec['returncode']}\n{rec.get('stderr')}", file=sys.stderr,
+                      flush=True)
             else:
                 counts["mismatch"] += 1
                 failures.append({"seed": seed, "kind": "mismatch", **rec})

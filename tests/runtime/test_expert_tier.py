@@ -68,6 +68,47 @@ def test_one_thread_and_small_cache_evicts(files):
         assert rss_budget <= 0.35 * 2**20
 
 
+@pytest.mark.parametrize("key", ["de2", "arch5_shared"])
+def test_adjacent_ranges_read_as_one_request(files, monkeypatch, key):
+    """Ranges that follow each other in the file are read by one preadv scattering into their slots (O_DIRECT:
+    every piece aligned), the same bytes as read one range at a time: an expert's own ranges ("expert", the
+    default), or also those of other experts the layer misses ("layer"). A .cflow file keeps an expert's ranges
+    together and its experts in order (three experts: one request each, or one in all), a .vflow file a layer's
+    gate_up matrices together and its down matrices together (two requests in all, else one per range)."""
+    calls = []
+    real = os.preadv
+
+    def counting(fd, bufs, offset, *a):
+        calls.append(len(bufs))
+        return real(fd, bufs, offset, *a)
+
+    with cflow.load(files[key], threads=1, experts="disk", expert_cache_mb=2) as m:
+        tier = m.session.tier
+        assert tier.direct
+        monkeypatch.setattr(os, "preadv", counting)
+        raw = files[key].read_bytes()
+        requests = {"off": 6, "expert": 3 if key == "de2" else 6, "layer": 1 if key == "de2" else 2}
+        for coalesce, n in requests.items():
+            tier.coalesce = coalesce
+            calls.clear()
+            tier.issue(0, [0, 1, 2])
+            tier.wait(0, [0, 1, 2])
+            ranges = sum(len(tier.layout[(0, e)]) for e in (0, 1, 2))
+            assert sum(calls) == ranges  # every range read once
+            assert ranges == 6 and len(calls) == n, (coalesce, calls)
+            for e in (0, 1, 2):
+                buf = tier.slots[tier.where[(0, e)]].buf
+                for _, off, r in tier.layout[(0, e)]:
+                    assert buf[off : off + r.nbytes].tobytes() == raw[r.file_offset : r.file_offset + r.nbytes]
+            tier.release(0, [0, 1, 2])
+            for e in (0, 1, 2):  # dropped: the next round reads them again
+                tier._forget((0, e))
+    with cflow.load(files[key], threads=1) as ram:
+        want = _greedy(ram)
+    with cflow.load(files[key], threads=1, experts="disk", expert_cache_mb=2) as m:
+        assert _greedy(m) == want
+
+
 def test_budget_below_one_window_is_refused(files, tmp_path):
     with pytest.raises(CflowError, match="decoding needs .* at once"):
         cflow.load(files["de2"], experts="disk", expert_cache_mb=0.01)
