@@ -49,7 +49,10 @@ def memory_parts(compiled, run_state, *, tmax: int, max_seq: int, n_slots: int, 
         # the tier never allocates more slots than there are experts (ExpertTier), so neither does the estimate
         parts[f"the expert cache (--expert-cache-mb {expert_cache_mb})"] = min(
             int(expert_cache_mb * 2**20), sum(t.nbytes for t in tensors.values() if t.expert >= 0))
-    elif experts == "disk" and cache_default:
+    if experts == "disk" and expert_io == "async":  # RouteGuess: each router, its norm and the inverse, in f32
+        routers = [n for n in run_state.graph.nodes() if n.kind == "router"]
+        parts["the route guesser's copies of the routers"] = sum(4 * (n.n_experts + 2) * n.dim for n in routers)
+    if experts == "disk" and expert_cache_mb is None and cache_default:
         slot, n, window = expert_slots(run_state, tensors, c.top_k, every_stage=weights == "disk",
                                        sync=expert_io == "sync")
         parts["the expert cache (default: a quarter of the experts; --expert-cache-mb sets it)"] = (
