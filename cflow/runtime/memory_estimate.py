@@ -76,8 +76,9 @@ def expert_slots(run_state, tensors, top_k: int, *, every_stage: bool, sync: boo
 
 # Address space a load maps besides its parts, which a limit on the address space (RLIMIT_AS, `ulimit -v`)
 # counts although little of it becomes resident: the JIT's libraries, code and working memory, and for each
-# thread the load starts a stack (8 MiB) and a malloc arena (64 MiB reserved). Measured on the tiny presets:
-# 180 MiB with one thread, 55 more per thread.
+# thread the load starts a stack (8 MiB) and a malloc arena (64 MiB reserved). Measured: the tiny presets 180 MiB
+# with one thread, 55 more per thread; the ~4 GB sibling with experts on disk, 2 threads, a cold JIT: 549 MiB
+# (616 reserved).
 AS_RESERVE = 256 * 2**20
 AS_PER_THREAD = 72 * 2**20
 
