@@ -87,7 +87,7 @@ def _cflow(path: str, engine: str, budget_mb: float, prompt: list[int], tokens: 
                 probe.token()
         dt = time.perf_counter() - t0
         rec = {"load_s": load_s, "prompt_s": prompt_s, "tok_s": tokens / dt, "tokens": out,
-               "placement": f"experts {s.experts}, weights {s.weights}",
+               "placement": f"experts {s.experts}, weights {s.weights}", "reads": _read_mode(s),
                "disk_bytes_per_token": (_io_read_bytes() - io0) / tokens,
                "major_faults_per_token": (resource.getrusage(resource.RUSAGE_SELF).ru_majflt - flt0) / tokens}
         if st:
@@ -121,6 +121,13 @@ def overlap_prediction(run: dict, session) -> dict:
             "wait_ms_per_token": run["trace"]["wait_ms_per_token"], "compute_ms_per_token": 1e3 * compute}
 
 
+def _read_mode(s) -> str:
+    """How a cflow run read its weights: 'direct' (O_DIRECT), 'buffered' (O_DIRECT refused: the page cache, each
+    read dropped after it), or 'mapped' (no disk tier)."""
+    tiers = [t for t in (s.tier, s.streamer) if t is not None]
+    return "mapped" if not tiers else "direct" if all(t.direct for t in tiers) else "buffered"
+
+
 def _llama(path: str, engine: str, prompt: list[int], tokens: int, threads: int) -> dict:
     from benchmarks.common.peers import llama_next, llama_open
 
@@ -141,6 +148,7 @@ def _llama(path: str, engine: str, prompt: list[int], tokens: int, threads: int)
     dt = time.perf_counter() - t0
     return {"load_s": load_s, "prompt_s": prompt_s, "tok_s": tokens / dt, "tokens": out,
             "placement": "mapped" if engine == "llama" else "read into memory",
+            "reads": "mapped" if engine == "llama" else "read",
             "disk_bytes_per_token": (_io_read_bytes() - io0) / tokens,
             "major_faults_per_token": (resource.getrusage(resource.RUSAGE_SELF).ru_majflt - flt0) / tokens}
 
@@ -282,8 +290,8 @@ def _print_run(engine: str, r: dict) -> None:
         print(f"{engine:<13} failed (exit {r['returncode']}): {r['error']}", flush=True)
         return
     gbs = r["disk_bytes_per_token"] * r["tok_s"] / 1e9
-    print(f"{engine:<13} {r['placement']:<26} {r['tok_s']:7.2f} {r.get('predicted_tok_s') or float('nan'):7.2f} "
-          f"{r['load_s']:7.1f} "
+    print(f"{engine:<13} {r['placement']:<26} {r.get('reads', '-'):<8} {r['tok_s']:7.2f} "
+          f"{r.get('predicted_tok_s') or float('nan'):7.2f} {r['load_s']:7.1f} "
           f"{r['disk_bytes_per_token'] / 1e6:11.1f} {gbs:9.2f} "
           f"{r.get('gbs_disk_while_waiting', float('nan')):12.2f} "
           f"{r.get('wait_share_disk_idle', float('nan')):5.0%} {r.get('hit_rate', float('nan')):8.1%} "
@@ -361,7 +369,7 @@ def main(argv=None) -> None:
     print(f"# disk, O_DIRECT reads of one expert ({one / 2**20:.2f} MiB): {d1:.2f} GB/s one at a time, "
           f"{d2:.2f} GB/s two in flight; {args.tokens} greedy tokens after {len(PROMPT)} prompt tokens, "
           f"{args.threads} threads")
-    print(f"{'engine':<13} {'placement':<26} {'tok/s':>7} {'model':>7} {'load s':>7} {'disk MB/tok':>11} "
+    print(f"{'engine':<13} {'placement':<26} {'reads':<8} {'tok/s':>7} {'model':>7} {'load s':>7} {'disk MB/tok':>11} "
           f"{'disk GB/s':>9} {'waiting GB/s':>12} {'idle':>5} {'hit rate':>8} {'peak MiB':>9} {'RSS MiB':>8} "
           f"{'tokens':>8}")
     records: list[dict] = []

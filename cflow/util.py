@@ -249,8 +249,6 @@ def switched_off(name: str, *also: str) -> bool:
 def available_memory() -> int | None:
     """Bytes this process may still allocate: the least of the kernel's MemAvailable, the cgroup's limit minus
     its usage (v2 or v1) and the address-space rlimit minus the current address space. None if none is known."""
-    import resource
-
     found: list[int] = []
     meminfo = _read_kv("/proc/meminfo")
     if "MemAvailable" in meminfo:
@@ -258,11 +256,22 @@ def available_memory() -> int | None:
     lim, use = cgroup_memory()
     if lim is not None and use is not None:
         found.append(max(0, lim - use))
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        vm = _read_kv("/proc/self/status").get("VmSize")
-        found.append(max(0, soft - (vm or 0) * 1024))
+    left = address_space_left()
+    if left is not None:
+        found.append(left)
     return min(found) if found else None
+
+
+def address_space_left() -> int | None:
+    """Bytes of address space this process may still map under its RLIMIT_AS (`ulimit -v`), None if unlimited.
+    The limit counts what is reserved, not what is resident: thread stacks, malloc arenas, the JIT's pools."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    vm = _read_kv("/proc/self/status").get("VmSize")
+    return max(0, soft - (vm or 0) * 1024)
 
 
 def cgroup_memory(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int | None, int | None]:

@@ -163,8 +163,17 @@ def layer_rope(config, layer: int) -> tuple[float, tuple | None]:
     return float(config.rope_theta), config.rope_scaling
 
 
+ROPE_CHUNK = 1 << 16  # positions computed at once by rope_tables: its temporaries stay a few MiB
+
+
 def rope_tables(config, n_pos: int, layer: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin f32[n_pos, head_dim / 2] of the model's RoPE (the runtime's tables; layer picks local RoPE)."""
+    """cos, sin f32[n_pos, head_dim / 2] of the model's RoPE (the runtime's tables; layer picks local RoPE).
+    Filled ROPE_CHUNK positions at a time, so a long context needs the two tables and little more (computed
+    whole, the angles and the float copies took about 2.5 times the tables' size at once)."""
     theta, scaling = layer_rope(config, layer)
     inv, f = inv_freq(config.head_dim, theta, scaling, config.rope_dim, config.max_seq_len)
-    return tables(inv, f, np.arange(n_pos), config.rope_dim // 2)
+    cos, sin = np.empty((n_pos, inv.size), np.float32), np.empty((n_pos, inv.size), np.float32)
+    for lo in range(0, n_pos, ROPE_CHUNK):
+        hi = min(n_pos, lo + ROPE_CHUNK)
+        cos[lo:hi], sin[lo:hi] = tables(inv, f, np.arange(lo, hi), config.rope_dim // 2)
+    return cos, sin

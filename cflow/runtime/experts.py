@@ -33,6 +33,7 @@ from ..util import crc32
 from .format import spec as F
 
 IO_THREADS = 4  # requests in flight: one sequential reader gets ~0.7 GB/s here, several ~1.2 GB/s
+MAX_COALESCE = 8 << 20  # bytes one coalesced read may span (adjacent ranges of the experts a layer misses)
 
 
 class ExpertReadError(RuntimeFault):
@@ -138,6 +139,11 @@ class ExpertTier:
         self.io_threads = io_threads
         self.in_flight = 0  # reads submitted and not finished (the I/O threads' queue), under self.lock
         self.lock = threading.Lock()
+        # Ranges adjacent in the file read as one request (_plan): "expert" an expert's own ranges (one task per
+        # expert, as many reads in flight), "layer" also those of experts the same layer misses (fewer, larger
+        # requests, fewer in flight), "off" one request per range: the default, as neither paid on this host's
+        # virtual disk (benchmarks/expert_coalesce.py; docs/expert-tier.md, "Reads coalesced")
+        self.coalesce = "off"
         self.fail_hook = None  # tests: called as fail_hook(key, range index) before each read; may raise OSError
         # benchmarks: a list to append one record per read and per wait to (perf_counter seconds), or None:
         # ("read", block, expert, layer, submitted, started, disk done, checksummed) / ("wait", block, begin, end)
@@ -253,9 +259,13 @@ class ExpertTier:
                 self.stats.guessed_used += 1
             self.slots[i].pins += 1
             self._touch(i)
+        claims = []
         for key in misses:
             self.stats.misses += 1
-            self._start(key, self._victim(), 1, layer)
+            i = self._victim()
+            self._claim(key, i, 1)
+            claims.append((key, i))
+        self._submit(claims, layer)
         return len(misses)
 
     def prefetch(self, block: int, experts, layer: int | None = None) -> int:
@@ -277,24 +287,70 @@ class ExpertTier:
                 i = self._victim(for_guess=True)
             except RuntimeFault:  # no free slot: a guess never waits
                 break
-            self._start(key, i, 0, layer)
+            self._claim(key, i, 0)
+            self._submit([(key, i)], layer)
             self.guesses.add(key)
             self.stats.guessed += 1
             started += 1
         return started
 
-    def _start(self, key: tuple[int, int], i: int, pins: int, layer: int | None) -> None:
-        """Read `key` into slot i (evicting what it held)."""
+    def _claim(self, key: tuple[int, int], i: int, pins: int) -> None:
+        """Give slot i to `key` (evicting what it held); _submit starts its read."""
         s = self.slots[i]
         if s.key is not None:
             del self.where[s.key]
             self.guesses.discard(s.key)
-        s.key, s.ready, s.pins = key, False, pins
+        s.key, s.ready, s.pins, s.future = key, False, pins, None
         self.where[key] = i
         self._touch(i)
-        with self.lock:
-            self.in_flight += 1
-        s.future = self.pool.submit(self._read, key, s.buf, layer, time.perf_counter())
+
+    def _submit(self, claims: list[tuple[tuple[int, int], int]], layer: int | None) -> None:
+        """Start the reads of the claimed (key, slot) pairs: one request per run of adjacent ranges (up to
+        MAX_COALESCE bytes, scattered into the slots by one preadv), one task per set of experts that share a
+        request; every slot of a task waits on its future."""
+        now = time.perf_counter()
+        for keys, runs in self._plan(claims):
+            with self.lock:
+                self.in_flight += 1
+            future = self.pool.submit(self._read, keys, runs, layer, now)
+            for key in keys:
+                self.slots[self.where[key]].future = future
+
+    def _plan(self, claims) -> list[tuple[list, list]]:
+        """Group the claimed experts' ranges into requests: [(keys, runs)], a run [(key, range index, the
+        range's piece of its slot, range)] of ranges each starting where the one before ends in the file (see
+        self.coalesce; with it off, or ranges apart, a run is one range and each expert its own task)."""
+        parts = sorted(((r.file_offset, key, k, memoryview(self.slots[i].buf[off : off + F.pad(r.nbytes)]), r)
+                        for key, i in claims for k, (_, off, r) in enumerate(self.layout[key])), key=lambda p: p[0])
+        runs: list[list] = []
+        end = size = -1
+        for at, key, k, view, r in parts:
+            want = len(view)
+            if (at == end and size + want <= MAX_COALESCE
+                    and (self.coalesce == "layer" or self.coalesce == "expert" and key == runs[-1][-1][0])):
+                runs[-1].append((key, k, view, r))
+                size += want
+            else:
+                runs.append([(key, k, view, r)])
+                size = want
+            end = at + want
+        group = {key: key for key, _ in claims}  # union-find: experts that share a run read in one task
+
+        def root(k):
+            while group[k] != k:
+                group[k] = group[group[k]]
+                k = group[k]
+            return k
+
+        for run in runs:
+            for key, *_ in run[1:]:
+                group[root(key)] = root(run[0][0])
+        tasks: dict[tuple[int, int], tuple[list, list]] = {}
+        for key, _ in claims:
+            tasks.setdefault(root(key), ([], []))[0].append(key)
+        for run in runs:
+            tasks[root(run[0][0])][1].append(run)
+        return list(tasks.values())
 
     def wait(self, block: int, experts) -> dict[str, int]:
         """Block until the experts are in RAM and verified; their tensors' addresses by name."""
@@ -350,44 +406,56 @@ class ExpertTier:
             s.pins = 0
 
     # --- I/O (in the pool's threads) ----------------------------------------------------------------
-    def _read(self, key: tuple[int, int], buf: np.ndarray, layer: int | None = None, submitted: float = 0.0) -> None:
+    def _read(self, keys: list, runs: list, layer: int | None = None, submitted: float = 0.0) -> None:
         try:
-            self._read_ranges(key, buf, layer, submitted)
+            self._read_runs(keys, runs, layer, submitted)
         finally:
             with self.lock:
                 self.in_flight -= 1
 
-    def _read_ranges(self, key: tuple[int, int], buf: np.ndarray, layer: int | None, submitted: float) -> None:
+    def _where(self, key, k: int, layer: int | None) -> str:
+        name, _, r = self.layout[key][k]
+        return f"{self.path}: {self.describe(*key, layer)} ({name}) at file offset 0x{r.file_offset:x}"
+
+    def _read_runs(self, keys: list, runs: list, layer: int | None, submitted: float) -> None:
+        """Each run with one preadv scattering into the slots' buffers (each piece 4096-aligned, as O_DIRECT
+        needs), then every range checksummed."""
         t0 = time.perf_counter()
         nread, disk = 0, 0.0
-        for k, (name, off, r) in enumerate(self.layout[key]):
-            want = F.pad(r.nbytes)
-            view = memoryview(buf[off : off + want])
-            where = f"{self.path}: {self.describe(*key, layer)} ({name}) at file offset 0x{r.file_offset:x}"
+        for run in runs:
+            views = [view for _, _, view, _ in run]
+            start = run[0][3].file_offset
             try:
                 if self.fail_hook is not None:
-                    self.fail_hook(key, k)
+                    for key, k, _, _ in run:
+                        self.fail_hook(key, k)
                 t_io = time.perf_counter()
-                got = os.preadv(self.fd, [view], r.file_offset)
+                got = os.preadv(self.fd, views, start)
                 disk += time.perf_counter() - t_io
             except OSError as err:
-                raise ExpertReadError(f"{where}: read failed: {err.strerror or err}") from None
-            if got < r.nbytes:
-                raise ExpertReadError(f"{where}: short read, {got} of {r.nbytes} bytes (file truncated?)"
-                                      f"{changed_since(self.fd, self.at_open)}")
-            crc = crc32(view[: r.nbytes])
-            if crc != r.crc:
-                raise ExpertReadError(f"{where}: checksum mismatch, stored 0x{r.crc:08x}, read 0x{crc:08x} "
-                                      f"(corrupt expert tile){changed_since(self.fd, self.at_open)}")
+                raise ExpertReadError(f"{self._where(run[0][0], run[0][1], layer)}: read failed: "
+                                      f"{err.strerror or err}") from None
+            for key, k, view, r in run:
+                mine = got - (r.file_offset - start)  # bytes of this range the request returned
+                if mine < r.nbytes:
+                    raise ExpertReadError(f"{self._where(key, k, layer)}: short read, {max(0, mine)} of {r.nbytes} "
+                                          f"bytes (file truncated?){changed_since(self.fd, self.at_open)}")
+                crc = crc32(view[: r.nbytes])
+                if crc != r.crc:
+                    raise ExpertReadError(f"{self._where(key, k, layer)}: checksum mismatch, stored "
+                                          f"0x{r.crc:08x}, read 0x{crc:08x} (corrupt expert tile)"
+                                          f"{changed_since(self.fd, self.at_open)}")
+            want = sum(len(v) for v in views)
             if not self.direct:
-                os.posix_fadvise(self.fd, r.file_offset, want, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(self.fd, start, want, os.POSIX_FADV_DONTNEED)
             nread += want
         t1 = time.perf_counter()
         with self.lock:
             self.stats.bytes_read += nread
             self.stats.read_seconds += t1 - t0
             if self.trace is not None:
-                self.trace.append(("read", *key, layer, submitted, t0, t0 + disk, t1))
+                for key in keys:
+                    self.trace.append(("read", *key, layer, submitted, t0, t0 + disk, t1))
 
     def close(self) -> None:
         if self.pool is not None:

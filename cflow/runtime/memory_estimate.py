@@ -3,6 +3,7 @@ the JIT or any allocation runs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from ..errors import CflowError
@@ -10,9 +11,10 @@ from ..errors import CflowError
 
 def memory_parts(compiled, run_state, *, tmax: int, max_seq: int, n_slots: int, kv: str, threads: int,
                  weights: str, experts: str, read_ahead: int, expert_cache_mb: float | None = None,
-                 activations: str = "q8") -> dict[str, int]:
+                 activations: str = "q8", expert_io: str = "async", cache_default: bool = False) -> dict[str, int]:
     """Bytes loading allocates, by part (what the memory check adds up). `compiled` is the file's plan,
-    `run_state` the one the step runs (the disk tier's late schedule). The KV cache and the scratch are exact,
+    `run_state` the one the step runs (the disk tier's late schedule); cache_default: count the expert cache a
+    load without expert_cache_mb gets (open_tier's default). The KV cache and the scratch are exact,
     sized by codegen.abi next to the layouts they describe (ScratchLayout, Binding.KV) rather than by a second
     formula here; tests/runtime/test_memory_estimate.py checks they equal what NativeStep allocates. The
     activation buffers are an upper bound."""
@@ -51,6 +53,14 @@ def memory_parts(compiled, run_state, *, tmax: int, max_seq: int, n_slots: int, 
         # the tier never allocates more slots than there are experts (ExpertTier), so neither does the estimate
         parts[f"the expert cache (--expert-cache-mb {expert_cache_mb})"] = min(
             int(expert_cache_mb * 2**20), sum(t.nbytes for t in tensors.values() if t.expert >= 0))
+    if experts == "disk" and expert_io == "async":  # RouteGuess: each router, its norm and the inverse, in f32
+        routers = [n for n in run_state.graph.nodes() if n.kind == "router"]
+        parts["the route guesser's copies of the routers"] = sum(4 * (n.n_experts + 2) * n.dim for n in routers)
+    if experts == "disk" and expert_cache_mb is None and cache_default:
+        slot, n, window = expert_slots(run_state, tensors, c.top_k, every_stage=weights == "disk",
+                                       sync=expert_io == "sync")
+        parts["the expert cache (default: a quarter of the experts; --expert-cache-mb sets it)"] = (
+            max(window, n // 4) * slot)
     return parts
 
 
@@ -70,16 +80,83 @@ def row_touch(t) -> int:
     return padded(t.nbytes // max(1, t.shape[0]), 4096)
 
 
-def check_memory(path: str, parts: dict[str, int]) -> None:
+def expert_slots(run_state, tensors, top_k: int, *, every_stage: bool, sync: bool) -> tuple[int, int, int]:
+    """(bytes of one expert's cache slot, experts stored, slots one expert-delay window pins at once) for the
+    disk tier (segments.open_tier sizes its slots alike, from the file's entries)."""
+    from .format.spec import pad
+    from .segments import plan_segments
+
+    per: dict[tuple[int, int], int] = {}
+    for t in tensors.values():
+        if t.expert >= 0:
+            per[(t.block, t.expert)] = per.get((t.block, t.expert), 0) + pad(t.nbytes)
+    window = plan_segments(run_state.schedule, top_k, every_stage=every_stage, sync=sync).min_slots
+    return max(per.values(), default=0), len(per), window
+
+
+# Address space a load maps besides its parts, which a limit on the address space (RLIMIT_AS, `ulimit -v`)
+# counts although little of it becomes resident: the JIT's libraries, code and working memory, and for each
+# thread the load starts a stack (8 MiB) and a malloc arena (64 MiB reserved). Measured: the tiny presets 180 MiB
+# with one thread, 55 more per thread; the ~4 GB sibling with experts on disk, 2 threads, a cold JIT: 549 MiB
+# (616 reserved).
+AS_RESERVE = 256 * 2**20
+AS_PER_THREAD = 72 * 2**20
+
+
+def load_threads(threads: int, experts: str, weights: str) -> int:
+    """Threads a load starts: the decode workers besides the caller, the expert tier's and the streamer's I/O."""
+    from .experts import IO_THREADS
+    from .streaming import IO_THREADS as STREAM_THREADS
+
+    return threads - 1 + (IO_THREADS if experts == "disk" else 0) + (STREAM_THREADS if weights == "disk" else 0)
+
+
+def check_memory(path: str, parts: dict[str, int], threads: int = 0) -> None:
     """The parts' sum (KV cache, RoPE tables, per-thread scratch, buffers, weights read into RAM) against the
-    memory this process may still use: one error naming the largest part and how to shrink it."""
-    from ..util import available_memory, format_bytes
+    memory this process may still use, and under an address-space limit the parts plus what the JIT and the
+    `threads` threads the load starts map: one error naming the largest part and how to shrink it."""
+    from ..util import address_space_left, available_memory, format_bytes
 
     need, avail = sum(parts.values()), available_memory()
+    big = max(parts, key=parts.get)
     if avail is not None and need > avail:
-        big = max(parts, key=parts.get)
         raise CflowError(f"{path}: loading needs {format_bytes(need)} of memory, {format_bytes(parts[big])} "
                          f"of it for {big}, but {format_bytes(avail)} is available")
+    left = address_space_left()
+    extra = AS_RESERVE + threads * AS_PER_THREAD
+    if left is not None and need + extra > left:
+        raise CflowError(f"{path}: loading needs {format_bytes(need + extra)} of address space: "
+                         f"{format_bytes(parts[big])} for {big}, {format_bytes(need - parts[big])} for the other "
+                         f"buffers and {format_bytes(extra)} for the JIT and {threads} threads' stacks and heaps, "
+                         f"but the address-space limit (RLIMIT_AS, ulimit -v) leaves {format_bytes(left)}")
+
+
+@contextlib.contextmanager
+def allocating(session):
+    """Around the JIT and the allocations a load makes after check_memory: one that fails all the same (memory
+    taken meanwhile by another process, a limit the estimate does not see) is one CflowError, the session closed,
+    never a MemoryError from deep inside numpy."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "can't start new thread" not in str(e):
+            raise
+        from ..util import available_memory, format_bytes
+
+        session.close()
+        parts = session.memory_parts()
+        avail = available_memory()
+        raise CflowError(f"{session.path}: out of memory while loading ({type(e).__name__}: {e}); the buffers it "
+                         f"allocates come to {format_bytes(sum(parts.values()))}, "
+                         f"{format_bytes(parts[max(parts, key=parts.get)])} of it for {max(parts, key=parts.get)}"
+                         + (f"; {format_bytes(avail)} is available now" if avail is not None else "")) from None
+
+
+def check_load(session, expert_cache_mb: float | None) -> None:
+    """check_memory for a session about to be built (its options set): the parts, the expert cache it will get
+    and the threads it will start."""
+    parts = session.memory_parts(expert_cache_mb, cache_default=expert_cache_mb is None and session.max_ram is None)
+    check_memory(session.path, parts, load_threads(session.threads, session.experts, session.weights))
 
 
 # What a load uses beyond its parts, for choosing where the weights go under max_ram: the JIT's working memory
@@ -109,33 +186,46 @@ def fit_max_ram(session, experts: str, weights: str, prefill_block: int) -> tupl
     for k, (ex, we) in enumerate(placements):
         if k < asked or (ex, we) == ("disk", "ram") and not has_experts:
             continue  # cheaper than asked for, or no experts to put on disk
+        if not has_experts:
+            ex = "ram"  # a dense model streamed: no expert tier
         session._set_tiers(ex, we, prefill_block)
         need = sum(session.memory_parts().values())
-        if ex == "ram":  # mapped: every page of the file is touched each token, but an untied embedding's rows
-            lookup = lookup_tensors(session.compiled)
+        window = 0
+        if we == "ram" and ex == "ram":  # mapped: every page of the file is touched each token, but an untied
+            lookup = lookup_tensors(session.compiled)  # embedding's rows
             need += sum(t.nbytes if n not in lookup else min(t.nbytes, session.max_seq * row_touch(t))
                         for n, t in tensors.items())
-        options.append((ex, we, need))
+        elif ex == "disk":  # the experts one expert-delay window pins at once: the least cache decoding can run with
+            slot, _, slots = expert_slots(session.run_state, tensors, session.config.top_k, every_stage=we == "disk",
+                                          sync=session.expert_io == "sync")
+            window = slot * slots
+        options.append((ex, we, need, window))
     ex, we, _ = choose_tiers(session.max_ram, process_rss(), options)
     return ex, we
 
 
-def choose_tiers(max_ram: int, used: int, options: list[tuple[str, str, int]]) -> tuple[str, str, int]:
-    """Where the weights go under a budget of `max_ram` bytes for the whole process: the first of `options`
-    ((experts, weights, bytes it needs besides a cache), cheapest first: all in RAM, experts on disk, weights
-    on disk) that leaves room, with `used` (what the process holds now) and LOAD_RESERVE. Returns it with the
-    bytes left for the expert cache (an estimate: the cache is sized again once the step is built)."""
-    from ..util import format_bytes
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
-    for experts, weights, need in options:
+
+def choose_tiers(max_ram: int, used: int, options: list[tuple[str, str, int, int]]) -> tuple[str, str, int]:
+    """Where the weights go under a budget of `max_ram` bytes for the whole process: the first of `options`
+    ((experts, weights, bytes it needs besides a cache, bytes of one window of experts), cheapest first: all in
+    RAM, experts on disk, weights on disk) that leaves room for one window of experts, with `used` (what the
+    process holds now) and LOAD_RESERVE. Returns it with the bytes left for the expert cache (an estimate: the
+    cache is sized again once the step is built). None fitting: one error with the numbers, before the JIT."""
+    for experts, weights, need, window in options:
         left = max_ram - used - LOAD_RESERVE - need
-        if left >= 0:
+        if left >= window:
             return experts, weights, left
-    experts, weights, need = options[-1]
-    raise CflowError(f"max_ram {format_bytes(max_ram)} is too small for this model: with "
-                     f"{'the weights' if weights == 'disk' else 'the experts'} on disk it needs "
-                     f"{format_bytes(need)} besides the expert cache, and this process already holds "
-                     f"{format_bytes(used)} (+ {format_bytes(LOAD_RESERVE)} reserved for loading)")
+    experts, weights, need, window = options[-1]
+    what = "dense weights read into RAM" if weights == "ram" else "weights kept in RAM and read-ahead buffers"
+    total = used + LOAD_RESERVE + need + window
+    raise CflowError(f"max_ram {_mib(max_ram)} is too small for this model: with "
+                     f"{'the weights' if weights == 'disk' else 'the experts'} on disk it needs {_mib(total)}: "
+                     f"{_mib(need)} for the {what}, the KV cache and buffers, "
+                     + (f"{_mib(window)} for one window of experts (those decoding holds at once), " if window else "")
+                     + f"{_mib(LOAD_RESERVE)} reserved for loading and {_mib(used)} this process already holds")
 
 
 def cache_budget(max_ram: int, parts: int) -> int:

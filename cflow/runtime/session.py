@@ -26,7 +26,7 @@ from ..passes.schedule import build_schedule
 from .format import FileReader
 from .format.folios import mend_folios_enabled
 from .format.header import check_header, check_plan, stale_file_error
-from .memory_estimate import cache_budget, check_memory, fit_max_ram, lookup_tensors, memory_parts
+from .memory_estimate import allocating, cache_budget, check_load, fit_max_ram, lookup_tensors, memory_parts
 from .native_step import NativeStep
 from .options import KV_AUTO as KV_AUTO  # `X as X`: re-exported, other modules import these from here
 from .options import MAX_BATCH as MAX_BATCH
@@ -112,16 +112,17 @@ class Session:
         # step_batch refuses the others, so a slot never started, or reused after release, is one clear error
         # instead of silently decoding on top of whatever (or nothing) its KV cache holds.
         self.slot_open = np.zeros(max_batch, bool)
-        check_memory(self.path, self.memory_parts(expert_cache_mb))  # before anything is compiled or allocated
-        self._build(cache, adaptive=threads is None)
+        check_load(self, expert_cache_mb)  # before anything is compiled or allocated
         self.tier_tensors: set[str] = set()
         self.streamed: set[str] = set()
-        if self.segmented:
-            self._open_disk(expert_cache_mb)
-        # Decode reads the mapped file whole every token: parts cached in small folios go back to disk once, to
-        # come back in 2 MiB ones (format/folios.py; CFLOW_FOLIOS=keep leaves the page cache as it is).
-        self.folios = self.reader.mend_folios() if not self.segmented and mend_folios_enabled() else None
-        self.native.bind(self._tensor)
+        with allocating(self):  # an allocation failing all the same: one CflowError
+            self._build(cache, adaptive=threads is None)
+            if self.segmented:
+                self._open_disk(expert_cache_mb)
+            # Decode reads the mapped file whole every token: parts cached in small folios go back to disk once,
+            # to come back in 2 MiB ones (format/folios.py; CFLOW_FOLIOS=keep leaves the page cache as it is).
+            self.folios = self.reader.mend_folios() if not self.segmented and mend_folios_enabled() else None
+            self.native.bind(self._tensor)
 
     # --- where the weights live -----------------------------------------------------------------
     def _set_tiers(self, experts: str, weights: str, prefill_block: int) -> None:
@@ -145,19 +146,18 @@ class Session:
     def _check_plan(self) -> None:
         check_plan(self.reader, self.compiled)
 
-    def memory_parts(self, expert_cache_mb: float | None = None) -> dict[str, int]:
+    def memory_parts(self, expert_cache_mb: float | None = None, cache_default: bool = False) -> dict[str, int]:
         """Bytes loading allocates, by part (memory_estimate.memory_parts for this load's options)."""
         return memory_parts(self.compiled, self.run_state, tmax=self.tmax, max_seq=self.max_seq,
                             n_slots=self.n_slots, kv=self.kv_dtype, threads=self.threads, weights=self.weights,
-                            activations=self.activations,
+                            activations=self.activations, expert_io=self.expert_io, cache_default=cache_default,
                             experts=self.experts, read_ahead=self.read_ahead, expert_cache_mb=expert_cache_mb)
 
     # --- native code ----------------------------------------------------------------------------
     def _build(self, cache, adaptive: bool = False) -> None:
         self.native = NativeStep(self.run_state, self.header, max_seq=self.max_seq, tmax=self.tmax, kv=self.kv_dtype,
-                                 activations=self.activations,
-                                 n_slots=self.n_slots, threads=self.threads, profile=self.profile,
-                                 segmented=self.segmented, adaptive=adaptive, cache=cache)
+                                 activations=self.activations, n_slots=self.n_slots, threads=self.threads,
+                                 profile=self.profile, segmented=self.segmented, adaptive=adaptive, cache=cache)
 
     def _tensor(self, name: str) -> np.ndarray | None:
         """A tensor binding's array: mapped from the file, or read into RAM when segmented (of the file only an

@@ -33,6 +33,7 @@ from .experts import changed_since
 from .format import spec as F
 
 MAX_GAP = 64 << 10  # bytes of other tensors (norms, biases) a request reads through rather than split
+IO_THREADS = 2  # reads in flight
 
 
 class WeightReadError(RuntimeFault):
@@ -91,7 +92,7 @@ class StageStreamer:
         self.direct = direct
         self.fd = self._open(direct)
         self.at_open = os.fstat(self.fd)
-        self.pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="cflow-stream")
+        self.pool = cf.ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="cflow-stream")
         self.lock = threading.Lock()
         self.fail_hook = None  # tests: called as fail_hook(stage, run index) before each read; may raise OSError
 

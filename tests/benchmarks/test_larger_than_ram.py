@@ -34,6 +34,7 @@ def test_run_in_a_memory_group(tmp_path):
     assert set(recs) == {"cflow-mmap", "cflow-ram"}
     assert recs["cflow-mmap"]["extra"]["tokens"] == recs["cflow-ram"]["extra"]["tokens"]
     assert recs["cflow-mmap"]["extra"]["tokens_equal_to_ram"] == 4 and recs["cflow-mmap"]["tok_s"] > 0
+    assert recs["cflow-mmap"]["extra"]["reads"] == "mapped"  # no disk tier: which read mode ran, per engine
     assert "cgroup" in recs["cflow-mmap"]["extra"] and "cgroup" not in recs["cflow-ram"]["extra"]
     (group,) = parent.iterdir()  # one group, for the engine with a budget, its limit written
     assert (group / "memory.limit_in_bytes").read_text() == str(2**30)
@@ -144,3 +145,14 @@ def test_dispatch_time_from_the_reads_that_found_a_thread():
     tr = trace_summary(trace, 1, io_threads=4)["trace"]
     assert tr["reads_free"] == 4 and abs(tr["queue_ms_free"] - 0.1) < 1e-9 and abs(tr["queue_ms"] - 0.48) < 1e-9
     assert abs(read_params({"trace": tr})["q"] - 0.1 * ms) < 1e-12
+
+
+def test_read_mode_says_direct_or_buffered():
+    from types import SimpleNamespace
+
+    from benchmarks.larger_than_ram import _read_mode
+
+    tier = SimpleNamespace(direct=True)
+    assert _read_mode(SimpleNamespace(tier=tier, streamer=None)) == "direct"
+    assert _read_mode(SimpleNamespace(tier=tier, streamer=SimpleNamespace(direct=False))) == "buffered"
+    assert _read_mode(SimpleNamespace(tier=None, streamer=None)) == "mapped"

@@ -16,6 +16,7 @@ from cflow.errors import CflowError, RuntimeFault
 from cflow.frontend.load import load_graph
 from cflow.runtime.experts import ExpertReadError
 from cflow.runtime.format import FileReader
+from cflow.runtime.native_step import NativeStep
 
 IDS = [5, 17, 3, 99, 1, 2, 3, 4]
 
@@ -81,6 +82,47 @@ def test_one_thread_and_small_cache_evicts(files):
         assert st.misses > n_slots  # more distinct reads than slots: the LRU evicted and read again
         rss_budget = n_slots * m.session.tier.slot_bytes
         assert rss_budget <= 0.35 * 2**20
+
+
+@pytest.mark.parametrize("key", ["de2", "arch5_shared"])
+def test_adjacent_ranges_read_as_one_request(files, monkeypatch, key):
+    """Ranges that follow each other in the file are read by one preadv scattering into their slots (O_DIRECT:
+    every piece aligned), the same bytes as read one range at a time: an expert's own ranges ("expert", the
+    default), or also those of other experts the layer misses ("layer"). A .cflow file keeps an expert's ranges
+    together and its experts in order (three experts: one request each, or one in all), a .vflow file a layer's
+    gate_up matrices together and its down matrices together (two requests in all, else one per range)."""
+    calls = []
+    real = os.preadv
+
+    def counting(fd, bufs, offset, *a):
+        calls.append(len(bufs))
+        return real(fd, bufs, offset, *a)
+
+    with cflow.load(files[key], threads=1, experts="disk", expert_cache_mb=2) as m:
+        tier = m.session.tier
+        assert tier.direct
+        monkeypatch.setattr(os, "preadv", counting)
+        raw = files[key].read_bytes()
+        requests = {"off": 6, "expert": 3 if key == "de2" else 6, "layer": 1 if key == "de2" else 2}
+        for coalesce, n in requests.items():
+            tier.coalesce = coalesce
+            calls.clear()
+            tier.issue(0, [0, 1, 2])
+            tier.wait(0, [0, 1, 2])
+            ranges = sum(len(tier.layout[(0, e)]) for e in (0, 1, 2))
+            assert sum(calls) == ranges  # every range read once
+            assert ranges == 6 and len(calls) == n, (coalesce, calls)
+            for e in (0, 1, 2):
+                buf = tier.slots[tier.where[(0, e)]].buf
+                for _, off, r in tier.layout[(0, e)]:
+                    assert buf[off : off + r.nbytes].tobytes() == raw[r.file_offset : r.file_offset + r.nbytes]
+            tier.release(0, [0, 1, 2])
+            for e in (0, 1, 2):  # dropped: the next round reads them again
+                tier._forget((0, e))
+    with cflow.load(files[key], threads=1) as ram:
+        want = _greedy(ram)
+    with cflow.load(files[key], threads=1, experts="disk", expert_cache_mb=2) as m:
+        assert _greedy(m) == want
 
 
 def test_budget_below_one_window_is_refused(files, tmp_path):
@@ -171,23 +213,38 @@ def test_file_truncated_while_loaded(files, tmp_path):
             m.logits(IDS)
 
 
-def test_filesystem_without_o_direct_falls_back(files, monkeypatch):
-    """Where O_DIRECT is refused (EINVAL at open, as on some filesystems) reads go through the page cache."""
+@pytest.mark.parametrize("where", ["open", "first read"])
+def test_filesystem_without_o_direct_falls_back(files, monkeypatch, where):
+    """Where O_DIRECT is refused (EINVAL at open, or at the first read as some filesystems do) reads go through
+    the page cache, with one warning per tier, the same tokens, and the page cache dropped after each read."""
+    import fcntl
+
     with cflow.load(files["de2"], threads=1) as ram:
         want = _greedy(ram)
-    real_open = os.open
+    real_open, real_preadv, dropped = os.open, os.preadv, []
 
-    def no_direct(path, flags, *a):
+    def no_direct_open(path, flags, *a):
         if flags & os.O_DIRECT:
             raise OSError(22, "Invalid argument")
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(os, "open", no_direct)
-    with pytest.warns(UserWarning, match="O_DIRECT refused"):
-        m = cflow.load(files["de2"], threads=1, experts="disk", expert_cache_mb=0.5)
+    def no_direct_read(fd, bufs, offset, *a):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_preadv(fd, bufs, offset, *a)
+
+    if where == "open":
+        monkeypatch.setattr(os, "open", no_direct_open)
+    else:
+        monkeypatch.setattr(os, "preadv", no_direct_read)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: dropped.append(advice))
+    with pytest.warns(UserWarning, match="O_DIRECT refused") as warned:
+        m = cflow.load(files["de2"], threads=1, weights="disk", expert_cache_mb=0.5)
+    assert len([w for w in warned if "O_DIRECT refused" in str(w.message)]) == 2  # the experts', the streamer's
     with m:
-        assert not m.session.tier.direct
+        assert not m.session.tier.direct and not m.session.streamer.direct
         assert _greedy(m) == want
+        assert dropped and set(dropped) == {os.POSIX_FADV_DONTNEED}
 
 
 def test_cli_experts_on_disk(files):
@@ -371,7 +428,9 @@ def test_max_ram_places_the_weights_and_sizes_the_cache(files, monkeypatch):
     with cflow.load(files["de2"], threads=1, max_ram_mb=2**20) as m:
         assert m.session.experts == "ram" and m.session.weights == "ram"
         want = _greedy(m, 16)
-    need = {(ex, we): n for ex, we, n in seen[-1]}
+    need = {(ex, we): n for ex, we, n, _ in seen[-1]}
+    window = {(ex, we): w for ex, we, _, w in seen[-1]}
+    assert window[("ram", "ram")] == 0 and 0 < window[("disk", "ram")] <= 0.35 * 2**20
     assert need[("disk", "ram")] < need[("ram", "ram")]
     cache = 0.4 * 2**20
     with cflow.load(files["de2"], threads=1, max_ram_mb=(need[("disk", "ram")] + cache) / 2**20) as m:
@@ -381,10 +440,39 @@ def test_max_ram_places_the_weights_and_sizes_the_cache(files, monkeypatch):
         assert _greedy(m, 16) == want
     with pytest.raises(CflowError, match="max_ram .* too small for this model"):
         cflow.load(files["de2"], max_ram_mb=min(need.values()) / 2**20 * 0.99)
-    with pytest.raises(CflowError, match="max_ram .* leaves .* for the expert cache"):  # fits, but no window
-        cflow.load(files["de2"], max_ram_mb=(need[("disk", "ram")] + 4096) / 2**20)
+    # the dense part fits, but not one window of experts besides: refused at load, before the JIT
+    monkeypatch.setattr(NativeStep, "_build", lambda *a: pytest.fail("reached the JIT"))
+    with pytest.raises(CflowError, match="max_ram .* too small .* for one window of experts"):
+        cflow.load(files["de2"], max_ram_mb=(need[("disk", "disk")] + window[("disk", "disk")] - 4096) / 2**20)
     with pytest.raises(CflowError, match="not both"):
         cflow.load(files["de2"], max_ram_mb=64, expert_cache_mb=1)
+
+
+def test_max_ram_dense_model(dense_files):
+    """A model without experts under max_ram: mapped when it fits, streamed when asked, refused with its numbers
+    (it once tried to put its experts on disk and failed at every budget)."""
+    path = dense_files["vflow"]
+    with cflow.load(path, threads=1, max_ram_mb=2**20) as m:
+        assert (m.session.experts, m.session.weights) == ("ram", "ram")
+    with cflow.load(path, threads=1, max_ram_mb=2**20, weights="disk") as m:
+        assert (m.session.experts, m.session.weights) == ("ram", "disk") and m.session.tier is None
+    with pytest.raises(CflowError, match="max_ram 1.0 MiB is too small") as e:
+        cflow.load(path, max_ram_mb=1)
+    assert "window" not in str(e.value)
+
+
+def test_cli_max_ram_below_one_window_is_refused_with_the_numbers(files, capsys, monkeypatch):
+    from cflow.cli import cflow_main
+
+    monkeypatch.setattr(NativeStep, "_build", lambda *a: pytest.fail("reached the JIT"))
+    code = cflow_main(["run", str(files["de2"]), "--prompt", "1 2 3", "-n", "2", "--max-ram", "64M"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    numbers = re.findall(r"([\d,.]+) MiB (for the weights kept in RAM|for one window of experts|reserved for "
+                         r"loading|this process already holds)", err)
+    assert "max_ram 64.0 MiB is too small" in err and len(numbers) == 4, err
+    assert float(numbers[1][0]) > 0 and float(numbers[2][0]) == 256  # the window, the load's reserve
 
 
 def test_max_ram_option_and_cgroup_limit(tmp_path):

@@ -162,6 +162,39 @@ def test_max_seq_in_the_millions_is_refused_by_memory(base, tmp_path, no_jit, mo
             "load with a smaller max_seq")
 
 
+RLIMIT_CHILD = r"""
+import resource, sys
+from cflow.cli import cflow_main
+from cflow.runtime import memory_estimate as me
+from cflow.util import _read_kv
+
+real = me.check_memory
+
+def limited(path, parts, threads=0):
+    # an address-space limit just above what the load's buffers add up to: the RoPE table was once computed
+    # with temporaries 2.5 times its size, past such a limit, before any check could see it (a MemoryError)
+    vm = _read_kv("/proc/self/status")["VmSize"] * 1024
+    lim = vm + sum(parts.values()) + (64 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+    return real(path, parts, threads)
+
+me.check_memory = limited
+sys.exit(cflow_main(["run", sys.argv[1], "--prompt", "1 2 3", "-n", "1", "--threads", "1"]))
+"""
+
+
+def test_max_seq_in_the_millions_under_an_address_space_limit(base, tmp_path):
+    import subprocess
+    import sys
+
+    path = craft(base, tmp_path, field("config", "max_seq_len", 2**24))
+    r = subprocess.run([sys.executable, "-c", RLIMIT_CHILD, str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "MemoryError" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for needle in ("of address space", "config.max_seq_len=16777216", "KV cache", "RLIMIT_AS"):
+        assert needle in r.stderr, r.stderr
+
+
 def test_unknown_format_and_missing_config(base, tmp_path, no_jit):
     refused(craft(base, tmp_path, field(None, "format", "gguf")), "header field format")
     refused(craft(base, tmp_path, lambda h: h.pop("config")), "header field config")

@@ -33,3 +33,7 @@ def test_estimate_equals_allocation(tmp_path, preset, quant, tile, kw):
         assert s.scratch.nbytes == s.program.scratch.nbytes * s.threads
         assert _part(parts, "the RoPE tables") == s.cos.nbytes + s.sin.nbytes
         assert _part(parts, "the activation buffers") >= sum(p.nbytes for p in s.pools.values())  # an upper bound
+        rg = getattr(s, "route_guess", None)
+        if rg is not None:  # experts on disk, async: the guesser's f32 copies of the routers and norms
+            copies = sum(w.nbytes + r.nbytes for w, r, _ in rg.layers.values()) + sum(v.nbytes for v in rg.inv.values())
+            assert _part(parts, "the route guesser's") >= copies
