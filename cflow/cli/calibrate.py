@@ -115,7 +115,6 @@ def calibrate(args, g):
     weighted; or None when only --imatrix-out was asked for."""
     from ..layout.quant import DType
     from ..passes import mix as M
-    from ..passes.quantize import weight_dtype
 
     if args.bpw is not None and args.quant not in (None, "auto"):
         raise CflowError(f"--bpw chooses the types: it does not combine with --quant {args.quant} (use --quant auto)")
@@ -139,8 +138,4 @@ def calibrate(args, g):
         print(plan.table(g.meta.shapes), file=sys.stderr)
         return M.apply_types(g, plan.types, weights, plan.to_json())
     q = DType.parse(args.quant or "q4")
-    types = {n: weight_dtype(n, g.meta.shapes[n], q) for n in M.matrices(g)}
-    weighted = {n: dt for n, dt in types.items() if dt.quantised}
-    out = M.apply_types(g, weighted, weights, {"imatrix": args.imatrix or "", "type": q.gguf_name})
-    out.meta.source_dtypes.update({n: dt for n, dt in types.items() if not dt.quantised})
-    return out
+    return M.apply_types(g, M.uniform(g, q), weights, {"imatrix": args.imatrix or "", "type": q.gguf_name})

@@ -290,13 +290,21 @@ class WeightedQuantized(Mapping):
         return len(self.source)
 
 
+def uniform(graph, q: DType) -> dict[str, DType]:
+    """Every matrix at q under cflowc's policy (passes/quantize.py: the token embedding f16 under q4/q8)."""
+    from .quantize import weight_dtype
+
+    return {n: weight_dtype(n, graph.meta.shapes[n], q) for n in matrices(graph)}
+
+
 def apply_types(graph, types: Mapping[str, DType], weights: Mapping[str, np.ndarray | None],
                 report: dict | None = None):
-    """A copy of `graph` whose matrices are quantised (lazily) at `types`, compiled as stored (quant "stored")."""
+    """A copy of `graph` whose matrices are quantised (lazily, importance-weighted) at `types`, compiled as stored
+    (quant "stored"); f16 / f32 types are converted as usual."""
     g = graph.copy()
     stored = {n: DType.F32 for n, s in g.meta.shapes.items() if len(s) == 1 or n.endswith(F32_SUFFIXES)}
     stored.update(types)
     g.meta.source_dtypes = stored
     g.meta.quant_mix = report
-    g.weights = WeightedQuantized(graph.weights, types, weights)
+    g.weights = WeightedQuantized(graph.weights, {n: dt for n, dt in types.items() if dt.quantised}, weights)
     return g
