@@ -180,7 +180,8 @@ def perplexity(model, base: Path, threads: int, text: Path | None = None, ctx: i
     cmd = ["cflow", "perplexity", str(model)] + ([str(text), "-c", str(ctx)] if text is not None else [])
     cmd += ["--threads", str(threads), "--json", "--kl-divergence-base", str(base)]
     cmd += [] if text is not None else ["--kl-divergence"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    argv = [sys.executable, "-c", "import sys; from cflow.cli import cflow_main; sys.exit(cflow_main())"] + cmd[1:]
+    r = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
     return {"command": " ".join(cmd), **json.loads(r.stdout.strip().splitlines()[-1])}
@@ -311,7 +312,7 @@ def main(argv=None) -> int:
                               quant=r["variant"], threads=args.threads, variant=None,
                               tok_s=r.get("cflow_tok_s") or r.get("llama_tok_s"),
                               **{k: v for k, v in r.items() if k not in ("model", "variant")}) for r in rows]
-        written = run.write(args.json, records)
+        written = run.write(args.json, records) if records else None
         if written:
             print(f"wrote {written}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)

@@ -49,17 +49,17 @@ def fit_symmetric(x: np.ndarray, w: np.ndarray, nmax: int, ntry: int = 9) -> tup
     mx = np.where(live, mx, 1).astype(np.float32)
     best = np.full(x.shape[0], -np.inf, np.float32)
     d = np.zeros(x.shape[0], np.float32)
-    L = np.zeros(x.shape, np.float32)
+    inv = np.zeros(x.shape[0], np.float32)
+    wx = w * x
     for k in [0] + [i for i in range(-ntry, ntry + 1) if i]:
-        iscale = -(nmax + 0.1 * k) / mx
+        iscale = (-(nmax + 0.1 * k) / mx).astype(np.float32)
         l = np.clip(_rint(iscale[:, None] * x), -nmax, nmax - 1)
-        sumlx, suml2 = (w * x * l).sum(1), (w * l * l).sum(1)
+        sumlx, suml2 = (wx * l).sum(1), (w * l * l).sum(1)
         scale = _safe_div(sumlx, suml2)
         score = scale * sumlx
         take = (suml2 > 0) & (score > best) if k else np.ones_like(live)
-        best = np.where(take, score, best)
-        d = np.where(take, scale, d)
-        L = np.where(take[:, None], l, L)
+        best, d, inv = np.where(take, score, best), np.where(take, scale, d), np.where(take, iscale, inv)
+    L = np.clip(_rint(inv[:, None] * x), -nmax, nmax - 1)  # the codes of the winning trial
     return np.where(live, d, 0).astype(np.float32), np.where(live[:, None], L, 0)
 
 
@@ -70,27 +70,33 @@ def fit_affine(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float = -0.9, rdel
     hi = x.max(1)
     live = hi > lo
     span = np.where(live, hi - lo, 1).astype(np.float32)
-    sw, sx = w.sum(1), (w * x).sum(1)
+    sw, sx, sx2 = w.sum(1), (w * x).sum(1), (w * x * x).sum(1)
+    wx = w * x
+    xm = x - lo[:, None]
 
-    def codes(iscale, m):
-        return np.clip(_rint(iscale[:, None] * (x - m[:, None])), 0, nmax)
+    def err_of(d, m, sl, sl2, sxl):  # sum w (d l + m - x)^2, expanded in the sums
+        return sx2 + d * d * sl2 + m * m * sw - 2 * d * sxl - 2 * m * sx + 2 * d * m * sl
 
-    iscale = nmax / span
+    def sums(l):
+        wl = w * l
+        return wl.sum(1), (wl * l).sum(1), (wx * l).sum(1)
+
+    iscale = (nmax / span).astype(np.float32)
     d, m = 1 / iscale, lo
-    L = codes(iscale, m)
-    best = (w * (d[:, None] * L + m[:, None] - x) ** 2).sum(1)
+    best = err_of(d, m, *sums(np.clip(_rint(iscale[:, None] * xm), 0, nmax)))
+    best_inv = iscale
     for k in range(nstep + 1):
-        l = codes((rmin + rdelta * k + nmax) / span, lo)
-        sl, sl2, sxl = (w * l).sum(1), (w * l * l).sum(1), (w * x * l).sum(1)
+        inv = ((rmin + rdelta * k + nmax) / span).astype(np.float32)
+        sl, sl2, sxl = sums(np.clip(_rint(inv[:, None] * xm), 0, nmax))
         D = sw * sl2 - sl * sl
         dd, mm = _safe_div(sw * sxl - sx * sl, D), _safe_div(sl2 * sx - sl * sxl, D)
         pos = mm > 0  # a positive minimum: the codes start at 0, refit the scale alone
         dd, mm = np.where(pos, _safe_div(sxl, sl2), dd), np.where(pos, 0, mm)
-        err = (w * (dd[:, None] * l + mm[:, None] - x) ** 2).sum(1)
+        err = err_of(dd, mm, sl, sl2, sxl)
         take = (D > 0) & (err < best)
-        best = np.where(take, err, best)
+        best, best_inv = np.where(take, err, best), np.where(take, inv, best_inv)
         d, m = np.where(take, dd, d), np.where(take, mm, m)
-        L = np.where(take[:, None], l, L)
+    L = np.clip(_rint(best_inv[:, None] * xm), 0, nmax)  # the codes of the winning trial
     return (np.where(live, d, 0).astype(np.float32), np.where(live, m, lo).astype(np.float32),
             np.where(live[:, None], L, 0))
 
@@ -129,10 +135,11 @@ def fit_codebook(x: np.ndarray, w: np.ndarray, ntry: int = 7) -> np.ndarray:
     mx = np.where(live, mx, 1).astype(np.float32)
     best = np.full(x.shape[0], -np.inf, np.float32)
     d = np.zeros(x.shape[0], np.float32)
+    wx = w * x
     trials = [-_IQ4[0] / mx] + [(t + _IQ4[0]) / mx for t in range(-ntry, ntry + 1)]  # both signs of the range
     for k, inv in enumerate(trials):
         q = _IQ4[iq4_index(inv[:, None] * x)]
-        sqx, sq2 = (w * q * x).sum(1), (w * q * q).sum(1)
+        sqx, sq2 = (wx * q).sum(1), (w * q * q).sum(1)
         scale = _safe_div(sqx, sq2)
         take = (sq2 > 0) & ((scale * sqx > best) | (k == 0))
         best, d = np.where(take, scale * sqx, best), np.where(take, scale, d)

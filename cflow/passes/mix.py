@@ -114,20 +114,15 @@ def sensitivities(graph, weights: Mapping[str, np.ndarray | None], errors: dict[
     """name -> mean KL divergence (nats per token, over `ids`) its group adds when quantised at `probe`, per unit of
     the group's weighted error there: the factor that turns an error into a predicted KLD (module docstring).
     One float forward pass per group (the reference interpreter, that group alone swapped)."""
-    from ..ir.interp import Interpreter
-
-    run = Interpreter(graph, max_seq_len=len(ids))
-    logp = _log_softmax(run.run(ids))
+    run = _Replay(graph, ids)
+    logp = _log_softmax(run.logits)
     p = np.exp(logp)
     out = {}
     todo = {k: v for k, v in groups(matrices(graph)).items() if all(probe in errors.get(n, {}) for n in v)}
     for i, (key, members) in enumerate(todo.items()):
-        keep = {n: run.weight(n) for n in members}
-        for n in members:
-            run._dense[n] = _dense(quantize_weighted(np.asarray(keep[n], np.float32), probe, weights.get(n)))
-        run.reset()
-        lq = _log_softmax(run.run(ids))
-        run._dense.update(keep)
+        swap = {n: _dense(quantize_weighted(np.asarray(run.weight(n), np.float32), probe, weights.get(n)))
+                for n in members}
+        lq = _log_softmax(run.replay(swap))
         kld = float((p * (logp - lq)).sum(1).mean())
         err = sum(errors[n][probe] for n in members)
         for n in members:
@@ -136,6 +131,52 @@ def sensitivities(graph, weights: Mapping[str, np.ndarray | None], errors: dict[
             progress(i + 1, len(todo), key)
     floor = 1e-3 * (float(np.mean(list(out.values()))) if out else 1.0)
     return {n: max(s, floor) for n, s in out.items()}
+
+
+class _Replay:
+    """The reference interpreter over one chunk, re-run with some weights swapped from the first node that reads
+    one of them (every value before it, and the KV cache of the attention before it, kept from the first run)."""
+
+    def __init__(self, graph, ids):
+        from ..ir.graph import INPUT
+        from ..ir.interp import Interpreter
+
+        self.run = Interpreter(graph, max_seq_len=len(ids))
+        self.logits = self.run.run(ids)
+        self.values = dict(self.run.values, **{INPUT: np.asarray(ids, np.int64)})
+        self.kv = dict(self.run.kv)
+        self.order = self.run.order
+
+    def weight(self, name):
+        return self.run.weight(name)
+
+    def _reads(self, node, names) -> bool:
+        w = set(getattr(node, "weights", ()) or ())
+        if getattr(node, "weight", None):
+            w.add(node.weight)
+        prefix = getattr(node, "prefix", None)
+        return bool(w & names) or (prefix is not None and any(n.startswith(prefix + ".") for n in names))
+
+    def replay(self, swap: dict) -> np.ndarray:
+        from ..ir.graph import OUTPUT
+
+        names = set(swap)
+        first = next(i for i, n in enumerate(self.order) if self._reads(n, names))
+        keep = {n: self.run._dense.get(n) for n in swap}
+        self.run._dense.update(swap)
+        before = {n.name for n in self.order[:first]}
+        vals = {k: v for k, v in self.values.items() if k not in {n.name for n in self.order[first:]}}
+        self.run.pos, self.run.kv = 0, {k: v for k, v in self.kv.items() if k in before}
+        try:
+            for node in self.order[first:]:
+                vals[node.name] = self.run._exec(node, vals)
+        finally:
+            for n, w in keep.items():
+                if w is None:
+                    self.run._dense.pop(n, None)
+                else:
+                    self.run._dense[n] = w
+        return vals[OUTPUT]
 
 
 def _log_softmax(x) -> np.ndarray:

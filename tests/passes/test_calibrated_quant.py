@@ -126,3 +126,15 @@ def test_cflowc_bad_calibration_inputs(tmp_path, capsys):
     assert "does not combine" in capsys.readouterr().err
     assert cflowc_main(["preset:arch1@tiny", "--bpw", "2", "-o", out]) == 1
     assert "no type mix" in capsys.readouterr().err
+
+
+def test_probe_replay_equals_a_full_run(tiny):
+    """The KLD probe re-runs the interpreter from the first node reading a swapped weight: the same logits."""
+    g, ids, _ = tiny
+    r = M._Replay(g, ids[:16])
+    for n in ("tok_embeddings", "blocks.2.attn.wv", "blocks.3.moe.experts.1.w_down"):
+        w = np.asarray(r.weight(n)) * np.float32(1.01)
+        full = Interpreter(g, max_seq_len=16)
+        full._dense[n] = w
+        assert np.array_equal(r.replay({n: w}), full.run(ids[:16]))
+    assert np.array_equal(r.replay({"lm_head": r.weight("lm_head")}), r.logits)
