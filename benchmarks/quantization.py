@@ -14,8 +14,8 @@ Per model (the bundled f32 model; the real GGUF stand-in, see below), from one s
 
 Every file is scored by `cflow perplexity FILE --kl-divergence` (llama.cpp's files run as stored, their bytes
 untouched): perplexity, mean / 99th-percentile KLD, top-1 agreement; bits per weight over every matrix the file
-stores; cflow's decode tok/s on it, and llama.cpp's on its own Q4_K_M file. The last line compares the largest
-real model's cflow mix at the lowest budget with llama.cpp's Q4_K_M with imatrix.
+stores; cflow's decode tok/s on it (best of 3), and llama.cpp's on its own Q4_K_M file. The last line compares the
+largest real model's cflow mix at the lowest budget with llama.cpp's Q4_K_M with imatrix.
 
 No real f16/bf16/f32 language model was found in a registry package (docs/quantization.md): the real model is
 SmolLM2-135M's Q8_0 (conformance.py's derived file), its dequantised weights standing in for the float source.
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,9 @@ def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool) -> list
     def emit(label, graph, quant, tile):
         path = work / f"cflow-{label}.vflow"
         t = time.perf_counter()
-        compile_file(graph, path, quant, tile, tokenizer=graph.meta.tokenizer, eos=graph.meta.eos_token_ids)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # --quant q4 of a GGUF stand-in warns that it requantises its Q8_0
+            compile_file(graph, path, quant, tile, tokenizer=graph.meta.tokenizer, eos=graph.meta.eos_token_ids)
         return path, time.perf_counter() - t
 
     for b in BUDGETS:
@@ -106,12 +109,22 @@ def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool) -> list
 
 # --- llama.cpp's side ---------------------------------------------------------------------------------------
 def llama_quantize(src: Path, dst: Path, ftype: int) -> Path:
+    """llama_model_quantize (its per-tensor log goes to DST.log, not the console)."""
     import llama_cpp
 
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype, p.allow_requantize, p.nthread = ftype, True, 2
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), p) != 0:
-        raise SystemExit(f"llama_model_quantize {src} -> ftype {ftype} failed")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(str(dst) + ".log", "wb") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), p)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize {src} -> ftype {ftype} failed (log: {dst}.log)")
     return dst
 
 
@@ -220,17 +233,10 @@ def file_bpw(path: Path) -> tuple[float, dict]:
 
 def cflow_decode_tok_s(path: Path, threads: int, tokens: int) -> float:
     import cflow
+    from benchmarks.common.timing import time_decode
 
-    best = 0.0
     with cflow.load(str(path), threads=threads) as m:
-        for _ in range(2):
-            m.session.reset()
-            t = int(np.argmax(m.session.prefill([1, 2, 3, 4])))
-            t0 = time.perf_counter()
-            for _ in range(tokens):
-                t = int(np.argmax(m.session.step(t)))
-            best = max(best, tokens / (time.perf_counter() - t0))
-    return best
+        return time_decode(m, [1, 2, 3, 4], tokens, reps=3)
 
 
 def run_model(name: str, src: str, work: Path, args, llama: bool) -> list[dict]:
@@ -246,7 +252,9 @@ def run_model(name: str, src: str, work: Path, args, llama: bool) -> list[dict]:
 
     g = load_graph(src)
     ctx = min(256, g.config.max_seq_len)
-    compile_file(g, ref, "f32", DEFAULT_TILE, tokenizer=g.meta.tokenizer, eos=g.meta.eos_token_ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # f32 requantises a GGUF stand-in's Q8_0: that is the point here
+        compile_file(g, ref, "f32", DEFAULT_TILE, tokenizer=g.meta.tokenizer, eos=g.meta.eos_token_ids)
     b = perplexity(ref, base, args.threads, work / "held.txt", ctx)
     rows.append({"variant": "f32 (base)", "file": str(ref), **b})
     files, im = cflow_files(src, calib, work, ctx, args.quick)
@@ -257,8 +265,14 @@ def run_model(name: str, src: str, work: Path, args, llama: bool) -> list[dict]:
         imat = llama_with_imatrix(Path(src), work / "llama-Q4_K_M.gguf", work / "llama-Q4_K_M-imat.gguf", im)
         variants.append(("llama.cpp Q4_K_M --imatrix", imat, {}))
     for label, path, extra in variants:
+        if path.suffix == ".gguf":  # cflowc's compile as stored: llama.cpp's bytes, tile by tile
+            from benchmarks.conformance import cflow_compile
+
+            extra = {**extra, "gguf": str(path)}
+            cflow_compile(path, None, path.with_suffix(".vflow"))
+            path = path.with_suffix(".vflow")
         r = perplexity(path, base, args.threads)
-        bpw, counts = file_bpw(path)
+        bpw, counts = file_bpw(Path(extra.get("gguf", path)))
         tok_s = cflow_decode_tok_s(path, args.threads, args.tokens)
         rows.append({"variant": label, "file": str(path), "bpw": bpw, "types": counts, "cflow_tok_s": tok_s,
                      **extra, **r})
@@ -303,7 +317,7 @@ def main(argv=None) -> int:
         if not args.no_real:
             from benchmarks.conformance import cache_dir, derive
 
-            src = derive("smollm2-135m.Q8_0", cache_dir(args.cache))
+            src = derive("smollm2-135m.Q8_0", cache_dir(args.cache))  # llama.cpp's log, the first time only
             d = work / "smollm2"
             d.mkdir()
             rows += run_model("smollm2-135m (Q8_0 stand-in)", str(src), d, args, llama=True)

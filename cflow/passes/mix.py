@@ -332,10 +332,8 @@ class WeightedQuantized(Mapping):
 
 
 def uniform(graph, q: DType) -> dict[str, DType]:
-    """Every matrix at q under cflowc's policy (passes/quantize.py: the token embedding f16 under q4/q8)."""
-    from .quantize import weight_dtype
-
-    return {n: weight_dtype(n, graph.meta.shapes[n], q) for n in matrices(graph)}
+    """Every matrix at q, the token embedding included (a tied head streams it: it is not copied at f16)."""
+    return {n: q for n in matrices(graph)}
 
 
 def apply_types(graph, types: Mapping[str, DType], weights: Mapping[str, np.ndarray | None],
