@@ -55,7 +55,8 @@ def texts() -> tuple[str, str]:
 
 
 # --- cflow's side -------------------------------------------------------------------------------------------
-def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool) -> list[tuple[str, Path, dict]]:
+def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool, budgets=BUDGETS
+                ) -> list[tuple[str, Path, dict]]:
     """The cflow variants of `src`: (label, file, extra) each, sharing one imatrix, one measurement, one probe."""
     from cflow.compiler import compile_file
     from cflow.frontend.load import load_graph
@@ -87,7 +88,7 @@ def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool) -> list
             compile_file(graph, path, quant, tile, tokenizer=graph.meta.tokenizer, eos=graph.meta.eos_token_ids)
         return path, time.perf_counter() - t
 
-    for b in BUDGETS:
+    for b in budgets:
         try:
             plan = M.plan_mix(g, M.predicted(errors, sens), b, "calibration half")
         except Exception as e:  # a budget no mix of this model meets: recorded, not fatal
@@ -257,7 +258,7 @@ def run_model(name: str, src: str, work: Path, args, llama: bool) -> list[dict]:
         compile_file(g, ref, "f32", DEFAULT_TILE, tokenizer=g.meta.tokenizer, eos=g.meta.eos_token_ids)
     b = perplexity(ref, base, args.threads, work / "held.txt", ctx)
     rows.append({"variant": "f32 (base)", "file": str(ref), **b})
-    files, im = cflow_files(src, calib, work, ctx, args.quick)
+    files, im = cflow_files(src, calib, work, ctx, args.quick, args.budgets)
     variants = [(label, path, extra) for label, path, extra in files]
     if llama:
         for label, ftype in LLAMA_TYPES.items():
@@ -300,6 +301,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quantization", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="8 calibration chunks, a 64-token probe, errors on 64 rows "
                    "per matrix (default: every chunk, 128 tokens, 256 rows)")
+    p.add_argument("--budgets", type=lambda t: tuple(float(v) for v in t.split(",")), default=BUDGETS,
+                   metavar="B1,B2", help="cflow's --bpw budgets (default 4.25,4.5)")
     p.add_argument("--threads", type=int, default=2, help="threads for every engine (default 2)")
     p.add_argument("--tokens", type=int, default=32, help="decode tokens timed per file (default 32)")
     p.add_argument("--cache", default=None, help="where downloaded models live (default $CFLOW_MODELS or "
