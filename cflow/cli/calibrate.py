@@ -19,6 +19,8 @@ PROBE_TOKENS = 128  # tokens of the sensitivity probe (one float forward pass pe
 
 
 def add_args(p) -> None:
+    from . import whole
+
     p.add_argument("--bpw", type=_bpw, default=None, metavar="BITS",
                    help="bits-per-weight budget: choose each matrix's type (every block type cflow runs) to minimise "
                    "the importance-weighted error within it; implies --quant auto (default: none; auto's is 4.5)")
@@ -28,9 +30,9 @@ def add_args(p) -> None:
                    "unweighted)")
     p.add_argument("--imatrix-out", metavar="FILE.dat", default=None,
                    help="write the collected importance matrix in llama.cpp's .dat format (default: not written)")
-    p.add_argument("--imatrix-ctx", type=int, default=None, metavar="N",
+    p.add_argument("--imatrix-ctx", type=whole(2), default=None, metavar="N",
                    help="tokens per calibration chunk (default: 512, or the model's context if shorter)")
-    p.add_argument("--imatrix-chunks", type=int, default=None, metavar="N",
+    p.add_argument("--imatrix-chunks", type=whole(1), default=None, metavar="N",
                    help="calibration chunks to run at most (default: every whole chunk of the text)")
 
 
@@ -132,7 +134,7 @@ def calibrate(args, g):
         if ids is not None:  # a KLD probe on the first calibration chunk makes the errors comparable across tensors
             sens = M.sensitivities(g, weights, errors, ids[:PROBE_TOKENS], progress=_progress("probing"))
         else:
-            print("no calibration text (--imatrix FILE): types chosen by the raw weighted errors, no KLD probe",
+            print("no calibration text: types chosen by the raw weighted errors (no KLD probe)",
                   file=sys.stderr)
         plan = M.plan_mix(g, M.predicted(errors, sens) if sens else errors, budget, args.imatrix or "")
         print(plan.table(g.meta.shapes), file=sys.stderr)

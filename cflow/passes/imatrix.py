@@ -203,6 +203,9 @@ def _read_gguf(path) -> tuple[dict[str, np.ndarray], dict[str, int], int, str]:
         per = s2.size // c.size
         values[base] = (s2.reshape(c.size, per) / np.maximum(c, 1)[:, None]).reshape(-1).astype(np.float32)
         counts[base] = int(c.max())
+    if not values:
+        raise CflowError(f"--imatrix {path}: a GGUF file without importance-matrix tensors (*.in_sum2): not an "
+                         "imatrix file")
     fields = {f.name: f for f in r.fields.values()}
     chunks = int(fields["imatrix.chunk_count"].contents()) if "imatrix.chunk_count" in fields else 0
     return values, counts, chunks, ""

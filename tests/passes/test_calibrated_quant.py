@@ -138,3 +138,22 @@ def test_probe_replay_equals_a_full_run(tiny):
         full._dense[n] = w
         assert np.array_equal(r.replay({n: w}), full.run(ids[:16]))
     assert np.array_equal(r.replay({"lm_head": r.weight("lm_head")}), r.logits)
+
+
+def test_gguf_imatrix_is_read(tiny, tmp_path):
+    """llama.cpp's newer GGUF imatrix: per tensor, in_sum2 (sum of x^2) and counts (rows seen)."""
+    gguf = pytest.importorskip("gguf")
+    g, _, im = tiny
+    p = tmp_path / "m.imatrix.gguf"
+    w = gguf.GGUFWriter(str(p), "imatrix")
+    w.add_uint32("imatrix.chunk_count", 2)
+    v = im.values["blocks.1.attn.wo"]
+    w.add_tensor("blk.1.attn_output.weight.in_sum2", (v * 40).astype(np.float32))
+    w.add_tensor("blk.1.attn_output.weight.counts", np.array([40], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    back = I.read(p, g)
+    assert back.chunks == 2 and list(back.values) == ["blocks.1.attn.wo"]
+    assert np.allclose(back.values["blocks.1.attn.wo"], v, rtol=1e-6)
