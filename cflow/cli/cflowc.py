@@ -47,9 +47,12 @@ def cflowc_parser() -> argparse.ArgumentParser:
                    "for a text --emit (default: text emits go to standard output)")
     p.add_argument("--emit", choices=EMITS, help="what to produce (default: cflow or vflow, from the suffix of -o)")
     p.add_argument("--json", action="store_true", help="machine-readable --emit analysis (default: a table)")
-    p.add_argument("--quant", default=None, choices=QUANTS,
-                   help="weight type; stored keeps a GGUF's own types, tensor by tensor (default: stored for a .gguf, "
-                   "q4 otherwise)")
+    p.add_argument("--quant", default=None, choices=QUANTS + ("auto",),
+                   help="weight type; stored keeps a GGUF's own types, tensor by tensor; auto chooses each matrix's "
+                   "type under --bpw (default: stored for a .gguf, q4 otherwise)")
+    from .calibrate import add_args as add_calibration
+
+    add_calibration(p)
     p.add_argument("--tile", type=_tile, default=None, metavar="ROWSxCOLS",
                    help="tile shape: rows a multiple of 16 up to 512, cols a multiple of 32 up to 4096 "
                    "(default {}x{}; for a .gguf kept as stored, columns that divide every matrix width, so nothing "
@@ -74,6 +77,12 @@ def _cflowc(args: argparse.Namespace) -> int:
     from ..passes.pipeline import PASS_NAMES
 
     emit = args.emit
+    if emit is None and not args.output and args.imatrix_out:  # collect and save an importance matrix only
+        from ..frontend.load import load_graph
+        from .calibrate import calibrate
+
+        calibrate(args, load_graph(args.model))
+        return 0
     if emit is None:
         if not args.output:
             raise CflowError("nothing to do: give -o OUT.vflow|OUT.cflow or --emit ir|schedule|analysis|dot|llvm")
@@ -119,7 +128,13 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
 
     g = load_graph(args.model, weights=binary)
     from ..passes.quantize import STORED, default_quant, fit_tile
+    from .calibrate import calibrate, wanted
 
+    if wanted(args):
+        if not binary:
+            raise CflowError("--bpw, --imatrix and --quant auto quantise the weights: give -o OUT.vflow|OUT.cflow")
+        g = calibrate(args, g)
+        args.quant = STORED
     if args.quant is None:
         args.quant = default_quant(g)
     if args.tile is None:

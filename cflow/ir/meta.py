@@ -36,6 +36,8 @@ class GraphMeta:
     # frontend read them (GGUF add_bos_token, tokenizer_config.json, the tokenizer.json post-processor), else None
     special_tokens: dict | None = None
     source: str | None = None  # where the model came from, e.g. 'transformers:LlamaForCausalLM'
+    # a per-tensor type mix (passes/mix.py): {"bpw", "budget", "imatrix", "tensors": {name: {"type", "error"}}}
+    quant_mix: dict | None = None
 
     @property
     def delays(self) -> tuple[int, int]:

@@ -44,6 +44,7 @@ def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None
         "eos_token_ids": list(eos or []),
         "chat_template": m.chat_template,  # {"template", "bos_token", "eos_token"} or None (runtime/chat.py)
         "special_tokens": m.special_tokens,  # {"bos", "eos", "add_bos", "add_eos", "source"} or None (tokenizer.py)
+        **({"quant_mix": m.quant_mix} if m.quant_mix else {}),  # the chosen types and their errors (passes/mix.py)
     }
 
 

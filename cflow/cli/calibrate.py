@@ -1,0 +1,143 @@
+"""cflowc's calibrated quantisation: --imatrix TEXT|FILE, --imatrix-out, --bpw, --quant auto.
+
+    cflowc MODEL --imatrix calib.txt --imatrix-out model.imatrix.dat        collect and save (no -o needed)
+    cflowc MODEL --imatrix calib.txt --bpw 4.25 -o model.vflow              a type mix under the budget
+    cflowc MODEL --imatrix model.imatrix.dat --quant q4 -o model.vflow      importance-weighted Q4_0 throughout
+
+The imatrix (passes/imatrix.py) comes from running the model's float weights over the text; the mix
+(passes/mix.py) measures every matrix at every type it can take and allocates the budget.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import CflowError
+
+IMATRIX_SUFFIXES = (".dat", ".imatrix", ".gguf")
+PROBE_TOKENS = 128  # tokens of the sensitivity probe (one float forward pass per matrix)
+
+
+def add_args(p) -> None:
+    from . import whole
+
+    p.add_argument("--bpw", type=_bpw, default=None, metavar="BITS",
+                   help="bits-per-weight budget: choose each matrix's type (every block type cflow runs) to minimise "
+                   "the importance-weighted error within it; implies --quant auto (default: none; auto's is 4.5)")
+    p.add_argument("--imatrix", metavar="TEXT|FILE", default=None,
+                   help="importance matrix: a text file to collect it from, or a saved one (llama.cpp's .dat or "
+                   "GGUF imatrix, by suffix .dat/.imatrix/.gguf); weighs every block's fit (default: none, "
+                   "unweighted)")
+    p.add_argument("--imatrix-out", metavar="FILE.dat", default=None,
+                   help="write the collected importance matrix in llama.cpp's .dat format (default: not written)")
+    p.add_argument("--imatrix-ctx", type=whole(2), default=None, metavar="N",
+                   help="tokens per calibration chunk (default: 512, or the model's context if shorter)")
+    p.add_argument("--imatrix-chunks", type=whole(1), default=None, metavar="N",
+                   help="calibration chunks to run at most (default: every whole chunk of the text)")
+
+
+def _bpw(text: str) -> float:
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bits per weight, not {text!r}") from None
+    if not 1 <= v <= 32:
+        raise argparse.ArgumentTypeError(f"{v:g} bits per weight: give 1 to 32")
+    return v
+
+
+def wanted(args) -> bool:
+    return args.quant == "auto" or args.bpw is not None or args.imatrix is not None or args.imatrix_out is not None
+
+
+def _progress(what: str):
+    """A one-line counter on a terminal's stderr; a single line at the end otherwise."""
+    tty = sys.stderr.isatty()
+
+    def tick(i, n, name=""):
+        if tty:
+            print(f"\r{what} {i}/{n} {name:<40}", end="\n" if i == n else "", file=sys.stderr, flush=True)
+        elif i == n:
+            print(f"{what}: {n} done", file=sys.stderr)
+
+    return tick
+
+
+def _is_imatrix_file(path: str) -> bool:
+    if path.lower().endswith(IMATRIX_SUFFIXES):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def importance(args, g):
+    """(the ImportanceMatrix --imatrix names, collected from text or read, or None; the calibration ids or None)."""
+    from ..passes import imatrix as I
+
+    if args.imatrix is None:
+        if args.imatrix_out:
+            raise CflowError("--imatrix-out needs --imatrix TEXT (the calibration text to collect it from)")
+        return None, None
+    if _is_imatrix_file(args.imatrix):
+        if args.imatrix_out:
+            raise CflowError("--imatrix-out writes a collected matrix: --imatrix names a saved one already")
+        return I.read(args.imatrix, g), None
+    try:
+        with open(args.imatrix, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CflowError(f"--imatrix {args.imatrix}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    if g.meta.tokenizer is None:
+        raise CflowError("--imatrix TEXT: this model has no tokenizer to read the text with (give --tokenizer, or a "
+                         "saved imatrix file)")
+    from ..runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(g.meta.tokenizer, g.meta.eos_token_ids, g.meta.special_tokens)
+    ids = tok.encode(text, add_special=False)
+    n_ctx = args.imatrix_ctx or min(512, g.config.max_seq_len)
+    print(f"imatrix: {len(ids)} tokens of {args.imatrix}, chunks of {n_ctx}", file=sys.stderr)
+    im = I.collect(g, ids, n_ctx, args.imatrix_chunks, tok.bos_id if tok.add_bos else None, args.imatrix,
+                   progress=_progress("imatrix chunks"))
+    if args.imatrix_out:
+        from ..util import check_output_path
+
+        check_output_path(args.imatrix_out, "--imatrix-out")
+        I.write_dat(im, args.imatrix_out)
+        print(f"wrote {args.imatrix_out}: {len(im.values)} matrices, {im.chunks} chunks", file=sys.stderr)
+    return im, ids[:n_ctx]
+
+
+def calibrate(args, g):
+    """The graph to compile as stored: every matrix at its type (the mix under --bpw, or --quant's), importance-
+    weighted; or None when only --imatrix-out was asked for."""
+    from ..layout.quant import DType
+    from ..passes import mix as M
+
+    if args.bpw is not None and args.quant not in (None, "auto"):
+        raise CflowError(f"--bpw chooses the types: it does not combine with --quant {args.quant} (use --quant auto)")
+    if args.quant == "stored":
+        raise CflowError("--imatrix requantises: it does not combine with --quant stored")
+    im, ids = importance(args, g)
+    if args.output is None:
+        return None
+    values = im.for_graph(g, args.imatrix) if im is not None else {}
+    weights = M.column_weights(g, values)
+    if args.quant == "auto" or args.bpw is not None:
+        budget = args.bpw if args.bpw is not None else M.DEFAULT_BPW
+        errors = M.measure(g, weights, progress=_progress("measuring"))
+        sens = None
+        if ids is not None:  # a KLD probe on the first calibration chunk makes the errors comparable across tensors
+            sens = M.sensitivities(g, weights, errors, ids[:PROBE_TOKENS], progress=_progress("probing"))
+        else:
+            print("no calibration text: types chosen by the raw weighted errors (no KLD probe)",
+                  file=sys.stderr)
+        plan = M.plan_mix(g, M.predicted(errors, sens) if sens else errors, budget, args.imatrix or "")
+        print(plan.table(g.meta.shapes), file=sys.stderr)
+        return M.apply_types(g, plan.types, weights, plan.to_json())
+    q = DType.parse(args.quant or "q4")
+    return M.apply_types(g, M.uniform(g, q), weights, {"imatrix": args.imatrix or "", "type": q.gguf_name})
