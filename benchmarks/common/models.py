@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 
 from cflow.ir.config import ModelConfig
+from cflow.models.synthetic import GeneratedWeights
 
 from . import OUT
 
@@ -60,7 +61,7 @@ def name_seed(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-class LazyWeights(Mapping):
+class LazyWeights(GeneratedWeights):
     """Fixed random weights of `config`, each tensor generated when it is looked up (and not kept).
 
     Same names, shapes, dtype (f32) and distributions as random_weights (norms 1 + 0.01 N(0, 1), the LM head
@@ -69,12 +70,6 @@ class LazyWeights(Mapping):
     model is streamed one tensor at a time. Not the same values as random_weights (that one draws every
     tensor from one generator in order; the existing geometries keep it, their files and results depend on it).
     """
-
-    def __init__(self, config: ModelConfig, seed: int = 0):
-        from cflow.ir.build import weight_shapes
-
-        self.config, self.seed = config, int(seed)
-        self.shapes: dict[str, tuple[int, ...]] = weight_shapes(config)
 
     def __getitem__(self, name: str) -> np.ndarray:
         shape = self.shapes[name]  # KeyError for a name the model does not have
@@ -85,15 +80,6 @@ class LazyWeights(Mapping):
         out = rng.standard_normal(shape, dtype=np.float32)
         out *= std
         return out
-
-    def __contains__(self, name) -> bool:  # Mapping's default would generate the tensor to find out
-        return name in self.shapes
-
-    def __iter__(self):
-        return iter(self.shapes)
-
-    def __len__(self) -> int:
-        return len(self.shapes)
 
     def nbytes(self) -> int:
         """f32 bytes of all the tensors (were they materialised at once)."""

@@ -412,7 +412,7 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
     weight vector once per unit for all activations (the multi-token kernels: the tile stays in L1/L2).
     One activation is the decode mat-vec; per output the arithmetic is the same for any number of them.
     Several activations run the passes as a loop over their first group (one pass's code to JIT, not one per
-    pass: the same speed in cache, measured)."""
+    pass)."""
     ng, UB = L.groups_per_tile, L.unit_nbytes
     nunits = L.n_units
     na = len(acts)
@@ -568,9 +568,10 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     isa = ISA.parse(isa)
     # Tokens per group: 8 on AVX-512 (32 registers), 4 elsewhere (16 registers, each <16 x f32> two of them).
     # Row groups per pass: Q4 / Q8 take MATMAT_GROUPS // tg (2 or 4) 16-row groups per pass over a tile-row, the
-    # GGUF block types one (their unit is up to 8x longer). In cache on an AMX Xeon (benchmarks/matmat.py), against
-    # one group per pass: AVX2 Q4 +19%, Q8 +26%; AVX-512 Q4 +13%, Q8 +37% (an earlier pick on a loaded Zen 4 had
-    # found one group best, with passes unrolled). The K-quants lose 8-25% with more.
+    # GGUF block types one (their unit is up to 8x longer). In cache on an AMX Xeon, against one group per pass
+    # (benchmarks/matmat.py, docs/results/intel-amx/matmat_groups_intel.txt): AVX2 Q4 / Q8 1.07x / 1.08x, AVX-VNNI
+    # 1.10x / 1.57x, AVX-512 1.26x / 1.21x, the block types 0.98-1.03x (an earlier pick on a loaded Zen 4 had found
+    # one group best, with passes unrolled).
     tg = token_group or (8 if isa == ISA.AVX512VNNI else 4)
     max_groups = max_groups or (MATMAT_GROUPS if L.dtype in (DType.Q4, DType.Q8) else tg)
     per_tok = max(1, max_groups // tg)

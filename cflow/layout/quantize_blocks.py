@@ -37,16 +37,20 @@ def _safe_div(a, b):
         return np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
 
 
+def _peak(x):
+    """Each row's value of largest magnitude (1 where the row is all below EPS) and whether it is above EPS."""
+    mx = x[np.arange(x.shape[0]), np.abs(x).argmax(axis=1)]
+    live = np.abs(mx) >= EPS
+    return np.where(live, mx, 1).astype(np.float32), live
+
+
 def _rint(x):
     return np.rint(x).astype(np.float32)
 
 
 def fit_symmetric(x: np.ndarray, w: np.ndarray, nmax: int, ntry: int = 9) -> tuple[np.ndarray, np.ndarray]:
     """x, w [N, n] -> (d [N], l [N, n] in [-nmax, nmax-1]) minimising sum w (x - d l)^2 over 2*ntry+1 trial scales."""
-    idx = np.abs(x).argmax(axis=1)
-    mx = x[np.arange(x.shape[0]), idx]
-    live = np.abs(mx) >= EPS
-    mx = np.where(live, mx, 1).astype(np.float32)
+    mx, live = _peak(x)
     best = np.full(x.shape[0], -np.inf, np.float32)
     d = np.zeros(x.shape[0], np.float32)
     inv = np.zeros(x.shape[0], np.float32)
@@ -129,10 +133,7 @@ def iq4_index(x: np.ndarray) -> np.ndarray:
 
 def fit_codebook(x: np.ndarray, w: np.ndarray, ntry: int = 7) -> np.ndarray:
     """x, w [N, 32] -> d [N] minimising sum w (x - d v[l])^2 over 2*ntry+2 trial scales (IQ4 code book)."""
-    idx = np.abs(x).argmax(axis=1)
-    mx = x[np.arange(x.shape[0]), idx]
-    live = np.abs(mx) >= EPS
-    mx = np.where(live, mx, 1).astype(np.float32)
+    mx, live = _peak(x)
     best = np.full(x.shape[0], -np.inf, np.float32)
     d = np.zeros(x.shape[0], np.float32)
     wx = w * x
