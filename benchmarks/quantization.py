@@ -6,8 +6,9 @@ Per model (the bundled f32 model; the real GGUF stand-in, see below), from one s
 
   base       the source's own function (cflow, f32 weights): `cflow perplexity --kl-divergence-base` on held-out
              text (the second half of benchmarks/data/tinystories_excerpt.txt; the first half calibrates)
-  cflow      cflowc's importance-weighted quantiser (imatrix collected on the calibration half): the type mix of
-             --bpw 4.25 and --bpw 4.5; plain Q4_0 (--quant q4) and importance-weighted Q4_0 for reference
+  cflow      cflowc's calibrated quantiser (imatrix and input second moments collected on the calibration half,
+             errors fed forward: passes/gptq.py): the type mix of --bpw 4.25 and --bpw 4.5; plain Q4_0 (--quant
+             q4), calibrated Q4_0, and importance-weighted Q4_0 without the feedback (--no-gptq) for reference
   llama.cpp  llama_model_quantize on the source GGUF: Q4_K_M, IQ4_XS, Q4_0; and Q4_K_M with the importance
              matrix (ggml_quantize_chunk with it, tensor by tensor, on llama.cpp's own Q4_K_M type choice: what
              llama-quantize --imatrix does; its imatrix is cflow's, the same quantity llama-imatrix collects)
@@ -19,7 +20,10 @@ largest real model's cflow mix at the lowest budget with llama.cpp's Q4_K_M with
 
 No real f16/bf16/f32 language model was found in a registry package (docs/quantization.md): the real model is
 SmolLM2-135M's Q8_0 (conformance.py's derived file), its dequantised weights standing in for the float source.
-The bundled model's architecture (a dense FFN and an expert bank per layer) has no llama.cpp counterpart.
+The bundled model's architecture (a dense FFN and an expert bank per layer) has no llama.cpp counterpart. The float
+source both quantisers can take is a small Llama trained here (benchmarks/reference_llama.py, its f32 GGUF; every
+width a multiple of 256, so every K-quant applies): --reference DIR, by default $CFLOW_MODELS/tinyllama-ts when it
+exists. Its line is printed before the last one (the largest real model's, as the issue asks).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ def texts() -> tuple[str, str]:
 def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool, budgets=BUDGETS
                 ) -> list[tuple[str, Path, dict]]:
     """The cflow variants of `src`: (label, file, extra) each, sharing one imatrix, one measurement, one probe."""
+    from cflow.cli.calibrate import gram_budget
     from cflow.compiler import compile_file
     from cflow.frontend.load import load_graph
     from cflow.layout import DEFAULT_TILE
@@ -71,11 +76,13 @@ def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool, budgets
     tok = Tokenizer(g.meta.tokenizer, g.meta.eos_token_ids, g.meta.special_tokens)
     ids = tok.encode(calib, add_special=False)
     t0 = time.perf_counter()
-    im = I.collect(g, ids, ctx, 8 if quick else None, tok.bos_id if tok.add_bos else None, "calibration half")
+    im = I.collect(g, ids, ctx, 8 if quick else None, tok.bos_id if tok.add_bos else None, "calibration half",
+                   gram_bytes=gram_budget())
     I.write_dat(im, work / "imatrix.dat")
     weights = M.column_weights(g, im.values)
-    errors = M.measure(g, weights, sample_rows=64 if quick else 256)
-    sens = M.sensitivities(g, weights, errors, ids[: 64 if quick else 128])
+    curv = M.curvatures(im.grams)  # what cflowc --imatrix TEXT does by default (error feedback, passes/gptq.py)
+    errors = M.measure(g, weights, sample_rows=64 if quick else 256, curv=curv)
+    sens = M.sensitivities(g, weights, errors, ids[: 64 if quick else 128], curv=curv)
     calib_s = time.perf_counter() - t0
     print(f"  imatrix + measurement + probe: {calib_s:.0f} s", file=sys.stderr)
     out = []
@@ -94,7 +101,7 @@ def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool, budgets
         except Exception as e:  # a budget no mix of this model meets: recorded, not fatal
             print(f"  --bpw {b}: {e}", file=sys.stderr)
             continue
-        g2 = M.apply_types(g, plan.types, weights, plan.to_json())
+        g2 = M.apply_types(g, plan.types, weights, plan.to_json(), curv)
         path, s = emit(f"bpw{b}", g2, "stored", fit_tile(g2))
         counts = {}
         for dt in plan.types.values():
@@ -102,9 +109,10 @@ def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool, budgets
         out.append((f"cflow --bpw {b}", path, {"types": counts, "compile_s": s, "calibrate_s": calib_s}))
     path, s = emit("q4", g, "q4", DEFAULT_TILE)
     out.append(("cflow --quant q4", path, {"compile_s": s}))
-    gw = M.apply_types(g, M.uniform(g, DType.Q4), weights, {"type": "Q4_0", "imatrix": "calibration half"})
-    path, s = emit("q4-imatrix", gw, "stored", fit_tile(gw))
-    out.append(("cflow --quant q4 --imatrix", path, {"compile_s": s}))
+    for label, cv in (("", curv), (" --no-gptq", None)):
+        gw = M.apply_types(g, M.uniform(g, DType.Q4), weights, {"type": "Q4_0", "imatrix": "calibration half"}, cv)
+        path, s = emit(f"q4-imatrix{label.replace(' ', '')}", gw, "stored", fit_tile(gw))
+        out.append((f"cflow --quant q4 --imatrix{label}", path, {"compile_s": s}))
     return out, im
 
 
@@ -297,6 +305,22 @@ def summary_line(rows: list[dict]) -> str | None:
             f"= {c['kl_kld_mean'] / ref['kl_kld_mean']:.2f}x")
 
 
+def reference_source(arg: str | None, cache: Path) -> Path | None:
+    """The trained reference's f32 GGUF (benchmarks/reference_llama.py), or None (asked for none, or not made)."""
+    if arg == "none":
+        return None
+    d = Path(arg) if arg else cache / "tinyllama-ts"
+    f = d / "model-f32.gguf"
+    if not f.exists():
+        if arg:
+            raise SystemExit(f"--reference {arg}: no model-f32.gguf (make it: python -m benchmarks.reference_llama "
+                             f"--out {arg})")
+        print(f"no reference model in {d} (python -m benchmarks.reference_llama --out {d}): skipped",
+              file=sys.stderr)
+        return None
+    return f
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quantization", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="8 calibration chunks, a 64-token probe, errors on 64 rows "
@@ -308,6 +332,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="where downloaded models live (default $CFLOW_MODELS or "
                    "~/.cache/cflow/models)")
     p.add_argument("--no-real", action="store_true", help="the bundled model only (default: and the real one)")
+    p.add_argument("--reference", default=None, metavar="DIR",
+                   help="benchmarks/reference_llama.py's output directory, or 'none' (default: "
+                   "$CFLOW_MODELS/tinyllama-ts when it exists)")
     add_json_argument(p, "write one record per model and variant")
     args = p.parse_args(argv)
     run = Run("quantization", argv)
@@ -319,6 +346,12 @@ def main(argv=None) -> int:
         rows += run_model("bundled (f32)", str(BUNDLED), d, args, llama=False)
         if not args.no_real:
             from benchmarks.conformance import cache_dir, derive
+
+            ref = reference_source(args.reference, cache_dir(args.cache))
+            if ref is not None:
+                d = work / "reference"
+                d.mkdir()
+                rows += run_model("tinyllama-ts (f32, trained here)", str(ref), d, args, llama=True)
 
             src = derive("smollm2-135m.Q8_0", cache_dir(args.cache))  # llama.cpp's log, the first time only
             d = work / "smollm2"
@@ -333,6 +366,9 @@ def main(argv=None) -> int:
         if written:
             print(f"wrote {written}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
+    ref_line = summary_line([r for r in rows if r["model"].startswith("tinyllama")])
+    if ref_line:
+        print(f"float source (trained here): {ref_line}")
     line = summary_line([r for r in rows if r["model"].startswith("smollm2")]) or summary_line(rows)
     print(line or "no cflow mix and llama.cpp Q4_K_M --imatrix pair to compare")
     return 0

@@ -5,7 +5,9 @@
     cflowc MODEL --imatrix model.imatrix.dat --quant q4 -o model.vflow      importance-weighted Q4_0 throughout
 
 The imatrix (passes/imatrix.py) comes from running the model's float weights over the text; the mix
-(passes/mix.py) measures every matrix at every type it can take and allocates the budget.
+(passes/mix.py) measures every matrix at every type it can take and allocates the budget. From a text, the same
+run collects each matrix's input second moment, and every block's rounding error is fed forward onto the inputs
+not yet quantised (passes/gptq.py; --no-gptq rounds each block alone, as a saved imatrix file must).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..errors import CflowError
 
 IMATRIX_SUFFIXES = (".dat", ".imatrix", ".gguf")
 PROBE_TOKENS = 128  # tokens of the sensitivity probe (one float forward pass per matrix)
+GRAM_MAX = 4 << 30  # bytes of input second moments kept at most (a quarter of the RAM if less): the rest, diagonal
 
 
 def add_args(p) -> None:
@@ -34,6 +37,9 @@ def add_args(p) -> None:
                    help="tokens per calibration chunk (default: 512, or the model's context if shorter)")
     p.add_argument("--imatrix-chunks", type=whole(1), default=None, metavar="N",
                    help="calibration chunks to run at most (default: every whole chunk of the text)")
+    p.add_argument("--no-gptq", action="store_true",
+                   help="fit each block alone, importance-weighted (default: with --imatrix TEXT, each block's "
+                   "error is fed forward onto the inputs not yet quantised, GPTQ)")
 
 
 def _bpw(text: str) -> float:
@@ -102,7 +108,7 @@ def importance(args, g):
     n_ctx = args.imatrix_ctx or min(512, g.config.max_seq_len)
     print(f"imatrix: {len(ids)} tokens of {args.imatrix}, chunks of {n_ctx}", file=sys.stderr)
     im = I.collect(g, ids, n_ctx, args.imatrix_chunks, tok.bos_id if tok.add_bos else None, args.imatrix,
-                   progress=_progress("imatrix chunks"))
+                   progress=_progress("imatrix chunks"), gram_bytes=0 if args.no_gptq else gram_budget())
     if args.imatrix_out:
         from ..util import check_output_path
 
@@ -110,6 +116,16 @@ def importance(args, g):
         I.write_dat(im, args.imatrix_out)
         print(f"wrote {args.imatrix_out}: {len(im.values)} matrices, {im.chunks} chunks", file=sys.stderr)
     return im, ids[:n_ctx]
+
+
+def gram_budget() -> int:
+    import os
+
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 4 * GRAM_MAX
+    return min(GRAM_MAX, ram // 4)
 
 
 def calibrate(args, g):
@@ -127,17 +143,21 @@ def calibrate(args, g):
         return None
     values = im.for_graph(g, args.imatrix) if im is not None else {}
     weights = M.column_weights(g, values)
+    curv = M.curvatures(im.grams) if im is not None and im.grams else None
+    if curv:
+        print(f"error feedback (GPTQ) on {len(curv)} of {len(M.matrices(g))} matrices", file=sys.stderr)
     if args.quant == "auto" or args.bpw is not None:
         budget = args.bpw if args.bpw is not None else M.DEFAULT_BPW
-        errors = M.measure(g, weights, progress=_progress("measuring"))
+        errors = M.measure(g, weights, progress=_progress("measuring"), curv=curv)
         sens = None
         if ids is not None:  # a KLD probe on the first calibration chunk makes the errors comparable across tensors
-            sens = M.sensitivities(g, weights, errors, ids[:PROBE_TOKENS], progress=_progress("probing"))
+            sens = M.sensitivities(g, weights, errors, ids[:PROBE_TOKENS], progress=_progress("probing"), curv=curv)
         else:
             print("no calibration text: types chosen by the raw weighted errors (no KLD probe)",
                   file=sys.stderr)
         plan = M.plan_mix(g, M.predicted(errors, sens) if sens else errors, budget, args.imatrix or "")
         print(plan.table(g.meta.shapes), file=sys.stderr)
-        return M.apply_types(g, plan.types, weights, plan.to_json())
+        return M.apply_types(g, plan.types, weights, {**plan.to_json(), "gptq": bool(curv)}, curv)
     q = DType.parse(args.quant or "q4")
-    return M.apply_types(g, M.uniform(g, q), weights, {"imatrix": args.imatrix or "", "type": q.gguf_name})
+    return M.apply_types(g, M.uniform(g, q), weights, {"imatrix": args.imatrix or "", "type": q.gguf_name,
+                                                       "gptq": bool(curv)}, curv)

@@ -173,6 +173,60 @@ def _bits(u: np.ndarray, bit: int) -> np.ndarray:
     return np.ascontiguousarray(b.sum(1, dtype=np.uint32).astype("<u4")).view(np.uint8).reshape(-1, 4)
 
 
+def code_fields(dt: DType, u: np.ndarray) -> dict[str, np.ndarray]:
+    """The fields of a block type that hold its codes, from the stored code of every input u [N, qk] (0..umax; for
+    the IQ4 types the code-book index): the inverse of the code part of blocks.decompose. The fitters below and the
+    error feedback (passes/gptq.py, which picks codes input by input under a block's fitted scales) share it."""
+    u = np.asarray(u).astype(np.uint8)
+    N = u.shape[0]
+    if dt in (DType.Q4_1, DType.Q5_0, DType.Q5_1, DType.IQ4_NL):
+        out = {"qs": _nibbles(u[:, :16], u[:, 16:])}
+        if dt in (DType.Q5_0, DType.Q5_1):
+            out["qh"] = _bits(u, 4)
+        return out
+    if dt in (DType.Q4_K, DType.Q5_K):
+        q = u.reshape(N, 4, 2, 32)  # sub-block 2c in the low nibble of qs[c*32 + l], 2c+1 in the high one
+        out = {"qs": _nibbles(q[:, :, 0], q[:, :, 1]).reshape(N, 128)}
+        if dt == DType.Q5_K:
+            hb = (u.reshape(N, 8, 32) >> 4) & 1  # bit j of qh[l]: high bit of sub-block j's element l
+            out["qh"] = (hb << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)
+        return out
+    if dt == DType.Q2_K:
+        q = u.reshape(N, 2, 4, 32)  # element n*128 + j*32 + l: bits 2j of qs[n*32 + l]
+        return {"qs": (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(N, 64)}
+    if dt == DType.IQ4_XS:
+        q = u.reshape(N, 8, 32)
+        return {"qs": _nibbles(q[..., :16], q[..., 16:]).reshape(N, 128)}
+    if dt == DType.Q6_K:
+        q = u.reshape(N, 2, 2, 2, 32)  # [n, nib, half, l]: element n*128 + (2 nib + half)*32 + l
+        ql = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(N, 128)  # ql[n*64 + half*32 + l], nibble nib
+        hi = (u.reshape(N, 2, 4, 32) >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+        return {"ql": ql, "qh": hi.sum(2, dtype=np.uint8).reshape(N, 64)}
+    if dt == DType.Q3_K:
+        q = u.reshape(N, 2, 4, 32)  # low 2 bits at bit 2j of qs[n*32 + l], the third bit in hmask
+        qs = ((q[:, :, 0] & 3) | ((q[:, :, 1] & 3) << 2) | ((q[:, :, 2] & 3) << 4) | ((q[:, :, 3] & 3) << 6))
+        hb = (u.reshape(N, 8, 32) >> 2) & 1
+        return {"hmask": (hb << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8),
+                "qs": qs.reshape(N, 64)}
+    raise ValueError(f"no code fields for {dt.gguf_name}")
+
+
+def _assemble(dt: DType, fields: dict[str, np.ndarray]) -> np.ndarray:
+    """A block type's fields [N, bytes] each -> its blocks [N, nbytes], in GGUF's field order."""
+    return np.concatenate([fields[name] for name, _ in FORMATS[dt].fields], axis=1)
+
+
+def with_codes(t: BlockTensor, u: np.ndarray) -> BlockTensor:
+    """t with every input's stored code replaced by u [rows, cols] (its scales kept)."""
+    fmt = FORMATS[t.dtype]
+    nb = t.cols // fmt.qk
+    raw = t.raw.reshape(t.rows * nb, fmt.nbytes).copy()
+    sl = fmt.field_slices()
+    for name, v in code_fields(t.dtype, np.asarray(u).reshape(t.rows * nb, fmt.qk)).items():
+        raw[:, sl[name]] = v
+    return BlockTensor(t.dtype, t.rows, t.cols, raw.reshape(t.rows, nb * fmt.nbytes))
+
+
 def _legacy(dt: DType, x: np.ndarray, q: np.ndarray | None) -> np.ndarray:
     """32-input types, x [N, 32] -> block bytes [N, nbytes]."""
     w = _element_weights(x, None if q is None else q, 32)
@@ -180,21 +234,16 @@ def _legacy(dt: DType, x: np.ndarray, q: np.ndarray | None) -> np.ndarray:
         nmax = 8 if dt == DType.Q4 else 16
         d, l = fit_symmetric(x, w, nmax)
         u = (l + nmax).astype(np.uint8)
-        parts = [_bytes16(d)]
-        if dt == DType.Q5_0:
-            parts.append(_bits(u, 4))
-        return np.concatenate(parts + [_nibbles(u[:, :16], u[:, 16:])], axis=1)
+        if dt == DType.Q4:  # Q4_0: IQ4_NL's layout, its codes as integers
+            return np.concatenate([_bytes16(d), code_fields(DType.IQ4_NL, u)["qs"]], axis=1)
+        return _assemble(dt, {"d": _bytes16(d), **code_fields(dt, u)})
     if dt in (DType.Q4_1, DType.Q5_1):
         d, m, l = fit_affine(x, w, 15 if dt == DType.Q4_1 else 31)
-        u = l.astype(np.uint8)
-        parts = [_bytes16(d), _bytes16(m)]
-        if dt == DType.Q5_1:
-            parts.append(_bits(u, 4))
-        return np.concatenate(parts + [_nibbles(u[:, :16], u[:, 16:])], axis=1)
+        return _assemble(dt, {"d": _bytes16(d), "m": _bytes16(m), **code_fields(dt, l)})
     assert dt == DType.IQ4_NL
     d = fit_codebook(x, w)
     u = iq4_index(_safe_div(x, d[:, None]))
-    return np.concatenate([_bytes16(d), _nibbles(u[:, :16], u[:, 16:])], axis=1)
+    return _assemble(dt, {"d": _bytes16(d), **code_fields(dt, u)})
 
 
 def _k4_pack(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
@@ -232,17 +281,9 @@ def _k_affine(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     M = (dm16[:, None] * lm).reshape(N * ns, 1)
     u = np.clip(_rint(_safe_div(xs + M, np.broadcast_to(S, xs.shape))), 0, nmax).astype(np.uint8).reshape(N, 256)
     if dt == DType.Q2_K:
-        q = u.reshape(N, 2, 4, 32)  # element n*128 + j*32 + l: bits 2j of qs[n*32 + l]
-        qs = (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(N, 64)
         scales = (ls.astype(np.uint8) & 0xF) | (lm.astype(np.uint8) << 4)
-        return np.concatenate([scales, qs, _bytes16(d), _bytes16(dm)], axis=1)
-    q = u.reshape(N, 4, 2, 32)  # sub-block 2c in the low nibble of qs[c*32 + l], 2c+1 in the high one
-    qs = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(N, 128)
-    parts = [_bytes16(d), _bytes16(dm), _k4_pack(ls, lm)]
-    if dt == DType.Q5_K:
-        hb = (u.reshape(N, 8, 32) >> 4) & 1  # bit j of qh[l]: high bit of sub-block j's element l
-        parts.append((hb << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8))
-    return np.concatenate(parts + [qs], axis=1)
+        return _assemble(dt, {"scales": scales, "d": _bytes16(d), "dmin": _bytes16(dm), **code_fields(dt, u)})
+    return _assemble(dt, {"d": _bytes16(d), "dmin": _bytes16(dm), "scales": _k4_pack(ls, lm), **code_fields(dt, u)})
 
 
 def _k_symmetric(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -266,27 +307,17 @@ def _k_symmetric(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         stored = (l + (0 if dt == DType.Q6_K else 32)).astype(np.int8 if dt == DType.Q6_K else np.uint8)
     S = (_f16(d).astype(np.float32)[:, None] * l).reshape(N * ns, 1)
     if dt == DType.IQ4_XS:
-        u = iq4_index(_safe_div(xs, np.broadcast_to(S, xs.shape))).reshape(N, 8, 32)
-        qs = _nibbles(u[..., :16], u[..., 16:]).reshape(N, 128)
+        u = iq4_index(_safe_div(xs, np.broadcast_to(S, xs.shape))).reshape(N, 256)
         lsb = stored.astype(np.uint16)
         sh = ((lsb >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(1, dtype=np.uint16)
         sl = _nibbles(stored[:, 0::2], stored[:, 1::2])
-        return np.concatenate([_bytes16(d), np.ascontiguousarray(sh.astype("<u2")).view(np.uint8).reshape(N, 2), sl,
-                               qs], axis=1)
+        return _assemble(dt, {"d": _bytes16(d), "scales_h": np.ascontiguousarray(sh.astype("<u2")).view(np.uint8)
+                              .reshape(N, 2), "scales_l": sl, **code_fields(dt, u)})
     bias = 32 if dt == DType.Q6_K else 4
     u = (np.clip(_rint(_safe_div(xs, np.broadcast_to(S, xs.shape))), -bias, bias - 1) + bias).astype(np.uint8)
     u = u.reshape(N, 256)
-    if dt == DType.Q6_K:
-        q = u.reshape(N, 2, 2, 2, 32)  # [n, nib, half, l]: element n*128 + (2 nib + half)*32 + l
-        ql = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(N, 128)  # ql[n*64 + half*32 + l], nibble nib
-        hi = (u.reshape(N, 2, 4, 32) >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
-        qh = hi.sum(2, dtype=np.uint8).reshape(N, 64)
-        return np.concatenate([ql, qh, stored.view(np.uint8), _bytes16(d)], axis=1)
-    q = u.reshape(N, 2, 4, 32)  # Q3_K: low 2 bits at bit 2j of qs[n*32 + l], the third bit in hmask
-    qs = ((q[:, :, 0] & 3) | ((q[:, :, 1] & 3) << 2) | ((q[:, :, 2] & 3) << 4) | ((q[:, :, 3] & 3) << 6)).reshape(N, 64)
-    hb = (u.reshape(N, 8, 32) >> 2) & 1
-    hmask = (hb << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)
-    return np.concatenate([hmask, qs, _q3_pack(stored), _bytes16(d)], axis=1)
+    scales = stored.view(np.uint8) if dt == DType.Q6_K else _q3_pack(stored)
+    return _assemble(dt, {"scales": scales, "d": _bytes16(d), **code_fields(dt, u)})
 
 
 def quantize_weighted(x: np.ndarray, dtype: DType, imatrix: np.ndarray | None = None) -> BlockTensor | QTensor:

@@ -36,6 +36,9 @@ class ImportanceMatrix:
     counts: dict[str, int]
     chunks: int = 0
     dataset: str = ""
+    # name -> mean x x^T [cols, cols] float64 (collect(grams=True) only; not in the files): one array per input,
+    # shared by the matrices that read it (q, k, v; gate, up). What passes/gptq.py feeds errors forward with.
+    grams: dict[str, np.ndarray] = attrs.field(factory=dict)
 
     def for_graph(self, graph, source: str = "the importance matrix") -> dict[str, np.ndarray]:
         """The values of every matrix of `graph` the file covers; CflowError if it names a tensor the model does not
@@ -59,10 +62,14 @@ class ImportanceMatrix:
 class _Collector(Interpreter):
     """The interpreter, summing x^2 per input column of every matrix it multiplies."""
 
-    def __init__(self, graph, max_seq_len: int):
+    def __init__(self, graph, max_seq_len: int, gram_bytes: int = 0):
         super().__init__(graph, max_seq_len=max_seq_len)
         self.sums: dict[str, np.ndarray] = {}
         self.rows: dict[str, int] = {}
+        self.grams: dict[str, np.ndarray] | None = {} if gram_bytes else None
+        self.gram_room = gram_bytes  # bytes left for new grams; a matrix that finds none keeps its diagonal only
+        self.no_gram: set[str] = set()
+        self._last = (None, None)  # (the input array last multiplied, its gram's owner): q, k, v share one x
 
     def matvec(self, x, name, point=()):
         x64 = np.asarray(x, np.float64)
@@ -70,6 +77,21 @@ class _Collector(Interpreter):
         sq = (x64 * x64).sum(0)
         self.sums[name] = sq if s is None else s + sq
         self.rows[name] = self.rows.get(name, 0) + x.shape[0]
+        if self.grams is not None and x.ndim == 2 and x.shape[0] and name not in self.no_gram:
+            last, owner = self._last
+            if last is x and owner is not None:  # the input of the matrix before (q, k, v): its gram serves both
+                self.grams.setdefault(name, self.grams[owner])
+            else:
+                owner, g = None, self.grams.get(name)
+                if g is None and 8 * x.shape[1] ** 2 > self.gram_room:
+                    self.no_gram.add(name)
+                else:
+                    if g is None:
+                        g = self.grams[name] = np.zeros((x.shape[1], x.shape[1]))
+                        self.gram_room -= g.nbytes
+                    g += x64.T @ x64
+                    owner = name
+                self._last = (x, owner)
         return super().matvec(x, name, point)
 
 
@@ -78,9 +100,10 @@ def min_tokens(n_ctx: int) -> int:
 
 
 def collect(graph, ids, n_ctx: int, n_chunks: int | None = None, bos: int | None = None, dataset: str = "",
-            progress=None) -> ImportanceMatrix:
+            progress=None, gram_bytes: int = 0) -> ImportanceMatrix:
     """Importance matrix of `graph` over token ids, in chunks of n_ctx tokens from an empty cache (bos: put first in
-    each chunk, as llama-imatrix does). CflowError when the text holds no whole chunk."""
+    each chunk, as llama-imatrix does); gram_bytes > 0: also each matrix's mean x x^T, in graph order while they fit
+    in that many bytes (float64, one per distinct input). CflowError when the text holds no whole chunk."""
     ids = np.asarray(ids, np.int64).reshape(-1)
     if n_ctx < 2 or n_ctx > graph.config.max_seq_len:
         raise CflowError(f"--imatrix-ctx {n_ctx}: must be 2..{graph.config.max_seq_len} (the model's context)")
@@ -88,7 +111,7 @@ def collect(graph, ids, n_ctx: int, n_chunks: int | None = None, bos: int | None
         raise CflowError(f"calibration text {dataset or ''}: {ids.size} tokens, an importance matrix needs at least "
                          f"{min_tokens(n_ctx)} (one chunk of --imatrix-ctx {n_ctx}): give more text")
     total = ids.size // n_ctx if n_chunks is None else min(n_chunks, ids.size // n_ctx)
-    run = _Collector(graph, n_ctx)
+    run = _Collector(graph, n_ctx, gram_bytes)
     for c in range(total):
         chunk = ids[c * n_ctx : (c + 1) * n_ctx].copy()
         if bos is not None:
@@ -98,7 +121,12 @@ def collect(graph, ids, n_ctx: int, n_chunks: int | None = None, bos: int | None
         if progress is not None:
             progress(c + 1, total)
     values = {n: (s / max(run.rows[n], 1)).astype(np.float32) for n, s in run.sums.items()}
-    return ImportanceMatrix(values=values, counts=dict(run.rows), chunks=total, dataset=dataset)
+    means: dict[int, np.ndarray] = {}  # one mean per shared sum
+    for n, g in (run.grams or {}).items():
+        if id(g) not in means:
+            means[id(g)] = g / max(run.rows[n], 1)
+    gram_means = {n: means[id(g)] for n, g in (run.grams or {}).items()}
+    return ImportanceMatrix(values=values, counts=dict(run.rows), chunks=total, dataset=dataset, grams=gram_means)
 
 
 # --- names ------------------------------------------------------------------------------------------------------

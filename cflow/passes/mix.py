@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import CflowError
 from ..layout.quant import BLOCK_SIZES, DType, matrix_bytes
 from ..layout.quantize_blocks import quantize_weighted, weighted_error
+from . import gptq
 from .quantize import F32_SUFFIXES
 
 # the types a mix chooses from: every block type cflow executes, cheapest first
@@ -79,17 +80,39 @@ def column_weights(graph, values: Mapping[str, np.ndarray]) -> dict[str, np.ndar
     return out
 
 
+def curvatures(grams: Mapping[str, np.ndarray]) -> dict[str, gptq.Curvature]:
+    """name -> its input's Curvature (passes/gptq.py), one per shared gram (q, k and v factor one matrix)."""
+    made: dict[int, gptq.Curvature] = {}
+    return {n: made.setdefault(id(g), gptq.Curvature(g)) for n, g in grams.items()}
+
+
+def quantize_one(name: str, w: np.ndarray, dt: DType, weights: Mapping[str, np.ndarray | None],
+                 curv: Mapping[str, gptq.Curvature] | None = None):
+    """w at dt: with the error fed forward where the matrix's curvature is known (GPTQ), else importance-weighted."""
+    c = (curv or {}).get(name)
+    if c is not None:
+        return gptq.quantize(w, dt, c)
+    return quantize_weighted(w, dt, weights.get(name))
+
+
+def error_of(name: str, w: np.ndarray, t, weights: Mapping[str, np.ndarray | None],
+             curv: Mapping[str, gptq.Curvature] | None = None) -> float:
+    """The expected squared output error of t for w: through the full curvature where known, else its diagonal."""
+    c = (curv or {}).get(name)
+    return gptq.output_error(w, t, c) if c is not None else weighted_error(w, t, weights.get(name))
+
+
 def measure(graph, weights: Mapping[str, np.ndarray | None], types=CANDIDATES, sample_rows: int = 256,
-            progress=None) -> dict[str, dict[DType, float]]:
-    """name -> {type: weighted squared error} for every matrix and every type it can take, estimated on
-    `sample_rows` evenly spaced rows (scaled to the whole matrix: blocks never span rows)."""
+            progress=None, curv: Mapping[str, gptq.Curvature] | None = None) -> dict[str, dict[DType, float]]:
+    """name -> {type: expected squared output error} for every matrix and every type it can take, estimated on
+    `sample_rows` evenly spaced rows (scaled to the whole matrix: blocks never span rows, nor does error feedback)."""
     out = {}
     names = matrices(graph)
     for i, n in enumerate(names):
         w = np.asarray(_dense(graph.weights[n]), np.float32)
         rows = np.unique(np.linspace(0, w.shape[0] - 1, min(sample_rows, w.shape[0])).astype(int))
         ws, scale = w[rows], w.shape[0] / rows.size
-        out[n] = {dt: scale * weighted_error(ws, quantize_weighted(ws, dt, weights.get(n)), weights.get(n))
+        out[n] = {dt: scale * error_of(n, ws, quantize_one(n, ws, dt, weights, curv), weights, curv)
                   for dt in candidates(w.shape, types)}
         if not out[n]:
             raise CflowError(f"{n}: {w.shape[1]} inputs per row fit no block type (a multiple of 32 is needed)")
@@ -110,7 +133,8 @@ def groups(names) -> dict[str, list[str]]:
 
 
 def sensitivities(graph, weights: Mapping[str, np.ndarray | None], errors: dict[str, dict[DType, float]], ids,
-                  probe: DType = DType.Q4, progress=None) -> dict[str, float]:
+                  probe: DType = DType.Q4, progress=None, curv: Mapping[str, gptq.Curvature] | None = None
+                  ) -> dict[str, float]:
     """name -> mean KL divergence (nats per token, over `ids`) its group adds when quantised at `probe`, per unit of
     the group's weighted error there: the factor that turns an error into a predicted KLD (module docstring).
     One float forward pass per group (the reference interpreter, that group alone swapped)."""
@@ -120,7 +144,7 @@ def sensitivities(graph, weights: Mapping[str, np.ndarray | None], errors: dict[
     out = {}
     todo = {k: v for k, v in groups(matrices(graph)).items() if all(probe in errors.get(n, {}) for n in v)}
     for i, (key, members) in enumerate(todo.items()):
-        swap = {n: _dense(quantize_weighted(np.asarray(run.weight(n), np.float32), probe, weights.get(n)))
+        swap = {n: _dense(quantize_one(n, np.asarray(run.weight(n), np.float32), probe, weights, curv))
                 for n in members}
         lq = _log_softmax(run.replay(swap))
         kld = float((p * (logp - lq)).sum(1).mean())
@@ -312,17 +336,19 @@ def plan_mix(graph, errors: dict[str, dict[DType, float]], bpw: float, imatrix: 
 
 
 class WeightedQuantized(Mapping):
-    """`source` weights, every planned matrix quantised on access at its type with its importance weights."""
+    """`source` weights, every planned matrix quantised on access at its type with its importance weights (and its
+    curvature where known: quantize_one)."""
 
-    def __init__(self, source: Mapping, types: Mapping[str, DType], weights: Mapping[str, np.ndarray | None]):
-        self.source, self.types, self.weights = source, types, weights
+    def __init__(self, source: Mapping, types: Mapping[str, DType], weights: Mapping[str, np.ndarray | None],
+                 curv: Mapping[str, gptq.Curvature] | None = None):
+        self.source, self.types, self.weights, self.curv = source, types, weights, curv
 
     def __getitem__(self, name: str):
         w = self.source[name]
         dt = self.types.get(name)
         if dt is None:
             return w
-        return quantize_weighted(np.asarray(_dense(w), np.float32), dt, self.weights.get(name))
+        return quantize_one(name, np.asarray(_dense(w), np.float32), dt, self.weights, self.curv)
 
     def __iter__(self):
         return iter(self.source)
@@ -337,7 +363,7 @@ def uniform(graph, q: DType) -> dict[str, DType]:
 
 
 def apply_types(graph, types: Mapping[str, DType], weights: Mapping[str, np.ndarray | None],
-                report: dict | None = None):
+                report: dict | None = None, curv: Mapping[str, gptq.Curvature] | None = None):
     """A copy of `graph` whose matrices are quantised (lazily, importance-weighted) at `types`, compiled as stored
     (quant "stored"); f16 / f32 types are converted as usual."""
     g = graph.copy()
@@ -345,5 +371,5 @@ def apply_types(graph, types: Mapping[str, DType], weights: Mapping[str, np.ndar
     stored.update(types)
     g.meta.source_dtypes = stored
     g.meta.quant_mix = report
-    g.weights = WeightedQuantized(graph.weights, {n: dt for n, dt in types.items() if dt.quantised}, weights)
+    g.weights = WeightedQuantized(graph.weights, {n: dt for n, dt in types.items() if dt.quantised}, weights, curv)
     return g
