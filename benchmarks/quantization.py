@@ -88,6 +88,7 @@ def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool, budgets
     out = []
 
     def emit(label, graph, quant, tile):
+        tile = tile or fit_tile(graph)
         path = work / f"cflow-{label}.vflow"
         t = time.perf_counter()
         with warnings.catch_warnings():
@@ -109,6 +110,10 @@ def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool, budgets
         out.append((f"cflow --bpw {b}", path, {"types": counts, "compile_s": s, "calibrate_s": calib_s}))
     path, s = emit("q4", g, "q4", DEFAULT_TILE)
     out.append(("cflow --quant q4", path, {"compile_s": s}))
+    plain = M.column_weights(g, {})  # what cflowc --quant auto does without a text: the raw errors, no probe
+    plan = M.plan_mix(g, M.measure(g, plain, sample_rows=64 if quick else 256), M.DEFAULT_BPW)
+    path, s = emit("auto", M.apply_types(g, plan.types, plain, plan.to_json()), "stored", None)
+    out.append(("cflow --quant auto (no text)", path, {"compile_s": s}))
     for label, cv in (("", curv), (" --no-gptq", None)):
         gw = M.apply_types(g, M.uniform(g, DType.Q4), weights, {"type": "Q4_0", "imatrix": "calibration half"}, cv)
         path, s = emit(f"q4-imatrix{label.replace(' ', '')}", gw, "stored", fit_tile(gw))

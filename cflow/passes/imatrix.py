@@ -68,7 +68,7 @@ class _Collector(Interpreter):
         self.rows: dict[str, int] = {}
         self.grams: dict[str, np.ndarray] | None = {} if gram_bytes else None
         self.gram_room = gram_bytes  # bytes left for new grams; a matrix that finds none keeps its diagonal only
-        self.no_gram: set[str] = set()
+        self.no_gram = _without_gram(graph, gram_bytes)
         self._last = (None, None)  # (the input array last multiplied, its gram's owner): q, k, v share one x
 
     def matvec(self, x, name, point=()):
@@ -93,6 +93,19 @@ class _Collector(Interpreter):
                     owner = name
                 self._last = (x, owner)
         return super().matvec(x, name, point)
+
+
+def _without_gram(graph, budget: int) -> set[str]:
+    """The matrices left without a second moment: the narrowest inputs get one first (most matrices per byte), each
+    counted whole as if none shared its input (q, k, v do: the budget is then not all used)."""
+    shapes = sorted((s[1], n) for n, s in graph.meta.shapes.items() if len(s) == 2)
+    out = set()
+    for cols, name in shapes:
+        if 8 * cols * cols <= budget:
+            budget -= 8 * cols * cols
+        else:
+            out.add(name)
+    return out
 
 
 def min_tokens(n_ctx: int) -> int:
