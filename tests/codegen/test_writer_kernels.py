@@ -1,0 +1,76 @@
+"""The writer's JIT loops against the NumPy steps they replace, bit for bit: PCG64's raw words (codegen/pcg64.py)
+and the float32 -> float16 conversion (codegen/half.py)."""
+
+import numpy as np
+import pytest
+
+from cflow.codegen.half import to_half
+from cflow.codegen.pcg64 import LANES, MULT, advance, raw_masked
+
+MASK = 0x0F0F0F0F0F0F0F0F
+
+
+@pytest.mark.parametrize("n", [LANES, 2 * LANES, 4 * 3 * 17, 1 << 16])
+@pytest.mark.parametrize("buffered", [False, True])
+def test_raw_masked_is_numpys_words(n, buffered):
+    """The words random_raw draws, masked, and the generator left where random_raw leaves it (its buffered 32-bit
+    half too: an odd count of float32 draws before)."""
+    ref, gen = (np.random.default_rng([7, 123456789, 3]) for _ in range(2))
+    if buffered:
+        ref.random(5, dtype=np.float32), gen.random(5, dtype=np.float32)
+    want = ref.bit_generator.random_raw(n) & np.uint64(MASK)
+    assert np.array_equal(raw_masked(gen.bit_generator, n, MASK), want)
+    assert gen.bit_generator.state == ref.bit_generator.state
+    assert np.array_equal(gen.random(9, dtype=np.float32), ref.random(9, dtype=np.float32))
+    g2 = np.random.default_rng(99)
+    assert np.array_equal(raw_masked(g2.bit_generator, n), np.random.default_rng(99).bit_generator.random_raw(n))
+
+
+def test_raw_masked_refuses():
+    with pytest.raises(ValueError, match="multiple of"):
+        raw_masked(np.random.default_rng(0).bit_generator, LANES + 1)
+    with pytest.raises(TypeError, match="PCG64"):
+        raw_masked(np.random.MT19937(0), LANES)
+
+
+def test_advance_is_repeated_steps():
+    a, c = advance(MULT, 12345, 0)
+    assert (a, c) == (1, 0)
+    s, inc = 987654321 << 70 | 5, 0xDEADBEEF << 1 | 1
+    t = s
+    for _ in range(13):
+        t = (t * MULT + inc) % (1 << 128)
+    a, c = advance(MULT, inc, 13)
+    assert (a * s + c) % (1 << 128) == t
+
+
+def _tie_cases() -> np.ndarray:
+    """Every finite float16, the midpoints between neighbours (ties round to even) and one float32 ulp either
+    side of each, overflow edges and subnormals."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    fs = np.unique(h[np.isfinite(h)])
+    mids = ((fs[:-1].astype(np.float64) + fs[1:]) / 2).astype(np.float32)
+    edges = np.array([65504, 65519.99, 65520, 1e6, -1e6, np.inf, -np.inf, 6e-8, 3e-8, 2.9e-8, 1e-10, -0.0],
+                     np.float32)
+    return np.concatenate([fs, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+                           edges])
+
+
+@pytest.mark.parametrize("n", [None, 1, 15, 17, 1000003])
+def test_to_half_is_numpys_astype(n):
+    x = _tie_cases() if n is None else (np.random.default_rng(n).standard_normal(n) * 300).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    assert np.array_equal(to_half(x).view(np.uint16), want.view(np.uint16))
+    out = np.empty((x.size,), np.float16)
+    assert to_half(x, out) is out and np.array_equal(out.view(np.uint16), want.view(np.uint16))
+
+
+def test_to_half_shapes_nan_and_refusals():
+    x = np.array([[1.5, np.nan], [-np.nan, 2.0]], np.float32)
+    h = to_half(x)
+    assert h.shape == (2, 2) and np.isnan(h[0, 1]) and np.isnan(h[1, 0]) and h[0, 0] == 1.5
+    with pytest.raises(ValueError, match="C-contiguous float16"):
+        to_half(x, np.empty((4, 2), np.float16)[:, 0])
+    with pytest.raises(ValueError, match="C-contiguous float16"):
+        to_half(x, np.empty(4, np.float32))
