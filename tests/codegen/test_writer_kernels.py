@@ -74,3 +74,49 @@ def test_to_half_shapes_nan_and_refusals():
         to_half(x, np.empty((4, 2), np.float16)[:, 0])
     with pytest.raises(ValueError, match="C-contiguous float16"):
         to_half(x, np.empty(4, np.float32))
+
+
+@pytest.fixture
+def numpy_packer(monkeypatch):
+    """layout.tile with the NumPy packer (the oracle) while the test asks, the native one restored after."""
+    from cflow.codegen import q4pack
+    from cflow.layout import tile
+
+    def use(native: bool) -> None:
+        monkeypatch.setattr(tile, "Q4_BAND_PACKER", q4pack.pack_q4_band if native else None)
+
+    return use
+
+
+@pytest.mark.parametrize("rows, cols, tile, band", [(768, 2048, (128, 256), 1 << 21), (100, 96, (32, 64), 1 << 21),
+                                                    (777, 4096, (64, 512), 1), (16, 32, (16, 32), 1 << 21),
+                                                    (300, 320, (48, 96), 5000)])
+def test_q4_packer_is_numpys(numpy_packer, monkeypatch, rows, cols, tile, band):
+    """The native Q4 packer's streams equal the NumPy packer's: one matrix (padded rows and inputs, bands of one
+    tile-row and more), gate+up's interleaved tile-rows and a QKV concatenation."""
+    from cflow.layout import tile as T
+    from cflow.layout.quant import quantize
+
+    monkeypatch.setattr(T, "PACK_BAND_BYTES", band)
+    rng = np.random.default_rng(rows)
+    ws = [quantize(rng.standard_normal((rows + 16 * j, cols)).astype(np.float32), "q4") for j in range(3)]
+    out = {}
+    for native in (False, True):
+        numpy_packer(native)
+        out[native] = [T.pack(ws[0], "q4", tile), T.pack_gate_up(ws[0], ws[0], "q4", tile),
+                       T.pack_concat(ws, "q4", tile)[0]]
+    for a, b in zip(out[False], out[True]):
+        assert np.array_equal(a, b)
+
+
+def test_q4_packer_refuses_a_scattered_tile_row():
+    from cflow.codegen.q4pack import pack_q4_band
+    from cflow.layout.tile import TileLayout
+
+    L = TileLayout("q4", 32, 64, (16, 32))
+    units = np.zeros((2, 2, 1, 2 * L.unit_nbytes), np.uint8)[..., ::2]
+    q, s = np.zeros((32, 2, 32), np.uint8), np.zeros((32, 2), np.float16)
+    with pytest.raises(ValueError, match="each contiguous"):
+        pack_q4_band(units, q, s, L)
+    with pytest.raises(ValueError, match="do not fill"):
+        pack_q4_band(np.zeros((2, 2, 1, L.unit_nbytes), np.uint8), q[:16], s[:16], L)
