@@ -35,8 +35,10 @@ What each weight is:
 Rows are drawn in chunks of ROW_CHUNK_WEIGHTS weights, chunk k from its own generator seeded by
 (seed, blake2b(name), k), so generating a tensor holds one chunk's temporaries besides the result.
 
-Speed: the codes come from the bit generator's raw 64-bit words (no per-weight float math): an expert's matrix
-is drawn at about 1 GB/s of Q4 bytes on this machine; the embedding (dequantised head rows) at a few hundred MB/s.
+Speed: the codes come from the bit generator's raw 64-bit words (no per-weight float math), drawn by a JIT loop
+that runs four PCG64 steps at once (codegen/pcg64.py: NumPy's words, ~1 ns each against random_raw's 1.8), and the
+float16 conversions run in another (codegen/half.py: NumPy's rounding, ~10x its speed): an expert's matrix is
+drawn at about 2.4 GB/s of Q4 bytes on one core of this machine, the embedding (dequantised head rows) at ~1 GB/s.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ ROW_CHUNK_WEIGHTS = 1 << 22  # weights per row chunk (its own generator): part o
 STD = 0.02  # attention, router: the presets' N(0, 0.02) (nn.Linear)
 HEAD_STD = 0.2  # the LM head
 CHAIN_GAIN = 10.0  # the embedding of token t: CHAIN_GAIN x the LM head's row t + 1 (module docstring)
-EMBED_WORKERS = 2  # threads filling the chain embedding's row chunks (its f16 conversion is numpy's slowest step)
+EMBED_WORKERS = 2  # threads filling the chain embedding's row chunks (independent: each its rows of `out`)
 NORM_NOISE = 0.01  # norm weights: 1 + NORM_NOISE * N(0, 1)
 CODE_VAR = 21.5  # E[(q - 8)^2] with q uniform on 0..15: (64 + 2 * (1 + 4 + ... + 49)) / 16
 SCALE_MEAN_SQ = 13 / 12  # E[(0.5 + u)^2], u uniform on [0, 1)
