@@ -50,7 +50,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from ..codegen.half import to_half
-from ..codegen.pcg64 import raw_masked
+from ..codegen.pcg64 import raw_masked, uniform_f32
 from ..ir.build import weight_shapes
 from ..ir.config import ModelConfig
 from ..layout.quant import BLOCK, DType, QTensor, dequantize
@@ -102,7 +102,7 @@ def q4_chunk(rng: np.random.Generator, rows: int, cols: int, std: float) -> tupl
         raise ValueError(f"synthetic Q4 weights need whole blocks of {BLOCK} inputs per row, got {cols}")
     nblk = cols // BLOCK
     d0 = np.float32(std / math.sqrt(CODE_VAR * SCALE_MEAN_SQ))
-    u = rng.random((rows, nblk), dtype=np.float32)
+    u = uniform_f32(rng.bit_generator, rows * nblk).reshape(rows, nblk)  # rng.random's, from the JIT loop
     u -= np.float32(0.5)
     half = np.copysign(np.float32(0.5), u)
     u *= np.float32(2)

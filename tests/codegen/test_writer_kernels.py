@@ -1,16 +1,17 @@
-"""The writer's JIT loops against the NumPy steps they replace, bit for bit: PCG64's raw words (codegen/pcg64.py)
-and the float32 -> float16 conversion (codegen/half.py)."""
+"""The writer's JIT loops against the NumPy steps they replace, bit for bit: PCG64's raw words and float32 draws
+(codegen/pcg64.py), the float32 -> float16 conversion (codegen/half.py) and the Q4 tile packer
+(codegen/q4pack.py)."""
 
 import numpy as np
 import pytest
 
 from cflow.codegen.half import to_half
-from cflow.codegen.pcg64 import LANES, MULT, advance, raw_masked
+from cflow.codegen.pcg64 import LANES, MULT, advance, raw_masked, uniform_f32
 
 MASK = 0x0F0F0F0F0F0F0F0F
 
 
-@pytest.mark.parametrize("n", [LANES, 2 * LANES, 4 * 3 * 17, 1 << 16])
+@pytest.mark.parametrize("n", [0, 1, LANES - 1, LANES, 2 * LANES + 3, 4 * 3 * 17, 1 << 16])
 @pytest.mark.parametrize("buffered", [False, True])
 def test_raw_masked_is_numpys_words(n, buffered):
     """The words random_raw draws, masked, and the generator left where random_raw leaves it (its buffered 32-bit
@@ -26,11 +27,22 @@ def test_raw_masked_is_numpys_words(n, buffered):
     assert np.array_equal(raw_masked(g2.bit_generator, n), np.random.default_rng(99).bit_generator.random_raw(n))
 
 
-def test_raw_masked_refuses():
-    with pytest.raises(ValueError, match="multiple of"):
-        raw_masked(np.random.default_rng(0).bit_generator, LANES + 1)
+def test_raw_masked_refuses_another_generator():
     with pytest.raises(TypeError, match="PCG64"):
         raw_masked(np.random.MT19937(0), LANES)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 2 * LANES - 1, 2 * LANES, 2 * LANES + 1, 2 * LANES + 2, 49152, 100001])
+@pytest.mark.parametrize("before", [0, 1, 2])
+def test_uniform_f32_is_numpys_random(n, before):
+    """Generator.random(n, dtype=float32)'s values and state afterwards, after `before` draws (an odd count leaves
+    a half word kept, used first), and the draws after it."""
+    ref, gen = (np.random.default_rng([5, n, before]) for _ in range(2))
+    ref.random(before, dtype=np.float32), gen.random(before, dtype=np.float32)
+    want = ref.random(n, dtype=np.float32)
+    assert np.array_equal(uniform_f32(gen.bit_generator, n).view(np.uint32), want.view(np.uint32))
+    assert gen.bit_generator.state == ref.bit_generator.state
+    assert np.array_equal(gen.random(5, dtype=np.float32), ref.random(5, dtype=np.float32))
 
 
 def test_advance_is_repeated_steps():
