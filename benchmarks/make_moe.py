@@ -72,12 +72,23 @@ def geometry(name: str, pipeline: bool = False) -> ModelConfig:
     return cfg
 
 
-def graph(cfg: ModelConfig, seed: int = 0):
-    """The model's graph on its synthetic weights (nothing generated yet)."""
-    from cflow.ir import build_graph
-    from cflow.models.synthetic import SyntheticWeights
+def native_steps():
+    """The synthetic weights' generator steps from codegen's native loops (PCG64 words and float32 draws, float16
+    conversion): NumPy's values at a few times its speed (cflow.models.synthetic.Steps)."""
+    from cflow.codegen.half import to_half
+    from cflow.codegen.pcg64 import raw_masked, uniform_f32
+    from cflow.models.synthetic import Steps
 
-    return build_graph(cfg, SyntheticWeights(cfg, seed), name=cfg.name)
+    return Steps(uniform_f32=uniform_f32, raw_masked=raw_masked, to_half=to_half)
+
+
+def graph(cfg: ModelConfig, seed: int = 0, native: bool = True):
+    """The model's graph on its synthetic weights (nothing generated yet), drawn with the native loops (or
+    NumPy's steps: the same values)."""
+    from cflow.ir import build_graph
+    from cflow.models.synthetic import NUMPY_STEPS, SyntheticWeights
+
+    return build_graph(cfg, SyntheticWeights(cfg, seed, native_steps() if native else NUMPY_STEPS), name=cfg.name)
 
 
 def planned_bytes(cfg: ModelConfig) -> int:

@@ -277,6 +277,9 @@ def pack(w, dtype, tile=DEFAULT_TILE) -> np.ndarray:
 
 
 PACK_BAND_BYTES = 1 << 21  # output bytes packed per step: one band's temporaries stay small and cache-warm
+# A native Q4 band packer, f(units, q, scales, L), with _pack_q_band's bytes in one pass: codegen/q4pack.py sets it
+# when imported (layout imports nothing from the rest of cflow); None: the NumPy packer below, its oracle.
+Q4_BAND_PACKER = None
 
 
 def _stored_shape(st) -> tuple[int, int]:
@@ -305,6 +308,9 @@ def _pack_q_band(units: np.ndarray, st: QTensor, L: TileLayout, t0: int, t1: int
     groups' fp16 scales (module docstring)."""
     n, nC, ng, nb = t1 - t0, L.n_tile_cols, L.groups_per_tile, L.blocks_per_tile
     q, s = _pad_q(st, t0 * L.tr, t1 * L.tr, L.cols_p // BLOCK)
+    if L.dtype == DType.Q4 and Q4_BAND_PACKER is not None:
+        Q4_BAND_PACKER(units, q, s, L)
+        return
     chunks = L.code_nbytes // 64
     codes = units[..., : L.scales_offset].view(np.uint32).reshape(n, nC, nb, ng, chunks, GROUP_ROWS)
     # word w of a block (inputs 4w .. 4w + 3) of row 16g + i: [.., g, i, C, b, w] -> [.., C, b, g, w, i]

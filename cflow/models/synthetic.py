@@ -35,15 +35,19 @@ What each weight is:
 Rows are drawn in chunks of ROW_CHUNK_WEIGHTS weights, chunk k from its own generator seeded by
 (seed, blake2b(name), k), so generating a tensor holds one chunk's temporaries besides the result.
 
-Speed: the codes come from the bit generator's raw 64-bit words (no per-weight float math): an expert's matrix
-is drawn at about 1 GB/s of Q4 bytes on this machine; the embedding (dequantised head rows) at a few hundred MB/s.
+Speed: the codes come from the bit generator's raw 64-bit words (no per-weight float math). With NumPy's steps
+(the default) an expert's matrix is drawn at ~1.6 GB/s of Q4 bytes on one core of this machine and the embedding
+at ~0.5 GB/s (NumPy's float16 conversion, ~2 ns a value); with the native loops (Steps: codegen/pcg64.py draws
+four PCG64 sequences at once, ~1 ns a word against random_raw's 1.8, codegen/half.py converts to float16 at ~10x
+NumPy's speed; benchmarks/make_moe.py uses them) at ~3 GB/s and ~1.1 GB/s, the same values.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,11 +60,38 @@ ROW_CHUNK_WEIGHTS = 1 << 22  # weights per row chunk (its own generator): part o
 STD = 0.02  # attention, router: the presets' N(0, 0.02) (nn.Linear)
 HEAD_STD = 0.2  # the LM head
 CHAIN_GAIN = 10.0  # the embedding of token t: CHAIN_GAIN x the LM head's row t + 1 (module docstring)
-EMBED_WORKERS = 2  # threads filling the chain embedding's row chunks (its f16 conversion is numpy's slowest step)
+EMBED_WORKERS = 2  # threads filling the chain embedding's row chunks (independent: each its rows of `out`)
 NORM_NOISE = 0.01  # norm weights: 1 + NORM_NOISE * N(0, 1)
 CODE_VAR = 21.5  # E[(q - 8)^2] with q uniform on 0..15: (64 + 2 * (1 + 4 + ... + 49)) / 16
 SCALE_MEAN_SQ = 13 / 12  # E[(0.5 + u)^2], u uniform on [0, 1)
-_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
+
+
+def _numpy_to_half(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    if out is None:
+        return np.asarray(x, np.float32).astype(np.float16)
+    out[...] = x
+    return out
+
+
+def _numpy_raw_masked(bit_generator, n: int, mask: int) -> np.ndarray:
+    q = bit_generator.random_raw(n)
+    q &= np.uint64(mask)
+    return q
+
+
+class Steps(NamedTuple):
+    """The generator's primitive steps, each a pure function of its inputs: NumPy's (NUMPY_STEPS, the default), or
+    the same values from native loops (benchmarks/make_moe.py passes codegen/pcg64.py's and codegen/half.py's: a
+    few times faster; models/ imports nothing above ir, so it does not pick them itself)."""
+
+    uniform_f32: Callable  # (bit_generator, n) -> float32[n]: Generator.random(n, dtype=np.float32)
+    raw_masked: Callable  # (bit_generator, n, mask) -> uint64[n]: random_raw(n) & mask
+    to_half: Callable  # (float32 array, out=None) -> float16 array (into `out`): astype(np.float16)
+
+
+NUMPY_STEPS = Steps(lambda bg, n: np.random.Generator(bg).random(n, dtype=np.float32), _numpy_raw_masked,
+                    _numpy_to_half)
 
 
 def name_seed(name: str) -> int:
@@ -88,7 +119,8 @@ def _row_chunks(rows: int, cols: int) -> Iterator[tuple[int, int, int]]:
         yield k, r0, min(r0 + step, rows)
 
 
-def q4_chunk(rng: np.random.Generator, rows: int, cols: int, std: float) -> tuple[np.ndarray, np.ndarray]:
+def q4_chunk(rng: np.random.Generator, rows: int, cols: int, std: float,
+             steps: Steps = NUMPY_STEPS) -> tuple[np.ndarray, np.ndarray]:
     """One chunk of Q4 blocks: (fp16 scales [rows, nblk], codes u8 [rows, nblk, 32]), drawn from `rng`.
 
     Scales first, from one float32 u per block: d = d0 * copysign(0.5 + 2|u - 1/2|, u - 1/2) (the magnitude and
@@ -98,33 +130,33 @@ def q4_chunk(rng: np.random.Generator, rows: int, cols: int, std: float) -> tupl
         raise ValueError(f"synthetic Q4 weights need whole blocks of {BLOCK} inputs per row, got {cols}")
     nblk = cols // BLOCK
     d0 = np.float32(std / math.sqrt(CODE_VAR * SCALE_MEAN_SQ))
-    u = rng.random((rows, nblk), dtype=np.float32)
+    u = steps.uniform_f32(rng.bit_generator, rows * nblk).reshape(rows, nblk)
     u -= np.float32(0.5)
     half = np.copysign(np.float32(0.5), u)
     u *= np.float32(2)
     u += half
     u *= d0
-    scales = u.astype(np.float16)
-    q = rng.bit_generator.random_raw(rows * nblk * 4)  # 32 bytes per block, one code in each byte's low nibble
-    q &= _LOW_NIBBLES
+    scales = steps.to_half(u)
+    q = steps.raw_masked(rng.bit_generator, rows * nblk * 4, _LOW_NIBBLES)  # 32 bytes per block, one code in
+    # each byte's low nibble
     return scales, q.view(np.uint8).reshape(rows, nblk, BLOCK)
 
 
-def synthetic_q4(seed: int, name: str, rows: int, cols: int, std: float) -> QTensor:
+def synthetic_q4(seed: int, name: str, rows: int, cols: int, std: float, steps: Steps = NUMPY_STEPS) -> QTensor:
     """The Q4 matrix `name` of shape [rows, cols]: row chunks, each from its own generator."""
     chunks = list(_row_chunks(rows, cols))
     if len(chunks) == 1:  # an expert's matrix: one chunk, no copy
-        scales, q = q4_chunk(_rng(seed, name, 0), rows, cols, std)
+        scales, q = q4_chunk(_rng(seed, name, 0), rows, cols, std, steps)
         return QTensor(dtype=DType.Q4, rows=rows, cols=cols, scales=scales, q=q)
     nblk = cols // BLOCK
     scales = np.empty((rows, nblk), np.float16)
     q = np.empty((rows, nblk, BLOCK), np.uint8)
     for k, r0, r1 in chunks:
-        scales[r0:r1], q[r0:r1] = q4_chunk(_rng(seed, name, k), r1 - r0, cols, std)
+        scales[r0:r1], q[r0:r1] = q4_chunk(_rng(seed, name, k), r1 - r0, cols, std, steps)
     return QTensor(dtype=DType.Q4, rows=rows, cols=cols, scales=scales, q=q)
 
 
-def chain_embedding(seed: int, rows: int, cols: int) -> np.ndarray:
+def chain_embedding(seed: int, rows: int, cols: int, steps: Steps = NUMPY_STEPS) -> np.ndarray:
     """The embedding, float16 [rows, cols]: row t = CHAIN_GAIN * the dequantised LM head's row (t + 1) mod rows,
     built from the head's own draws chunk by chunk, each chunk's rows landing one row up (the head's row 0 wraps
     to the last): the chunks are independent, so EMBED_WORKERS threads fill them (numpy releases the GIL)."""
@@ -133,17 +165,19 @@ def chain_embedding(seed: int, rows: int, cols: int) -> np.ndarray:
 
     def fill(k: int) -> None:  # CHAIN_GAIN x the dequantised rows of head chunk k, float32, then into `out`
         _, r0, r1 = chunks[k]
-        s, q = q4_chunk(_rng(seed, "lm_head", k), r1 - r0, cols, HEAD_STD)
-        x = q.astype(np.float32)
-        x -= np.float32(8)
-        x *= s.astype(np.float32)[..., None]
-        x *= np.float32(CHAIN_GAIN)
+        s, q = q4_chunk(_rng(seed, "lm_head", k), r1 - r0, cols, HEAD_STD, steps)
+        # (q - 8) x (d x CHAIN_GAIN) in float32 is exact, as (q - 8) x d x CHAIN_GAIN was: d has 11 significant
+        # bits, so d x 10 has at most 15 and (q - 8) x d x 10 at most 19: one rounding, the f16 conversion's
+        x = np.subtract(q, np.float32(8), dtype=np.float32)
+        gain = s.astype(np.float32)
+        gain *= np.float32(CHAIN_GAIN)
+        x *= gain[..., None]
         x = x.reshape(r1 - r0, cols)
         if r0:
-            out[r0 - 1 : r1 - 1] = x
+            steps.to_half(x, out[r0 - 1 : r1 - 1])
         else:
-            out[: r1 - 1] = x[1:]
-            out[rows - 1] = x[0]
+            steps.to_half(x[1:], out[: r1 - 1])
+            steps.to_half(x[0], out[rows - 1])
 
     for _ in prefetch_map(fill, range(len(chunks)), workers=min(EMBED_WORKERS, usable_cpus()), name="cflow-embed"):
         pass
@@ -169,7 +203,12 @@ class GeneratedWeights(Mapping):
 
 
 class SyntheticWeights(GeneratedWeights):
-    """Deterministic random weights of `config`, generated when looked up and never kept (module docstring)."""
+    """Deterministic random weights of `config`, generated when looked up and never kept (module docstring); the
+    values do not depend on `steps` (NumPy's or native loops: Steps), only the time they take."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0, steps: Steps = NUMPY_STEPS):
+        super().__init__(config, seed)
+        self.steps = steps
 
     def __getitem__(self, name: str):
         shape = self.shapes[name]  # KeyError for a name the model does not have
@@ -184,6 +223,6 @@ class SyntheticWeights(GeneratedWeights):
             w *= np.float32(STD)
             return w
         if name == "tok_embeddings" and "lm_head" in self.shapes:
-            return chain_embedding(self.seed, rows, cols)
-        q = synthetic_q4(self.seed, name, rows, cols, weight_std(name, shape, self.config.top_k))
+            return chain_embedding(self.seed, rows, cols, self.steps)
+        q = synthetic_q4(self.seed, name, rows, cols, weight_std(name, shape, self.config.top_k), self.steps)
         return dequantize(q).astype(np.float16) if name == "tok_embeddings" else q  # a tied embedding: f16 too

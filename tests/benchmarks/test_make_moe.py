@@ -76,6 +76,21 @@ def test_chain_embedding_across_row_chunks(monkeypatch):
     assert np.array_equal(emb, (synthetic.CHAIN_GAIN * np.roll(head, -1, axis=0)).astype(np.float16))
 
 
+@pytest.mark.parametrize("chunk", [None, 7 * 256])
+def test_native_steps_draw_numpys_values(monkeypatch, chunk):
+    """Every tensor drawn with make_moe's native loops (codegen/pcg64.py, codegen/half.py) equals NumPy's, bit for
+    bit (one row chunk per matrix, and 7-row chunks: the embedding's wrap and partial chunks)."""
+    if chunk:
+        monkeypatch.setattr(synthetic, "ROW_CHUNK_WEIGHTS", chunk)
+    a, b = SyntheticWeights(MID), SyntheticWeights(MID, steps=make_moe.native_steps())
+    for name in a:
+        x, y = a[name], b[name]
+        if isinstance(x, QTensor):
+            assert np.array_equal(x.q, y.q) and np.array_equal(x.scales.view(np.uint16), y.scales.view(np.uint16))
+        else:
+            assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), name
+
+
 def test_deterministic_and_independent_of_order():
     a, b = SyntheticWeights(MID), SyntheticWeights(MID)
     x = a["blocks.2.moe.experts.7.w_down"]

@@ -457,3 +457,33 @@ def test_direct_write_failure_leaves_nothing(tmp_path, monkeypatch):
         for name, a in _odd_tensors(4):
             w.add_tensor(name, DType.F32, a.shape, a)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("start", [0, 1, 4095, 4096, 5000])
+def test_direct_file_appends_the_written_bytes(tmp_path, monkeypatch, start):
+    """DirectFile (the GGUF writer's data section): from any start, through writes of any size (staging buffers of
+    two blocks), the file holds the head before `start` and then exactly the bytes written, at its true length;
+    abort stops without raising."""
+    from cflow.runtime.format import direct
+
+    monkeypatch.setattr(direct, "BUFFER_BYTES", 2 * F.ALIGN)
+    rng = np.random.default_rng(start)
+    head = rng.integers(0, 256, start, dtype=np.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(head)
+    f = direct.DirectFile.open(str(path), start)
+    if f is None:
+        pytest.skip("this file system refuses O_DIRECT")
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (3, 8192, 1, 12289, 0, 700)]
+    for p in parts:
+        assert f.write(p) == len(p)
+    assert f.tell() == start + sum(map(len, parts))
+    f.flush()
+    f.close()
+    f.close()
+    assert path.read_bytes() == head + b"".join(parts)
+    g = direct.DirectFile.open(str(path), 10)
+    g.write(b"x" * 5)
+    g.abort()
+    with pytest.raises(ValueError, match="shorter"):
+        direct.DirectFile.open(str(path), 10**9)

@@ -336,3 +336,16 @@ def test_llama_cpp_tokenizes_like_the_exported_tokenizer_json(tmp_path):
     text = "Once upon a time, a little fox found 3 red apples."
     want = tokenizers.Tokenizer.from_file(str(tj)).encode(text, add_special_tokens=False).ids
     assert llm.tokenize(text.encode(), add_bos=False) == want
+
+
+def test_direct_and_buffered_exports_are_the_same_file(tmp_path, monkeypatch):
+    """The data section written with O_DIRECT (staging buffers of two blocks: most tensors cross one) makes the file
+    the gguf package's buffered writes make; where O_DIRECT is refused, those run."""
+    from cflow.runtime.format import direct
+
+    monkeypatch.setattr(direct, "BUFFER_BYTES", 2 * 4096)
+    g = lower(build_graph(MOE, _weights(MOE)), "q4").graph
+    export_gguf(g, tmp_path / "d.gguf")
+    monkeypatch.setattr(direct.DirectFile, "open", classmethod(lambda cls, path, start: None))
+    export_gguf(g, tmp_path / "b.gguf")
+    assert (tmp_path / "d.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()

@@ -108,3 +108,57 @@ class DirectAppender:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class DirectFile:
+    """A write-only file object that appends to `path` from byte `start` with O_DIRECT, for a writer that streams
+    through write() and tell() (the gguf package's GGUFWriter: export_gguf swaps it in once the header is written).
+    The bytes of `start`'s block before it are read back and staged first, so every write is whole blocks at a
+    block offset; close() pads the last block and cuts the file to its true length."""
+
+    def __init__(self, path: str, start: int, appender: DirectAppender):
+        self.path, self.pos, self.appender = path, start, appender
+
+    @classmethod
+    def open(cls, path: str, start: int) -> DirectFile | None:
+        """DirectFile on `path` (written up to `start`, flushed), or None where O_DIRECT is unavailable."""
+        base = start - start % F.ALIGN
+        with open(path, "rb") as f:
+            f.seek(base)
+            head = f.read(start - base)
+        if len(head) != start - base:
+            raise ValueError(f"{path} is shorter than {start} bytes")
+        appender = DirectAppender.open(path, base)
+        if appender is None:
+            return None
+        appender.write(head)
+        return cls(path, start, appender)
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self.appender.write(data)
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:  # the staged bytes go out in whole blocks, at close at the latest
+        pass
+
+    def close(self) -> None:
+        """Write what is staged (padded to a block), wait for it, and cut the file to the bytes written."""
+        if self.appender is None:
+            return
+        try:
+            self.appender.write(bytes(-self.pos % F.ALIGN))
+            self.appender.close()
+        finally:
+            self.abort()
+        os.truncate(self.path, self.pos)
+
+    def abort(self) -> None:
+        """Stop without finishing the file (an error while writing)."""
+        if self.appender is not None:
+            self.appender.abort()
+            self.appender = None
