@@ -58,7 +58,7 @@ def _embedding_weights(graph, head_reads_it: bool) -> np.ndarray | None:
     importance is the head's)."""
     if head_reads_it:
         return None
-    e = np.asarray(graph.weights["tok_embeddings"], np.float32)
+    e = np.asarray(_dense(graph.weights["tok_embeddings"]), np.float32)
     norm = graph.weights.get("blocks.0.attn_norm")
     g2 = np.ones(e.shape[1], np.float32) if norm is None else np.asarray(norm, np.float32) ** 2
     return (g2 / max(float((e * e).mean()), 1e-30) / e.shape[0]).astype(np.float32)

@@ -157,3 +157,16 @@ def test_gguf_imatrix_is_read(tiny, tmp_path):
     back = I.read(p, g)
     assert back.chunks == 2 and list(back.values) == ["blocks.1.attn.wo"]
     assert np.allclose(back.values["blocks.1.attn.wo"], v, rtol=1e-6)
+
+
+def test_an_untied_block_type_embedding_is_weighed():
+    """A GGUF source whose untied embedding is a K-quant / legacy block type (Qwen2.5's Q4_K): the mix weighs it by
+    its dequantised rows (it once failed with float() of a BlockTensor)."""
+    from cflow.layout.quantize_blocks import quantize_weighted
+
+    g = load_graph("preset:arch1@tiny").copy()
+    assert g["logits"].weight != "tok_embeddings"
+    e = np.asarray(g.weights["tok_embeddings"], np.float32)
+    g.weights = {**g.weights, "tok_embeddings": quantize_weighted(e, DType.Q5_0)}
+    w = M.column_weights(g, {})["tok_embeddings"]
+    assert w.shape == (e.shape[1],) and np.all(w > 0)
