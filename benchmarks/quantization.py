@@ -306,7 +306,7 @@ def summary_line(rows: list[dict]) -> str | None:
     if not mixes or ref is None:
         return None
     c = min(mixes, key=lambda r: r["bpw"])
-    return (f"cflow {c['bpw']:.2f} bpw KLD {c['kl_kld_mean']:.4f} vs llama.cpp Q4_K_M KLD {ref['kl_kld_mean']:.4f} "
+    return (f"cflow {c['bpw']:.2f} bpw KLD {c['kl_kld_mean']:.4g} vs llama.cpp Q4_K_M KLD {ref['kl_kld_mean']:.4g} "
             f"= {c['kl_kld_mean'] / ref['kl_kld_mean']:.2f}x")
 
 

@@ -1,0 +1,19 @@
+"""benchmarks/quant_speed.py: one round over a compiled file prints its row and writes a record with the bytes
+per token and the read bandwidth of the same run."""
+
+import json
+
+from benchmarks import quant_speed
+from cflow.cli import cflowc_main
+
+
+def test_one_round_prints_and_records(tmp_path, capsys):
+    f = tmp_path / "m.vflow"
+    assert cflowc_main(["preset:arch1@tiny", "--quant", "q4", "-o", str(f)]) == 0
+    out = tmp_path / "speed.json"
+    assert quant_speed.main([str(f), "--threads", "1", "--rounds", "1", "--tokens", "4", "--reps", "1",
+                             "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "m.vflow" in table and "of read" in table
+    rec = json.loads(out.read_text())["records"][0]
+    assert rec["engine"] == "cflow" and rec["tok_s"] > 0 and rec["bytes_per_token"] > 0 and rec["read_gbs"] > 0
