@@ -49,14 +49,21 @@ class Curvature:
         return self.h.shape[0]
 
     def factor(self) -> np.ndarray:
+        """U with H^-1 = U^T U, H damped by DAMP of its mean diagonal (10x more, up to 3 times, where rounding
+        leaves the damped matrix not positive definite)."""
         if self._u is None:
-            h = self.h.copy()
-            d = np.diag(h)
+            d = np.diag(self.h)
             damp = DAMP * (float(d.mean()) if d.mean() > 0 else 1.0)
-            h[np.diag_indices_from(h)] += damp
-            hinv = np.linalg.inv(np.linalg.cholesky(h))  # L^-1, with H = L L^T
-            hinv = hinv.T @ hinv  # H^-1
-            self._u = np.linalg.cholesky(hinv).T  # H^-1 = U^T U
+            for _ in range(4):
+                h = self.h + damp * np.eye(self.n)
+                try:
+                    li = np.linalg.inv(np.linalg.cholesky(h))  # L^-1, with H = L L^T
+                    self._u = np.linalg.cholesky(li.T @ li).T  # H^-1 = U^T U
+                    break
+                except np.linalg.LinAlgError:
+                    damp *= 10
+            else:
+                self._u = np.eye(self.n) / np.sqrt(d.clip(min=1e-30))  # no correlations: the diagonal fit
         return self._u
 
     def fit_weights(self, qk: int) -> list[np.ndarray]:

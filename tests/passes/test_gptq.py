@@ -126,3 +126,15 @@ def test_cflowc_imatrix_text_feeds_errors_forward(bundled, tmp_path, capsys):
         assert np.median(e) <= 5e-4 and e.max() <= 0.1, e
         errs[plain] = float(((twin - ref) ** 2).mean())
     assert errs[False] < errs[True]  # closer to the float model's logits on the text it was calibrated on
+
+
+def test_a_singular_second_moment_still_factors():
+    """Inputs the text never moved (zero rows and columns) and exactly repeated inputs: the damping keeps the
+    factor defined, and the quantised matrix is still the type's own."""
+    x = np.random.default_rng(4).standard_normal((200, 48))
+    x[:, 5] = 0
+    x[:, 7] = x[:, 6]
+    c = gptq.Curvature(np.concatenate([x, np.zeros((200, 16))], 1).T @ np.concatenate([x, np.zeros((200, 16))], 1))
+    w = np.random.default_rng(5).standard_normal((8, 64)).astype(np.float32)
+    t = gptq.quantize(w, DType.Q4, c)
+    assert np.isfinite(c.factor()).all() and np.isfinite(_dense(t)).all() and t.shape == (8, 64)
