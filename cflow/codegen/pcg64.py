@@ -41,19 +41,19 @@ def advance(a: int, c: int, n: int) -> tuple[int, int]:
 
 
 def _lcg_function(mod: ir.Module, name: str, out_ty, emit) -> None:
-    """void name(i64* params, out_ty* out, i64 iters, i64 mask): params = LANES states (lo, hi), then the LANES-step
+    """void name(i64* states, out_ty* out, i64 iters, i64 mask): states = LANES states (lo, hi), then the LANES-step
     map's A (lo, hi) and C (lo, hi). Iteration i hands word LANES i + j (xsl_rr of state j) to
     emit(b, word, mask, out, index) and steps every lane by (A, C); the lanes' states are stored back."""
     i64, i128 = ir.IntType(64), ir.IntType(128)
     fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [i64.as_pointer(), out_ty.as_pointer(), i64, i64]), name)
-    params, out, iters, mask = fn.args
+    states, out, iters, mask = fn.args
     fshr = mod.globals.get("llvm.fshr.i64") or ir.Function(mod, ir.FunctionType(i64, [i64, i64, i64]),
                                                           "llvm.fshr.i64")
     entry, head, body, done = (fn.append_basic_block(s) for s in ("entry", "head", "body", "done"))
     b = ir.IRBuilder(entry)
 
     def load128(k: int):
-        lo, hi = (b.zext(b.load(b.gep(params, [ir.Constant(i64, 2 * k + h)])), i128) for h in (0, 1))
+        lo, hi = (b.zext(b.load(b.gep(states, [ir.Constant(i64, 2 * k + h)])), i128) for h in (0, 1))
         return b.or_(lo, b.shl(hi, ir.Constant(i128, 64)))
 
     lanes0 = [load128(k) for k in range(LANES)]
@@ -82,7 +82,7 @@ def _lcg_function(mod: ir.Module, name: str, out_ty, emit) -> None:
     for k, s in enumerate(lanes):
         for h in (0, 1):
             part = b.trunc(b.lshr(s, ir.Constant(i128, 64 * h)), i64)
-            b.store(part, b.gep(params, [ir.Constant(i64, 2 * k + h)]))
+            b.store(part, b.gep(states, [ir.Constant(i64, 2 * k + h)]))
     b.ret_void()
 
 
@@ -125,15 +125,15 @@ def _draw(bit_generator, n: int, kernel: str, out: np.ndarray, mask: int = 0) ->
         raise TypeError(f"the PCG64 loops run PCG64, not {st.get('bit_generator')}")
     s, inc = st["state"]["state"], st["state"]["inc"]
     whole = n - n % LANES
-    params = np.empty(2 * LANES + 4, np.uint64)
+    states = np.empty(2 * LANES + 4, np.uint64)
     values = [(s * MULT + inc) & _M128]  # lane j starts at the state of word j
     for _ in range(LANES - 1):
         values.append((values[-1] * MULT + inc) & _M128)
     values += advance(MULT, inc, LANES)
     for k, v in enumerate(values):
-        params[2 * k], params[2 * k + 1] = v & (2**64 - 1), v >> 64
+        states[2 * k], states[2 * k + 1] = v & (2**64 - 1), v >> 64
     if whole:
-        _fns()[kernel](params.ctypes.data, out.ctypes.data, whole // LANES, mask)  # ctypes releases the GIL
+        _fns()[kernel](states.ctypes.data, out.ctypes.data, whole // LANES, mask)  # ctypes releases the GIL
     a, c = advance(MULT, inc, whole)
     st["state"]["state"] = (a * s + c) & _M128
     bit_generator.state = st
