@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import attrs
 import numpy as np
+from networkx.utils import UnionFind
 
 from ..errors import UnsupportedModelError
 from .onnx_graph import Node, OnnxModel, label
@@ -269,22 +270,15 @@ def segment(om: OnnxModel) -> Decoder:
 
 def _components(om: OnnxModel, bnodes: list, norms: dict) -> list[Branch]:
     """Connected components of branch nodes (linked through branch values that are not norm outputs)."""
-    parent = {n: n for n in bnodes}  # union-find over the nodes (a Node hashes by identity; its OnnxModel owns it)
-
-    def find(x):
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    uf = UnionFind(bnodes)  # a Node hashes by identity; its OnnxModel owns it
     for n in bnodes:
         for v in n.input:
             p = om.producer.get(v)
-            if p is not None and p in parent and v not in norms:
-                parent[find(p)] = find(n)
+            if p is not None and p in uf.parents and v not in norms:
+                uf.union(p, n)
     groups: dict[Node, list] = defaultdict(list)
-    for n in bnodes:
-        groups[find(n)].append(n)
+    for n in bnodes:  # in node order: the components come out in the order of their first node
+        groups[uf[n]].append(n)
     out = []
     for nodes in groups.values():
         nodes.sort(key=om.order)

@@ -26,6 +26,7 @@ import warnings
 
 import attrs
 import numpy as np
+from networkx.utils import UnionFind
 
 from ..errors import CflowError, FormatError, RuntimeFault
 from ..layout.tile import aligned_empty
@@ -320,36 +321,31 @@ class ExpertTier:
         """Group the claimed experts' ranges into requests: [(keys, runs)], a run [(key, range index, the
         range's piece of its slot, range)] of ranges each starting where the one before ends in the file (see
         self.coalesce; with it off, or ranges apart, a run is one range and each expert its own task)."""
-        parts = sorted(((r.file_offset, key, k, memoryview(self.slots[i].buf[off : off + F.pad(r.nbytes)]), r)
-                        for key, i in claims for k, (_, off, r) in enumerate(self.layout[key])), key=lambda p: p[0])
+        def pieces(key, i):
+            return [(r.file_offset, key, k, memoryview(self.slots[i].buf[off : off + F.pad(r.nbytes)]), r)
+                    for k, (_, off, r) in enumerate(self.layout[key])]
+
+        if self.coalesce == "off":  # the default: no sorting, one task per expert, one request per range
+            return [([key], [[p[1:]] for p in pieces(key, i)]) for key, i in claims]
         runs: list[list] = []
         end = size = -1
-        for at, key, k, view, r in parts:
+        for at, key, k, view, r in sorted((p for c, i in claims for p in pieces(c, i)), key=lambda p: p[0]):
             want = len(view)
-            if (at == end and size + want <= MAX_COALESCE
-                    and (self.coalesce == "layer" or self.coalesce == "expert" and key == runs[-1][-1][0])):
+            if at == end and size + want <= MAX_COALESCE and (self.coalesce == "layer" or key == runs[-1][-1][0]):
                 runs[-1].append((key, k, view, r))
                 size += want
             else:
                 runs.append([(key, k, view, r)])
                 size = want
             end = at + want
-        group = {key: key for key, _ in claims}  # union-find: experts that share a run read in one task
-
-        def root(k):
-            while group[k] != k:
-                group[k] = group[group[k]]
-                k = group[k]
-            return k
-
+        uf = UnionFind(key for key, _ in claims)  # experts that share a run read in one task
         for run in runs:
-            for key, *_ in run[1:]:
-                group[root(key)] = root(run[0][0])
+            uf.union(*(key for key, *_ in run))
         tasks: dict[tuple[int, int], tuple[list, list]] = {}
         for key, _ in claims:
-            tasks.setdefault(root(key), ([], []))[0].append(key)
+            tasks.setdefault(uf[key], ([], []))[0].append(key)
         for run in runs:
-            tasks[root(run[0][0])][1].append(run)
+            tasks[uf[run[0][0]]][1].append(run)
         return list(tasks.values())
 
     def wait(self, block: int, experts) -> dict[str, int]:
