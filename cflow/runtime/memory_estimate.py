@@ -57,10 +57,12 @@ def memory_parts(compiled, run_state, *, tmax: int, max_seq: int, n_slots: int, 
         routers = [n for n in run_state.graph.nodes() if n.kind == "router"]
         parts["the route guesser's copies of the routers"] = sum(4 * (n.n_experts + 2) * n.dim for n in routers)
     if experts == "disk" and expert_cache_mb is None and cache_default:
+        from .segments import default_cache_bytes
+
         slot, n, window = expert_slots(run_state, tensors, c.top_k, every_stage=weights == "disk",
                                        sync=expert_io == "sync")
         parts["the expert cache (default: a quarter of the experts; --expert-cache-mb sets it)"] = (
-            max(window, n // 4) * slot)
+            default_cache_bytes(n, slot, window))
     return parts
 
 
@@ -82,16 +84,12 @@ def row_touch(t) -> int:
 
 def expert_slots(run_state, tensors, top_k: int, *, every_stage: bool, sync: bool) -> tuple[int, int, int]:
     """(bytes of one expert's cache slot, experts stored, slots one expert-delay window pins at once) for the
-    disk tier (segments.open_tier sizes its slots alike, from the file's entries)."""
-    from .format.spec import pad
-    from .segments import plan_segments
+    disk tier, as segments.open_tier sizes it."""
+    from .segments import expert_entries, plan_segments
 
-    per: dict[tuple[int, int], int] = {}
-    for t in tensors.values():
-        if t.expert >= 0:
-            per[(t.block, t.expert)] = per.get((t.block, t.expert), 0) + pad(t.nbytes)
+    names, slot = expert_entries(tensors)
     window = plan_segments(run_state.schedule, top_k, every_stage=every_stage, sync=sync).min_slots
-    return max(per.values(), default=0), len(per), window
+    return slot, len(names), window
 
 
 # Address space a load maps besides its parts, which a limit on the address space (RLIMIT_AS, `ulimit -v`)

@@ -70,19 +70,32 @@ def plan_segments(schedule, top_k: int, *, every_stage: bool, sync: bool) -> Seg
                        window_stages={l: up[l] - route[l] - 1 for l in route}, min_slots=max(1, most) * top_k)
 
 
-def open_tier(reader, tensors, config, routed, min_slots: int, expert_cache_mb: float | None):
-    """The expert tier of a model's experts (tensors: the plan's), sized by `expert_cache_mb` (default: a
-    quarter of the experts, at least `min_slots`); returns it and the names of the tensors it holds."""
-    from .experts import ExpertTier
-
+def expert_entries(tensors) -> tuple[dict[tuple[int, int], list[str]], int]:
+    """The stored experts' tensor names by (weight block, expert), and the bytes of one cache slot (the largest
+    expert's tensors, each padded as the file places them): what the tier allocates and the estimate counts."""
     names: dict[tuple[int, int], list[str]] = {}
     for t in tensors.values():
         if t.expert >= 0:
             names.setdefault((t.block, t.expert), []).append(t.name)
+    slot = max((sum(pad(tensors[n].nbytes) for n in ns) for ns in names.values()), default=0)
+    return names, slot
+
+
+def default_cache_bytes(n_experts: int, slot: int, min_slots: int) -> int:
+    """The expert cache a load without --expert-cache-mb gets: a quarter of the experts, at least `min_slots`."""
+    return max(min_slots, n_experts // 4) * slot
+
+
+def open_tier(reader, tensors, config, routed, min_slots: int, expert_cache_mb: float | None):
+    """The expert tier of a model's experts (tensors: the plan's, whose sizes check_plan matched with the file's),
+    sized by `expert_cache_mb` (default_cache_bytes without it); returns it and the names of the tensors it
+    holds."""
+    from .experts import ExpertTier
+
+    names, per = expert_entries(tensors)
     held = {n for ns in names.values() for n in ns}
-    per = max(sum(pad(reader.entry(n).nbytes) for n in ns) for ns in names.values())  # one slot
-    if expert_cache_mb is None:  # default: a quarter of the experts, at least what decoding needs
-        budget = max(min_slots, len(names) // 4) * per
+    if expert_cache_mb is None:
+        budget = default_cache_bytes(len(names), per, min_slots)
     else:
         if not expert_cache_mb > 0:
             raise CflowError(f"expert cache must be > 0 MB, not {expert_cache_mb}")
