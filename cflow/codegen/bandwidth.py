@@ -16,13 +16,12 @@ import numpy as np
 from llvmlite import ir
 
 from ..layout.tile import aligned_empty
-from .library import Library
+from .library import utility_functions
 
 CHUNK = 512  # bytes per loop iteration: 8 accumulators x 64 B
 # The reference is the faster of a plain loop and one with the kernels' software prefetch (2304 B
 # ahead, prefetcht0; ~5% faster here): the mat-vec must not be flattered by a weaker read loop.
 PREFETCH_VARIANTS = (0, 2304)
-_kernels: dict[int, object] = {}
 _buffers: dict[int, np.ndarray] = {}
 
 
@@ -81,11 +80,8 @@ def read_kernel_module(accumulators: int = CHUNK // 64, prefetch: int = 0, work=
 
 
 def read_kernel(prefetch: int = 0):
-    if prefetch not in _kernels:
-        lib = Library(name="bandwidth")
-        lib.add_ir(read_kernel_module(prefetch=prefetch))
-        _kernels[prefetch] = lib.get_cfunc("read_xor", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
-    return _kernels[prefetch]
+    return utility_functions(f"bandwidth-pf{prefetch}", lambda: read_kernel_module(prefetch=prefetch),
+                             {"read_xor": (ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)})["read_xor"]
 
 
 def _buffer(nbytes: int) -> np.ndarray:

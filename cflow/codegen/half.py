@@ -12,18 +12,15 @@ which rounds to nearest even like NumPy, overflows to inf and keeps NaN quiet
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import numpy as np
 from llvmlite import ir
 
-from .cgutils import float_to_half
-from .library import Library
+from .cgutils import Loop, c64, float_to_half
+from .library import utility_functions
 from .target import host_target
 
 LANES = 16
-_lock = threading.Lock()
-_kernel: list = []
 
 
 def kernel_module(isa) -> ir.Module:
@@ -33,46 +30,22 @@ def kernel_module(isa) -> ir.Module:
     mod = ir.Module(name="half")
     fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [f32.as_pointer(), i16.as_pointer(), i64]), "f32_to_f16")
     src, dst, n = fn.args
-    entry = fn.append_basic_block("entry")
-    b = ir.IRBuilder(entry)
-    whole = b.mul(b.udiv(n, ir.Constant(i64, LANES)), ir.Constant(i64, LANES))
-
-    def loop(name: str, start, stop, step: int, body) -> None:
-        pre = b.block
-        head, blk, done = (fn.append_basic_block(f"{name}_{s}") for s in ("head", "body", "done"))
-        b.branch(head)
-        b.position_at_end(head)
-        i = b.phi(i64)
-        i.add_incoming(start, pre)
-        b.cbranch(b.icmp_unsigned("<", i, stop), blk, done)
-        b.position_at_end(blk)
-        body(i)
-        i.add_incoming(b.add(i, ir.Constant(i64, step)), b.block)
-        b.branch(head)
-        b.position_at_end(done)
-
-    def vec(i) -> None:
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    steps = b.udiv(n, c64(LANES))
+    with Loop(b, c64(0), steps, "vec") as k:
+        i = b.mul(k, c64(LANES))
         x = b.load(b.bitcast(b.gep(src, [i]), vf.as_pointer()), align=4)
         b.store(float_to_half(b, x, isa), b.bitcast(b.gep(dst, [i]), vh.as_pointer()), align=2)
-
-    def one(i) -> None:
+    with Loop(b, b.mul(steps, c64(LANES)), n, "tail") as i:
         b.store(float_to_half(b, b.load(b.gep(src, [i])), isa), b.gep(dst, [i]))
-
-    loop("vec", ir.Constant(i64, 0), whole, LANES, vec)
-    loop("tail", whole, n, 1, one)
     b.ret_void()
     return mod
 
 
 def _fn():
-    """The compiled kernel (once per process; the Library kept alive with it)."""
-    with _lock:
-        if not _kernel:
-            target = host_target()
-            lib = Library(name="half", target=target)
-            lib.add_ir(kernel_module(target.isa))
-            _kernel.extend([lib, lib.get_cfunc("f32_to_f16", None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)])
-        return _kernel[1]
+    """The compiled kernel (once per process, for the host target)."""
+    return utility_functions("half", lambda: kernel_module(host_target().isa),
+                             {"f32_to_f16": (None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)})["f32_to_f16"]
 
 
 def to_half(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

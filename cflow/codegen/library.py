@@ -226,3 +226,20 @@ def compile_ir(*modules, name: str = "cflow", target: Target | None = None, opt:
         lib.add_ir(m)
     lib.finalize()
     return lib
+
+
+_utility: dict[str, tuple[Library, dict]] = {}
+_utility_lock = threading.Lock()
+
+
+def utility_functions(name: str, build, signatures: dict) -> dict:
+    """The ctypes functions of a small helper module (the writer's loops, the bandwidth probe), compiled once per
+    process on first use: `build()` returns its llvmlite module; signatures: function name -> (restype,
+    *argtypes). The Library (host target) stays alive with them (its code would be freed with it)."""
+    with _utility_lock:
+        if name not in _utility:
+            lib = Library(name=name)
+            lib.add_ir(build())
+            _utility[name] = (lib, {f: lib.get_cfunc(f, *sig) for f, sig in signatures.items()})
+        return _utility[name][1]
+

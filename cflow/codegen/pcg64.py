@@ -15,18 +15,15 @@ written once. Exact integer arithmetic: the words are NumPy's (tests/codegen/tes
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import numpy as np
 from llvmlite import ir
 
-from .library import Library
+from .library import utility_functions
 
 LANES = 4  # interleaved PCG64 sequences: n must be a multiple (the synthetic codes draw 4 words per block)
 MULT = (2549297995355413924 << 64) + 4865540595714422341  # PCG64's 128-bit LCG multiplier (NumPy's pcg64.h)
 _M128 = (1 << 128) - 1
-_lock = threading.Lock()
-_kernel: list = []
 
 
 def advance(a: int, c: int, n: int) -> tuple[int, int]:
@@ -107,14 +104,9 @@ def kernel_module() -> ir.Module:
 
 
 def _fns() -> dict:
-    """The compiled kernels by name (once per process; the Library kept alive with them)."""
-    with _lock:
-        if not _kernel:
-            lib = Library(name="pcg64")
-            lib.add_ir(kernel_module())
-            args = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64)
-            _kernel.extend([lib, {n: lib.get_cfunc(n, None, *args) for n in ("pcg64_masked", "pcg64_f32")}])
-        return _kernel[1]
+    """The compiled kernels by name (once per process)."""
+    args = (None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64)
+    return utility_functions("pcg64", kernel_module, {"pcg64_masked": args, "pcg64_f32": args})
 
 
 def _draw(bit_generator, n: int, kernel: str, out: np.ndarray, mask: int = 0) -> np.ndarray:

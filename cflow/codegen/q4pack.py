@@ -17,17 +17,13 @@ tests compare it with (tests/codegen/test_writer_kernels.py).
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import numpy as np
 from llvmlite import ir
 
 from ..layout import tile as T
 from .cgutils import Loop, c64, i64
-from .library import Library
-
-_lock = threading.Lock()
-_kernel: list = []
+from .library import utility_functions
 
 
 def kernel_module() -> ir.Module:
@@ -66,13 +62,9 @@ def kernel_module() -> ir.Module:
 
 
 def _fn():
-    """The compiled kernel (once per process; the Library kept alive with it)."""
-    with _lock:
-        if not _kernel:
-            lib = Library(name="q4pack")
-            lib.add_ir(kernel_module())
-            _kernel.extend([lib, lib.get_cfunc("q4_pack", None, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 4)])
-        return _kernel[1]
+    """The compiled kernel (once per process)."""
+    return utility_functions("q4pack", kernel_module,
+                             {"q4_pack": (None, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 4)})["q4_pack"]
 
 
 def pack_q4_band(units: np.ndarray, q: np.ndarray, scales: np.ndarray, L: T.TileLayout) -> None:
