@@ -38,7 +38,7 @@ rotate halves, as cflow does), and for qwen3moe the experts' width under qwen3mo
 llama.cpp's qwen3moe routes as cflow does too (softmax over all experts, the top k renormalised).
 
 Streaming: tensor infos come from the graph's plan (shapes and storage types), then the data is written one
-tensor at a time, a stacked expert tensor one expert at a time (`_Stacked`), with O_DIRECT where the file system
+tensor at a time, a stacked expert tensor one expert at a time (`_Payload`), with O_DIRECT where the file system
 takes it (`_direct_data`, as the .vflow writer), the next payloads made in
 PAYLOAD_WORKERS background threads while one is written (util.prefetch_map, in file order): a graph whose
 weights are generated or quantised on access (cflow.models.synthetic.SyntheticWeights) is never in memory as a
@@ -399,7 +399,7 @@ def _write_metadata(w, graph, arch: str, tokenizer_json) -> None:
     _write_tokenizer(w, tokenizer_json, c.vocab_size, graph.meta.special_tokens)
 
 
-class _Stacked:
+class _Payload:
     """The payload of one GGUF tensor, taken from `stream` one array per name: the experts' matrices of a stacked
     tensor one after the other, or a single tensor's. GGUFWriter.write_tensor_data checks `.nbytes` and calls
     `.tofile(file)`, which writes each through file.write (a DirectFile has no file descriptor for numpy's
@@ -504,7 +504,7 @@ def export_gguf(graph, path, tokenizer_json=None) -> dict:
         with small_pages():  # as the .vflow writer (util.small_pages)
             try:
                 for name, (dt, nb) in zip(order, infos):
-                    w.write_tensor_data(_Stacked(name if isinstance(name, list) else [name], stream, dt, nb))
+                    w.write_tensor_data(_Payload(name if isinstance(name, list) else [name], stream, dt, nb))
             except BaseException:
                 if direct is not None:
                     direct.abort()
