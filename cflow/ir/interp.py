@@ -49,6 +49,13 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return z / z.sum(axis=axis, keepdims=True)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities of float logits [..., vocab] (the largest subtracted first, as llama.cpp does)."""
+    x = np.asarray(logits, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x: [T, heads, hd] in the rotate-half convention; cos/sin: [T, hd/2] (ir/rope.py tables)."""
     cos, sin = np.concatenate([cos, cos], -1)[:, None, :], np.concatenate([sin, sin], -1)[:, None, :]

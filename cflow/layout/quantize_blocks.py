@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .blocks import FORMATS, IQ4_VALUES, BlockTensor, dequantize_blocks
+from .blocks import FORMATS, IQ4_VALUES, BlockTensor
 from .quant import DType, QTensor, dequantize, quantize
 
 EPS = 1e-15  # llama.cpp's GROUP_MAX_EPS: a block this small is all zeros
@@ -367,5 +367,5 @@ def quantize_weighted(x: np.ndarray, dtype: DType, imatrix: np.ndarray | None = 
 def weighted_error(x: np.ndarray, t, imatrix: np.ndarray | None) -> float:
     """sum_rows sum_j imatrix_j (x - dequant(t))^2: the expected squared output error for inputs of that second
     moment (imatrix None: plain squared error)."""
-    d = (np.asarray(x, np.float32) - (dequantize_blocks(t) if isinstance(t, BlockTensor) else dequantize(t))) ** 2
+    d = (np.asarray(x, np.float32) - dequantize(t)) ** 2
     return float(d.sum(0) @ (np.ones(d.shape[1], np.float32) if imatrix is None else imatrix))

@@ -28,7 +28,8 @@ import attrs
 import numpy as np
 
 from ..errors import CflowError
-from ..layout.quant import BLOCK_SIZES, DType, matrix_bytes
+from ..ir.interp import log_softmax
+from ..layout.quant import BLOCK_SIZES, DType, dequantize, matrix_bytes
 from ..layout.quantize_blocks import quantize_weighted, weighted_error
 from . import gptq
 from .quantize import F32_SUFFIXES
@@ -58,7 +59,7 @@ def _embedding_weights(graph, head_reads_it: bool) -> np.ndarray | None:
     importance is the head's)."""
     if head_reads_it:
         return None
-    e = np.asarray(_dense(graph.weights["tok_embeddings"]), np.float32)
+    e = dequantize(graph.weights["tok_embeddings"])
     norm = graph.weights.get("blocks.0.attn_norm")
     g2 = np.ones(e.shape[1], np.float32) if norm is None else np.asarray(norm, np.float32) ** 2
     return (g2 / max(float((e * e).mean()), 1e-30) / e.shape[0]).astype(np.float32)
@@ -109,7 +110,7 @@ def measure(graph, weights: Mapping[str, np.ndarray | None], types=CANDIDATES, s
     out = {}
     names = matrices(graph)
     for i, n in enumerate(names):
-        w = np.asarray(_dense(graph.weights[n]), np.float32)
+        w = dequantize(graph.weights[n])
         rows = np.unique(np.linspace(0, w.shape[0] - 1, min(sample_rows, w.shape[0])).astype(int))
         ws, scale = w[rows], w.shape[0] / rows.size
         out[n] = {dt: scale * error_of(n, ws, quantize_one(n, ws, dt, weights, curv), weights, curv)
@@ -139,14 +140,14 @@ def sensitivities(graph, weights: Mapping[str, np.ndarray | None], errors: dict[
     the group's weighted error there: the factor that turns an error into a predicted KLD (module docstring).
     One float forward pass per group (the reference interpreter, that group alone swapped)."""
     run = _Replay(graph, ids)
-    logp = _log_softmax(run.logits)
+    logp = log_softmax(run.logits)
     p = np.exp(logp)
     out = {}
     todo = {k: v for k, v in groups(matrices(graph)).items() if all(probe in errors.get(n, {}) for n in v)}
     for i, (key, members) in enumerate(todo.items()):
-        swap = {n: _dense(quantize_one(n, np.asarray(run.weight(n), np.float32), probe, weights, curv))
+        swap = {n: dequantize(quantize_one(n, np.asarray(run.weight(n), np.float32), probe, weights, curv))
                 for n in members}
-        lq = _log_softmax(run.replay(swap))
+        lq = log_softmax(run.replay(swap))
         kld = float((p * (logp - lq)).sum(1).mean())
         err = sum(errors[n][probe] for n in members)
         for n in members:
@@ -203,21 +204,9 @@ class _Replay:
         return vals[OUTPUT]
 
 
-def _log_softmax(x) -> np.ndarray:
-    x = np.asarray(x, np.float64)
-    x = x - x.max(1, keepdims=True)
-    return x - np.log(np.exp(x).sum(1, keepdims=True))
-
-
 def predicted(errors: dict[str, dict[DType, float]], sens: Mapping[str, float]) -> dict[str, dict[DType, float]]:
     """Each error scaled by its tensor's sensitivity: a predicted KLD per tensor and type."""
     return {n: {dt: e * sens.get(n, 1.0) for dt, e in errs.items()} for n, errs in errors.items()}
-
-
-def _dense(w):
-    from ..layout.quant import dequantize
-
-    return w if isinstance(w, np.ndarray) else dequantize(w)
 
 
 def _hull(opts: list[tuple[int, float, DType]]) -> list[tuple[int, float, DType]]:
@@ -348,7 +337,7 @@ class WeightedQuantized(Mapping):
         dt = self.types.get(name)
         if dt is None:
             return w
-        return quantize_one(name, np.asarray(_dense(w), np.float32), dt, self.weights, self.curv)
+        return quantize_one(name, dequantize(w), dt, self.weights, self.curv)
 
     def __iter__(self):
         return iter(self.source)

@@ -25,6 +25,7 @@ import attrs
 import numpy as np
 
 from ..errors import CflowError
+from ..ir.interp import log_softmax as log_softmax  # `X as X`: re-exported (benchmarks/conformance.py)
 
 MAGIC = b"_logits_"
 LOG_RANGE = 16.0  # nats below the largest logit that the base file keeps (and KLD sums over)
@@ -56,13 +57,6 @@ def check_text_length(n_tokens: int, n_ctx: int) -> None:
     if n_tokens < 2 * n_ctx:
         raise CflowError(f"the text tokenises to {n_tokens} tokens: perplexity with a context of {n_ctx} needs at "
                          f"least {2 * n_ctx} (give a longer text or a smaller -c)")
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-probabilities of float logits [..., vocab] (the largest subtracted first, as llama.cpp does)."""
-    x = np.asarray(logits, np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 @attrs.define
