@@ -44,6 +44,7 @@ import numpy as np
 
 from benchmarks.common import ROOT
 from benchmarks.common.record import Run, add_json_argument
+from benchmarks.quant_speed import llama_round
 
 TEXT = Path(ROOT) / "benchmarks" / "data" / "tinystories_excerpt.txt"
 BUNDLED = Path(ROOT) / "cflow" / "data" / "default"
@@ -191,16 +192,6 @@ def llama_with_imatrix(src: Path, typed: Path, dst: Path, im) -> Path:
     return dst
 
 
-def llama_decode_tok_s(path: Path, threads: int, tokens: int) -> float:
-    from benchmarks.common.peers import llama_open, llama_time_decode
-
-    llm = llama_open(str(path), threads, extra_bufts=False)  # its AMX path crashes on this VM
-    try:
-        return llama_time_decode(llm, [1, 2, 3, 4], tokens, reps=2)
-    finally:
-        llm.close()
-
-
 # --- scoring --------------------------------------------------------------------------------------------------
 def perplexity(model, base: Path, threads: int, text: Path | None = None, ctx: int = 256) -> dict:
     """`cflow perplexity` as a user runs it: writes the base file (text given) or scores against it."""
@@ -294,7 +285,7 @@ def run_model(name: str, src: str, work: Path, args, llama: bool) -> list[dict]:
               f"{r['kl_kld_p99']:.4f}  top-1 {100 * r['kl_same_top']:5.1f}%  cflow {tok_s:6.1f} tok/s", file=sys.stderr)
     if llama:
         rows.append({"variant": "llama.cpp decode on its Q4_K_M", "file": str(work / "llama-Q4_K_M.gguf"),
-                     "llama_tok_s": llama_decode_tok_s(work / "llama-Q4_K_M.gguf", args.threads, args.tokens)})
+                     "llama_tok_s": llama_round(str(work / "llama-Q4_K_M.gguf"), args.threads, args.tokens)["tok_s"]})
     for r in rows:
         r["model"] = name
     return rows
