@@ -50,26 +50,20 @@ def train(out: Path, data: str, steps: int, threads: int, seed: int = 0) -> dict
     from tokenizers import Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from cflow.models.train import TrainConfig, _optimizer, lr_at
+    from cflow.util import atomic_path
+
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
     ids = np.array(tok.encode(training_text(data)).ids, np.int64)
     n_val = len(ids) // 20
     train_ids, val_ids = ids[:-n_val], ids[-n_val:]
-    cfg = LlamaConfig(**GEOMETRY, bos_token_id=None, eos_token_id=0, pad_token_id=None)
-    model = LlamaForCausalLM(cfg).float()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    other = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=2e-3, betas=(0.9, 0.95))
+    model = LlamaForCausalLM(LlamaConfig(**GEOMETRY, bos_token_id=None, eos_token_id=0, pad_token_id=None)).float()
+    cfg = TrainConfig(steps=steps, batch=16, seq=256, lr=2e-3, warmup=30, weight_decay=0.1, seed=seed)
+    opt = _optimizer(model, cfg)  # cflow train's AdamW: decay on matrices only, betas 0.9 / 0.95
     rng = np.random.default_rng(seed)
-    batch, seq, warmup = 16, 256, 30
-
-    def lr_at(s):
-        if s < warmup:
-            return 2e-3 * (s + 1) / warmup
-        p = (s - warmup) / max(1, steps - warmup)
-        return 2e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    batch, seq = cfg.batch, cfg.seq
 
     history, t0 = [], time.time()
     model.train()
@@ -77,7 +71,7 @@ def train(out: Path, data: str, steps: int, threads: int, seed: int = 0) -> dict
         starts = rng.integers(0, len(train_ids) - seq - 1, batch)
         x = torch.from_numpy(np.stack([train_ids[i : i + seq] for i in starts]))
         for g in opt.param_groups:
-            g["lr"] = lr_at(s)
+            g["lr"] = lr_at(s, cfg)  # cflow train's schedule: linear warmup, cosine to a tenth
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -92,20 +86,16 @@ def train(out: Path, data: str, steps: int, threads: int, seed: int = 0) -> dict
         losses = [float(model(input_ids=torch.from_numpy(np.stack(w[i : i + 8])),
                               labels=torch.from_numpy(np.stack(w[i : i + 8]))).loss) for i in range(0, len(w), 8)]
     val = float(np.mean(losses))
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    shutil.copy(BUNDLED / "tokenizer.json", tmp / "tokenizer.json")
-    for extra in ("tokenizer_config.json",):
-        if (BUNDLED / extra).exists():
-            shutil.copy(BUNDLED / extra, tmp / extra)
-    shutil.copy(EXCERPT.parent / "NOTICE", tmp / "NOTICE")
     info = {"steps": steps, "threads": threads, "seed": seed, "train_tokens": int(len(train_ids)),
             "val_tokens": int(len(val_ids)), "val_loss": val, "val_ppl": math.exp(val),
             "seconds": time.time() - t0, "loss": history}
-    (tmp / "history.json").write_text(json.dumps(info), encoding="utf-8")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_path(out, directory=True) as tmp:  # the old directory replaced only by a complete new one
+        model.save_pretrained(tmp, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (BUNDLED / name).exists():
+                shutil.copy(BUNDLED / name, tmp / name)
+        shutil.copy(EXCERPT.parent / "NOTICE", tmp / "NOTICE")
+        (tmp / "history.json").write_text(json.dumps(info), encoding="utf-8")
     return info
 
 
