@@ -374,9 +374,8 @@ class _CflowConstraint:
         computed = c._mask
 
         def counted():  # the masks the engine computes (a forced token's is known without one)
-            ok = computed()
             self.masks += not c._forced
-            return ok
+            return computed()
 
         c._mask = counted
 

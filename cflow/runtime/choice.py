@@ -46,15 +46,18 @@ from .sampling import BLOCK, Sampler, _crossing, _pick, _top
 MAX_TOP_LOGPROBS = 20  # alternatives a record may list (OpenAI's limit for chat)
 REPETITION_WINDOW = 64  # llama.cpp's default penalty_last_n
 # Under a grammar a token is drawn from the unmasked row first (the mask computed only if the grammar refuses it),
-# or from the masked row at once, whichever is likely cheaper: where the grammar leaves few tokens (FEW or less: a
-# JSON value's end, a key's start) the model's own draw is seldom one of them and costs a whole row's softmax for
-# nothing, while a draw among few tokens costs next to nothing; where it leaves many (inside a string) the masked
-# draw is a whole row's too, after the mask. So the Chooser keeps, for each kind of token before (`_after`: none,
-# forced, a draw among many, among few), the running share of tokens that needed the mask (weight NEED_RATE per
-# token), and draws from the masked row first while that share is above MASK_FIRST (the share at which both cost
-# the same on the bundled model). Either way the token is the masked distribution's.
+# or from the masked row at once, whichever is likely cheaper. A draw the grammar takes costs one engine call; a
+# refused one costs a whole row's softmax, up to TRIES engine calls, and the mask after all, several times what
+# masking first costs (the model insists on text the grammar keeps out: spaces in an e-mail address, prose where
+# a JSON value's end is due). Whether the model's choice fits the grammar runs in streaks (inside a JSON string
+# it does; after the string's end it does not), so the Chooser keeps, for each kind of token before (`_after`:
+# none, forced, one the model's draw gave, one the mask was needed for), the running share of tokens that needed
+# the mask (weight NEED_RATE per token), and draws from the masked row first while that share is above
+# MASK_FIRST. A token masked first counts as needing it where the mask leaves few tokens (FEW or less: a draw
+# among them costs next to nothing) or does not allow the row's best token (the model's draw would likely have
+# been refused). Either way the token is the masked distribution's: the choice changes the cost, never the draw.
 MASK_FIRST, NEED_RATE = 0.5, 0.25
-_START, _FORCED, _WIDE, _NARROW = range(4)
+_START, _FORCED, _TAKEN, _MASKED = range(4)
 FEW = 32  # a mask leaving this many tokens or fewer is narrow; a draw among them is done without numpy
 TRIES = 3  # draws from the unmasked row before the grammar's mask is computed (see Chooser._draw_then_check)
 
@@ -172,13 +175,13 @@ class Chooser:
         if self._try_first and (self._greedy or self._need[after] < MASK_FIRST):
             tok, needed = self._draw_then_check(logits, u)
         else:
-            tok, needed = self._draw_masked(logits, u)
+            tok, needed = self._mask_first(logits, u)
         self._need[after] += NEED_RATE * (needed - self._need[after])
-        self._after = _NARROW if needed else _WIDE
+        self._after = _MASKED if needed else _TAKEN
         return tok
 
     def _draw_then_check(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
-        """(token, whether the mask left few tokens): a draw from the unmasked row, the mask computed only when the
+        """(token, whether the mask was needed): a draw from the unmasked row, the mask computed only when the
         grammar refuses it. The same distribution as masking first when nothing truncates by rank or by the best
         token. Greedy: the argmax if the grammar takes it, else the masked argmax. Plain temperature: up to TRIES
         draws (the first with `u`, the others with fresh uniforms) from the unmasked row less the tokens refused
@@ -192,7 +195,7 @@ class Chooser:
             x, _ = self._adjusted(logits, mask=False)
         if self._greedy:
             tok = int(np.argmax(x))
-            return (tok, False) if c.try_accept(tok) else self._draw_masked(logits, None)
+            return (tok, False) if c.try_accept(tok) else (self._draw_masked(logits, None)[0], True)
         draws = _Draws(x, self.temperature)
         for k in range(TRIES):
             tok = draws.pick(u if k == 0 else self.rng.random())
@@ -205,11 +208,30 @@ class Chooser:
             tok = draws.pick_in(allowed, self.rng.random())
             if tok is not None:
                 c.accept(tok)
-                return tok, np.count_nonzero(allowed) <= FEW
-        return self._draw_masked(logits, self.rng.random())
+                return tok, True
+        return self._draw_masked(logits, self.rng.random())[0], True
+
+    def _mask_first(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
+        """(token, whether masking first paid: the mask left few tokens or refused the row's best): the mask, then
+        a draw among the tokens it allows. Where it allows many under plain temperature, the draw is from the
+        whole row's weights kept to them (the masked row's up to a factor: one softmax over the row costs less
+        than gathering the allowed tokens first); otherwise from the masked row (`_draw_masked`)."""
+        allowed = self.constraint.allowed() if self._try_first and not self._greedy else None
+        if allowed is None or np.count_nonzero(allowed) <= FEW:
+            return self._draw_masked(logits, u)
+        x = logits
+        if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
+            x, _ = self._adjusted(logits, mask=False)
+        tok = _Draws(x, self.temperature).pick_in(allowed, u)
+        if tok is None:  # the allowed tokens too unlikely to register against the row's best
+            return self._draw_masked(logits, u)
+        self.constraint.accept(tok)
+        best = int(np.argmax(x))
+        return tok, not (best < allowed.size and allowed[best])
 
     def _draw_masked(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
-        """(token, whether the mask left few tokens): a draw from the masked row."""
+        """(token, whether masking first paid: the mask left few tokens or refused the row's best): a draw from
+        the masked row."""
         x, ids = self._adjusted(logits)
         if x is None:
             return self._end("the constraint allows no token"), True
@@ -220,7 +242,9 @@ class Chooser:
         else:
             tok = self._pick(x, ids, u)
         self.constraint.accept(tok)
-        return tok, ids is not None and ids.size <= FEW
+        if ids is None:
+            return tok, False
+        return tok, ids.size <= FEW or not _holds(ids, int(np.argmax(logits)))
 
     def _pick(self, x: np.ndarray, ids: np.ndarray | None, u: float) -> int:
         """The Sampler's draw; for the few tokens a mask leaves under plain temperature its arithmetic without its
@@ -345,14 +369,22 @@ class _Draws:
         w /= temperature
         np.exp(w, out=w)
         self.w = w
-        if w.size <= 4 * BLOCK:
-            self.c, self.blocked = np.cumsum(w), False
-        else:
-            nb = w.size // BLOCK
-            sums = w[: nb * BLOCK].reshape(nb, BLOCK).sum(axis=1)
-            if w.size > nb * BLOCK:
-                sums = np.append(sums, w[nb * BLOCK :].sum())
-            self.c, self.blocked = np.cumsum(sums), True
+        self.blocked = w.size > 4 * BLOCK
+        self._c: np.ndarray | None = None  # cumulative sums (of blocks, for a long row), made on the first pick
+
+    @property
+    def c(self) -> np.ndarray:
+        if self._c is None:
+            w = self.w
+            if not self.blocked:
+                self._c = np.cumsum(w)
+            else:
+                nb = w.size // BLOCK
+                sums = w[: nb * BLOCK].reshape(nb, BLOCK).sum(axis=1)
+                if w.size > nb * BLOCK:
+                    sums = np.append(sums, w[nb * BLOCK :].sum())
+                self._c = np.cumsum(sums)
+        return self._c
 
     def drop(self, i: int) -> bool:
         """Leave token i out of further draws; False if no weight is left."""
@@ -376,6 +408,12 @@ class _Draws:
             return j
         lo = j * BLOCK
         return lo + _crossing(np.cumsum(self.w[lo : lo + BLOCK]), t - (c[j - 1] if j else 0.0))
+
+
+def _holds(ids: np.ndarray, i: int) -> bool:
+    """Is i among the ascending ids?"""
+    k = int(np.searchsorted(ids, i))
+    return k < ids.size and int(ids[k]) == i
 
 
 def _check(ok: bool, what: str, got) -> None:

@@ -11,14 +11,15 @@ A Constraint is what the sampler asks, once per token:
                                    draws first and computes the mask only when its token is refused pays the mask
                                    on those tokens only (the masked distribution's draw, exact for temperature)
     forced() -> int | None         the next token where the grammar forces it (the one token its mask allows),
-                                   else None: taken with neither a mask nor a draw
+                                   else None (also where that is not known yet): taken with neither a mask nor a draw
     finished                       the grammar is complete: only end of text may follow
 
 Where the grammar forces the next bytes (a JSON key and its `": "`, the rest of an enum value), llguidance's mask
-is the first token of those bytes as its tokenizer writes them, alone; one engine call (compute_ff_tokens) gives
-the whole run. The constraint asks it (and whether the grammar stopped) right after the token the sampler chose,
-while the engine's data is still in the cache (the first engine call after a decode step costs several times what
-the next ones do), as long as the grammar forces runs often enough to pay for the question.
+is the first token of those bytes as its tokenizer writes them, alone; one engine call (compute_ff_tokens) then
+gives the whole run, whose other tokens need neither a mask nor a draw. The constraint asks for the run only where
+a mask allows one token: asking after every token, or before every mask, costs more than it saves (a question
+costs about a mask; most states force nothing). Every sequence of a grammar starts in the same state, so the run
+there (the `{"` of a JSON schema) is asked once per compiled grammar.
 
 The engine's view of a tokenizer (every token's bytes and a trie over them) takes about a second to build for a
 150k vocabulary, so it is built once per cflow Tokenizer and kept while the tokenizer lives; a compiled grammar
@@ -42,7 +43,6 @@ SYNTAXES = ("gbnf", "lark", "regex")
 # JSON as json.dumps writes it: one line, ", " and ": ". A fixed layout leaves the model no run of whitespace to
 # get lost in, and it is what models have seen most.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-RUN_PROBE, RUN_RATE = 0.05, 0.125  # see Constraint._learn
 _KEPT_GRAMMARS = 32  # compiled grammars kept per tokenizer (a server's schemas repeat; n > 1 shares one)
 
 _lock = threading.Lock()
@@ -76,23 +76,25 @@ class _Engine:
         self.n = self.llt.vocab_size
         self.stops = frozenset(int(i) for i in (*tokenizer.eos_ids, self.eos) if 0 <= int(i) < self.n)
         self.limits = llg.LLParserLimits(verbose_errors=False)
-        self.grammars: OrderedDict[str, object] = OrderedDict()  # grammar text -> a matcher before its first token
+        # grammar text -> (a matcher before its first token, the tokens its start state forces)
+        self.grammars: OrderedDict[str, tuple[object, list[int]]] = OrderedDict()
 
-    def matcher(self, what: str, grammar: str):
-        """A fresh matcher of `grammar` (compiled once, copied after)."""
+    def matcher(self, what: str, grammar: str) -> tuple[object, list[int]]:
+        """A fresh matcher of `grammar` (compiled once, copied after) and the tokens its first state forces."""
         with _lock:
-            template = self.grammars.get(grammar)
-            if template is not None:
+            kept = self.grammars.get(grammar)
+            if kept is not None:
                 self.grammars.move_to_end(grammar)
-                return template.deep_copy()
+                return kept[0].deep_copy(), kept[1]
         m = _llguidance().LLMatcher(self.llt, grammar, log_level=0, limits=self.limits)
         if m.is_error():
             raise CflowError(f"{what}: {_message(m.get_error())}")
+        run = [] if m.is_stopped() else list(m.compute_ff_tokens())
         with _lock:
-            self.grammars[grammar] = m
+            kept = self.grammars.setdefault(grammar, (m, run))
             while len(self.grammars) > _KEPT_GRAMMARS:
                 self.grammars.popitem(last=False)
-            return m.deep_copy()
+            return kept[0].deep_copy(), kept[1]
 
 
 def engine_tokenizer(tokenizer) -> _Engine:
@@ -118,24 +120,18 @@ def _message(text: str) -> str:
 class Constraint:
     """The grammar state of one sequence (module docstring). Not shared between threads."""
 
-    def __init__(self, engine: _Engine, matcher, stop_ids=None):
+    def __init__(self, engine: _Engine, matcher, stop_ids=None, start_run=()):
         self._m, self._eos, self.n = matcher, engine.eos, engine.n
         stops = engine.stops if stop_ids is None else frozenset(int(i) for i in stop_ids) | {engine.eos}
         self._stops = np.array(sorted(i for i in stops if 0 <= i < self.n), dtype=np.int64)
         self._stop_set = frozenset(self._stops.tolist())
         self._bits = np.zeros((self.n + 31) // 32, dtype=np.int32)
         self._bits_at = (self._bits.ctypes.data, self._bits.nbytes)
-        # What is known of the current state, learnt right after the token that led to it (module docstring):
-        # whether it is stopped, the tokens the grammar forces from here (the next one last; `_probed`: asked),
-        # and its mask once computed.
-        self._stopped = False
-        self._forced: list[int] = []
-        self._probed = False
+        # What is known of the current state: whether it is stopped, its mask once computed, and the tokens the
+        # grammar forces from here (the next one last), learnt with a mask of one token or at the start.
+        self._stopped = matcher.is_stopped()
         self._ok: np.ndarray | None = None
-        # how often a drawn token led to a forced run (a running share): below RUN_PROBE the question is asked only
-        # where a mask is computed anyway (`_skipped`: not asked after the last token)
-        self._runs, self._skipped = 2 * RUN_PROBE, False
-        self._learn(drawn=True)
+        self._forced: list[int] = list(start_run)[::-1]
 
     def allowed(self) -> np.ndarray:
         """The mask of the current state (kept for it: read it, do not change it)."""
@@ -144,10 +140,7 @@ class Constraint:
         return self._ok
 
     def forced(self) -> int | None:
-        """The next token if the grammar forces it, else None. Where the grammar forces the next bytes (a JSON
-        key and its `": "`), the engine's mask allows exactly one token, the first of those bytes as its
-        tokenizer writes them; one question after a token gives the whole run, so neither a mask nor a draw is
-        needed for its tokens."""
+        """The next token if the grammar forces it and that is known (module docstring), else None."""
         return self._forced[-1] if self._forced else None
 
     def try_accept(self, token: int) -> bool:
@@ -159,13 +152,9 @@ class Constraint:
         elif self._ok is not None:  # the mask is known: a look-up
             ok = 0 <= token < self.n and bool(self._ok[token])
         else:  # ask the engine (cheaper than a mask)
-            if token in self._stop_set:
-                token = self._eos
-            if self._m.try_consume_tokens([token]) != 1:
+            if self._m.try_consume_tokens([self._eos if token in self._stop_set else token]) != 1:
                 return False
-            if self._skipped:  # the state before was not asked about; its draw was taken: it forced nothing
-                self._runs *= 1 - RUN_RATE
-            self._learn(drawn=True)
+            self._ok, self._stopped = None, self._m.is_stopped()
             return True
         if ok:
             self._consume(token)
@@ -179,40 +168,20 @@ class Constraint:
     def finished(self) -> bool:
         return self._stopped
 
-    def _learn(self, drawn: bool) -> None:
-        """After a token: is the grammar stopped, and does it force the next tokens? Asked after a drawn token
-        while drawn tokens often lead to forced runs (a JSON value's end to the next key); a forced run ends
-        where the grammar stops forcing, so the state after one seldom forces."""
-        m = self._m
-        self._ok, self._skipped = None, False
-        self._stopped = m.is_stopped()
-        if self._forced:
-            self._probed = True  # the rest of a forced run
-        elif drawn and not self._stopped and self._runs > RUN_PROBE:
-            self._forced, self._probed = m.compute_ff_tokens()[::-1], True
-            self._runs += RUN_RATE * (bool(self._forced) - self._runs)
-        else:
-            self._probed, self._skipped = False, drawn and not self._stopped
-
     def _consume(self, token: int) -> None:
         """Advance with a token known to be allowed."""
-        drawn = not self._forced
-        if not drawn:
+        if self._forced:
             self._forced.pop()
         elif token in self._stop_set:
             token = self._eos
         if not self._m.consume_token(token):
             raise CflowError(f"grammar: {_message(self._m.get_error())}")
-        self._learn(drawn)
+        self._ok, self._stopped = None, self._m.is_stopped()
 
     def _mask(self) -> np.ndarray:
-        """The allowed tokens of the current state (stop tokens where end of text is allowed)."""
+        """The allowed tokens of the current state (stop tokens where end of text is allowed). A mask of one token
+        (not end of text) starts a forced run: asked for whole (module docstring)."""
         m = self._m
-        if not self._probed and not self._stopped:
-            self._forced, self._probed = m.compute_ff_tokens()[::-1], True
-            if self._skipped:  # what the question after the last token would have found
-                self._runs += RUN_RATE * (bool(self._forced) - self._runs)
-                self._skipped = False
         if self._forced:  # the engine's mask is this token alone
             ok = np.zeros(self.n, bool)
             ok[self._forced[-1]] = True
@@ -223,12 +192,25 @@ class Constraint:
         ok = np.unpackbits(self._bits.view(np.uint8), count=self.n, bitorder="little").view(bool)
         if ok[self._eos]:
             ok[self._stops] = True  # any of the sequence's stop tokens ends it where the grammar may end
+        elif (one := _one_token(self._bits)) is not None:
+            run = m.compute_ff_tokens()
+            self._forced = run[::-1] if run and run[0] == one else [one]
         return ok
+
+
+def _one_token(words: np.ndarray) -> int | None:
+    """The token of a bit mask that allows exactly one, else None."""
+    nz = np.flatnonzero(words)
+    if nz.size != 1:
+        return None
+    w = int(words[nz[0]]) & 0xFFFFFFFF
+    return int(nz[0]) * 32 + w.bit_length() - 1 if w & (w - 1) == 0 else None
 
 
 def _constraint(tokenizer, what: str, grammar: str, stop_ids) -> Constraint:
     engine = engine_tokenizer(tokenizer)
-    return Constraint(engine, engine.matcher(what, grammar), stop_ids)
+    matcher, run = engine.matcher(what, grammar)
+    return Constraint(engine, matcher, stop_ids, run)
 
 
 def json_schema(tokenizer, schema, strict: bool = True, stop_ids=None) -> Constraint:

@@ -196,6 +196,33 @@ def test_drawing_first_is_the_masked_distribution(temperature, ids):
     assert Chooser(0.0, constraint=Tries(ids, n=200), eos_id=0)(x) == ids[int(np.argmax(x[ids]))]
 
 
+class Counted(Tries):
+    """Tries that counts the engine's checks of drawn tokens."""
+
+    checks = 0
+
+    def try_accept(self, token):
+        self.checks += 1
+        return super().try_accept(token)
+
+
+@pytest.mark.parametrize("n_allowed", [4, 120])
+def test_a_model_the_grammar_keeps_refusing_gets_the_mask_first(n_allowed):
+    """Where the model's draws keep being refused (a story model asked for an e-mail address), the Chooser masks
+    first after the first refusals instead of paying TRIES draws and checks on every token; the draws stay the
+    masked distribution's (test_drawing_first_is_the_masked_distribution)."""
+    from cflow.runtime.choice import TRIES
+
+    x = (np.random.default_rng(2).standard_normal(200) * 2).astype(np.float32)
+    ids = list(range(200 - n_allowed, 200))
+    x[ids] -= 8  # the allowed tokens hold a sliver of the mass: draws from the whole row are refused
+    c = Counted(ids, n=200)
+    ch = Chooser(0.8, seed=4, constraint=c, eos_id=0)
+    out = [ch(x) for _ in range(60)]
+    assert all(t in ids for t in out)
+    assert c.checks <= 2 * TRIES and c.masks >= 58
+
+
 def test_forced_tokens_are_taken_without_a_mask_or_a_draw():
     c = Tries([4, 7], force=7, n=30)
     ch = Chooser(1.0, seed=3, constraint=c, eos_id=0)
