@@ -196,7 +196,7 @@ class Chooser:
         if self._greedy:
             tok = int(np.argmax(x))
             return (tok, False) if c.try_accept(tok) else (self._draw_masked(logits, None)[0], True)
-        draws = _Draws(x, self.temperature)
+        draws = _Draws(x, self.sampler)
         for k in range(TRIES):
             tok = draws.pick(u if k == 0 else self.rng.random())
             if c.try_accept(tok):
@@ -222,7 +222,7 @@ class Chooser:
         x = logits
         if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
             x, _ = self._adjusted(logits, mask=False)
-        tok = _Draws(x, self.temperature).pick_in(allowed, u)
+        tok = _Draws(x, self.sampler).pick_in(allowed, u)
         if tok is None:  # the allowed tokens too unlikely to register against the row's best
             return self._draw_masked(logits, u)
         self.constraint.accept(tok)
@@ -359,18 +359,28 @@ class Chooser:
 class _Draws:
     """Draws from softmax(x / temperature) by inverse CDF, as Sampler.draw makes them over a whole row (the same
     float64 weights and the same cumulative sums, block by block for a long row: sampling._pick), the sums kept
-    for further draws, from which tokens can be left out."""
+    for further draws, from which tokens can be left out. The first draw, before any is left out, is the
+    Sampler's own (one native call for a float32 row); the weights and sums are made in NumPy when a draw is
+    refused."""
 
-    def __init__(self, x: np.ndarray, temperature: float):
-        top = x.max()
-        if not np.isfinite(top):
-            raise CflowError(f"cannot sample: the largest logit is {top}")
-        w = np.subtract(x, top, dtype=np.float64)
-        w /= temperature
-        np.exp(w, out=w)
-        self.w = w
-        self.blocked = w.size > 4 * BLOCK
+    def __init__(self, x: np.ndarray, sampler: Sampler):
+        self.x, self.temperature, self.sampler = x, sampler.temperature, sampler
+        self._w: np.ndarray | None = None
         self._c: np.ndarray | None = None  # cumulative sums (of blocks, for a long row), made on the first pick
+        self.blocked = x.size > 4 * BLOCK
+
+    @property
+    def w(self) -> np.ndarray:
+        if self._w is None:
+            x = self.x
+            top = x.max()
+            if not np.isfinite(top):
+                raise CflowError(f"cannot sample: the largest logit is {top}")
+            w = np.subtract(x, top, dtype=np.float64)
+            w /= self.temperature
+            np.exp(w, out=w)
+            self._w = w
+        return self._w
 
     @property
     def c(self) -> np.ndarray:
@@ -388,10 +398,11 @@ class _Draws:
 
     def drop(self, i: int) -> bool:
         """Leave token i out of further draws; False if no weight is left."""
-        wi = self.w[i]
-        self.w[i] = 0.0
-        self.c[i // BLOCK if self.blocked else i :] -= wi
-        return self.c[-1] > 0
+        c, w = self.c, self.w  # the sums first: they must include token i
+        wi = w[i]
+        w[i] = 0.0
+        c[i // BLOCK if self.blocked else i :] -= wi
+        return c[-1] > 0
 
     def pick_in(self, allowed: np.ndarray, u: float) -> int | None:
         """A draw among the tokens `allowed` (a bool mask over the first ids; the rest are out) with the same
@@ -401,6 +412,8 @@ class _Draws:
         return _crossing(c, u * c[-1]) if c[-1] > 0 else None
 
     def pick(self, u: float) -> int:
+        if self._c is None:  # nothing left out yet: the Sampler's draw
+            return self.sampler.draw(self.x, u)
         c = self.c
         t = u * c[-1]
         j = _crossing(c, t)

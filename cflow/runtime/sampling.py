@@ -35,6 +35,7 @@ class Sampler:
             raise CflowError(f"top_k must be >= 0, got {top_k}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.rng = np.random.default_rng(seed)
+        self._native = None  # codegen.draw.Draw: plain temperature over a float32 row, made on first use
 
     @property
     def greedy(self) -> bool:
@@ -50,9 +51,23 @@ class Sampler:
         x = _vector(logits)
         if self.greedy:
             return int(np.argmax(x))  # ties: the lowest id
+        if self.top_k == 0 and self.top_p == 1.0 and x.dtype == np.float32 and x.flags.c_contiguous:
+            return self._plain(x, u)
         ids, w = self._support(x)
         i = _pick(w, u)
         return i if ids is None else int(ids[i])
+
+    def _plain(self, x: np.ndarray, u: float) -> int:
+        """softmax(x / T)'s draw at u in one native call (codegen/draw.py): the weights and sums `_support` and
+        `_pick` make, in ~2 us where their NumPy calls take 16 for 2,048 logits."""
+        if self._native is None:
+            from ..codegen.draw import Draw
+
+            self._native = Draw()
+        i = self._native(x, self.temperature, u)
+        if i < 0:
+            raise CflowError(f"cannot sample: the largest logit is {x.max()}")
+        return i
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution a call draws from, as probabilities over the vocabulary (float64; draws nothing)."""
