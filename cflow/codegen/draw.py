@@ -55,56 +55,120 @@ def exp64(b: ir.IRBuilder, y):
     return b.select(b.fcmp_unordered("uno", y, y), y, b.select(low, k(0.0), e))
 
 
-def _weights(b, x, w, top, inv_t, i, lanes):
-    """w[i:i+lanes] = exp((x[i:i+lanes] - top) * inv_t); returns them (a <lanes x double>)."""
+def _weights(b, x, w, top, inv_t, i, lanes, allowed=None):
+    """w[i:i+lanes] = exp((x[i:i+lanes] - top) * inv_t), 0 where `allowed` (a <lanes x i1>) is false; returns
+    them (a <lanes x double>)."""
     xv = b.load(b.bitcast(b.gep(x, [i]), V(f32, lanes).as_pointer()), align=4)
     y = b.fmul(b.fsub(b.fpext(xv, V(f64, lanes)), splat(b, top, lanes)), splat(b, inv_t, lanes))
     e = exp64(b, y)
+    if allowed is not None:
+        e = b.select(allowed, e, const_vec(f64, lanes, 0.0))
     b.store(e, b.bitcast(b.gep(w, [i]), V(f64, lanes).as_pointer()), align=8)
     return e
 
 
-def kernel_module() -> ir.Module:
-    """i64 draw(float* x, i64 n, double temp, double u, double* w, double* blocks)."""
-    mod = ir.Module(name="draw")
-    fnty = ir.FunctionType(i64, [f32.as_pointer(), i64, f64, f64, f64.as_pointer(), f64.as_pointer()])
-    fn = ir.Function(mod, fnty, "draw")
-    x, n, temp, u, w, blocks = fn.args
+class _Mask:
+    """The allowed lanes at index i of a packed bit mask (i32 words, bit i % 32 of word i / 32, llguidance's
+    layout); tokens past the mask's words are not allowed."""
+
+    def __init__(self, b, words, n_words):
+        self.b, self.words, self.n_words = b, words, n_words
+
+    def lanes(self, i, lanes: int):
+        b = self.b
+        wi = b.lshr(i, c64(5))
+        inside = b.icmp_signed("<", wi, self.n_words)
+        word = b.load(b.gep(self.words, [b.select(inside, wi, c64(0))]))
+        word = b.select(inside, word, c32(0))
+        bits = b.lshr(word, b.trunc(b.and_(i, c64(31)), i32))  # the lanes' bits at the bottom (i % 8 == 0)
+        shifts = ir.Constant(V(i32, lanes), list(range(lanes)))
+        one = const_vec(i32, lanes, 1)
+        self.any = b.icmp_unsigned("!=", b.and_(bits, c32((1 << lanes) - 1)), c32(0))  # any lane allowed
+        return b.icmp_unsigned("!=", b.and_(b.lshr(splat(b, bits, lanes), shifts), one), const_vec(i32, lanes, 0))
+
+
+def _build(mod: ir.Module, name: str, masked: bool) -> None:
+    """i64 NAME(float* x, i64 n, double temp, double u, double* w, double* blocks[, i32* mask, i64 mask_words,
+    i64* stats]): the draw (module docstring); masked: only the tokens whose bit is set, and stats = (allowed
+    tokens, whether the row's best token is among them)."""
+    args = [f32.as_pointer(), i64, f64, f64, f64.as_pointer(), f64.as_pointer()]
+    if masked:
+        args += [i32.as_pointer(), i64, i64.as_pointer()]
+    fn = ir.Function(mod, ir.FunctionType(i64, args), name)
+    x, n, temp, u, w, blocks = fn.args[:6]
     b = ir.IRBuilder(fn.append_basic_block("entry"))
+    mask = _Mask(b, fn.args[6], fn.args[7]) if masked else None
     total_p, acc_p, s_p, run_p, j_p, k_p = (b.alloca(t) for t in (f64, V(f64, LANES), f64, f64, i64, i64))
     mx_p, bad_p, m1_p, bad_p1 = b.alloca(V(f32, LANES)), b.alloca(V(i1, LANES)), b.alloca(f32), b.alloca(i1)
+    gmx_p, g1_p, cnt_p = b.alloca(V(f32, LANES)), b.alloca(f32), b.alloca(V(i64, LANES))
 
-    # pass 0: the largest logit; any NaN or +inf, and the answer is -1 (the caller says why)
-    b.store(const_vec(f32, LANES, -math.inf), mx_p)
+    def allowed(i, lanes):
+        return mask.lanes(i, lanes) if masked else None
+
+    # pass 0: the largest (allowed) logit; an allowed NaN or +inf, and the answer is -1 (the caller says why)
+    for ptr_, v in ((mx_p, -math.inf), (gmx_p, -math.inf)):
+        b.store(const_vec(f32, LANES, v), ptr_)
     b.store(ir.Constant(V(i1, LANES), [0] * LANES), bad_p)
+    b.store(const_vec(i64, LANES, 0), cnt_p)
     groups = b.udiv(n, c64(LANES))
     with Loop(b, c64(0), groups, "max") as g:
-        xv = b.load(b.bitcast(b.gep(x, [b.mul(g, c64(LANES))]), V(f32, LANES).as_pointer()), align=4)
-        m = b.load(mx_p)
-        b.store(b.select(b.fcmp_ordered(">", xv, m), xv, m), mx_p)
-        b.store(b.or_(b.load(bad_p), b.fcmp_unordered("uno", xv, xv)), bad_p)
-    m = b.load(mx_p)
-    for h in (4, 2, 1):  # the lanes' max by halving
-        hi = b.shuffle_vector(m, m, ir.Constant(V(i32, LANES), [i + h if i < h else i for i in range(LANES)]))
-        m = b.select(b.fcmp_ordered(">", hi, m), hi, m)
-    b.store(b.extract_element(m, c32(0)), m1_p)
+        i = b.mul(g, c64(LANES))
+        xv = b.load(b.bitcast(b.gep(x, [i]), V(f32, LANES).as_pointer()), align=4)
+        if masked:  # the row's best, then the allowed lanes' (skipped where the mask allows none of them)
+            gm = b.load(gmx_p)
+            b.store(b.select(b.fcmp_ordered(">", xv, gm), xv, gm), gmx_p)
+            ok = allowed(i, LANES)
+            skip = b.if_then(mask.any)
+            skip.__enter__()
+        m, nan = b.load(mx_p), b.fcmp_unordered("uno", xv, xv)
+        up = b.fcmp_ordered(">", xv, m)
+        if masked:
+            up, nan = b.and_(up, ok), b.and_(nan, ok)
+            b.store(b.add(b.load(cnt_p), b.zext(ok, V(i64, LANES))), cnt_p)
+        b.store(b.select(up, xv, m), mx_p)
+        b.store(b.or_(b.load(bad_p), nan), bad_p)
+        if masked:
+            skip.__exit__(None, None, None)
+    b.store(_lanes_max(b, b.load(mx_p)), m1_p)
+    b.store(_lanes_max(b, b.load(gmx_p)), g1_p)
     bad = b.load(bad_p)
     anyv = b.extract_element(bad, c32(0))
-    for i in range(1, LANES):
-        anyv = b.or_(anyv, b.extract_element(bad, c32(i)))
+    for k in range(1, LANES):
+        anyv = b.or_(anyv, b.extract_element(bad, c32(k)))
     b.store(anyv, bad_p1)
+    cnt1_p = b.alloca(i64)
+    cv = b.load(cnt_p)
+    total_cnt = b.extract_element(cv, c32(0))
+    for k in range(1, LANES):
+        total_cnt = b.add(total_cnt, b.extract_element(cv, c32(k)))
+    b.store(total_cnt, cnt1_p)
     with Loop(b, b.mul(groups, c64(LANES)), n, "maxt") as i:
         xi = b.load(b.gep(x, [i]))
         m1 = b.load(m1_p)
-        b.store(b.select(b.fcmp_ordered(">", xi, m1), xi, m1), m1_p)
-        b.store(b.or_(b.load(bad_p1), b.fcmp_unordered("uno", xi, xi)), bad_p1)
+        up, nan = b.fcmp_ordered(">", xi, m1), b.fcmp_unordered("uno", xi, xi)
+        if masked:
+            ok = b.extract_element(allowed(i, 1), c32(0))
+            up, nan = b.and_(up, ok), b.and_(nan, ok)
+            g1 = b.load(g1_p)
+            b.store(b.select(b.fcmp_ordered(">", xi, g1), xi, g1), g1_p)
+            b.store(b.add(b.load(cnt1_p), b.zext(ok, i64)), cnt1_p)
+        b.store(b.select(up, xi, m1), m1_p)
+        b.store(b.or_(b.load(bad_p1), nan), bad_p1)
     top32 = b.load(m1_p)
-    finite = b.fcmp_ordered("<", b.call(_fabs(mod), [top32]), ir.Constant(f32, math.inf))  # -inf: nothing to draw
-    ok = b.and_(b.not_(b.load(bad_p1)), finite)
-    go, refuse = fn.append_basic_block("go"), fn.append_basic_block("refuse")
-    b.cbranch(ok, go, refuse)
+    if masked:
+        stats = fn.args[8]
+        b.store(b.load(cnt1_p), stats)
+        b.store(b.zext(b.fcmp_ordered(">=", top32, b.load(g1_p)), i64), b.gep(stats, [c64(1)]))
+    go, refuse, empty = (fn.append_basic_block(s) for s in ("go", "refuse", "empty"))
+    finite = b.fcmp_ordered("<", b.call(_fabs(mod), [top32]), ir.Constant(f32, math.inf))
+    chk = fn.append_basic_block("check")
+    b.cbranch(b.or_(b.load(bad_p1), b.fcmp_ordered("==", top32, ir.Constant(f32, math.inf))), refuse, chk)
+    b.position_at_end(chk)
+    b.cbranch(finite, go, empty)
     b.position_at_end(refuse)
     b.ret(c64(-1))
+    b.position_at_end(empty)  # -inf: no (allowed) token has weight
+    b.ret(c64(-2))
     b.position_at_end(go)
     top = b.fpext(top32, f64)
     inv_t = b.fdiv(ir.Constant(f64, 1.0), temp)  # a multiply per weight: a divide cost as much as the rest
@@ -118,18 +182,30 @@ def kernel_module() -> ir.Module:
         groups = b.udiv(b.sub(hi, lo), c64(LANES))
         b.store(const_vec(f64, LANES, 0.0), acc_p)
         with Loop(b, c64(0), groups, "vec") as g:
-            e = _weights(b, x, w, top, inv_t, b.add(lo, b.mul(g, c64(LANES))), LANES)
-            b.store(b.fadd(b.load(acc_p), e), acc_p)
+            i = b.add(lo, b.mul(g, c64(LANES)))
+            if not masked:
+                b.store(b.fadd(b.load(acc_p), _weights(b, x, w, top, inv_t, i, LANES)), acc_p)
+            else:  # lanes the mask leaves out weigh 0: no exp where it allows none of them
+                ok = allowed(i, LANES)
+                with b.if_else(mask.any) as (some, none):
+                    with some:
+                        b.store(b.fadd(b.load(acc_p), _weights(b, x, w, top, inv_t, i, LANES, ok)), acc_p)
+                    with none:
+                        b.store(const_vec(f64, LANES, 0.0), b.bitcast(b.gep(w, [i]), V(f64, LANES).as_pointer()),
+                                align=8)
         b.store(hsum(b, b.load(acc_p)), s_p)
         with Loop(b, b.add(lo, b.mul(groups, c64(LANES))), hi, "tail") as i:
-            e1 = _weights(b, x, w, top, inv_t, i, 1)
+            e1 = _weights(b, x, w, top, inv_t, i, 1, allowed(i, 1))
             b.store(b.fadd(b.load(s_p), b.extract_element(e1, c32(0))), s_p)
         s = b.load(s_p)
         b.store(s, b.gep(blocks, [j]))
         b.store(b.fadd(b.load(total_p), s), total_p)
+    _walk(b, fn, n, nb, u, w, blocks, total_p, run_p, j_p, k_p)
 
-    # pass 2: the block where the running sum passes t (the last block is walked whatever its sum says), then
-    # token by token from its start
+
+def _walk(b, fn, n, nb, u, w, blocks, total_p, run_p, j_p, k_p) -> None:
+    """pass 2: the block where the running sum passes t = u * total (the last block is walked whatever its sum
+    says), then token by token from its start; where rounding left t at the end, the last index with weight."""
     t = b.fmul(u, b.load(total_p))
     b.store(ir.Constant(f64, 0.0), run_p)
     b.store(c64(0), j_p)
@@ -152,8 +228,6 @@ def kernel_module() -> ir.Module:
         b.position_at_end(ret)
         b.ret(i)
         b.position_at_end(cont)
-
-    # rounding left t at the end: the last index with weight
     b.store(b.sub(n, c64(1)), k_p)
     head, body, done = (fn.append_basic_block(name) for name in ("last.head", "last.body", "last.done"))
     b.branch(head)
@@ -166,6 +240,21 @@ def kernel_module() -> ir.Module:
     b.branch(head)
     b.position_at_end(done)
     b.ret(b.load(k_p))
+
+
+def _lanes_max(b, m):
+    """The largest lane of a <LANES x float> by halving."""
+    for h in (4, 2, 1):
+        hi = b.shuffle_vector(m, m, ir.Constant(V(i32, LANES), [i + h if i < h else i for i in range(LANES)]))
+        m = b.select(b.fcmp_ordered(">", hi, m), hi, m)
+    return b.extract_element(m, c32(0))
+
+
+def kernel_module() -> ir.Module:
+    """draw (every token) and draw_masked (the tokens a packed bit mask allows)."""
+    mod = ir.Module(name="draw")
+    _build(mod, "draw", masked=False)
+    _build(mod, "draw_masked", masked=True)
     return mod
 
 
@@ -179,11 +268,12 @@ def _min(b, a, c):
     return b.select(b.icmp_signed("<", a, c), a, c)
 
 
-def _fn():
-    """The compiled kernel (once per process)."""
+def _fns():
+    """The compiled kernels (once per process)."""
     sig = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_double, ctypes.c_void_p,
            ctypes.c_void_p)
-    return utility_functions("draw", kernel_module, {"draw": sig})["draw"]
+    return utility_functions("draw", kernel_module, {
+        "draw": sig, "draw_masked": sig + (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)})
 
 
 class Draw:
@@ -191,14 +281,29 @@ class Draw:
     the last row it read (a model hands over the same logits buffer every step)."""
 
     def __init__(self):
-        self.fn, self.n, self.row, self.at = _fn(), 0, None, 0
+        fns = _fns()
+        self.fn, self.fn_masked = fns["draw"], fns["draw_masked"]
+        self.n, self.row, self.at = 0, None, 0
+        self.stats = np.zeros(2, np.int64)
+        self.stats_at = self.stats.ctypes.data
 
-    def __call__(self, x, temperature: float, u: float) -> int:
-        """The index uniform u selects from softmax(x / temperature); -1 if x holds NaN or +inf. x: float32,
-        C-contiguous, one dimension, not empty (the caller checks)."""
+    def _row(self, x) -> None:
         if x is not self.row:
             self.row, self.at = x, x.ctypes.data
         if x.size != self.n:
             self.n, self.w, self.blocks = x.size, np.empty(x.size), np.empty(-(-x.size // BLOCK))
             self.w_at, self.blocks_at = self.w.ctypes.data, self.blocks.ctypes.data
+
+    def __call__(self, x, temperature: float, u: float) -> int:
+        """The index uniform u selects from softmax(x / temperature); -1 if x holds NaN or +inf, -2 if every
+        logit is -inf. x: float32, C-contiguous, one dimension, not empty (the caller checks)."""
+        self._row(x)
         return self.fn(self.at, self.n, temperature, u, self.w_at, self.blocks_at)
+
+    def masked(self, x, temperature: float, u: float, words) -> int:
+        """The same draw among the tokens whose bit is set in `words` (int32, C-contiguous; tokens past them are
+        out): -1 if an allowed logit is NaN or +inf, -2 if no allowed token has weight. Afterwards `stats` holds
+        (the allowed tokens, 1 if the row's best logit is among them)."""
+        self._row(x)
+        return self.fn_masked(self.at, self.n, temperature, u, self.w_at, self.blocks_at, words.ctypes.data,
+                              words.size, self.stats_at)

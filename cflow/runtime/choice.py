@@ -188,7 +188,7 @@ class Chooser:
         so far, until the grammar takes one; the grammar allows none of the tokens left out, so each draw it
         takes is distributed as the masked draw (rejection sampling), whichever try gives it. Leaving them out
         spares the tries a token the model insists on (a line break inside a JSON string). If none is taken,
-        the mask, and a draw from the same weights kept to the allowed tokens (the masked row's up to a factor)."""
+        the mask, and a draw among the tokens it allows (native over a float32 row: `_native_masked`)."""
         c = self.constraint
         x = logits
         if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
@@ -196,6 +196,19 @@ class Chooser:
         if self._greedy:
             tok = int(np.argmax(x))
             return (tok, False) if c.try_accept(tok) else (self._draw_masked(logits, None)[0], True)
+        if self._native_row(x):
+            tok = self.sampler.draw(x, u)
+            if c.try_accept(tok):
+                return tok, False
+            out = np.full(-(-x.size // 32), -1, np.int32).view(np.uint32)  # every token, less the refused
+            for _ in range(1, TRIES):
+                out[tok >> 5] &= np.uint32(~(1 << (tok & 31)) & 0xFFFFFFFF)
+                tok = self.sampler.native().masked(x, self.temperature, self.rng.random(), out.view(np.int32))
+                if tok < 0:
+                    break
+                if c.try_accept(tok):
+                    return tok, False
+            return self._native_masked(x, self.rng.random())[0], True
         draws = _Draws(x, self.sampler)
         for k in range(TRIES):
             tok = draws.pick(u if k == 0 else self.rng.random())
@@ -211,23 +224,33 @@ class Chooser:
                 return tok, True
         return self._draw_masked(logits, self.rng.random())[0], True
 
+    def _native_row(self, x: np.ndarray) -> bool:
+        """Can the constrained draws of this row go native: plain temperature (no rule, no top-k / top-p / min_p,
+        not greedy), a float32 row as the model gives it, a constraint that packs its mask."""
+        return (not self._rules and self._try_first and not self._greedy and x.dtype == np.float32
+                and x.flags.c_contiguous and x.ndim == 1 and getattr(self.constraint, "allowed_bits", None) is not None)
+
+    def _native_masked(self, x: np.ndarray, u: float) -> tuple[int, bool]:
+        """(token, whether masking first paid: the mask left FEW tokens or fewer, or not the row's best): the
+        constraint's packed mask and one native draw among the tokens it allows (codegen/draw.py: the masked
+        row's softmax weights, as `_draw_masked` takes them)."""
+        c, d = self.constraint, self.sampler.native()
+        tok = d.masked(x, self.temperature, u, c.allowed_bits())
+        if tok == -2:
+            return self._end("the constraint allows no token"), True
+        if tok < 0:
+            raise CflowError(f"cannot sample: the largest allowed logit is {x[c.allowed()[: x.size]].max()}")
+        c.accept(tok)
+        count, best = d.stats.tolist()
+        return tok, count <= FEW or not best
+
     def _mask_first(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
         """(token, whether masking first paid: the mask left few tokens or refused the row's best): the mask, then
-        a draw among the tokens it allows. Where it allows many under plain temperature, the draw is from the
-        whole row's weights kept to them (the masked row's up to a factor: one softmax over the row costs less
-        than gathering the allowed tokens first); otherwise from the masked row (`_draw_masked`)."""
-        allowed = self.constraint.allowed() if self._try_first and not self._greedy else None
-        if allowed is None or np.count_nonzero(allowed) <= FEW:
-            return self._draw_masked(logits, u)
-        x = logits
-        if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
-            x, _ = self._adjusted(logits, mask=False)
-        tok = _Draws(x, self.sampler).pick_in(allowed, u)
-        if tok is None:  # the allowed tokens too unlikely to register against the row's best
-            return self._draw_masked(logits, u)
-        self.constraint.accept(tok)
-        best = int(np.argmax(x))
-        return tok, not (best < allowed.size and allowed[best])
+        a draw among the tokens it allows: native where it can be (`_native_masked`), else from the masked row
+        (`_draw_masked`)."""
+        if self._native_row(logits) and u is not None:
+            return self._native_masked(logits, u)
+        return self._draw_masked(logits, u)
 
     def _draw_masked(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:
         """(token, whether masking first paid: the mask left few tokens or refused the row's best): a draw from

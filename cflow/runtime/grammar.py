@@ -127,17 +127,27 @@ class Constraint:
         self._stop_set = frozenset(self._stops.tolist())
         self._bits = np.zeros((self.n + 31) // 32, dtype=np.int32)
         self._bits_at = (self._bits.ctypes.data, self._bits.nbytes)
-        # What is known of the current state: whether it is stopped, its mask once computed, and the tokens the
-        # grammar forces from here (the next one last), learnt with a mask of one token or at the start.
+        # What is known of the current state: whether it is stopped, its mask once computed (`_known`: in _bits,
+        # llguidance's packed layout; `_ok`: as a bool array once asked for), and the tokens the grammar forces
+        # from here (the next one last), learnt with a mask of one token or at the start.
         self._stopped = matcher.is_stopped()
+        self._known = False
         self._ok: np.ndarray | None = None
         self._forced: list[int] = list(start_run)[::-1]
 
     def allowed(self) -> np.ndarray:
-        """The mask of the current state (kept for it: read it, do not change it)."""
+        """The mask of the current state as a bool array [n] (kept for it: read it, do not change it)."""
         if self._ok is None:
-            self._ok = self._mask()
+            words = self.allowed_bits()
+            self._ok = np.unpackbits(words.view(np.uint8), count=self.n, bitorder="little").view(bool)
         return self._ok
+
+    def allowed_bits(self) -> np.ndarray:
+        """The mask of the current state packed as llguidance writes it: int32 words [ceil(n / 32)], token i
+        allowed where bit i % 32 of word i // 32 is set (kept for it: read it, do not change it)."""
+        if not self._known:
+            self._mask()
+        return self._bits
 
     def forced(self) -> int | None:
         """The next token if the grammar forces it and that is known (module docstring), else None."""
@@ -149,12 +159,12 @@ class Constraint:
             ok = token == self._forced[-1]
         elif token in self._stop_set and self._stopped:
             return True  # the grammar is complete: end of text is what may follow
-        elif self._ok is not None:  # the mask is known: a look-up
-            ok = 0 <= token < self.n and bool(self._ok[token])
+        elif self._known:  # the mask is known: a look-up
+            ok = 0 <= token < self.n and bool((int(self._bits[token >> 5]) >> (token & 31)) & 1)
         else:  # ask the engine (cheaper than a mask)
             if self._m.try_consume_tokens([self._eos if token in self._stop_set else token]) != 1:
                 return False
-            self._ok, self._stopped = None, self._m.is_stopped()
+            self._ok, self._known, self._stopped = None, False, self._m.is_stopped()
             return True
         if ok:
             self._consume(token)
@@ -176,26 +186,29 @@ class Constraint:
             token = self._eos
         if not self._m.consume_token(token):
             raise CflowError(f"grammar: {_message(self._m.get_error())}")
-        self._ok, self._stopped = None, self._m.is_stopped()
+        self._ok, self._known, self._stopped = None, False, self._m.is_stopped()
 
-    def _mask(self) -> np.ndarray:
-        """The allowed tokens of the current state (stop tokens where end of text is allowed). A mask of one token
-        (not end of text) starts a forced run: asked for whole (module docstring)."""
-        m = self._m
+    def _mask(self) -> None:
+        """The allowed tokens of the current state into _bits (stop tokens where end of text is allowed). A mask
+        of one token (not end of text) starts a forced run: asked for whole (module docstring)."""
+        m, bits = self._m, self._bits
+        self._known = True
         if self._forced:  # the engine's mask is this token alone
-            ok = np.zeros(self.n, bool)
-            ok[self._forced[-1]] = True
-            return ok
+            bits[:] = 0
+            t = self._forced[-1]
+            bits[t >> 5] = np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+            return
         m.unsafe_compute_mask_ptr(*self._bits_at)
         if m.is_error():  # a limit of the engine's (lexer or parser too complex for one step)
+            self._known = False
             raise CflowError(f"grammar: {_message(m.get_error())}")
-        ok = np.unpackbits(self._bits.view(np.uint8), count=self.n, bitorder="little").view(bool)
-        if ok[self._eos]:
-            ok[self._stops] = True  # any of the sequence's stop tokens ends it where the grammar may end
-        elif (one := _one_token(self._bits)) is not None:
+        if (int(bits[self._eos >> 5]) >> (self._eos & 31)) & 1:
+            words = bits.view(np.uint32)  # any of the sequence's stop tokens ends it where the grammar may end
+            for t in self._stops.tolist():
+                words[t >> 5] |= np.uint32(1 << (t & 31))
+        elif (one := _one_token(bits)) is not None:
             run = m.compute_ff_tokens()
             self._forced = run[::-1] if run and run[0] == one else [one]
-        return ok
 
 
 def _one_token(words: np.ndarray) -> int | None:

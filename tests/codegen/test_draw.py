@@ -58,7 +58,7 @@ def test_nan_and_inf_are_refused(bad):
 
 def test_a_row_of_minus_inf_is_refused():
     x = np.full(10, -np.inf, np.float32)
-    assert D.Draw()(x, 0.8, 0.5) == -1
+    assert D.Draw()(x, 0.8, 0.5) == -2
     with pytest.raises(CflowError, match="largest logit is -inf"):
         Sampler(0.8, seed=0)(x)
 
@@ -83,3 +83,47 @@ def test_the_buffer_a_model_reuses_is_read_afresh():
         x[:] = -50
         x[k] = 10
         assert d(x, 1.0, 0.5) == k
+
+
+def pack(allowed: np.ndarray, words: int) -> np.ndarray:
+    """llguidance's layout: bit i % 32 of int32 word i // 32."""
+    bits = np.zeros(words * 32, bool)
+    bits[: allowed.size] = allowed[: words * 32]
+    return np.packbits(bits, bitorder="little").view(np.int32).copy()
+
+
+@pytest.mark.parametrize("n,share", [(9, 0.5), (257, 0.01), (2048, 0.9), (2048, 0.002), (32000, 0.3)])
+def test_masked_draws_are_the_masked_rows(n, share):
+    """Among the tokens a packed mask allows: the tokens of _pick over the allowed tokens' weights (the masked
+    row's), the allowed count and whether the row's best is allowed; a mask shorter than the row allows none past
+    its words."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    allowed = rng.random(n) < share
+    allowed[rng.integers(0, n)] = True
+    words = pack(allowed, (n + 31) // 32)
+    d = D.Draw()
+    ref = np.where(allowed, np.exp(np.subtract(x, x[allowed].max(), dtype=np.float64) / 0.7), 0.0)
+    us = rng.random(200)
+    assert [d.masked(x, 0.7, float(u), words) for u in us] == [_pick(ref, float(u)) for u in us]
+    assert d.stats.tolist() == [int(allowed.sum()), int(allowed[np.argmax(x)])]
+    short = pack(allowed, max(1, n // 64))  # covers the first n // 64 * 32 tokens at most
+    kept = allowed.copy()
+    kept[short.size * 32:] = False
+    if kept.any():
+        assert kept[d.masked(x, 0.7, 0.5, short)]
+        assert d.stats[0] == kept.sum()
+
+
+def test_masked_refusals():
+    x = np.zeros(100, np.float32)
+    x[7] = np.nan
+    d = D.Draw()
+    none = np.zeros(4, np.int32)
+    assert d.masked(x, 1.0, 0.5, none) == -2  # nothing allowed
+    allow = lambda *ids: pack(np.isin(np.arange(100), ids), 4)  # noqa: E731
+    assert d.masked(x, 1.0, 0.5, allow(3, 9)) in (3, 9)  # a NaN the mask leaves out does not matter
+    assert d.masked(x, 1.0, 0.5, allow(7, 9)) == -1
+    x[:] = -np.inf
+    x[50] = 1
+    assert d.masked(x, 1.0, 0.5, allow(3, 9)) == -2  # allowed, but all -inf

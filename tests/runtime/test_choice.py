@@ -177,15 +177,26 @@ class Tries(Allow):
         return self.force
 
 
+class Packed(Tries):
+    """Tries whose mask also comes packed (allowed_bits, llguidance's layout): the Chooser's native draws."""
+
+    def allowed_bits(self):
+        self.masks += 1
+        bits = np.zeros(-(-self.n // 32) * 32, bool)
+        bits[self.ids] = True
+        return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+@pytest.mark.parametrize("kind", [Tries, Packed])
 @pytest.mark.parametrize("temperature,ids", [(0.8, [i for i in range(1, 200) if i % 40]), (1.0, list(range(150, 200))),
                                              (1.0, [3, 5, 8, 9, 12, 15, 20, 22, 27]), (0.7, [2, 6]), (1.4, [4])])
-def test_drawing_first_is_the_masked_distribution(temperature, ids):
+def test_drawing_first_is_the_masked_distribution(temperature, ids, kind):
     """Draws from the unmasked row, redrawn while refused, then the masked row, or the masked row at once: the
     masked softmax, whether the allowed tokens are many and hold most of the mass (the mask is then seldom
     computed) or few and hold little of it (most tokens go to the mask, and it comes first)."""
     x = (np.random.default_rng(5).standard_normal(200) * 2).astype(np.float32)
     x[ids[0]] -= 3  # an allowed token the model seldom draws
-    c = Tries(ids, n=200)
+    c = kind(ids, n=200)
     ch, n = Chooser(temperature, seed=9, constraint=c, eos_id=0), 20000
     got = np.bincount([ch(x) for _ in range(n)], minlength=200) / n
     p = np.zeros(200)
@@ -193,11 +204,11 @@ def test_drawing_first_is_the_masked_distribution(temperature, ids):
     np.testing.assert_allclose(got, p, atol=4 * np.sqrt(p * (1 - p) / n).max() + 1e-9)
     if softmax(x / temperature)[ids].sum() > 0.9:  # the draws are seldom refused: seldom a mask
         assert c.masks < n / 100
-    assert Chooser(0.0, constraint=Tries(ids, n=200), eos_id=0)(x) == ids[int(np.argmax(x[ids]))]
+    assert Chooser(0.0, constraint=kind(ids, n=200), eos_id=0)(x) == ids[int(np.argmax(x[ids]))]
 
 
-class Counted(Tries):
-    """Tries that counts the engine's checks of drawn tokens."""
+class Counted(Packed):
+    """Packed that counts the engine's checks of drawn tokens (and can hide its packed mask)."""
 
     checks = 0
 
@@ -207,7 +218,8 @@ class Counted(Tries):
 
 
 @pytest.mark.parametrize("n_allowed", [4, 120])
-def test_a_model_the_grammar_keeps_refusing_gets_the_mask_first(n_allowed):
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_model_the_grammar_keeps_refusing_gets_the_mask_first(n_allowed, packed):
     """Where the model's draws keep being refused (a story model asked for an e-mail address), the Chooser masks
     first after the first refusals instead of paying TRIES draws and checks on every token; the draws stay the
     masked distribution's (test_drawing_first_is_the_masked_distribution)."""
@@ -217,6 +229,8 @@ def test_a_model_the_grammar_keeps_refusing_gets_the_mask_first(n_allowed):
     ids = list(range(200 - n_allowed, 200))
     x[ids] -= 8  # the allowed tokens hold a sliver of the mass: draws from the whole row are refused
     c = Counted(ids, n=200)
+    if not packed:
+        c.allowed_bits = None  # the NumPy path
     ch = Chooser(0.8, seed=4, constraint=c, eos_id=0)
     out = [ch(x) for _ in range(60)]
     assert all(t in ids for t in out)
