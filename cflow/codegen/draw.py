@@ -278,7 +278,8 @@ def _fns():
 
 class Draw:
     """The draw of one sampler: its scratch (the weights, the block sums) kept between calls, and the address of
-    the last row it read (a model hands over the same logits buffer every step)."""
+    the last row it read (a model hands over the same logits buffer every step; the row is kept referenced, so
+    that its address cannot belong to another array). Not shared between threads (nor is a Sampler)."""
 
     def __init__(self):
         fns = _fns()
@@ -304,6 +305,9 @@ class Draw:
         """The same draw among the tokens whose bit is set in `words` (int32, C-contiguous; tokens past them are
         out): -1 if an allowed logit is NaN or +inf, -2 if no allowed token has weight. Afterwards `stats` holds
         (the allowed tokens, 1 if the row's best logit is among them)."""
+        if words.size == 0:
+            self.stats[:] = 0
+            return -2
         self._row(x)
         return self.fn_masked(self.at, self.n, temperature, u, self.w_at, self.blocks_at, words.ctypes.data,
                               words.size, self.stats_at)

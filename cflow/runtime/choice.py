@@ -227,8 +227,9 @@ class Chooser:
     def _native_row(self, x: np.ndarray) -> bool:
         """Can the constrained draws of this row go native: plain temperature (no rule, no top-k / top-p / min_p,
         not greedy), a float32 row as the model gives it, a constraint that packs its mask."""
-        return (not self._rules and self._try_first and not self._greedy and x.dtype == np.float32
-                and x.flags.c_contiguous and x.ndim == 1 and getattr(self.constraint, "allowed_bits", None) is not None)
+        return (type(x) is np.ndarray and not self._rules and self._try_first and not self._greedy
+                and x.dtype == np.float32 and x.flags.c_contiguous and x.ndim == 1
+                and getattr(self.constraint, "allowed_bits", None) is not None)
 
     def _native_masked(self, x: np.ndarray, u: float) -> tuple[int, bool]:
         """(token, whether masking first paid: the mask left FEW tokens or fewer, or not the row's best): the
@@ -239,7 +240,9 @@ class Chooser:
         if tok == -2:
             return self._end("the constraint allows no token"), True
         if tok < 0:
-            raise CflowError(f"cannot sample: the largest allowed logit is {x[c.allowed()[: x.size]].max()}")
+            ok = c.allowed()
+            k = min(ok.size, x.size)
+            raise CflowError(f"cannot sample: the largest allowed logit is {x[:k][ok[:k]].max()}")
         c.accept(tok)
         count, best = d.stats.tolist()
         return tok, count <= FEW or not best

@@ -51,11 +51,15 @@ class Sampler:
         x = _vector(logits)
         if self.greedy:
             return int(np.argmax(x))  # ties: the lowest id
-        if self.top_k == 0 and self.top_p == 1.0 and x.dtype == np.float32 and x.flags.c_contiguous:
+        if (self.top_k == 0 and self.top_p == 1.0 and x.dtype == np.float32 and x.flags.c_contiguous
+                and self.temperature >= 1e-300):  # (1 / T must be finite)
             return self._plain(x, u)
         ids, w = self._support(x)
         i = _pick(w, u)
         return i if ids is None else int(ids[i])
+
+    def __getstate__(self):  # copies and pickles leave the native draw (ctypes state) to be made again
+        return {**self.__dict__, "_native": None}
 
     def native(self):
         """This sampler's native draw (codegen/draw.py's Draw: its scratch kept), made on first use."""

@@ -127,3 +127,20 @@ def test_masked_refusals():
     x[:] = -np.inf
     x[50] = 1
     assert d.masked(x, 1.0, 0.5, allow(3, 9)) == -2  # allowed, but all -inf
+
+
+def test_a_sampler_still_copies_and_pickles():
+    import copy
+    import pickle
+
+    s = Sampler(0.8, seed=1)
+    x = np.arange(40, dtype=np.float32)
+    s(x)
+    copies = [copy.deepcopy(s), pickle.loads(pickle.dumps(s))]
+    want = [s(x) for _ in range(5)]
+    assert all([c(x) for _ in range(5)] == want for c in copies)
+
+
+def test_a_subnormal_temperature_takes_the_numpy_path():
+    x = np.array([0, 1, 0.5, 1, -3], np.float32)
+    assert Sampler(1e-310, seed=0)(x) in (1, 3) and Sampler(1e-310, seed=0)._native is None

@@ -311,3 +311,13 @@ def test_generate_with_a_sampler(tiny):
         tiny.generate(PROMPT, 4, speculate="ngram", sampler=Chooser(0.0, logprobs=0))
     assert tiny.generate(PROMPT, 8, stop=False, speculate="ngram", sampler=Chooser()) == tiny.generate(PROMPT, 8,
                                                                                                        stop=False)
+
+
+def test_list_logits_and_a_row_longer_than_the_mask():
+    """Logits as a list take the NumPy path; an allowed NaN in a row longer than the grammar's vocabulary is the
+    clear error, not an IndexError."""
+    x = (np.random.default_rng(1).standard_normal(200) * 2).astype(np.float32)
+    assert Chooser(1.0, seed=1, constraint=Tries([3, 5, 8, 150], n=200), eos_id=0)(x.tolist()) in (3, 5, 8, 150)
+    x[5] = np.nan
+    with pytest.raises(CflowError, match="largest allowed logit"):
+        Chooser(1.0, seed=1, constraint=Packed([3, 5, 8, 150], n=160), eos_id=0)(x)
