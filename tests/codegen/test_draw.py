@@ -144,3 +144,30 @@ def test_a_sampler_still_copies_and_pickles():
 def test_a_subnormal_temperature_takes_the_numpy_path():
     x = np.array([0, 1, 0.5, 1, -3], np.float32)
     assert Sampler(1e-310, seed=0)(x) in (1, 3) and Sampler(1e-310, seed=0)._native is None
+
+
+def test_the_same_weights_on_every_isa_path():
+    """No FMA and no libm: the kernel built for each ISA path this host can force gives the same weights bit for
+    bit, so a seed gives the same tokens on every host."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    from tests._isa import isa_env, isa_target
+
+    script = ("import hashlib, numpy as np; from cflow.codegen.draw import Draw; "
+              "x = (np.random.default_rng(5).standard_normal(3001) * 6).astype(np.float32); d = Draw(); "
+              "print(d(x, 0.7, 0.42), hashlib.sha256(d.w.tobytes()).hexdigest())")
+    got = {}
+    for isa in ("avx512vnni", "avxvnni", "avx2", "generic"):
+        if isa_target(isa) is None:
+            continue
+        env = {**os.environ, **isa_env(isa)}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[isa] = out.stdout.split()
+    assert len(got) >= 2 and len({tuple(v) for v in got.values()}) == 1, got
+    d = D.Draw()
+    x = (np.random.default_rng(5).standard_normal(3001) * 6).astype(np.float32)
+    assert [str(d(x, 0.7, 0.42)), hashlib.sha256(d.w.tobytes()).hexdigest()] == next(iter(got.values()))
