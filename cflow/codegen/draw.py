@@ -1,9 +1,10 @@
 """The sampler's draw from softmax(x / T) in one native call: what `runtime/sampling.py` does in NumPy (float64
 weights exp((x - max) / T), their sums by blocks of BLOCK, the inverse CDF at u * total), without a dozen NumPy
 calls of a microsecond each. On a small vocabulary those calls were the draw: 16 us a token for 2,048 logits,
-a fifth of the bundled model's token; this takes ~2 us.
+a fifth of the bundled model's token; this takes 3.5 us (benchmarks/sampling.py).
 
-    Draw()(x, temperature, u) -> index      (-1: x holds NaN or +inf)
+    Draw()(x, temperature, u) -> index              -1: x holds NaN or +inf; -2: every logit is -inf
+    Draw().masked(x, temperature, u, words) -> index  the same among the tokens a packed bit mask allows
 
 x: float32 logits [n] (C-contiguous); the Draw keeps float64 scratch for the weights [n] and their sums by block
 [ceil(n / BLOCK)]. The index is the first i whose running sum of weights passes u * total, walked in index order
@@ -12,9 +13,10 @@ weight. The weights are exp((x - max) * (1 / T)): a multiply where NumPy divides
 the rest), so a weight e^y is within 2 (|y| + 2) ulp of NumPy's, a relative 4e-13 at the most.
 
 exp is a polynomial in plain IEEE double operations (no libm call, no FMA): x = k ln2 + r, |r| <= ln2/2, exp(r) by
-its Taylor series to r^13 (truncation < 1e-17 relative), 2^k built in the exponent field; within 2 ulp of NumPy's
-for the same y (tests/codegen/test_draw.py), the same bits on every ISA, so a seed gives the same tokens on every
-host. Weights below exp(-708) (1e-308 of the best token's) are 0: no draw could ever pick them.
+its Taylor series to r^13 (truncation < 1e-17 relative) in Estrin's scheme, 2^k built in the exponent field; within
+2 ulp of NumPy's for the same y (tests/codegen/test_draw.py), the same bits on every ISA, so a seed gives the same
+tokens on every host. Weights below exp(-708) (1e-308 of the best token's) are 0: no draw could ever pick them.
+Sixteen tokens a step: two independent 8-wide chains keep the vector units busy.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .cgutils import Loop, V, c32, c64, const_vec, hsum, i1, i32, i64, splat
 from .library import utility_functions
 
 BLOCK = 256  # tokens a block sum covers (runtime/sampling.py's BLOCK: the same sums)
-LANES = 8
+LANES = 16
 f32, f64 = ir.FloatType(), ir.DoubleType()
 MAGIC = 6755399441055744.0  # 1.5 * 2^52: adding it rounds a double to an integer in its low mantissa bits
 LN2_HI, LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # fdlibm's split of ln 2
@@ -47,9 +49,15 @@ def exp64(b: ir.IRBuilder, y):
     yc = b.select(low, k(FLOOR), y)
     kf = b.fsub(b.fadd(b.fmul(yc, k(1.0 / math.log(2.0))), k(MAGIC)), k(MAGIC))
     r = b.fsub(b.fsub(yc, b.fmul(kf, k(LN2_HI))), b.fmul(kf, k(LN2_LO)))
-    p = k(1.0 / math.factorial(13))
-    for j in range(12, -1, -1):
-        p = b.fadd(b.fmul(p, r), k(1.0 / math.factorial(j)))
+    # the series by Estrin's scheme (pairs, then pairs of pairs by r^2, r^4, r^8): a chain of 4 multiply-adds
+    # where Horner's is 13 deep, so the loop runs at the units' rate, not their latency
+    terms = [b.fadd(k(1.0 / math.factorial(j)), b.fmul(k(1.0 / math.factorial(j + 1)), r)) for j in range(0, 14, 2)]
+    power = r
+    while len(terms) > 1:
+        power = b.fmul(power, power)
+        terms = [b.fadd(terms[j], b.fmul(terms[j + 1], power)) if j + 1 < len(terms) else terms[j]
+                 for j in range(0, len(terms), 2)]
+    p = terms[0]
     bits = b.shl(b.add(b.fptosi(kf, V(i64, n)), const_vec(i64, n, 1023)), const_vec(i64, n, 52))
     e = b.fmul(p, b.bitcast(bits, V(f64, n)))
     return b.select(b.fcmp_unordered("uno", y, y), y, b.select(low, k(0.0), e))
@@ -244,7 +252,9 @@ def _walk(b, fn, n, nb, u, w, blocks, total_p, run_p, j_p, k_p) -> None:
 
 def _lanes_max(b, m):
     """The largest lane of a <LANES x float> by halving."""
-    for h in (4, 2, 1):
+    h = LANES
+    while h > 1:
+        h //= 2
         hi = b.shuffle_vector(m, m, ir.Constant(V(i32, LANES), [i + h if i < h else i for i in range(LANES)]))
         m = b.select(b.fcmp_ordered(">", hi, m), hi, m)
     return b.extract_element(m, c32(0))
