@@ -3,9 +3,11 @@ path, per call and in the bundled model's decode loop, measured in one run.
 
     python -m benchmarks.sampling [--vocab 2048,32000,151936] [--tokens 192] [--rounds 5] [--json [FILE]]
 
-Per vocabulary size: the time of one draw (temperature 0.8, float32 logits of std 3) by `Sampler.draw` as it is
-(one native call) and by its NumPy path (`Sampler._support` then `sampling._pick`: the weights, the block sums and
-the inverse CDF as NumPy calls), best of 3 repeats. The bundled model (2,048 tokens): `m.generate` of --tokens
+Per vocabulary size: the time of one draw by `Sampler.draw` as it is and as it was, best of 3 repeats: plain
+temperature 0.8 (now one native call; before, `Sampler._support` then `sampling._pick`: the weights, the block
+sums and the inverse CDF as NumPy calls), and top-p 0.95 over a flat and a peaked row (now the native weights and
+a nucleus found among the candidates above its floor, gathered once; before, NumPy's weights and every probe over
+the whole vocabulary: `full_nucleus`). The bundled model (2,048 tokens): `m.generate` of --tokens
 tokens at temperature 0.8 with either draw, and greedy, in --rounds interleaved rounds (medians): the tok/s a user
 of `cflow run` sees.
 """
@@ -31,16 +33,81 @@ def numpy_draw(s, x, u):
     return i if ids is None else int(ids[i])
 
 
-def per_call(n: int) -> tuple[float, float]:
-    """(native, NumPy) seconds per draw over a float32 row of n logits."""
+def full_nucleus(x, e, top_p):
+    """The nucleus as sampling._nucleus found it before it gathered the candidates above its floor once (each
+    probe then ran over the whole vocabulary): the NumPy path of a top-p draw before this benchmark's change."""
+    from cflow.runtime.sampling import BAND, _rank
+
+    def above(t):  # (mass, count) of the tokens with e >= t
+        m = e >= t
+        return (e * m).sum(), np.count_nonzero(m)  # (a product: 5x faster than a masked sum or a gather)
+
+    total = e.sum()
+    need = top_p * total
+    floor = (total - need) / e.size  # the tokens under this weight cannot hold what the prefix lacks
+    hi, lo = np.nextafter(1.0, 2.0), max(1.0 / 16, floor)  # e's best is 1.0
+    (sure_mass, n_hi), (mass, n_lo) = (0.0, 0), above(lo)
+    while mass < need:
+        hi, sure_mass, n_hi = lo, mass, n_lo
+        lo = max(lo / 16, floor)
+        if lo >= hi:  # rounding kept even `floor` short: rank everything under hi
+            lo, n_lo = 0.0, e.size
+            break
+        mass, n_lo = above(lo)
+    while n_lo - n_hi > BAND and lo > 0:
+        mid = 0.5 * (lo + hi) if hi < 16 * lo else np.sqrt(lo * hi)
+        if not lo < mid < hi:  # no weight left between them: a band of equal weights
+            break
+        mass, n = above(mid)
+        if mass < need:  # everything from mid up is kept
+            hi, sure_mass, n_hi = mid, mass, n
+        else:
+            lo, n_lo = mid, n
+    band = _rank(x, np.flatnonzero((e >= lo) & (e < hi)))
+    c = sure_mass + np.cumsum(e[band])
+    keep = int(np.searchsorted(c, need)) + 1  # the first band token whose running mass reaches top_p
+    return np.concatenate([np.flatnonzero(e >= hi), band[:keep]])
+
+
+def numpy_top_p_draw(s, x, u):
+    """A top-p draw as the Sampler made it before: NumPy's weights, full_nucleus, sampling._pick."""
+    from cflow.runtime.sampling import _pick
+
+    e = np.subtract(x, x.max(), dtype=np.float64)
+    e /= s.temperature
+    np.exp(e, out=e)
+    ids = full_nucleus(x, e, s.top_p)
+    return int(ids[_pick(e[ids], u)])
+
+
+def rows(n: int) -> dict[str, np.ndarray]:
+    """float32 logits of n tokens: "flat" (normal, std 3: a wide nucleus) and "peaked" (the same with ~40 tokens
+    raised by 12, as a trained model's few likely tokens: a narrow one)."""
+    rng = np.random.default_rng(n)
+    flat = (rng.standard_normal(n) * 3).astype(np.float32)
+    peaked = flat + np.float32(12) * (rng.random(n) < 40 / n).astype(np.float32)
+    return {"flat": flat, "peaked": peaked}
+
+
+def timed(fn, n: int) -> float:
+    number = max(10, 200_000 // n)
+    return min(timeit.repeat(fn, number=number, repeat=3)) / number
+
+
+def per_call(n: int) -> list[tuple[str, float, float]]:
+    """(what, native seconds, NumPy seconds) per draw over rows of n logits: plain temperature, and top-p 0.95 (the
+    Sampler as it is against its path before the candidate gathering and native weights)."""
     from cflow.runtime.sampling import Sampler
 
-    x = (np.random.default_rng(n).standard_normal(n) * 3).astype(np.float32)
-    s = Sampler(0.8, seed=0)
-    number = max(20, 200_000 // n)
-    native = min(timeit.repeat(lambda: s.draw(x, 0.3), number=number, repeat=3)) / number
-    slow = min(timeit.repeat(lambda: numpy_draw(s, x, 0.3), number=number, repeat=3)) / number
-    return native, slow
+    x = rows(n)
+    plain = Sampler(0.8, seed=0)
+    out = [("temperature 0.8", timed(lambda: plain.draw(x["flat"], 0.3), n),
+            timed(lambda: numpy_draw(plain, x["flat"], 0.3), n))]
+    top = Sampler(0.8, top_p=0.95, seed=0)
+    for kind, r in x.items():
+        out.append((f"top-p 0.95, {kind}", timed(lambda r=r: top.draw(r, 0.3), n),
+                    timed(lambda r=r: numpy_top_p_draw(top, r, 0.3), n)))
+    return out
 
 
 def generate_loop(m, ids, tokens: int, how: str) -> float:
@@ -75,11 +142,11 @@ def main(argv=None) -> int:
     print(f"# {run.cpu_model}, ISA path {isa_path()}", flush=True)
     records = []
     for n in (int(v) for v in args.vocab.split(",")):
-        native, slow = per_call(n)
-        print(f"vocab {n:>7}: native {native * 1e6:8.2f} us a draw, NumPy {slow * 1e6:8.2f} us "
-              f"({slow / native:.2f}x)", flush=True)
-        records.append(run.record(engine="cflow", model=f"vocab {n}", variant="draw", native_us=native * 1e6,
-                                  numpy_us=slow * 1e6, ratio=slow / native))
+        for what, native, slow in per_call(n):
+            print(f"vocab {n:>7}, {what:<22}: now {native * 1e6:8.2f} us a draw, before (NumPy) "
+                  f"{slow * 1e6:8.2f} us ({slow / native:.2f}x)", flush=True)
+            records.append(run.record(engine="cflow", model=f"vocab {n}", variant=f"draw, {what}",
+                                      native_us=native * 1e6, numpy_us=slow * 1e6, ratio=slow / native))
     work = cache_dir(None) / "speculate"
     work.mkdir(parents=True, exist_ok=True)
     m = cflow.load(model_file("bundled", cache_dir(None), work))  # compiled once (default quantisation)

@@ -102,7 +102,13 @@ class Sampler:
                 keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
                 ids, p = ids[:keep], p[:keep]
             return ids, p
-        # the whole vocabulary: its softmax weights (the normaliser needs them all), in float64, the best one 1.0
+        # the whole vocabulary: its softmax weights (the normaliser needs them all), in float64, the best one 1.0;
+        # for top-p over a float32 row the native draw's (codegen/draw.py: its scratch, read before its next call)
+        if self.top_p < 1.0 and x.dtype == np.float32 and x.flags.c_contiguous and self.temperature >= 1e-300:
+            d = self.native()
+            d(x, self.temperature, 0.0)
+            ids = _nucleus(x, d.w, self.top_p)
+            return ids, d.w[ids]
         e = np.subtract(x, top, dtype=np.float64)
         e /= self.temperature
         np.exp(e, out=e)
@@ -152,22 +158,28 @@ def _nucleus(x: np.ndarray, e: np.ndarray, top_p: float) -> np.ndarray:
 
     Invariant: the tokens with e >= hi hold less than `need` (all kept), those with e >= lo at least `need` (the
     prefix ends among them), so only the band lo <= e < hi needs ranking. Weight thresholds 16x apart find a
-    band; one wider than BAND tokens is bisected first. Each probe is a comparison and a sum over the
-    vocabulary."""
-    def above(t):  # (mass, count) of the tokens with e >= t
-        m = e >= t
-        return (e * m).sum(), np.count_nonzero(m)  # (a product: 5x faster than a masked sum or a gather)
-
+    band; one wider than BAND tokens is bisected first. The tokens under `floor` cannot hold what the prefix
+    lacks, so every probe runs over the candidates above it, gathered once (a real model's logits leave a few
+    hundred of 151,936: the probes then cost next to nothing; a flat row keeps most)."""
     total = e.sum()
     need = top_p * total
     floor = (total - need) / e.size  # the tokens under this weight cannot hold what the prefix lacks
+    cand = np.flatnonzero(e >= floor)
+    ec = e[cand]
+    if ec.sum() < need:  # rounding kept even `floor` short: every token is a candidate
+        cand, ec = np.arange(e.size), e
+
+    def above(t):  # (mass, count) of the candidates with e >= t
+        m = ec >= t
+        return (ec * m).sum(), np.count_nonzero(m)  # (a product: 5x faster than a masked sum or a gather)
+
     hi, lo = np.nextafter(1.0, 2.0), max(1.0 / 16, floor)  # e's best is 1.0
     (sure_mass, n_hi), (mass, n_lo) = (0.0, 0), above(lo)
     while mass < need:
         hi, sure_mass, n_hi = lo, mass, n_lo
         lo = max(lo / 16, floor)
-        if lo >= hi:  # rounding kept even `floor` short: rank everything under hi
-            lo, n_lo = 0.0, e.size
+        if lo >= hi:  # rounding kept even `floor` short: rank every candidate under hi
+            lo, n_lo = 0.0, ec.size
             break
         mass, n_lo = above(lo)
     while n_lo - n_hi > BAND and lo > 0:
@@ -179,10 +191,10 @@ def _nucleus(x: np.ndarray, e: np.ndarray, top_p: float) -> np.ndarray:
             hi, sure_mass, n_hi = mid, mass, n
         else:
             lo, n_lo = mid, n
-    band = _rank(x, np.flatnonzero((e >= lo) & (e < hi)))
+    band = _rank(x, cand[(ec >= lo) & (ec < hi)])
     c = sure_mass + np.cumsum(e[band])
     keep = int(np.searchsorted(c, need)) + 1  # the first band token whose running mass reaches top_p
-    return np.concatenate([np.flatnonzero(e >= hi), band[:keep]])
+    return np.concatenate([cand[ec >= hi], band[:keep]])
 
 
 def _pick(w: np.ndarray, u: float) -> int:
