@@ -376,27 +376,32 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def prefetch_map(fn, items, workers: int = 1, name: str = "cflow-prefetch"):
+def prefetch_map(fn, items, workers: int = 1, name: str = "cflow-prefetch", size=None, ahead_bytes: int = 0):
     """Iterate fn(x) for x in `items`, in order, with the next `workers` results made ahead by as many threads.
 
     For a writer whose items are expensive to make and cheap to hand on (tensors generated and packed while the
     previous one is checksummed and written: numpy, zlib and file writes release the GIL, so `workers` threads
     use as many cores). At most workers + 1 results exist at once (`workers` being made or waiting, one with the
-    consumer). An exception in fn is raised in the consumer at that item; when the consumer stops early (break,
-    exception, close), the calls not started are dropped and the running ones finish before the generator
-    returns, its threads joined."""
+    consumer); with `size` (x -> its result's bytes) and `ahead_bytes`, more are queued while the results not yet
+    consumed hold less than `ahead_bytes`: one large item (an embedding) then keeps one thread while the others
+    go on down the list instead of waiting with it. An exception in fn is raised in the consumer at that item;
+    when the consumer stops early (break, exception, close), the calls not started are dropped and the running
+    ones finish before the generator returns, its threads joined."""
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
     workers = max(1, int(workers))
     source = iter(items)
-    pending: deque = deque()
+    pending: deque = deque()  # (future, bytes)
+    held = [0]  # bytes of the pending results
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
 
     def fill() -> None:
-        while len(pending) < workers:
+        while len(pending) < workers or (size is not None and held[0] < ahead_bytes):
             for x in source:
-                pending.append(pool.submit(fn, x))
+                nbytes = int(size(x)) if size is not None else 0
+                pending.append((pool.submit(fn, x), nbytes))
+                held[0] += nbytes
                 break
             else:
                 return
@@ -404,12 +409,14 @@ def prefetch_map(fn, items, workers: int = 1, name: str = "cflow-prefetch"):
     try:
         fill()
         while pending:
-            out = pending.popleft().result()
+            future, nbytes = pending.popleft()
+            out = future.result()
+            held[0] -= nbytes
             fill()  # the next call starts while this result is consumed
             yield out
             del out
     finally:
-        for f in pending:
+        for f, _ in pending:
             f.cancel()
         pending.clear()
         pool.shutdown(wait=True)

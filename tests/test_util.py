@@ -209,6 +209,14 @@ def test_prefetch_map_order_errors_and_early_stop():
             got.append(x)
     assert got == [0]
 
+    # ahead_bytes: items queued beyond the workers while the unconsumed results hold less than it
+    made.clear()
+    it = prefetch_map(slow, range(100), workers=1, size=lambda i: 10, ahead_bytes=35)
+    assert next(it) == 0
+    time.sleep(0.05)
+    assert 3 <= len(made) <= 6  # 0 consumed, 1..4 queued (40 bytes reach the 35), then one more once 0 leaves
+    assert list(it) == list(range(1, 100))
+
 
 def test_crc32_is_zlibs():
     import zlib

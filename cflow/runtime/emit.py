@@ -25,6 +25,7 @@ from .format import FileWriter
 from .format.spec import FORMAT_NAME
 
 PACK_WORKERS = 2  # threads packing ahead of the writer (fewer on a machine with fewer CPUs)
+PACK_AHEAD = 64 << 20  # bytes of packed tensors queued ahead of the writer at most (beyond the workers' own)
 
 
 def header_for(state: CompileState, tokenizer: str | None, eos: list[int] | None) -> dict:
@@ -61,7 +62,8 @@ def packed_tensors(state: CompileState, workers: int | None = None):
         return name, state.tensors[name].materialize(weights)
 
     with small_pages():  # arrays made once, touched once: no huge pages to compact for (util.small_pages)
-        yield from prefetch_map(pack, state.order, workers=workers, name="cflow-pack")
+        yield from prefetch_map(pack, state.order, workers=workers, name="cflow-pack",
+                                size=lambda n: state.tensors[n].nbytes, ahead_bytes=PACK_AHEAD)
 
 
 def emit_file(out: str | os.PathLike, tokenizer: str | None = None, eos: list[int] | None = None,
