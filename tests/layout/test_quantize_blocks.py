@@ -45,3 +45,17 @@ def test_zero_rows_and_bad_shapes():
         quantize_weighted(np.ones((2, 96), np.float32), DType.Q4_K)
     with pytest.raises(ValueError, match="importance matrix of 3 values"):
         quantize_weighted(np.ones((2, 64), np.float32), DType.Q4, np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_iq4_index_is_the_nearest_value_ties_to_the_lower(dtype):
+    """The table lookup gives np.searchsorted over the midpoints bit for bit: random values, each midpoint and
+    its neighbours, the range's ends and infinities."""
+    from cflow.layout.quantize_blocks import _IQ4_MID, iq4_index
+
+    x = (np.random.default_rng(3).standard_normal(50_000) * 90).astype(dtype)
+    down, up = dtype(-np.inf), dtype(np.inf)
+    edges = [v for m in _IQ4_MID.astype(dtype) for v in (np.nextafter(m, down), m, np.nextafter(m, up))]
+    x = np.concatenate([x, np.array(edges + [-1e30, 1e30, -np.inf, np.inf, 0.0, -0.0], dtype)])
+    assert np.array_equal(iq4_index(x), np.searchsorted(_IQ4_MID, x).astype(np.uint8))
+    assert np.array_equal(iq4_index(x.reshape(-1, 1)), np.searchsorted(_IQ4_MID, x).astype(np.uint8).reshape(-1, 1))
