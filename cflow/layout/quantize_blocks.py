@@ -33,8 +33,12 @@ _ROWS = 1 << 16  # blocks quantised at once (bounds the temporaries)
 
 
 def _safe_div(a, b):
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
+    """a / b as float32, 0 where b is 0 (the division in the inputs' own precision, then rounded to float32; one
+    ufunc call: the fitters make hundreds of thousands of these)."""
+    a, b = np.asarray(a), np.asarray(b)
+    out = np.zeros(np.broadcast_shapes(a.shape, b.shape), np.float32)
+    np.divide(a, b, out=out, where=b != 0, casting="unsafe", dtype=np.result_type(a, b, np.float32))
+    return out
 
 
 def _peak(x):
