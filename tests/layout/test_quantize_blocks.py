@@ -59,3 +59,18 @@ def test_iq4_index_is_the_nearest_value_ties_to_the_lower(dtype):
     x = np.concatenate([x, np.array(edges + [-1e30, 1e30, -np.inf, np.inf, 0.0, -0.0], dtype)])
     assert np.array_equal(iq4_index(x), np.searchsorted(_IQ4_MID, x).astype(np.uint8))
     assert np.array_equal(iq4_index(x.reshape(-1, 1)), np.searchsorted(_IQ4_MID, x).astype(np.uint8).reshape(-1, 1))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_safe_div_is_the_guarded_division_rounded_to_float32(dtype):
+    from cflow.layout.quantize_blocks import _safe_div
+
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((40, 3)).astype(dtype), rng.standard_normal((40, 3)).astype(dtype)
+    b[::5] = 0
+    def want(a, b):
+        return np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
+
+    got = _safe_div(a, b)
+    assert got.dtype == np.float32 and np.array_equal(got, want(a, b))
+    assert np.array_equal(_safe_div(a[:, :1], b), want(a[:, :1], b))  # broadcast
