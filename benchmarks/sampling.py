@@ -7,7 +7,7 @@ Per vocabulary size: the time of one draw by `Sampler.draw` as it is and as it w
 temperature 0.8 (now one native call; before, `Sampler._support` then `sampling._pick`: the weights, the block
 sums and the inverse CDF as NumPy calls), and top-p 0.95 over a flat and a peaked row (now the native weights and
 a nucleus found among the candidates above its floor, gathered once; before, NumPy's weights and every probe over
-the whole vocabulary: `full_nucleus`). The bundled model (2,048 tokens): `m.generate` of --tokens
+the whole vocabulary: `_nucleus(gather=False)`). The bundled model (2,048 tokens): `m.generate` of --tokens
 tokens at temperature 0.8 with either draw, and greedy, in --rounds interleaved rounds (medians): the tok/s a user
 of `cflow run` sees.
 """
@@ -33,50 +33,15 @@ def numpy_draw(s, x, u):
     return i if ids is None else int(ids[i])
 
 
-def full_nucleus(x, e, top_p):
-    """The nucleus as sampling._nucleus found it before it gathered the candidates above its floor once (each
-    probe then ran over the whole vocabulary): the NumPy path of a top-p draw before this benchmark's change."""
-    from cflow.runtime.sampling import BAND, _rank
-
-    def above(t):  # (mass, count) of the tokens with e >= t
-        m = e >= t
-        return (e * m).sum(), np.count_nonzero(m)  # (a product: 5x faster than a masked sum or a gather)
-
-    total = e.sum()
-    need = top_p * total
-    floor = (total - need) / e.size  # the tokens under this weight cannot hold what the prefix lacks
-    hi, lo = np.nextafter(1.0, 2.0), max(1.0 / 16, floor)  # e's best is 1.0
-    (sure_mass, n_hi), (mass, n_lo) = (0.0, 0), above(lo)
-    while mass < need:
-        hi, sure_mass, n_hi = lo, mass, n_lo
-        lo = max(lo / 16, floor)
-        if lo >= hi:  # rounding kept even `floor` short: rank everything under hi
-            lo, n_lo = 0.0, e.size
-            break
-        mass, n_lo = above(lo)
-    while n_lo - n_hi > BAND and lo > 0:
-        mid = 0.5 * (lo + hi) if hi < 16 * lo else np.sqrt(lo * hi)
-        if not lo < mid < hi:  # no weight left between them: a band of equal weights
-            break
-        mass, n = above(mid)
-        if mass < need:  # everything from mid up is kept
-            hi, sure_mass, n_hi = mid, mass, n
-        else:
-            lo, n_lo = mid, n
-    band = _rank(x, np.flatnonzero((e >= lo) & (e < hi)))
-    c = sure_mass + np.cumsum(e[band])
-    keep = int(np.searchsorted(c, need)) + 1  # the first band token whose running mass reaches top_p
-    return np.concatenate([np.flatnonzero(e >= hi), band[:keep]])
-
-
 def numpy_top_p_draw(s, x, u):
-    """A top-p draw as the Sampler made it before: NumPy's weights, full_nucleus, sampling._pick."""
-    from cflow.runtime.sampling import _pick
+    """A top-p draw as the Sampler made it before: NumPy's weights, the nucleus probed over the whole vocabulary
+    (sampling._nucleus(gather=False)), sampling._pick."""
+    from cflow.runtime.sampling import _nucleus, _pick
 
     e = np.subtract(x, x.max(), dtype=np.float64)
     e /= s.temperature
     np.exp(e, out=e)
-    ids = full_nucleus(x, e, s.top_p)
+    ids = _nucleus(x, e, s.top_p, gather=False)
     return int(ids[_pick(e[ids], u)])
 
 

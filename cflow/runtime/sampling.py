@@ -153,21 +153,22 @@ def _top(x: np.ndarray, k: int) -> np.ndarray:
     return _rank(x, ids)
 
 
-def _nucleus(x: np.ndarray, e: np.ndarray, top_p: float) -> np.ndarray:
+def _nucleus(x: np.ndarray, e: np.ndarray, top_p: float, gather: bool = True) -> np.ndarray:
     """Ids of the shortest prefix of the ranking by x whose weights e (monotone in x) hold top_p of e's total.
 
     Invariant: the tokens with e >= hi hold less than `need` (all kept), those with e >= lo at least `need` (the
     prefix ends among them), so only the band lo <= e < hi needs ranking. Weight thresholds 16x apart find a
     band; one wider than BAND tokens is bisected first. The tokens under `floor` cannot hold what the prefix
     lacks, so every probe runs over the candidates above it, gathered once (a real model's logits leave a few
-    hundred of 151,936: the probes then cost next to nothing; a flat row keeps most)."""
+    hundred of 151,936: the probes then cost next to nothing; a flat row keeps most). gather=False probes the whole
+    vocabulary each time, as this did before (benchmarks/sampling.py times both)."""
     total = e.sum()
     need = top_p * total
     floor = (total - need) / e.size  # the tokens under this weight cannot hold what the prefix lacks
-    cand = np.flatnonzero(e >= floor)
-    ec = e[cand]
-    if ec.sum() < need:  # rounding kept even `floor` short: every token is a candidate
-        cand, ec = np.arange(e.size), e
+    cand = np.flatnonzero(e >= floor) if gather else None
+    ec = e[cand] if gather else e
+    if gather and ec.sum() < need:  # rounding kept even `floor` short: every token is a candidate
+        cand, ec = None, e
 
     def above(t):  # (mass, count) of the candidates with e >= t
         m = ec >= t
@@ -191,10 +192,13 @@ def _nucleus(x: np.ndarray, e: np.ndarray, top_p: float) -> np.ndarray:
             hi, sure_mass, n_hi = mid, mass, n
         else:
             lo, n_lo = mid, n
-    band = _rank(x, cand[(ec >= lo) & (ec < hi)])
+    def ids(m):  # the vocabulary ids of a mask over the candidates
+        return np.flatnonzero(m) if cand is None else cand[m]
+
+    band = _rank(x, ids((ec >= lo) & (ec < hi)))
     c = sure_mass + np.cumsum(e[band])
     keep = int(np.searchsorted(c, need)) + 1  # the first band token whose running mass reaches top_p
-    return np.concatenate([cand[ec >= hi], band[:keep]])
+    return np.concatenate([ids(ec >= hi), band[:keep]])
 
 
 def _pick(w: np.ndarray, u: float) -> int:

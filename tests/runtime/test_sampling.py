@@ -160,3 +160,15 @@ def test_bad_arguments():
             with pytest.raises(CflowError, match=f"largest logit is {bad}"):
                 Sampler(1.0, **kw)(np.array([0.0, bad, 1.0]))
     assert Sampler(0)(np.array([0, 5, 1])) == 1  # integer logits are accepted
+
+
+@pytest.mark.parametrize("name", sorted(LOGITS))
+def test_the_gathered_nucleus_is_the_whole_vocabularys(name):
+    """Probing only the candidates above the floor finds the same tokens in the same order as probing the whole
+    vocabulary (the path benchmarks/sampling.py compares it with)."""
+    from cflow.runtime.sampling import _nucleus
+
+    x = LOGITS[name]
+    for t, p in ((0.5, 0.95), (1.0, 0.5), (2.0, 0.05), (1.0, 0.999)):
+        e = np.exp(np.subtract(x, x.max(), dtype=np.float64) / t)
+        assert _nucleus(x, e, p).tolist() == _nucleus(x, e, p, gather=False).tolist()
