@@ -83,6 +83,7 @@ class _Mask:
         self.b, self.words, self.n_words = b, words, n_words
 
     def lanes(self, i, lanes: int):
+        """(<lanes x i1> allowed, i1 whether any of them is) at index i (a multiple of `lanes`)."""
         b = self.b
         wi = b.lshr(i, c64(5))
         inside = b.icmp_signed("<", wi, self.n_words)
@@ -91,8 +92,9 @@ class _Mask:
         bits = b.lshr(word, b.trunc(b.and_(i, c64(31)), i32))  # the lanes' bits at the bottom (i % 8 == 0)
         shifts = ir.Constant(V(i32, lanes), list(range(lanes)))
         one = const_vec(i32, lanes, 1)
-        self.any = b.icmp_unsigned("!=", b.and_(bits, c32((1 << lanes) - 1)), c32(0))  # any lane allowed
-        return b.icmp_unsigned("!=", b.and_(b.lshr(splat(b, bits, lanes), shifts), one), const_vec(i32, lanes, 0))
+        some = b.icmp_unsigned("!=", b.and_(bits, c32((1 << lanes) - 1)), c32(0))
+        return b.icmp_unsigned("!=", b.and_(b.lshr(splat(b, bits, lanes), shifts), one),
+                               const_vec(i32, lanes, 0)), some
 
 
 def _build(mod: ir.Module, name: str, masked: bool) -> None:
@@ -110,8 +112,17 @@ def _build(mod: ir.Module, name: str, masked: bool) -> None:
     mx_p, bad_p, m1_p, bad_p1 = b.alloca(V(f32, LANES)), b.alloca(V(i1, LANES)), b.alloca(f32), b.alloca(i1)
     gmx_p, g1_p, cnt_p = b.alloca(V(f32, LANES)), b.alloca(f32), b.alloca(V(i64, LANES))
 
-    def allowed(i, lanes):
-        return mask.lanes(i, lanes) if masked else None
+    def allowed(i, lanes):  # (the lanes allowed, whether any is); (None, None) without a mask
+        return mask.lanes(i, lanes) if masked else (None, None)
+
+    def max_step(xv, ok):  # the (allowed) lanes into the running max, NaN flags and count
+        m, nan = b.load(mx_p), b.fcmp_unordered("uno", xv, xv)
+        up = b.fcmp_ordered(">", xv, m)
+        if ok is not None:
+            up, nan = b.and_(up, ok), b.and_(nan, ok)
+            b.store(b.add(b.load(cnt_p), b.zext(ok, V(i64, LANES))), cnt_p)
+        b.store(b.select(up, xv, m), mx_p)
+        b.store(b.or_(b.load(bad_p), nan), bad_p)
 
     # pass 0: the largest (allowed) logit; an allowed NaN or +inf, and the answer is -1 (the caller says why)
     for ptr_, v in ((mx_p, -math.inf), (gmx_p, -math.inf)):
@@ -122,21 +133,14 @@ def _build(mod: ir.Module, name: str, masked: bool) -> None:
     with Loop(b, c64(0), groups, "max") as g:
         i = b.mul(g, c64(LANES))
         xv = b.load(b.bitcast(b.gep(x, [i]), V(f32, LANES).as_pointer()), align=4)
-        if masked:  # the row's best, then the allowed lanes' (skipped where the mask allows none of them)
+        if not masked:
+            max_step(xv, None)
+        else:  # the row's best, then the allowed lanes' (skipped where the mask allows none of them)
             gm = b.load(gmx_p)
             b.store(b.select(b.fcmp_ordered(">", xv, gm), xv, gm), gmx_p)
-            ok = allowed(i, LANES)
-            skip = b.if_then(mask.any)
-            skip.__enter__()
-        m, nan = b.load(mx_p), b.fcmp_unordered("uno", xv, xv)
-        up = b.fcmp_ordered(">", xv, m)
-        if masked:
-            up, nan = b.and_(up, ok), b.and_(nan, ok)
-            b.store(b.add(b.load(cnt_p), b.zext(ok, V(i64, LANES))), cnt_p)
-        b.store(b.select(up, xv, m), mx_p)
-        b.store(b.or_(b.load(bad_p), nan), bad_p)
-        if masked:
-            skip.__exit__(None, None, None)
+            ok, some = allowed(i, LANES)
+            with b.if_then(some):
+                max_step(xv, ok)
     b.store(_lanes_max(b, b.load(mx_p)), m1_p)
     b.store(_lanes_max(b, b.load(gmx_p)), g1_p)
     bad = b.load(bad_p)
@@ -155,7 +159,7 @@ def _build(mod: ir.Module, name: str, masked: bool) -> None:
         m1 = b.load(m1_p)
         up, nan = b.fcmp_ordered(">", xi, m1), b.fcmp_unordered("uno", xi, xi)
         if masked:
-            ok = b.extract_element(allowed(i, 1), c32(0))
+            ok = b.extract_element(allowed(i, 1)[0], c32(0))
             up, nan = b.and_(up, ok), b.and_(nan, ok)
             g1 = b.load(g1_p)
             b.store(b.select(b.fcmp_ordered(">", xi, g1), xi, g1), g1_p)
@@ -167,12 +171,10 @@ def _build(mod: ir.Module, name: str, masked: bool) -> None:
         stats = fn.args[8]
         b.store(b.load(cnt1_p), stats)
         b.store(b.zext(b.fcmp_ordered(">=", top32, b.load(g1_p)), i64), b.gep(stats, [c64(1)]))
-    go, refuse, empty = (fn.append_basic_block(s) for s in ("go", "refuse", "empty"))
-    finite = b.fcmp_ordered("<", b.call(_fabs(mod), [top32]), ir.Constant(f32, math.inf))
-    chk = fn.append_basic_block("check")
+    go, refuse, empty, chk = (fn.append_basic_block(s) for s in ("go", "refuse", "empty", "check"))
     b.cbranch(b.or_(b.load(bad_p1), b.fcmp_ordered("==", top32, ir.Constant(f32, math.inf))), refuse, chk)
-    b.position_at_end(chk)
-    b.cbranch(finite, go, empty)
+    b.position_at_end(chk)  # -inf: no (allowed) token has weight
+    b.cbranch(b.fcmp_ordered("==", top32, ir.Constant(f32, -math.inf)), empty, go)
     b.position_at_end(refuse)
     b.ret(c64(-1))
     b.position_at_end(empty)  # -inf: no (allowed) token has weight
@@ -194,16 +196,16 @@ def _build(mod: ir.Module, name: str, masked: bool) -> None:
             if not masked:
                 b.store(b.fadd(b.load(acc_p), _weights(b, x, w, top, inv_t, i, LANES)), acc_p)
             else:  # lanes the mask leaves out weigh 0: no exp where it allows none of them
-                ok = allowed(i, LANES)
-                with b.if_else(mask.any) as (some, none):
-                    with some:
+                ok, some = allowed(i, LANES)
+                with b.if_else(some) as (any_allowed, none):
+                    with any_allowed:
                         b.store(b.fadd(b.load(acc_p), _weights(b, x, w, top, inv_t, i, LANES, ok)), acc_p)
                     with none:
                         b.store(const_vec(f64, LANES, 0.0), b.bitcast(b.gep(w, [i]), V(f64, LANES).as_pointer()),
                                 align=8)
         b.store(hsum(b, b.load(acc_p)), s_p)
         with Loop(b, b.add(lo, b.mul(groups, c64(LANES))), hi, "tail") as i:
-            e1 = _weights(b, x, w, top, inv_t, i, 1, allowed(i, 1))
+            e1 = _weights(b, x, w, top, inv_t, i, 1, allowed(i, 1)[0])
             b.store(b.fadd(b.load(s_p), b.extract_element(e1, c32(0))), s_p)
         s = b.load(s_p)
         b.store(s, b.gep(blocks, [j]))
@@ -266,12 +268,6 @@ def kernel_module() -> ir.Module:
     _build(mod, "draw", masked=False)
     _build(mod, "draw_masked", masked=True)
     return mod
-
-
-def _fabs(mod):
-    from .cgutils import intrinsic
-
-    return intrinsic(mod, "llvm.fabs.f32", f32, [f32])
 
 
 def _min(b, a, c):
