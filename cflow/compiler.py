@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from .codegen import quantfit  # noqa: F401  (sets layout.quantize_blocks.NATIVE_FITTERS: the native fitters)
 from .ir import Graph
 from .layout.packed import FileLayout
 from .layout.tile import DEFAULT_TILE

@@ -131,6 +131,7 @@ def gram_budget() -> int:
 def calibrate(args, g):
     """The graph to compile as stored: every matrix at its type (the mix under --bpw, or --quant's), importance-
     weighted; or None when only --imatrix-out was asked for."""
+    from ..codegen import quantfit  # noqa: F401  (sets layout.quantize_blocks.NATIVE_FITTERS: the native fitters)
     from ..layout.quant import DType
     from ..passes import mix as M
 

@@ -30,6 +30,10 @@ EPS = 1e-15  # llama.cpp's GROUP_MAX_EPS: a block this small is all zeros
 WEIGHTED_TYPES = (DType.Q4, DType.Q5_0, DType.Q4_1, DType.Q5_1, DType.IQ4_NL, DType.Q8, DType.Q2_K, DType.Q3_K,
                   DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.IQ4_XS)
 _ROWS = 1 << 16  # blocks quantised at once (bounds the temporaries)
+# Native twins of fit_symmetric / fit_affine / fit_codebook for blocks of 16 and 32 (the same bits, 15-30x faster):
+# codegen/quantfit.py sets this to itself when imported (the compiler and cflowc's calibration import it); None:
+# the NumPy fitters below run, the oracle the tests compare it with (tests/codegen/test_quantfit.py).
+NATIVE_FITTERS = None
 
 
 def _safe_div(a, b):
@@ -160,6 +164,24 @@ def fit_codebook(x: np.ndarray, w: np.ndarray, ntry: int = 7) -> np.ndarray:
     return np.where(live, d, 0).astype(np.float32)
 
 
+def _native(x, w) -> bool:
+    """Whether the native fitters take these blocks (float32, 16 or 32 wide; anything else: NumPy)."""
+    return (NATIVE_FITTERS is not None and x.dtype == w.dtype == np.float32 and x.shape == w.shape
+            and x.shape[1] in NATIVE_FITTERS.SIZES)
+
+
+def _symmetric(x, w, nmax):
+    return (NATIVE_FITTERS.symmetric if _native(x, w) else fit_symmetric)(x, w, nmax)
+
+
+def _affine(x, w, nmax, *search):
+    return (NATIVE_FITTERS.affine if _native(x, w) else fit_affine)(x, w, nmax, *search)
+
+
+def _codebook(x, w):
+    return (NATIVE_FITTERS.codebook if _native(x, w) else fit_codebook)(x, w)
+
+
 def _f16(a) -> np.ndarray:
     return np.asarray(a, np.float32).astype(np.float16)
 
@@ -245,16 +267,16 @@ def _legacy(dt: DType, x: np.ndarray, q: np.ndarray | None) -> np.ndarray:
     w = _element_weights(x, None if q is None else q, 32)
     if dt in (DType.Q4, DType.Q5_0):
         nmax = 8 if dt == DType.Q4 else 16
-        d, l = fit_symmetric(x, w, nmax)
+        d, l = _symmetric(x, w, nmax)
         u = (l + nmax).astype(np.uint8)
         if dt == DType.Q4:  # Q4_0: IQ4_NL's layout, its codes as integers
             return np.concatenate([_bytes16(d), code_fields(DType.IQ4_NL, u)["qs"]], axis=1)
         return _assemble(dt, {"d": _bytes16(d), **code_fields(dt, u)})
     if dt in (DType.Q4_1, DType.Q5_1):
-        d, m, l = fit_affine(x, w, 15 if dt == DType.Q4_1 else 31)
+        d, m, l = _affine(x, w, 15 if dt == DType.Q4_1 else 31)
         return _assemble(dt, {"d": _bytes16(d), "m": _bytes16(m), **code_fields(dt, l)})
     assert dt == DType.IQ4_NL
-    d = fit_codebook(x, w)
+    d = _codebook(x, w)
     u = iq4_index(_safe_div(x, d[:, None]))
     return _assemble(dt, {"d": _bytes16(d), **code_fields(dt, u)})
 
@@ -284,7 +306,7 @@ def _k_affine(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     sub, nmax, sbits = {DType.Q2_K: (16, 3, 15), DType.Q4_K: (32, 15, 63), DType.Q5_K: (32, 31, 63)}[dt]
     N, ns = x.shape[0], 256 // sub
     xs, ws = x.reshape(N * ns, sub), w.reshape(N * ns, sub)
-    sc, mn, _ = fit_affine(xs, ws, nmax, -0.5 if dt == DType.Q2_K else -0.9, 0.1 if dt == DType.Q2_K else 0.05,
+    sc, mn, _ = _affine(xs, ws, nmax, -0.5 if dt == DType.Q2_K else -0.9, 0.1 if dt == DType.Q2_K else 0.05,
                            15 if dt == DType.Q2_K else 36)
     sw = ws.sum(1).reshape(N, ns)
     d, ls = fit_positive(sc.reshape(N, ns), sw, sbits)
@@ -306,12 +328,12 @@ def _k_symmetric(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     ns = 256 // sub
     xs, ws = x.reshape(N * ns, sub), w.reshape(N * ns, sub)
     if dt == DType.IQ4_XS:
-        sc = fit_codebook(xs, ws).reshape(N, ns)
+        sc = _codebook(xs, ws).reshape(N, ns)
     else:
-        sc = fit_symmetric(xs, ws, 32 if dt == DType.Q6_K else 4)[0].reshape(N, ns)
+        sc = _symmetric(xs, ws, 32 if dt == DType.Q6_K else 4)[0].reshape(N, ns)
     big = sc[np.arange(N), np.abs(sc).argmax(1)]  # the sub-block scale of largest magnitude, signed
     if dt == DType.Q3_K:
-        d, l = fit_symmetric(sc, ws.sum(1).reshape(N, ns), 32)
+        d, l = _symmetric(sc, ws.sum(1).reshape(N, ns), 32)
         stored = (l + 32).astype(np.uint8)
     else:
         lim = 128 if dt == DType.Q6_K else 32
@@ -356,7 +378,7 @@ def quantize_weighted(x: np.ndarray, dtype: DType, imatrix: np.ndarray | None = 
     blocks = x.reshape(rows * nb, qk)
     q = None if imatrix is None else np.broadcast_to(imatrix.reshape(nb, qk), (rows, nb, qk)).reshape(rows * nb, qk)
     out = np.empty((rows * nb, nbytes), np.uint8)
-    step = max(1, _ROWS // qk * 32 // qk)
+    step = max(1, _ROWS // qk)
     for s in range(0, rows * nb, step):
         xb, qb = blocks[s : s + step], None if q is None else q[s : s + step]
         if qk == 32:
