@@ -38,8 +38,9 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str | None = No
             Hugging Face model directory, or "preset:NAME[@SIZE]".
         delays: None keeps the model's own delays; (dd, de) rewrites the DAG (and warns: this changes
             the function unless the model was trained that way).
-        quant: q4 | q8 | f16 | f32 | stored (a GGUF's own types, tensor by tensor). Default: stored for a GGUF,
-            q4 otherwise.
+        quant: q4 | q8 | f16 | f32 | stored (a GGUF's own types, tensor by tensor) | auto (each matrix's type
+            chosen within 4.5 bits per weight, as `cflowc --quant auto`: docs/quantization.md). Default: stored
+            for a GGUF, q4 otherwise (cflowc, unlike this, gives a float model file auto).
         tile: (rows, cols); default (128, 256), or for a GGUF kept as stored columns that divide every matrix
             width (nothing padded).
         tokenizer: path to a tokenizer.json (directories bring their own).
@@ -64,6 +65,10 @@ def compile(model, delays: tuple[int, int] | None = None, quant: str | None = No
     from .passes.quantize import STORED, default_quant, fit_tile
 
     quant = default_quant(g) if quant is None else quant
+    if quant == "auto":
+        from .passes.mix import auto_mix
+
+        g, quant = auto_mix(g)[0], STORED
     tile = (fit_tile(g) if quant == STORED else DEFAULT_TILE) if tile is None else tile
     tok = g.meta.tokenizer
     if tokenizer is not None:

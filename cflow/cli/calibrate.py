@@ -149,6 +149,10 @@ def calibrate(args, g):
         print(f"error feedback (GPTQ) on {len(curv)} of {len(M.matrices(g))} matrices", file=sys.stderr)
     if args.quant == "auto" or args.bpw is not None:
         budget = args.bpw if args.bpw is not None else M.DEFAULT_BPW
+        if im is None:  # no importance matrix: each matrix's unweighted error
+            out, plan = M.auto_mix(g, budget, progress=_progress("measuring"))
+            _print_plan(plan, g, budget, getattr(args, "auto_default", False))
+            return out
         errors = M.measure(g, weights, progress=_progress("measuring"), curv=curv)
         sens = None
         if ids is not None:  # a KLD probe on the first calibration chunk makes the errors comparable across tensors
@@ -157,8 +161,17 @@ def calibrate(args, g):
             print("no calibration text: types chosen by the raw weighted errors (no KLD probe)",
                   file=sys.stderr)
         plan = M.plan_mix(g, M.predicted(errors, sens) if sens else errors, budget, args.imatrix or "")
-        print(plan.table(g.meta.shapes), file=sys.stderr)
+        _print_plan(plan, g, budget, False)
         return M.apply_types(g, plan.types, weights, {**plan.to_json(), "gptq": bool(curv)}, curv)
     q = DType.parse(args.quant or "q4")
     return M.apply_types(g, M.uniform(g, q), weights, {"imatrix": args.imatrix or "", "type": q.gguf_name,
                                                        "gptq": bool(curv)}, curv)
+
+
+def _print_plan(plan, g, budget: float, default: bool) -> None:
+    """The mix's table; for the default of a float model (not asked for), its summary and how to choose otherwise."""
+    table = plan.table(g.meta.shapes)
+    if default:
+        table = (f"{table.splitlines()[-1]} (a float model without --quant: its matrices' types chosen within "
+                 f"{budget:g} bits per weight, as --quant auto; --quant q4 for Q4_0 throughout)")
+    print(table, file=sys.stderr)

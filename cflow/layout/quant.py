@@ -198,6 +198,16 @@ def dequantize(t) -> np.ndarray:
     return x.reshape(t.rows, -1)[:, : t.cols]
 
 
+def dequantize_rows(t, rows) -> np.ndarray:
+    """dequantize(t)[rows], dequantising only those rows (each row is its own blocks)."""
+    if hasattr(t, "take_rows"):
+        return t.take_rows(rows).dequantize()
+    if isinstance(t, QTensor):
+        rows = np.asarray(rows)
+        return dequantize(QTensor(dtype=t.dtype, rows=rows.size, cols=t.cols, scales=t.scales[rows], q=t.q[rows]))
+    return np.asarray(t, dtype=np.float32)[rows]
+
+
 def to_gguf_bytes(t: QTensor) -> np.ndarray:
     """The GGUF block bytes of a Q4/Q8 tensor, u8[rows, nblk * block_bytes] (for export and tests).
 

@@ -29,8 +29,9 @@ import numpy as np
 
 from ..errors import CflowError
 from ..ir.interp import log_softmax
-from ..layout.quant import BLOCK_SIZES, DType, dequantize, matrix_bytes
+from ..layout.quant import BLOCK_SIZES, DType, dequantize, dequantize_rows, matrix_bytes
 from ..layout.quantize_blocks import quantize_weighted, weighted_error
+from ..util import prefetch_map, usable_cpus
 from . import gptq
 from .quantize import F32_SUFFIXES
 
@@ -107,16 +108,23 @@ def measure(graph, weights: Mapping[str, np.ndarray | None], types=CANDIDATES, s
             progress=None, curv: Mapping[str, gptq.Curvature] | None = None) -> dict[str, dict[DType, float]]:
     """name -> {type: expected squared output error} for every matrix and every type it can take, estimated on
     `sample_rows` evenly spaced rows (scaled to the whole matrix: blocks never span rows, nor does error feedback)."""
-    out = {}
     names = matrices(graph)
-    for i, n in enumerate(names):
-        w = dequantize(graph.weights[n])
-        rows = np.unique(np.linspace(0, w.shape[0] - 1, min(sample_rows, w.shape[0])).astype(int))
-        ws, scale = w[rows], w.shape[0] / rows.size
-        out[n] = {dt: scale * error_of(n, ws, quantize_one(n, ws, dt, weights, curv), weights, curv)
-                  for dt in candidates(w.shape, types)}
-        if not out[n]:
-            raise CflowError(f"{n}: {w.shape[1]} inputs per row fit no block type (a multiple of 32 is needed)")
+
+    def one(n):
+        t = graph.weights[n]
+        shape = tuple(t.shape)
+        rows = np.unique(np.linspace(0, shape[0] - 1, min(sample_rows, shape[0])).astype(int))
+        ws, scale = dequantize_rows(t, rows), shape[0] / rows.size
+        errs = {dt: scale * error_of(n, ws, quantize_one(n, ws, dt, weights, curv), weights, curv)
+                for dt in candidates(shape, types)}
+        if not errs:
+            raise CflowError(f"{n}: {shape[1]} inputs per row fit no block type (a multiple of 32 is needed)")
+        return errs
+
+    out = {}
+    # a thread per core: the fitters (native) and NumPy's large operations release the GIL
+    for i, (n, errs) in enumerate(zip(names, prefetch_map(one, names, workers=usable_cpus()))):
+        out[n] = errs
         if progress is not None:
             progress(i + 1, len(names), n)
     return out
@@ -362,3 +370,11 @@ def apply_types(graph, types: Mapping[str, DType], weights: Mapping[str, np.ndar
     g.meta.quant_mix = report
     g.weights = WeightedQuantized(graph.weights, {n: dt for n, dt in types.items() if dt.quantised}, weights, curv)
     return g
+
+
+def auto_mix(graph, budget: float = DEFAULT_BPW, progress=None):
+    """(graph with each matrix's type chosen within `budget` bits per weight by its unweighted error, the plan):
+    `--quant auto` without a calibration text, cflowc's default for a float model and the API's quant="auto"."""
+    weights = column_weights(graph, {})
+    plan = plan_mix(graph, measure(graph, weights, progress=progress), budget)
+    return apply_types(graph, plan.types, weights, {**plan.to_json(), "gptq": False}), plan

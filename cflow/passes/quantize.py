@@ -166,8 +166,19 @@ def _check_type(name: str, shape, dt) -> DType:
 
 
 def default_quant(g: Graph) -> str:
-    """What a compile without --quant does: keep a GGUF's own types ("stored"), else q4."""
+    """What a compile without --quant does: keep a GGUF's own types ("stored"), else q4. (cflowc chooses a type
+    mix instead for a float model file: float_source.)"""
     return STORED if g.meta.source_dtypes is not None else "q4"
+
+
+def float_source(g: Graph) -> bool:
+    """Whether every matrix of the model is float at its source: a model directory's or an ONNX file's weights,
+    a GGUF of F32/F16/BF16 matrices (not one whose matrices are quantised)."""
+    stored = g.meta.source_dtypes
+    if stored is None:
+        return True
+    mats = [n for n, s in g.meta.shapes.items() if len(s) == 2]
+    return all(stored.get(n, DType.F32) in (DType.F32, DType.F16) for n in mats)
 
 
 def fit_tile(g: Graph, tile=None) -> tuple[int, int]:

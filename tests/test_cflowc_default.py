@@ -1,0 +1,75 @@
+"""What cflowc does without --quant: a float model (a directory's or a float GGUF's weights) gets a type mix within
+4.5 bits per weight, as --quant auto (the measured best at that size, docs/quantization.md "The default"); a GGUF
+of quantised matrices keeps its types; a preset (random weights) stays q4."""
+
+import numpy as np
+import pytest
+
+import cflow
+from cflow.cli import cflowc_main
+from cflow.frontend.load import load_graph
+from cflow.ir import build_graph
+from cflow.ir.build import weight_shapes
+from cflow.ir.config import ModelConfig
+from cflow.models.bundled import default_model_dir
+from cflow.passes.quantize import STORED, default_quant, float_source
+
+LLAMA = ModelConfig(name="tiny_llama", vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                    max_seq_len=64, rope_theta=10000.0, norm_eps=1e-5)
+
+
+def _header(path):
+    with cflow.load(str(path), threads=1) as m:
+        return m.session.header
+
+
+def test_a_float_directory_gets_a_mix_within_the_budget(tmp_path, capsys):
+    out, asked, q4 = tmp_path / "m.vflow", tmp_path / "auto.vflow", tmp_path / "q4.vflow"
+    assert cflowc_main([str(default_model_dir()), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "a float model without --quant" in err and "(error at the other types)" not in err  # no table
+    h = _header(out)
+    assert h["quant"] == STORED and h["quant_mix"]["budget"] == 4.5 and h["quant_mix"]["bpw"] <= 4.5
+    assert len({t["type"] for t in h["quant_mix"]["tensors"].values()}) > 1
+    assert cflowc_main([str(default_model_dir()), "--quant", "auto", "-o", str(asked)]) == 0
+    assert "(error at the other types)" in capsys.readouterr().err  # asked for: the table
+    assert out.read_bytes() == asked.read_bytes()
+    assert cflowc_main([str(default_model_dir()), "--quant", "q4", "-o", str(q4)]) == 0
+    h = _header(q4)
+    assert h["quant"] == "q4" and "quant_mix" not in h
+    with cflow.load(str(out), threads=1) as m:
+        text = m.generate("Once upon a time", max_new_tokens=24)
+    assert sum(c.isalpha() or c.isspace() or c in ".,!?'\"" for c in text) / len(text) > 0.9
+    api = cflow.compile(str(default_model_dir()), quant="auto", threads=1)  # the API's auto: the same mix
+    assert api.session.header["quant_mix"]["tensors"] == _header(out)["quant_mix"]["tensors"]
+    assert api.generate("Once upon a time", max_new_tokens=24) == text
+    api.close()
+
+
+def test_a_preset_stays_q4(tmp_path):
+    out = tmp_path / "p.vflow"
+    assert cflowc_main(["preset:arch1@tiny", "-o", str(out)]) == 0
+    h = _header(out)
+    assert h["quant"] == "q4" and "quant_mix" not in h
+
+
+def test_a_float_gguf_gets_the_mix_a_quantised_one_keeps_its_types(tmp_path):
+    pytest.importorskip("gguf")
+    from cflow.compiler import lower
+    from cflow.runtime.format.gguf import export_gguf
+
+    rng = np.random.default_rng(0)
+    w = {n: (0.1 * rng.standard_normal(s) + (1 if len(s) == 1 else 0)).astype(np.float32)
+         for n, s in weight_shapes(LLAMA).items()}
+    g = build_graph(LLAMA, w, name="raw")
+    export_gguf(g, tmp_path / "f32.gguf")
+    export_gguf(lower(g, "q4").graph, tmp_path / "q4.gguf")
+    f, q = load_graph(str(tmp_path / "f32.gguf")), load_graph(str(tmp_path / "q4.gguf"))
+    assert float_source(f) and not float_source(q)
+    assert default_quant(f) == default_quant(q) == STORED  # the API's default: what the file stores
+    assert float_source(load_graph(str(default_model_dir())))
+    for name, mixed in (("f32", True), ("q4", False)):
+        out = tmp_path / f"{name}.vflow"
+        assert cflowc_main([str(tmp_path / f"{name}.gguf"), "-o", str(out)]) == 0
+        h = _header(out)
+        assert h["quant"] == STORED and ("quant_mix" in h) == mixed
