@@ -46,6 +46,22 @@ def test_a_float_directory_gets_a_mix_within_the_budget(tmp_path, capsys):
     api.close()
 
 
+def test_asked_for_text_or_budget_and_text_emits(tmp_path, capsys):
+    """--imatrix TEXT without --quant stays Q4_0 throughout (with feedback); --bpw prints its table; a text emit
+    says what -o would do."""
+    d = str(default_model_dir())
+    text = tmp_path / "calib.txt"
+    text.write_text("Once upon a time, there was a little girl named Lily. She liked to play in the park. " * 8)
+    out = tmp_path / "im.vflow"
+    assert cflowc_main([d, "--imatrix", str(text), "--imatrix-ctx", "32", "-o", str(out)]) == 0
+    assert _header(out)["quant_mix"]["type"] == "Q4_0"
+    capsys.readouterr()
+    assert cflowc_main([d, "--bpw", "5", "-o", str(tmp_path / "b.vflow")]) == 0
+    assert "(error at the other types)" in capsys.readouterr().err
+    assert cflowc_main([d, "--emit", "analysis"]) == 0
+    assert "-o FILE compiles this float model as --quant auto" in capsys.readouterr().err
+
+
 def test_a_preset_stays_q4(tmp_path):
     out = tmp_path / "p.vflow"
     assert cflowc_main(["preset:arch1@tiny", "-o", str(out)]) == 0
@@ -73,3 +89,23 @@ def test_a_float_gguf_gets_the_mix_a_quantised_one_keeps_its_types(tmp_path):
         assert cflowc_main([str(tmp_path / f"{name}.gguf"), "-o", str(out)]) == 0
         h = _header(out)
         assert h["quant"] == STORED and ("quant_mix" in h) == mixed
+    f.meta.source_dtypes.pop("blocks.0.attn.wq")  # a matrix of a type cflow cannot execute is left out: not float
+    assert not float_source(f)
+
+
+def test_a_float_model_no_mix_can_take_keeps_the_former_default(tmp_path):
+    """Widths that are not a multiple of 32 take no block type: the float GGUF is kept as stored, as before."""
+    pytest.importorskip("gguf")
+    from cflow.passes.mix import smallest_bpw
+    from cflow.runtime.format.gguf import export_gguf
+
+    c = LLAMA.evolve(name="narrow", d_model=48, n_heads=3, n_kv_heads=1, head_dim=16, ffn_dim=80)
+    rng = np.random.default_rng(1)
+    w = {n: (0.1 * rng.standard_normal(s) + (1 if len(s) == 1 else 0)).astype(np.float32)
+         for n, s in weight_shapes(c).items()}
+    export_gguf(build_graph(c, w, name="narrow"), tmp_path / "n.gguf")
+    g = load_graph(str(tmp_path / "n.gguf"))
+    assert float_source(g) and smallest_bpw(g) is None
+    assert cflowc_main([str(tmp_path / "n.gguf"), "-o", str(tmp_path / "n.vflow")]) == 0
+    h = _header(tmp_path / "n.vflow")
+    assert h["quant"] == STORED and "quant_mix" not in h

@@ -65,7 +65,7 @@ def test_readme_using_it_runs(tmp_path, capsys, monkeypatch):
         if argv[:2] == ["cflow", "tune"]:  # its columns explained above the tables
             assert "  pass     which step" in out and "  GB/s     packed weights" in out and "<- chosen  the" in out
         ran += 1
-    assert ran == 8
+    assert ran == 9
 
 
 def test_preset_prompt_text_explains(tiny, capsys):

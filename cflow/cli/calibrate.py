@@ -54,6 +54,19 @@ def _bpw(text: str) -> float:
     return v
 
 
+def auto_default(model, g) -> bool:
+    """Whether cflowc compiles `g` as --quant auto when no --quant is given: a float model file (not a preset: random
+    weights) with a type mix within the default budget."""
+    from ..frontend.load import is_preset_spec
+    from ..passes import mix as M
+    from ..passes.quantize import float_source
+
+    if is_preset_spec(model) or not float_source(g):
+        return False
+    floor = M.smallest_bpw(g)
+    return floor is not None and floor <= M.DEFAULT_BPW
+
+
 def wanted(args) -> bool:
     return args.quant == "auto" or args.bpw is not None or args.imatrix is not None or args.imatrix_out is not None
 

@@ -49,8 +49,8 @@ def cflowc_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable --emit analysis (default: a table)")
     p.add_argument("--quant", default=None, choices=QUANTS + ("auto",),
                    help="weight type; stored keeps a GGUF's own types, tensor by tensor; auto chooses each matrix's "
-                   "type under --bpw (default: auto for a float model (a directory, .onnx, an F32/F16/BF16 .gguf), "
-                   "stored for a GGUF of quantised matrices, q4 for a preset)")
+                   "type under --bpw (default: auto for a float model (a directory, .onnx, an F32/F16/BF16 .gguf) "
+                   "written with -o, if a mix fits 4.5 bits per weight; else stored for a .gguf, q4 otherwise)")
     from .calibrate import add_args as add_calibration
 
     add_calibration(p)
@@ -128,14 +128,17 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
     from ..passes.manager import Pipeline
 
     g = load_graph(args.model, weights=binary)
-    from ..frontend.load import is_preset_spec
-    from ..passes.quantize import STORED, default_quant, fit_tile, float_source
-    from .calibrate import calibrate, wanted
+    from ..passes.quantize import STORED, default_quant, fit_tile
+    from .calibrate import auto_default, calibrate, wanted
 
-    if args.quant is None and binary and not is_preset_spec(args.model) and float_source(g):
+    if args.quant is None and args.bpw is None and args.imatrix is None and auto_default(args.model, g):
         # a float model (f32/f16/bf16): each matrix's type chosen within 4.5 bits per weight, the measured best at
         # that size (docs/quantization.md, "The default"); presets are random weights, kept at q4
-        args.quant, args.auto_default = "auto", True
+        if binary:
+            args.quant, args.auto_default = "auto", True
+        else:
+            print("note: -o FILE compiles this float model as --quant auto (a type mix within 4.5 bits per "
+                  f"weight); this shows {default_quant(g)}", file=sys.stderr)
     if wanted(args):
         if not binary:
             raise CflowError("--bpw, --imatrix and --quant auto quantise the weights: give -o OUT.vflow|OUT.cflow")

@@ -205,7 +205,7 @@ def dequantize_rows(t, rows) -> np.ndarray:
     if isinstance(t, QTensor):
         rows = np.asarray(rows)
         return dequantize(QTensor(dtype=t.dtype, rows=rows.size, cols=t.cols, scales=t.scales[rows], q=t.q[rows]))
-    return np.asarray(t, dtype=np.float32)[rows]
+    return np.asarray(np.asarray(t)[rows], dtype=np.float32)
 
 
 def to_gguf_bytes(t: QTensor) -> np.ndarray:

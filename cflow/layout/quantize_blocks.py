@@ -165,9 +165,10 @@ def fit_codebook(x: np.ndarray, w: np.ndarray, ntry: int = 7) -> np.ndarray:
 
 
 def _native(x, w) -> bool:
-    """Whether the native fitters take these blocks (float32, 16 or 32 wide; anything else: NumPy)."""
+    """Whether the native fitters take these blocks (float32, 16 or 32 wide, no NaN: NumPy's argmax, min and max
+    pick a NaN where the kernels' ordered compares pass it by; anything else: NumPy)."""
     return (NATIVE_FITTERS is not None and x.dtype == w.dtype == np.float32 and x.shape == w.shape
-            and x.shape[1] in NATIVE_FITTERS.SIZES)
+            and x.shape[1] in NATIVE_FITTERS.SIZES and not np.isnan(x).any())
 
 
 def _symmetric(x, w, nmax):

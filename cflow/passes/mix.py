@@ -39,6 +39,7 @@ from .quantize import F32_SUFFIXES
 CANDIDATES = (DType.Q2_K, DType.Q3_K, DType.IQ4_XS, DType.Q4, DType.IQ4_NL, DType.Q4_K, DType.Q4_1, DType.Q5_0,
               DType.Q5_K, DType.Q5_1, DType.Q6_K, DType.Q8)
 DEFAULT_BPW = 4.5
+MEASURE_WORKERS = 4  # threads measuring matrices at once
 
 
 def bits(shape, dt: DType) -> int:
@@ -122,8 +123,12 @@ def measure(graph, weights: Mapping[str, np.ndarray | None], types=CANDIDATES, s
         return errs
 
     out = {}
-    # a thread per core: the fitters (native) and NumPy's large operations release the GIL
-    for i, (n, errs) in enumerate(zip(names, prefetch_map(one, names, workers=usable_cpus()))):
+    # a thread per core (at most MEASURE_WORKERS: each holds a matrix): the native fitters and NumPy's large
+    # operations release the GIL. Curvatures shared between matrices are factored first, not in two threads at once.
+    for c in {id(c): c for c in (curv or {}).values()}.values():
+        c.factor()
+    workers = min(usable_cpus(), MEASURE_WORKERS)
+    for i, (n, errs) in enumerate(zip(names, prefetch_map(one, names, workers=workers))):
         out[n] = errs
         if progress is not None:
             progress(i + 1, len(names), n)
@@ -308,9 +313,9 @@ def fixed_bits(graph) -> tuple[int, int]:
     return sum(32 * s[0] * s[1] for s in fixed), sum(s[0] * s[1] for s in fixed)
 
 
-def plan_mix(graph, errors: dict[str, dict[DType, float]], bpw: float, imatrix: str = "") -> MixPlan:
-    """The types of `errors`' matrices minimising their summed error at <= bpw bits per weight (module docstring);
-    the matrices of a group (groups()) take one type."""
+def _options(graph, errors: dict[str, dict[DType, float]]):
+    """(each group's (bits, error, type) options, the groups, the fixed bits and the elements they count over, the
+    smallest bits per weight any mix has) for the types `errors` measured."""
     shapes = graph.meta.shapes
     fb, fe = fixed_bits(graph)
     elems = sum(int(np.prod(shapes[n])) for n in errors) + fe
@@ -323,6 +328,24 @@ def plan_mix(graph, errors: dict[str, dict[DType, float]], bpw: float, imatrix: 
         options[key] = [(sum(bits(shapes[n], dt) for n in names), sum(errors[n][dt] for n in names), dt)
                         for dt in common]
     floor = (sum(min(o[0] for o in opts) for opts in options.values()) + fb) / elems
+    return options, members, fb, elems, floor
+
+
+def smallest_bpw(graph, types=CANDIDATES) -> float | None:
+    """The fewest bits per weight a type mix of the graph can have (every matrix at its cheapest type), or None if
+    a matrix takes no block type (a width not a multiple of 32); from the shapes alone."""
+    try:
+        return _options(graph, {n: dict.fromkeys(candidates(graph.meta.shapes[n], types), 0.0)
+                                for n in matrices(graph)})[4]
+    except CflowError:
+        return None
+
+
+def plan_mix(graph, errors: dict[str, dict[DType, float]], bpw: float, imatrix: str = "") -> MixPlan:
+    """The types of `errors`' matrices minimising their summed error at <= bpw bits per weight (module docstring);
+    the matrices of a group (groups()) take one type."""
+    shapes = graph.meta.shapes
+    options, members, fb, elems, floor = _options(graph, errors)
     if bpw < floor:
         raise CflowError(f"--bpw {bpw:g}: no type mix of {graph.name} fits; the smallest is {floor:.3f} bits per "
                          "weight (every matrix at its cheapest type)")

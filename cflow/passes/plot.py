@@ -25,10 +25,15 @@ def plot_schedule(header: dict, out: str) -> None:
         raise CflowError("--plot needs matplotlib (pip install matplotlib)") from None
     from ..ir import build_graph
     from ..ir.config import ModelConfig
+    from ..layout import STORED
+    from ..layout.quant import DType
     from .analysis import analyze
 
     cfg = ModelConfig.from_dict(header["config"])
-    crit = set(analyze(build_graph(cfg), header["quant"]).critical_path)
+    g = build_graph(cfg)
+    if header["quant"] == STORED:  # each weight at the type the header lists (a GGUF's, or a type mix's)
+        g.meta.weight_dtypes = {n: DType.parse(t) for n, t in (header.get("weight_dtypes") or {}).items()}
+    crit = set(analyze(g, header["quant"]).critical_path)
     stages = header["schedule"]["stages"]
     fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(stages)), 4.5))
     kinds = []  # op kinds in the order they first appear: one legend entry each

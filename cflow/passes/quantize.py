@@ -177,8 +177,8 @@ def float_source(g: Graph) -> bool:
     stored = g.meta.source_dtypes
     if stored is None:
         return True
-    mats = [n for n, s in g.meta.shapes.items() if len(s) == 2]
-    return all(stored.get(n, DType.F32) in (DType.F32, DType.F16) for n in mats)
+    mats = [n for n, s in g.meta.shapes.items() if len(s) == 2]  # (one cflow cannot execute is not in `stored`)
+    return all(n in stored and stored[n] in (DType.F32, DType.F16) for n in mats)
 
 
 def fit_tile(g: Graph, tile=None) -> tuple[int, int]:

@@ -96,9 +96,19 @@ def test_quantize_weighted_bytes_do_not_change(dt, weighted, monkeypatch):
         assert np.array_equal(fast.raw, slow.raw)
 
 
-def test_float64_blocks_take_the_numpy_path():
+def test_float64_blocks_and_nan_take_the_numpy_path(monkeypatch):
+    """NumPy's argmax, min and max pick a NaN where the kernels' ordered compares pass it by: such blocks take the
+    NumPy fitters, so the bytes stay NumPy's."""
     x, w = _blocks(32, N=20)
     assert QB._native(x, w) and not QB._native(x.astype(np.float64), w)
+    x[3, 7] = np.nan
+    assert not QB._native(x, w)
+    rows = np.concatenate([x[:16], x[4:20]], axis=1)  # a 64-wide matrix, one NaN
+    with np.errstate(all="ignore"):
+        fast = QB.quantize_weighted(rows, DType.Q4)
+        monkeypatch.setattr(QB, "NATIVE_FITTERS", None)
+        slow = QB.quantize_weighted(rows, DType.Q4)
+    assert np.array_equal(fast.q, slow.q) and np.array_equal(fast.scales.view(np.uint16), slow.scales.view(np.uint16))
 
 
 def test_the_same_fits_on_every_isa_path():
