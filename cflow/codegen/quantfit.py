@@ -32,6 +32,7 @@ import numpy as np
 from llvmlite import ir
 
 from ..layout import quantize_blocks as QB
+from ..passes import gptq as GPTQ
 from .cgutils import Loop, V, c64, const_vec, f32, i64, intrinsic
 from .library import utility_functions
 
@@ -257,6 +258,77 @@ def _build_codebook(mod: ir.Module, n: int) -> None:
     b.ret_void()
 
 
+def _build_codes(mod: ir.Module) -> None:
+    """void gptq_codes(float* w, float* S, float* M, float* inv, float* u, i64 rows, i64 qk, float lo, float hi,
+    float bias, i64 book, float* codes, float* err): gptq._by_input over one block, inputs-major ([qk, rows] each:
+    input k of every row contiguous; M null for the types without a min; u the block's [qk, qk] of U). Input k's
+    code is the nearest on its row's grid to its corrected weight, its scaled error (x - q) / u[k, k] is stored and
+    taken off the block's later inputs (w[k2] -= e u[k, k2]), LANES rows a step, then the rows left one by one."""
+    fp = f32.as_pointer()
+    fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [fp] * 5 + [i64, i64, f32, f32, f32, i64, fp, fp]),
+                     "gptq_codes")
+    w_p, s_p, m_p, inv_p, u_p, rows, qk, lo_s, hi_s, bias_s, book, c_p, e_p = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    has_m = b.icmp_unsigned("!=", b.ptrtoint(m_p, i64), c64(0))
+    has_book = b.icmp_signed("!=", book, c64(0))
+    values, mids = QB._IQ4, QB._IQ4_M2.astype(np.float32)
+
+    def step(k, r, n):
+        """Input k of rows r .. r + n (n = LANES or 1)."""
+        ty = VF if n > 1 else f32
+
+        def k_(v):
+            return const_vec(f32, n, float(np.float32(v))) if n > 1 else ir.Constant(f32, float(np.float32(v)))
+
+        def ld(p, off):
+            return b.load(b.bitcast(b.gep(p, [off]), ty.as_pointer()), align=4)
+
+        def st(v, p, off):
+            b.store(v, b.bitcast(b.gep(p, [off]), ty.as_pointer()), align=4)
+
+        def sp(v):
+            return _splat(b, v) if n > 1 else v
+
+        def call(name, *a):
+            nm = f"llvm.{name}.v{LANES}f32" if n > 1 else f"llvm.{name}.f32"
+            return b.call(intrinsic(b.module, nm, ty, [ty] * len(a)), list(a))
+
+        at = b.add(b.mul(k, rows), r)
+        x = ld(w_p, at)
+        x = b.select(has_m, b.fsub(x, ld(b.select(has_m, m_p, w_p), at)), x)
+        S = ld(s_p, at)
+        v = b.fmul(x, ld(inv_p, at))
+        # the integer grid: clip(rint(v) + bias, lo, hi), q = S (c - bias)
+        c = b.fadd(call("rint", v), sp(bias_s))
+        c = b.select(b.fcmp_ordered("<", c, sp(lo_s)), sp(lo_s), c)
+        c = b.select(b.fcmp_ordered(">", c, sp(hi_s)), sp(hi_s), c)
+        q = b.fmul(S, b.fsub(c, sp(bias_s)))
+        # the IQ4 code book: the nearest value's index (iq4_index) and q = S book[index]
+        k2 = call("ceil", b.fadd(v, v))
+        idx, val = k_(0.0), k_(values[0])
+        for i, m2 in enumerate(mids):
+            up = b.fcmp_ordered(">", k2, k_(m2))
+            idx, val = b.select(up, k_(i + 1), idx), b.select(up, k_(values[i + 1]), val)
+        c = b.select(has_book, idx, c)
+        q = b.select(has_book, b.fmul(S, val), q)
+        st(c, c_p, at)
+        ukk = b.load(b.gep(u_p, [b.add(b.mul(k, qk), k)]))
+        e = b.fdiv(b.fsub(x, q), sp(ukk))
+        st(e, e_p, at)
+        with Loop(b, b.add(k, c64(1)), qk, "k2") as k2i:  # the block's later inputs
+            a2 = b.add(b.mul(k2i, rows), r)
+            ukj = b.load(b.gep(u_p, [b.add(b.mul(k, qk), k2i)]))
+            st(b.fsub(ld(w_p, a2), b.fmul(e, sp(ukj))), w_p, a2)
+
+    with Loop(b, c64(0), qk, "k") as k:
+        full = b.mul(b.udiv(rows, c64(LANES)), c64(LANES))
+        with Loop(b, c64(0), b.udiv(rows, c64(LANES)), "g") as g:
+            step(k, b.mul(g, c64(LANES)), LANES)
+        with Loop(b, full, rows, "r") as r:
+            step(k, r, 1)
+    b.ret_void()
+
+
 def _splat(b, s):
     """A scalar (float or i1) on every lane."""
     vt = V(s.type, LANES)
@@ -271,6 +343,7 @@ def kernel_module() -> ir.Module:
         _build_symmetric(mod, n)
         _build_affine(mod, n)
         _build_codebook(mod, n)
+    _build_codes(mod)
     return mod
 
 
@@ -281,6 +354,7 @@ def _fns():
         sigs[f"sym{n}"] = (None, p, p, i, p, i, f, p, p)
         sigs[f"aff{n}"] = (None, p, p, i, p, i, f, p, p, p)
         sigs[f"cb{n}"] = (None, p, p, i, p, i, p)
+    sigs["gptq_codes"] = (None, p, p, p, p, p, i, i, f, f, f, i, p, p)
     return utility_functions("quantfit", kernel_module, sigs)
 
 
@@ -340,4 +414,22 @@ def codebook(x: np.ndarray, w: np.ndarray, ntry: int = 7) -> np.ndarray:
     return d[:N]
 
 
+def gptq_codes(w: np.ndarray, S: np.ndarray, M: np.ndarray | None, inv: np.ndarray, u: np.ndarray, lo: int,
+               hi: int, bias: int, book: bool) -> tuple[np.ndarray, np.ndarray]:
+    """passes/gptq.py's input-by-input codes of one block, bit for bit: w, S, M, inv [rows, qk] float32 (w, the
+    block's corrected weights, updated in place as gptq._by_input updates them), u [qk, qk] float32 (U's block).
+    Returns (codes int32, scaled errors float32) [rows, qk]."""
+    rows, qk = w.shape
+    wt = np.ascontiguousarray(w.T)
+    st, it = np.ascontiguousarray(S.T, np.float32), np.ascontiguousarray(inv.T, np.float32)
+    mt = None if M is None else np.ascontiguousarray(M.T, np.float32)
+    ub = np.ascontiguousarray(u, np.float32)
+    c, e = np.empty((qk, rows), np.float32), np.empty((qk, rows), np.float32)
+    _fns()["gptq_codes"](_ptr(wt), _ptr(st), None if mt is None else _ptr(mt), _ptr(it), _ptr(ub), rows, qk,
+                         float(lo), float(hi), float(bias), int(book), _ptr(c), _ptr(e))
+    w[...] = wt.T
+    return np.ascontiguousarray(c.T).astype(np.int32), np.ascontiguousarray(e.T)
+
+
 QB.NATIVE_FITTERS = sys.modules[__name__]
+GPTQ.NATIVE_CODES = gptq_codes

@@ -34,6 +34,9 @@ from ..layout.quant import BLOCK_SIZES, DType, QTensor, dequantize
 from ..layout.quantize_blocks import iq4_index, quantize_weighted, with_codes
 
 DAMP = 0.01  # of H's mean diagonal, added to it: keeps the inverse defined for inputs the text never moved
+# codegen/quantfit.py's gptq_codes, _by_input's loop as one native call (the same bits), set when it is imported (the
+# compiler and cflowc's calibration import it); None: the NumPy loop, its oracle (tests/codegen/test_quantfit.py)
+NATIVE_CODES = None
 
 
 class Curvature:
@@ -128,6 +131,11 @@ def _by_input(w, s: int, t, u: np.ndarray):
     S, M, lo, hi, book, bias = _grid(t)
     rows, qk = S.shape
     inv = np.where(S != 0, 1 / np.where(S != 0, S, 1), 0).astype(np.float32)
+    blk = w[:, s : s + qk]
+    if (NATIVE_CODES is not None and w.dtype == S.dtype == np.float32 and (M is None or M.dtype == np.float32)
+            and not np.isnan(blk).any()):  # (a NaN's code is whatever the cast makes of it: left to NumPy)
+        codes, err = NATIVE_CODES(blk, S, M, inv, u[s : s + qk, s : s + qk], lo, hi, bias, book is not None)
+        return _with(t, codes), err
     codes = np.empty((rows, qk), np.int32)
     err = np.empty((rows, qk), np.float32)
     for k in range(qk):
@@ -144,10 +152,15 @@ def _by_input(w, s: int, t, u: np.ndarray):
         err[:, k] = e
         if k + 1 < qk:
             w[:, j + 1 : s + qk] -= np.outer(e, u[j, j + 1 : s + qk])
+    return _with(t, codes), err
+
+
+def _with(t, codes: np.ndarray):
+    """The block t at `codes` [rows, qk] (its scales kept)."""
     if isinstance(t, QTensor):
-        return QTensor(dtype=t.dtype, rows=rows, cols=qk, scales=t.scales,
-                       q=codes.astype(t.q.dtype).reshape(t.q.shape)), err
-    return with_codes(t, codes), err
+        return QTensor(dtype=t.dtype, rows=t.rows, cols=t.cols, scales=t.scales,
+                       q=codes.astype(t.q.dtype).reshape(t.q.shape))
+    return with_codes(t, codes)
 
 
 def output_error(w: np.ndarray, t, curv: Curvature) -> float:

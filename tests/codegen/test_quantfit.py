@@ -131,3 +131,26 @@ def test_the_same_fits_on_every_isa_path():
         assert out.returncode == 0, out.stderr[-2000:]
         got[isa] = out.stdout.strip()
     assert len(got) >= 2 and len(set(got.values())) == 1, got
+
+
+@pytest.mark.parametrize("dt", QB.WEIGHTED_TYPES, ids=lambda d: d.gguf_name)
+def test_gptq_codes_are_numpys(dt, monkeypatch):
+    """Error feedback's input-by-input codes (passes/gptq.py _by_input) natively and in NumPy: the same bytes, the
+    later blocks' bytes, which hang on the corrected weights (rows not a multiple of the lanes; correlated inputs)."""
+    from cflow.passes import gptq
+
+    rng = np.random.default_rng(5)
+    cols = 512
+    mix = rng.standard_normal((cols, cols)).astype(np.float32) * 0.2 + np.eye(cols, dtype=np.float32)
+    x = rng.standard_normal((700, cols)).astype(np.float32) @ mix
+    curv = gptq.Curvature(x.T.astype(np.float64) @ x / len(x))
+    w = (rng.standard_normal((37, cols)) * np.exp(rng.standard_normal((37, 1)))).astype(np.float32)
+    assert gptq.NATIVE_CODES is QF.gptq_codes
+    fast = gptq.quantize(w, dt, curv)
+    monkeypatch.setattr(gptq, "NATIVE_CODES", None)
+    slow = gptq.quantize(w, dt, curv)
+    if dt in (DType.Q4, DType.Q8):
+        assert np.array_equal(fast.q, slow.q) and np.array_equal(fast.scales.view(np.uint16),
+                                                                  slow.scales.view(np.uint16))
+    else:
+        assert np.array_equal(fast.raw, slow.raw)
