@@ -111,9 +111,8 @@ def cflow_files(src: str, calib: str, work: Path, ctx: int, quick: bool, budgets
         out.append((f"cflow --bpw {b}", path, {"types": counts, "compile_s": s, "calibrate_s": calib_s}))
     path, s = emit("q4", g, "q4", DEFAULT_TILE)
     out.append(("cflow --quant q4", path, {"compile_s": s}))
-    plain = M.column_weights(g, {})  # what cflowc --quant auto does without a text: the raw errors, no probe
-    plan = M.plan_mix(g, M.measure(g, plain, sample_rows=64 if quick else 256), M.DEFAULT_BPW)
-    path, s = emit("auto", M.apply_types(g, plan.types, plain, plan.to_json()), "stored", None)
+    auto, _ = M.auto_mix(g, sample_rows=64 if quick else 256)  # cflowc --quant auto without a text
+    path, s = emit("auto", auto, "stored", None)
     out.append(("cflow --quant auto (no text)", path, {"compile_s": s}))
     for label, cv in (("", curv), (" --no-gptq", None)):
         gw = M.apply_types(g, M.uniform(g, DType.Q4), weights, {"type": "Q4_0", "imatrix": "calibration half"}, cv)

@@ -395,9 +395,9 @@ def apply_types(graph, types: Mapping[str, DType], weights: Mapping[str, np.ndar
     return g
 
 
-def auto_mix(graph, budget: float = DEFAULT_BPW, progress=None):
+def auto_mix(graph, budget: float = DEFAULT_BPW, progress=None, sample_rows: int = 256):
     """(graph with each matrix's type chosen within `budget` bits per weight by its unweighted error, the plan):
     `--quant auto` without a calibration text, cflowc's default for a float model and the API's quant="auto"."""
     weights = column_weights(graph, {})
-    plan = plan_mix(graph, measure(graph, weights, progress=progress), budget)
+    plan = plan_mix(graph, measure(graph, weights, sample_rows=sample_rows, progress=progress), budget)
     return apply_types(graph, plan.types, weights, {**plan.to_json(), "gptq": False}), plan
