@@ -112,15 +112,18 @@ def test_float64_blocks_and_nan_take_the_numpy_path(monkeypatch):
 
 
 def test_the_same_fits_on_every_isa_path():
-    """Lanes are blocks and nothing is fused: the kernels built for each ISA path this host can force give the
-    same bits."""
+    """Lanes are blocks (rows for the feedback codes) and nothing is fused: the kernels built for each ISA path this
+    host can force give the same bits."""
     from tests._isa import isa_env, isa_target
 
     script = ("import hashlib, numpy as np; from cflow.codegen import quantfit as QF; "
               "from tests.codegen.test_quantfit import _blocks; h = hashlib.sha256(); "
               "x, w = _blocks(32, 999); s, t = _blocks(16, 999); "
               "[h.update(np.ascontiguousarray(a).tobytes()) for a in (*QF.symmetric(x, w, 8), *QF.affine(x, w, 15), "
-              "QF.codebook(x, w), *QF.symmetric(s, t, 32), *QF.affine(s, t, 3, -0.5, 0.1, 15))]; "
+              "QF.codebook(x, w), *QF.symmetric(s, t, 32), *QF.affine(s, t, 3, -0.5, 0.1, 15), "
+              "*QF.gptq_codes(x[:37].copy(), w[:37] + 1, None, 1 / (w[:37] + 1), np.triu(w[:32] + 2), -8, 7, 8, "
+              "False), *QF.gptq_codes(x[:37].copy(), w[:37] + 1, x[40:77], 1 / (w[:37] + 1), "
+              "np.triu(w[:32] + 2), 0, 15, 0, True))]; "
               "print(h.hexdigest())")
     got = {}
     for isa in ("avx512vnni", "avxvnni", "avx2", "generic"):
