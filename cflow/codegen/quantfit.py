@@ -420,6 +420,10 @@ def gptq_codes(w: np.ndarray, S: np.ndarray, M: np.ndarray | None, inv: np.ndarr
     block's corrected weights, updated in place as gptq._by_input updates them), u [qk, qk] float32 (U's block).
     Returns (codes int32, scaled errors float32) [rows, qk]."""
     rows, qk = w.shape
+    if (w.dtype != np.float32 or S.shape != w.shape or inv.shape != w.shape
+            or (M is not None and M.shape != w.shape) or u.shape != (qk, qk)):  # checked before any pointer is passed
+        raise ValueError(f"gptq_codes: a float32 block [rows, qk] {w.shape} {w.dtype} with S, inv (and M) of its "
+                         f"shape and u [qk, qk], not S {S.shape}, inv {inv.shape}, u {u.shape}")
     wt = np.ascontiguousarray(w.T)
     st, it = np.ascontiguousarray(S.T, np.float32), np.ascontiguousarray(inv.T, np.float32)
     mt = None if M is None else np.ascontiguousarray(M.T, np.float32)

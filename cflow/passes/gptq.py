@@ -132,8 +132,10 @@ def _by_input(w, s: int, t, u: np.ndarray):
     rows, qk = S.shape
     inv = np.where(S != 0, 1 / np.where(S != 0, S, 1), 0).astype(np.float32)
     blk = w[:, s : s + qk]
-    if (NATIVE_CODES is not None and w.dtype == S.dtype == np.float32 and (M is None or M.dtype == np.float32)
-            and not np.isnan(blk).any()):  # (a NaN's code is whatever the cast makes of it: left to NumPy)
+    # the native call where its float32 arithmetic is the loop's (a NaN's code is whatever the cast makes of it:
+    # left to NumPy)
+    if (NATIVE_CODES is not None and w.dtype == S.dtype == u.dtype == np.float32
+            and (M is None or M.dtype == np.float32) and not np.isnan(blk).any()):
         codes, err = NATIVE_CODES(blk, S, M, inv, u[s : s + qk, s : s + qk], lo, hi, bias, book is not None)
         return _with(t, codes), err
     codes = np.empty((rows, qk), np.int32)

@@ -12,7 +12,7 @@ import pytest
 
 from cflow.codegen import quantfit as QF
 from cflow.layout import quantize_blocks as QB
-from cflow.layout.quant import DType
+from cflow.layout.quant import BLOCK_SIZES, DType
 
 
 def _blocks(n: int, N: int = 3001, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -76,6 +76,14 @@ def test_no_blocks():
 def test_a_width_it_has_no_kernel_for_is_refused():
     with pytest.raises(ValueError, match="blocks of"):
         QF.symmetric(np.zeros((4, 8), np.float32), np.ones((4, 8), np.float32), 8)
+
+
+def test_gptq_codes_checks_before_passing_pointers():
+    w, S, u = np.zeros((5, 32), np.float32), np.ones((5, 32), np.float32), np.eye(32, dtype=np.float32)
+    for bad in ((w.astype(np.float16), S, None, S, u), (w, S[:4], None, S, u), (w, S, S[:, :16], S, u),
+                (w, S, None, S, u[:16])):
+        with pytest.raises(ValueError, match="gptq_codes"):
+            QF.gptq_codes(*bad, -8, 7, 8, False)
 
 
 @pytest.mark.parametrize("dt", QB.WEIGHTED_TYPES, ids=lambda d: d.gguf_name)
@@ -149,7 +157,10 @@ def test_gptq_codes_are_numpys(dt, monkeypatch):
     curv = gptq.Curvature(x.T.astype(np.float64) @ x / len(x))
     w = (rng.standard_normal((37, cols)) * np.exp(rng.standard_normal((37, 1)))).astype(np.float32)
     assert gptq.NATIVE_CODES is QF.gptq_codes
+    calls = []
+    monkeypatch.setattr(gptq, "NATIVE_CODES", lambda *a: calls.append(1) or QF.gptq_codes(*a))
     fast = gptq.quantize(w, dt, curv)
+    assert len(calls) == cols // BLOCK_SIZES[dt][0]  # every block took the native call
     monkeypatch.setattr(gptq, "NATIVE_CODES", None)
     slow = gptq.quantize(w, dt, curv)
     if dt in (DType.Q4, DType.Q8):
