@@ -23,3 +23,21 @@ def isa_target(isa):
 def isa_env(isa) -> dict[str, str]:
     """The environment that forces `isa` in a Session or a CLI run."""
     return forced_env(isa)
+
+
+def outputs_on_each_path(script: str) -> dict[str, str]:
+    """isa -> standard output of `python -c script` run with that path forced, for every path this host can force
+    (the host's own and generic included): what a test compares across paths."""
+    import os
+    import subprocess
+    import sys
+
+    got = {}
+    for isa in ("avx512vnni", "avxvnni", "avx2", "generic"):
+        if isa_target(isa) is None:
+            continue
+        out = subprocess.run([sys.executable, "-c", script], env={**os.environ, **isa_env(isa)}, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[isa] = out.stdout.strip()
+    return got

@@ -155,17 +155,18 @@ def calibrate(args, g):
     im, ids = importance(args, g)
     if args.output is None:
         return None
+    mixed = args.quant == "auto" or args.bpw is not None
+    budget = args.bpw if args.bpw is not None else M.DEFAULT_BPW
+    if mixed and im is None:  # no importance matrix: each matrix's unweighted error (auto_mix weighs the columns)
+        out, plan = M.auto_mix(g, budget, progress=_progress("measuring"))
+        _print_plan(plan, g, budget, getattr(args, "auto_default", False))
+        return out
     values = im.for_graph(g, args.imatrix) if im is not None else {}
     weights = M.column_weights(g, values)
     curv = M.curvatures(im.grams) if im is not None and im.grams else None
     if curv:
         print(f"error feedback (GPTQ) on {len(curv)} of {len(M.matrices(g))} matrices", file=sys.stderr)
-    if args.quant == "auto" or args.bpw is not None:
-        budget = args.bpw if args.bpw is not None else M.DEFAULT_BPW
-        if im is None:  # no importance matrix: each matrix's unweighted error
-            out, plan = M.auto_mix(g, budget, progress=_progress("measuring"))
-            _print_plan(plan, g, budget, getattr(args, "auto_default", False))
-            return out
+    if mixed:
         errors = M.measure(g, weights, progress=_progress("measuring"), curv=curv)
         sens = None
         if ids is not None:  # a KLD probe on the first calibration chunk makes the errors comparable across tensors

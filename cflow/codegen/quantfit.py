@@ -33,7 +33,7 @@ from llvmlite import ir
 
 from ..layout import quantize_blocks as QB
 from ..passes import gptq as GPTQ
-from .cgutils import Loop, V, c64, const_vec, f32, i64, intrinsic
+from .cgutils import Loop, V, c64, const_vec, f32, i64, intrinsic, splat
 from .library import utility_functions
 
 LANES = 16
@@ -42,26 +42,44 @@ VF = V(f32, LANES)
 
 
 class _Emit:
-    """IR helpers over <LANES x float> for one kernel."""
+    """IR helpers over <n x float> (n = LANES) or float (n = 1) values for one kernel."""
 
-    def __init__(self, b: ir.IRBuilder):
-        self.b = b
+    def __init__(self, b: ir.IRBuilder, n: int = LANES):
+        self.b, self.n = b, n
+        self.ty = V(f32, n) if n > 1 else f32
 
     def k(self, v: float):
-        return const_vec(f32, LANES, float(np.float32(v)))
+        v = float(np.float32(v))
+        return const_vec(f32, self.n, v) if self.n > 1 else ir.Constant(f32, v)
+
+    def lanes(self, s):
+        """A scalar (float or i1) on every lane."""
+        return splat(self.b, s, self.n) if self.n > 1 else s
 
     def load(self, base, off):
-        return self.b.load(self.b.bitcast(self.b.gep(base, [off]), VF.as_pointer()), align=4)
+        return self.b.load(self.b.bitcast(self.b.gep(base, [off]), self.ty.as_pointer()), align=4)
 
     def store(self, v, base, off):
-        self.b.store(v, self.b.bitcast(self.b.gep(base, [off]), VF.as_pointer()), align=4)
+        self.b.store(v, self.b.bitcast(self.b.gep(base, [off]), self.ty.as_pointer()), align=4)
 
     def splat(self, p, i):
         """float p[i] on every lane."""
-        return _splat(self.b, self.b.load(self.b.gep(p, [i])))
+        return self.lanes(self.b.load(self.b.gep(p, [i])))
 
     def call(self, name, *args):
-        return self.b.call(intrinsic(self.b.module, f"llvm.{name}.v{LANES}f32", VF, [VF] * len(args)), list(args))
+        nm = f"llvm.{name}.v{self.n}f32" if self.n > 1 else f"llvm.{name}.f32"
+        return self.b.call(intrinsic(self.b.module, nm, self.ty, [self.ty] * len(args)), list(args))
+
+    def iq4(self, v):
+        """quantize_blocks.iq4_index of v and the code-book value there: each doubled midpoint below ceil(2v)
+        moves one value up (as a float index, the value)."""
+        b = self.b
+        k2 = self.call("ceil", b.fadd(v, v))
+        idx, val = self.k(0.0), self.k(QB._IQ4[0])
+        for i, m2 in enumerate(QB._IQ4_M2.astype(np.float32)):
+            up = b.fcmp_ordered(">", k2, self.k(m2))
+            idx, val = b.select(up, self.k(i + 1), idx), b.select(up, self.k(QB._IQ4[i + 1]), val)
+        return idx, val
 
     def rint(self, v):  # np.rint: to nearest, ties to even
         return self.call("rint", v)
@@ -127,8 +145,8 @@ def _build_symmetric(mod: ir.Module, n: int) -> None:
     with Loop(b, c64(0), groups, "g") as g:
         base = b.mul(g, c64(n * LANES))
         x, w, wx = _blocks(e, x_p, w_p, base, n)
-        hi = b.fsub(_splat(b, nmax_s), e.k(1.0))  # codes in [-nmax, nmax - 1]
-        lo = b.fneg(_splat(b, nmax_s))
+        hi = b.fsub(e.lanes(nmax_s), e.k(1.0))  # codes in [-nmax, nmax - 1]
+        lo = b.fneg(e.lanes(nmax_s))
         mx, live = e.peak(x)
         for p, v in ((best_p, -np.inf), (d_s, 0.0), (inv_s, 0.0)):
             b.store(e.k(v), p)
@@ -141,7 +159,7 @@ def _build_symmetric(mod: ir.Module, n: int) -> None:
             score = b.fmul(scale, sumlx)
             best = b.load(best_p)
             take = b.and_(b.fcmp_ordered(">", suml2, e.k(0.0)), b.fcmp_ordered(">", score, best))
-            take = b.or_(take, _splat(b, b.icmp_signed("==", t, c64(0))))
+            take = b.or_(take, e.lanes(b.icmp_signed("==", t, c64(0))))
             b.store(e.where(take, score, best), best_p)
             b.store(e.where(take, scale, b.load(d_s)), d_s)
             b.store(e.where(take, iscale, b.load(inv_s)), inv_s)
@@ -165,7 +183,7 @@ def _build_affine(mod: ir.Module, n: int) -> None:
     with Loop(b, c64(0), groups, "g") as g:
         base = b.mul(g, c64(n * LANES))
         x, w, wx = _blocks(e, x_p, w_p, base, n)
-        nmax = _splat(b, nmax_s)
+        nmax = e.lanes(nmax_s)
         mn, hi = x[0], x[0]
         for v in x[1:]:  # the block's min and max (which zero a tie keeps does not matter below)
             mn = b.select(b.fcmp_ordered("<", v, mn), v, mn)
@@ -228,14 +246,6 @@ def _build_codebook(mod: ir.Module, n: int) -> None:
     e = _Emit(b)
     zero = e.k(0.0)
     best_p, d_s = b.alloca(VF), b.alloca(VF)
-    values, mids = QB._IQ4, QB._IQ4_M2.astype(np.float32)
-
-    def nearest(v):  # iq4_index, then the value: each doubled midpoint below ceil(2v) moves one value up
-        k2 = e.call("ceil", b.fadd(v, v))
-        q = e.k(values[0])
-        for i, m2 in enumerate(mids):
-            q = b.select(b.fcmp_ordered(">", k2, e.k(m2)), e.k(values[i + 1]), q)
-        return q
 
     with Loop(b, c64(0), groups, "g") as g:
         x, w, wx = _blocks(e, x_p, w_p, b.mul(g, c64(n * LANES)), n)
@@ -244,13 +254,13 @@ def _build_codebook(mod: ir.Module, n: int) -> None:
         b.store(zero, d_s)
         with Loop(b, c64(0), nc, "t") as t:
             inv = b.fdiv(e.splat(c_p, t), mx)
-            q = [nearest(b.fmul(inv, x[j])) for j in range(n)]
+            q = [e.iq4(b.fmul(inv, x[j]))[1] for j in range(n)]
             sqx = e.total([b.fmul(wx[j], q[j]) for j in range(n)])
             sq2 = e.total([b.fmul(b.fmul(w[j], q[j]), q[j]) for j in range(n)])
             scale = e.safe_div(sqx, sq2)
             score = b.fmul(scale, sqx)
             best = b.load(best_p)
-            better = b.or_(b.fcmp_ordered(">", score, best), _splat(b, b.icmp_signed("==", t, c64(0))))
+            better = b.or_(b.fcmp_ordered(">", score, best), e.lanes(b.icmp_signed("==", t, c64(0))))
             take = b.and_(b.fcmp_ordered(">", sq2, zero), better)
             b.store(e.where(take, score, best), best_p)
             b.store(e.where(take, scale, b.load(d_s)), d_s)
@@ -271,27 +281,11 @@ def _build_codes(mod: ir.Module) -> None:
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     has_m = b.icmp_unsigned("!=", b.ptrtoint(m_p, i64), c64(0))
     has_book = b.icmp_signed("!=", book, c64(0))
-    values, mids = QB._IQ4, QB._IQ4_M2.astype(np.float32)
 
     def step(k, r, n):
         """Input k of rows r .. r + n (n = LANES or 1)."""
-        ty = VF if n > 1 else f32
-
-        def k_(v):
-            return const_vec(f32, n, float(np.float32(v))) if n > 1 else ir.Constant(f32, float(np.float32(v)))
-
-        def ld(p, off):
-            return b.load(b.bitcast(b.gep(p, [off]), ty.as_pointer()), align=4)
-
-        def st(v, p, off):
-            b.store(v, b.bitcast(b.gep(p, [off]), ty.as_pointer()), align=4)
-
-        def sp(v):
-            return _splat(b, v) if n > 1 else v
-
-        def call(name, *a):
-            nm = f"llvm.{name}.v{LANES}f32" if n > 1 else f"llvm.{name}.f32"
-            return b.call(intrinsic(b.module, nm, ty, [ty] * len(a)), list(a))
+        e = _Emit(b, n)
+        ld, st, sp = e.load, e.store, e.lanes
 
         at = b.add(b.mul(k, rows), r)
         x = ld(w_p, at)
@@ -299,26 +293,21 @@ def _build_codes(mod: ir.Module) -> None:
         S = ld(s_p, at)
         v = b.fmul(x, ld(inv_p, at))
         # the integer grid: clip(rint(v) + bias, lo, hi), q = S (c - bias)
-        c = b.fadd(call("rint", v), sp(bias_s))
+        c = b.fadd(e.call("rint", v), sp(bias_s))
         c = b.select(b.fcmp_ordered("<", c, sp(lo_s)), sp(lo_s), c)
         c = b.select(b.fcmp_ordered(">", c, sp(hi_s)), sp(hi_s), c)
         q = b.fmul(S, b.fsub(c, sp(bias_s)))
-        # the IQ4 code book: the nearest value's index (iq4_index) and q = S book[index]
-        k2 = call("ceil", b.fadd(v, v))
-        idx, val = k_(0.0), k_(values[0])
-        for i, m2 in enumerate(mids):
-            up = b.fcmp_ordered(">", k2, k_(m2))
-            idx, val = b.select(up, k_(i + 1), idx), b.select(up, k_(values[i + 1]), val)
+        idx, val = e.iq4(v)  # the IQ4 code book: the nearest value's index and q = S book[index]
         c = b.select(has_book, idx, c)
         q = b.select(has_book, b.fmul(S, val), q)
         st(c, c_p, at)
         ukk = b.load(b.gep(u_p, [b.add(b.mul(k, qk), k)]))
-        e = b.fdiv(b.fsub(x, q), sp(ukk))
-        st(e, e_p, at)
+        err = b.fdiv(b.fsub(x, q), sp(ukk))
+        st(err, e_p, at)
         with Loop(b, b.add(k, c64(1)), qk, "k2") as k2i:  # the block's later inputs
             a2 = b.add(b.mul(k2i, rows), r)
             ukj = b.load(b.gep(u_p, [b.add(b.mul(k, qk), k2i)]))
-            st(b.fsub(ld(w_p, a2), b.fmul(e, sp(ukj))), w_p, a2)
+            st(b.fsub(ld(w_p, a2), b.fmul(err, sp(ukj))), w_p, a2)
 
     with Loop(b, c64(0), qk, "k") as k:
         full = b.mul(b.udiv(rows, c64(LANES)), c64(LANES))
@@ -327,13 +316,6 @@ def _build_codes(mod: ir.Module) -> None:
         with Loop(b, full, rows, "r") as r:
             step(k, r, 1)
     b.ret_void()
-
-
-def _splat(b, s):
-    """A scalar (float or i1) on every lane."""
-    vt = V(s.type, LANES)
-    v = b.insert_element(ir.Constant(vt, ir.Undefined), s, ir.Constant(ir.IntType(32), 0))
-    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(V(ir.IntType(32), LANES), [0] * LANES))
 
 
 def kernel_module() -> ir.Module:

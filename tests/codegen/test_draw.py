@@ -150,23 +150,13 @@ def test_the_same_weights_on_every_isa_path():
     """No FMA and no libm: the kernel built for each ISA path this host can force gives the same weights bit for
     bit, so a seed gives the same tokens on every host."""
     import hashlib
-    import os
-    import subprocess
-    import sys
 
-    from tests._isa import isa_env, isa_target
+    from tests._isa import outputs_on_each_path
 
     script = ("import hashlib, numpy as np; from cflow.codegen.draw import Draw; "
               "x = (np.random.default_rng(5).standard_normal(3001) * 6).astype(np.float32); d = Draw(); "
               "print(d(x, 0.7, 0.42), hashlib.sha256(d.w.tobytes()).hexdigest())")
-    got = {}
-    for isa in ("avx512vnni", "avxvnni", "avx2", "generic"):
-        if isa_target(isa) is None:
-            continue
-        env = {**os.environ, **isa_env(isa)}
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        got[isa] = out.stdout.split()
+    got = {isa: out.split() for isa, out in outputs_on_each_path(script).items()}
     assert len(got) >= 2 and len({tuple(v) for v in got.values()}) == 1, got
     d = D.Draw()
     x = (np.random.default_rng(5).standard_normal(3001) * 6).astype(np.float32)

@@ -3,10 +3,6 @@ search the quantisers run, on blocks shaped like real weights and on the edge ca
 EPS, constant and one-signed blocks, ties, a count not a multiple of the lanes), through quantize_weighted at
 every type, and on every ISA path this host can force."""
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -40,6 +36,13 @@ def _blocks(n: int, N: int = 3001, seed: int = 0) -> tuple[np.ndarray, np.ndarra
 def _same(a, b) -> bool:
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _same_bytes(a, b) -> bool:
+    """Two quantised matrices hold the same bytes (a QTensor's codes and fp16 scales, a BlockTensor's blocks)."""
+    if hasattr(a, "raw"):
+        return np.array_equal(a.raw, b.raw)
+    return np.array_equal(a.q, b.q) and np.array_equal(a.scales.view(np.uint16), b.scales.view(np.uint16))
 
 
 SEARCHES = [  # (width, NumPy fitter, native, arguments): every call quantize_blocks makes
@@ -97,11 +100,7 @@ def test_quantize_weighted_bytes_do_not_change(dt, weighted, monkeypatch):
     fast = QB.quantize_weighted(w, dt, im)
     monkeypatch.setattr(QB, "NATIVE_FITTERS", None)
     slow = QB.quantize_weighted(w, dt, im)
-    if dt in (DType.Q4, DType.Q8):
-        assert np.array_equal(fast.q, slow.q) and np.array_equal(fast.scales.view(np.uint16),
-                                                                  slow.scales.view(np.uint16))
-    else:
-        assert np.array_equal(fast.raw, slow.raw)
+    assert _same_bytes(fast, slow)
 
 
 def test_float64_blocks_and_nan_take_the_numpy_path(monkeypatch):
@@ -116,13 +115,13 @@ def test_float64_blocks_and_nan_take_the_numpy_path(monkeypatch):
         fast = QB.quantize_weighted(rows, DType.Q4)
         monkeypatch.setattr(QB, "NATIVE_FITTERS", None)
         slow = QB.quantize_weighted(rows, DType.Q4)
-    assert np.array_equal(fast.q, slow.q) and np.array_equal(fast.scales.view(np.uint16), slow.scales.view(np.uint16))
+    assert _same_bytes(fast, slow)
 
 
 def test_the_same_fits_on_every_isa_path():
     """Lanes are blocks (rows for the feedback codes) and nothing is fused: the kernels built for each ISA path this
     host can force give the same bits."""
-    from tests._isa import isa_env, isa_target
+    from tests._isa import outputs_on_each_path
 
     script = ("import hashlib, numpy as np; from cflow.codegen import quantfit as QF; "
               "from tests.codegen.test_quantfit import _blocks; h = hashlib.sha256(); "
@@ -133,14 +132,7 @@ def test_the_same_fits_on_every_isa_path():
               "False), *QF.gptq_codes(x[:37].copy(), w[:37] + 1, x[40:77], 1 / (w[:37] + 1), "
               "np.triu(w[:32] + 2), 0, 15, 0, True))]; "
               "print(h.hexdigest())")
-    got = {}
-    for isa in ("avx512vnni", "avxvnni", "avx2", "generic"):
-        if isa_target(isa) is None:
-            continue
-        env = {**os.environ, **isa_env(isa)}
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        got[isa] = out.stdout.strip()
+    got = outputs_on_each_path(script)
     assert len(got) >= 2 and len(set(got.values())) == 1, got
 
 
@@ -163,8 +155,4 @@ def test_gptq_codes_are_numpys(dt, monkeypatch):
     assert len(calls) == cols // BLOCK_SIZES[dt][0]  # every block took the native call
     monkeypatch.setattr(gptq, "NATIVE_CODES", None)
     slow = gptq.quantize(w, dt, curv)
-    if dt in (DType.Q4, DType.Q8):
-        assert np.array_equal(fast.q, slow.q) and np.array_equal(fast.scales.view(np.uint16),
-                                                                  slow.scales.view(np.uint16))
-    else:
-        assert np.array_equal(fast.raw, slow.raw)
+    assert _same_bytes(fast, slow)
