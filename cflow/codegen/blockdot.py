@@ -20,7 +20,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from ..errors import CodegenError
-from ..layout.blocks import IQ4_VALUES, BlockFormat
+from ..layout.blocks import E5M3_EXP, IQ4_VALUES, BlockFormat
 from ..layout.quant import BLOCK, DType
 from .cgutils import (
     V,
@@ -280,9 +280,37 @@ class _IQ4XS(Decoder):
         return [(b.fmul(self.f16("d"), self.to_float(b.sub(b.or_(lo, hi), _k(32)))), None)]
 
 
+class _IQ4Super(_IQ4XS):
+    """cflow's IQ4_128 / IQ4_192 (layout/blocks.py): IQ4_XS's sub-blocks under an E5M3 super-block scale in the top
+    byte of the scales word, the sub-block scales' low nibbles below it, their high 2 bits above them (IQ4_128) or
+    in scales_h (IQ4_192)."""
+
+    def scales(self, j):
+        b = self.b
+        if ("D",) not in self._cache:  # the float32 whose bits are (byte << 20) + (94 << 23); 0 below e = 1
+            byte = self.shr(self.word("scales", 0), 24)
+            bits = b.add(b.shl(byte, _k(20)), _k(E5M3_EXP << 23))
+            zero = b.icmp_unsigned("<", byte, _k(8))
+            self._cache[("D",)] = b.select(zero, _kf(0.0), b.bitcast(bits, VF))
+        w = self.word("scales", 0)
+        lo = self.mask(self.shr(w, 4 * j), 0xF)
+        if self.fmt.dtype == DType.IQ4_128:
+            hi = self.shr(w, 16 + 2 * j)
+        else:
+            hi = self.shr(self.u16_cached("scales_h"), 2 * j)
+        sc = b.sub(b.or_(lo, b.shl(self.mask(hi, 3), _k(4))), _k(32))
+        return [(b.fmul(self._cache[("D",)], self.to_float(sc)), None)]
+
+    def u16_cached(self, field: str):
+        key = (field, "u16")
+        if key not in self._cache:
+            self._cache[key] = self.u16(field)
+        return self._cache[key]
+
+
 DECODERS = {DType.Q4_1: _Legacy, DType.Q5_0: _Legacy, DType.Q5_1: _Legacy, DType.IQ4_NL: _Legacy,
             DType.Q4_K: _Q4K, DType.Q5_K: _Q4K, DType.Q6_K: _Q6K, DType.Q2_K: _Q2K, DType.Q3_K: _Q3K,
-            DType.IQ4_XS: _IQ4XS}
+            DType.IQ4_XS: _IQ4XS, DType.IQ4_128: _IQ4Super, DType.IQ4_192: _IQ4Super}
 
 
 # -- integer dots ---------------------------------------------------------------------------------------------

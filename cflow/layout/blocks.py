@@ -15,6 +15,19 @@ S * (u - bias) + M against gguf.quants.dequantize for every type. A kernel compu
 
 with exact integer sums per sub-block: the same arithmetic for every type, one code extraction per type.
 
+cflow's own types, IQ4_128 and IQ4_192 (no GGUF counterpart: written by cflow's quantiser, read by cflow only), are
+IQ4_XS on super-blocks of 128 and 192 inputs instead of 256, for the widths the K-quants cannot take (576, 640, 896,
+960 divide by 64 and 128 or 192, not by 256) at IQ4_XS's 4.25 bits per weight: the IQ4 code book on 32-input
+sub-blocks, a signed 6-bit scale per sub-block (l - 32 stored), and the super-block scale D as an 8-bit float
+(E5M3: S_s = D * l_s) so that it and the sub-block scales fill whole words:
+
+    IQ4_128  scales u32: bits 4s..4s+3 the low 4 bits of sub-block s's scale (s < 4), bits 16+2s..17+2s its high 2,
+                         bits 24..31 D;  qs 64 bytes: sub-block s at 16s, as IQ4_NL's qs (68 bytes = 4.25 bpw)
+    IQ4_192  scales u32: bits 4s..4s+3 the low 4 bits (s < 6), bits 24..31 D;  scales_h u16: bits 2s..2s+1 the high
+                         2;  qs 96 bytes (102 bytes = 4.25 bpw)
+    D        byte b = 8e + m: D = (1 + m/8) 2^(e - 33) for e = 1..31 (2^-32 .. 0.47), 0 for e = 0; the float32 with
+             bits (b << 20) + (94 << 23), so a kernel decodes it with a shift and an add
+
 Tile layout. As for Q4/Q8 (layout/tile.py), a tile-row of TR rows is a run of units, each unit one block of QK
 inputs for all TR rows, in NG = TR/16 groups of 16 rows. A group holds its 16 rows' blocks field by field
 (`BlockFormat.fields`, words fields first): a field of n bytes (n a multiple of 4) as n/4 chunks of 64 bytes,
@@ -102,7 +115,26 @@ FORMATS: dict[DType, BlockFormat] = {f.dtype: f for f in (
          f16_scales=("d", "dmin")),
     _fmt(DType.Q6_K, 256, [("ql", 128), ("qh", 64), ("scales", 16), ("d", 2)], 16, 32, umax=63),
     _fmt(DType.IQ4_XS, 256, [("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128)], 32, 0, signed=True),
+    _fmt(DType.IQ4_128, 128, [("scales", 4), ("qs", 64)], 32, 0, signed=True, f16_scales=()),
+    _fmt(DType.IQ4_192, 192, [("scales", 4), ("scales_h", 2), ("qs", 96)], 32, 0, signed=True, f16_scales=()),
 )}
+OWN_TYPES = (DType.IQ4_128, DType.IQ4_192)  # cflow's own block types (module docstring): no GGUF counterpart
+E5M3_EXP = 94  # float32 exponent field of an E5M3 super-block scale at e = 0 (module docstring)
+
+
+def e5m3_value(b: np.ndarray) -> np.ndarray:
+    """E5M3 bytes -> float32 (module docstring)."""
+    b = np.asarray(b).astype(np.uint32)
+    v = ((b << 20) + np.uint32(E5M3_EXP << 23)).view(np.float32)
+    return np.where(b >= 8, v, np.float32(0))
+
+
+def e5m3_ceil(d: np.ndarray) -> np.ndarray:
+    """The E5M3 byte of the smallest value >= d (d >= 0 float32; 0 -> 0; beyond the range: its ends)."""
+    d = np.asarray(d, np.float32)
+    bits = np.ascontiguousarray(d).view(np.uint32).astype(np.int64)
+    b = np.clip(((bits + (1 << 20) - 1) >> 20) - (E5M3_EXP << 3), 8, 255)  # rounding the float's bits up
+    return np.where(d > 0, b, 0).astype(np.uint8)
 BLOCK_TYPES = tuple(FORMATS)
 
 
@@ -150,8 +182,11 @@ class BlockTensor:
     def scaled(self, s: float) -> BlockTensor:
         """The same codes with every block's fp16 scale fields multiplied by s (a multiplier folded into the
         weights: exact up to the rounding of each scale to fp16, 2^-11 relative, far below the codes' step).
-        Raises ValueError where a scale would overflow fp16."""
+        Raises ValueError where a scale would overflow fp16, or for a type without fp16 scales (cflow's own: its
+        8-bit super-block scale cannot take an arbitrary factor)."""
         fmt = self.format
+        if not fmt.f16_scales:
+            raise ValueError(f"{self.dtype.label} has no fp16 scale to fold a multiplier of {s} into")
         nb = self.cols // fmt.qk
         blocks = self.raw.reshape(self.rows, nb, fmt.nbytes).copy()
         sl = fmt.field_slices()
@@ -249,6 +284,18 @@ def decompose(t: BlockTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None
         j = np.arange(8)
         ls = ((sl[..., j // 2] >> (4 * (j % 2))) & 0xF) | (((sh[..., None] >> (2 * j)) & 3) << 4)
         S = d * (ls - 32).astype(np.float32)
+    elif dt in OWN_TYPES:
+        ns = fmt.qk // 32
+        qs = f["qs"].reshape(t.rows, nb, ns, 16)
+        u = IQ4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].astype(np.int16)
+        w = np.ascontiguousarray(f["scales"]).view("<u4")[..., 0].astype(np.int64)  # [rows, nb]
+        if dt == DType.IQ4_128:
+            hi = w[..., None] >> (16 + 2 * np.arange(ns))
+        else:
+            sh = np.ascontiguousarray(f["scales_h"]).view("<u2")[..., 0].astype(np.int64)
+            hi = sh[..., None] >> (2 * np.arange(ns))
+        ls = ((w[..., None] >> (4 * np.arange(ns))) & 0xF) | ((hi & 3) << 4)
+        S = e5m3_value(w >> 24)[..., None] * (ls - 32).astype(np.float32)
     else:  # pragma: no cover -- FORMATS and this table name the same types
         raise ValueError(f"no decomposition for {dt.label}")
     u = u.reshape(t.rows, t.cols)

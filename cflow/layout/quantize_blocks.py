@@ -8,10 +8,12 @@ field's (llama.cpp's quantize_row_*_impl with quant_weights), vectorised over bl
                         (make_qx_quants: Q4_0, Q5_0, the 16-input sub-blocks of Q3_K and Q6_K)
     affine codes        x ~ d * l + m,      l in [0, nmax]:       37 trial scales, (d, m) by 2x2 weighted LS
                         (make_qkx3_quants: Q4_1, Q5_1, the sub-blocks of Q2_K, Q4_K, Q5_K)
-    code book           x ~ d * v[l],       v the IQ4 values:     15 trial scales (IQ4_NL, IQ4_XS)
+    code book           x ~ d * v[l],       v the IQ4 values:     15 trial scales (IQ4_NL, IQ4_XS, IQ4_128/192)
     super-block scales  the sub-block scales themselves quantised by a weighted search (make_qp_quants for the
                         K-quants' 4/6-bit scales and mins, symmetric for Q3_K / Q6_K / IQ4_XS), the codes then
-                        refit to the quantised scales.
+                        refit to the quantised scales. cflow's IQ4_128 / IQ4_192 (layout/blocks.py): the
+                        smallest E5M3 super-block scale that holds every sub-block scale, then each sub-block
+                        at the best of its rounded 6-bit scale and the two next to it, its codes refit at each.
 
 The per-element weight is the importance matrix's column value (mean x_j^2 of the matrix's inputs) times
 sqrt(sigma2 + x^2), sigma2 the row's (super-block's) mean square, as llama.cpp weighs it; imatrix None: all ones
@@ -23,12 +25,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .blocks import FORMATS, IQ4_VALUES, BlockTensor
+from .blocks import FORMATS, IQ4_VALUES, OWN_TYPES, BlockTensor, e5m3_ceil, e5m3_value
 from .quant import DType, QTensor, dequantize, quantize
 
 EPS = 1e-15  # llama.cpp's GROUP_MAX_EPS: a block this small is all zeros
 WEIGHTED_TYPES = (DType.Q4, DType.Q5_0, DType.Q4_1, DType.Q5_1, DType.IQ4_NL, DType.Q8, DType.Q2_K, DType.Q3_K,
-                  DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.IQ4_XS)
+                  DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.IQ4_XS, DType.IQ4_128, DType.IQ4_192)
 _ROWS = 1 << 16  # blocks quantised at once (bounds the temporaries)
 # Native twins of fit_symmetric / fit_affine / fit_codebook for blocks of 16 and 32 (the same bits, 15-30x faster):
 # codegen/quantfit.py sets this to itself when imported (the compiler and cflowc's calibration import it); None:
@@ -230,9 +232,9 @@ def code_fields(dt: DType, u: np.ndarray) -> dict[str, np.ndarray]:
     if dt == DType.Q2_K:
         q = u.reshape(N, 2, 4, 32)  # element n*128 + j*32 + l: bits 2j of qs[n*32 + l]
         return {"qs": (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(N, 64)}
-    if dt == DType.IQ4_XS:
-        q = u.reshape(N, 8, 32)
-        return {"qs": _nibbles(q[..., :16], q[..., 16:]).reshape(N, 128)}
+    if dt == DType.IQ4_XS or dt in OWN_TYPES:
+        q = u.reshape(N, -1, 32)
+        return {"qs": _nibbles(q[..., :16], q[..., 16:]).reshape(N, -1)}
     if dt == DType.Q6_K:
         q = u.reshape(N, 2, 2, 2, 32)  # [n, nib, half, l]: element n*128 + (2 nib + half)*32 + l
         ql = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(N, 128)  # ql[n*64 + half*32 + l], nibble nib
@@ -356,6 +358,42 @@ def _k_symmetric(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return _assemble(dt, {"scales": scales, "d": _bytes16(d), **code_fields(dt, u)})
 
 
+def _iq4_super(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """IQ4_128 / IQ4_192 (blocks.py): x, w [N, qk] -> the blocks [N, nbytes]."""
+    N, qk = x.shape
+    ns = qk // 32
+    xs, ws = x.reshape(N * ns, 32), w.reshape(N * ns, 32)
+    sc = _codebook(xs, ws).reshape(N, ns)
+    # D: the smallest E5M3 value at which every sub-block scale rounds into -32..31 (a positive one needs sc / 31)
+    need = np.where(sc < 0, -sc / np.float32(32), sc / np.float32(31)).max(1)
+    db = e5m3_ceil(need)
+    D = e5m3_value(db)[:, None]
+    l0 = np.clip(_rint(_safe_div(sc, D)), -32, 31)
+    best = l = u = None
+    for step in (0, -1, 1):  # each sub-block at the best of l0 and its neighbours, its codes refit at each
+        lt = np.clip(l0 + step, -32, 31)
+        S = (D * lt).reshape(N * ns, 1)
+        ut = iq4_index(_safe_div(xs, np.broadcast_to(S, xs.shape)))
+        e = (ws * (xs - S * _IQ4[ut]) ** 2).sum(1).reshape(N, ns)
+        if best is None:
+            best, l, u = e, lt, ut.reshape(N, ns, 32)
+        else:
+            take = e < best
+            best, l = np.where(take, e, best), np.where(take, lt, l)
+            u = np.where(take[..., None], ut.reshape(N, ns, 32), u)
+    stored = (l + 32).astype(np.uint32)
+    word = (stored & 0xF) << (4 * np.arange(ns, dtype=np.uint32))
+    hi = (stored >> 4) << (2 * np.arange(ns, dtype=np.uint32))
+    word = word.sum(1, dtype=np.uint32) | (db.astype(np.uint32) << 24)
+    fields = code_fields(dt, u.reshape(N, qk))
+    if dt == DType.IQ4_128:
+        word |= hi.sum(1, dtype=np.uint32) << 16
+    else:
+        fields["scales_h"] = np.ascontiguousarray(hi.sum(1, dtype=np.uint32).astype("<u2")).view(np.uint8).reshape(N, 2)
+    fields["scales"] = np.ascontiguousarray(word.astype("<u4")).view(np.uint8).reshape(N, 4)
+    return _assemble(dt, fields)
+
+
 def quantize_weighted(x: np.ndarray, dtype: DType, imatrix: np.ndarray | None = None) -> BlockTensor | QTensor:
     """A float matrix [rows, cols] at `dtype` (WEIGHTED_TYPES), each block fit to minimise the squared error weighted
     by the importance matrix (mean x_j^2 per input column, [cols]; None: unweighted)."""
@@ -388,7 +426,8 @@ def quantize_weighted(x: np.ndarray, dtype: DType, imatrix: np.ndarray | None = 
             w = _element_weights(xb, qb, 256)
             if dtype == DType.Q6_K:  # llama.cpp weighs Q6_K by the importance alone
                 w = xb * xb if qb is None else np.ascontiguousarray(qb)
-            fn = _k_affine if dtype in (DType.Q2_K, DType.Q4_K, DType.Q5_K) else _k_symmetric
+            fn = (_k_affine if dtype in (DType.Q2_K, DType.Q4_K, DType.Q5_K) else _iq4_super if dtype in OWN_TYPES
+                  else _k_symmetric)
             out[s : s + step] = fn(dtype, xb, w)
     raw = out.reshape(rows, nb * nbytes)
     if dtype == DType.Q4:

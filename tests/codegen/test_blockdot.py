@@ -62,6 +62,8 @@ def test_block_kernels(dt, isa, planes):
     # through a whole model at the default 128x256 tile)
     M, Kd = 48, 512
     tile = (32, 256)
+    if Kd % B.FORMATS[dt].qk:  # IQ4_192: three 192-input blocks in 192-column tiles
+        Kd, tile = 576, (32, 192)
     W = random_blocks(dt, M, Kd, rng, Kd**-0.5)
     U = random_blocks(dt, M, Kd, rng, Kd**-0.5)
     L = T.TileLayout(dt, M, Kd, tile)

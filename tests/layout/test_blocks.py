@@ -1,6 +1,7 @@
 """GGUF block types kept as stored (layout/blocks.py): the NumPy twin equals gguf.quants bit for bit on random
-blocks (every code and scale pattern), the tile layout round-trips the file's bytes and adds none, scale folding
-keeps the codes, and bad shapes are refused by name."""
+blocks (every code and scale pattern), and cflow's own types' twin equals a block-by-block reading of their
+documented bytes; the tile layout round-trips the file's bytes and adds none, scale folding keeps the codes, and bad
+shapes are refused by name."""
 
 import numpy as np
 import pytest
@@ -12,20 +13,27 @@ from tests.runtime._gguf_blocks import random_blocks
 
 gguf = pytest.importorskip("gguf")
 TYPES = list(B.FORMATS)
+GGUF_TYPES = [d for d in TYPES if d not in B.OWN_TYPES]
+
+
+def _cols(dt, n: int) -> int:
+    """n inputs, or the next multiple of the type's block (IQ4_192: 512 -> 576)."""
+    qk = B.FORMATS[dt].qk
+    return -(-n // qk) * qk
 
 
 def _ggml(dt):
     return getattr(gguf.GGMLQuantizationType, dt.gguf_name)
 
 
-@pytest.mark.parametrize("dt", TYPES, ids=[d.name for d in TYPES])
+@pytest.mark.parametrize("dt", GGUF_TYPES, ids=[d.name for d in GGUF_TYPES])
 def test_format_matches_ggml(dt):
     fmt = B.FORMATS[dt]
     assert (fmt.qk, fmt.nbytes) == gguf.GGML_QUANT_SIZES[_ggml(dt)] == BLOCK_SIZES[dt]
     assert fmt.group_nbytes == 16 * fmt.nbytes and all(n % 4 == 0 or n == 2 for _, n in fmt.fields)
 
 
-@pytest.mark.parametrize("dt", TYPES, ids=[d.name for d in TYPES])
+@pytest.mark.parametrize("dt", GGUF_TYPES, ids=[d.name for d in GGUF_TYPES])
 def test_twin_equals_gguf_dequantisation_bit_for_bit(dt):
     rng = np.random.default_rng(1)
     t = random_blocks(dt, 37, 512, rng, 1.0)
@@ -33,18 +41,67 @@ def test_twin_equals_gguf_dequantisation_bit_for_bit(dt):
     assert np.array_equal(t.dequantize(), want)
 
 
+def own_reference(dt, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """cflow's own types read block by block, bit by bit, as blocks.py's docstring lays their bytes out."""
+    fmt = B.FORMATS[dt]
+    ns = fmt.qk // 32
+    out = np.zeros((rows, cols), np.float32)
+    blocks = raw.reshape(rows, cols // fmt.qk, fmt.nbytes)
+    for r in range(rows):
+        for k in range(cols // fmt.qk):
+            blk = blocks[r, k]
+            word = int.from_bytes(bytes(blk[0:4]), "little")
+            e, m = word >> 27, (word >> 24) & 7
+            D = np.float32(0) if e == 0 else np.float32((1 + m / 8) * 2.0 ** (e - 33))
+            qs = blk[-16 * ns :]
+            for s in range(ns):
+                if dt == DType.IQ4_128:
+                    hi = (word >> (16 + 2 * s)) & 3
+                else:
+                    hi = (int.from_bytes(bytes(blk[4:6]), "little") >> (2 * s)) & 3
+                scale = D * np.float32(((word >> (4 * s)) & 0xF | hi << 4) - 32)
+                for i in range(16):
+                    byte = int(qs[16 * s + i])
+                    out[r, k * fmt.qk + 32 * s + i] = scale * np.float32(B.IQ4_VALUES[byte & 0xF])
+                    out[r, k * fmt.qk + 32 * s + 16 + i] = scale * np.float32(B.IQ4_VALUES[byte >> 4])
+    return out
+
+
+@pytest.mark.parametrize("dt", B.OWN_TYPES, ids=[d.name for d in B.OWN_TYPES])
+def test_own_types_twin_is_their_documented_bytes(dt):
+    rng = np.random.default_rng(1)
+    cols = _cols(dt, 512)
+    t = random_blocks(dt, 5, cols, rng, 1.0)
+    raw = t.raw.copy()
+    raw.reshape(5, -1, t.format.nbytes)[0, 0, 3] = 7  # a zero super-block scale (e = 0)
+    t = B.BlockTensor(dt, 5, cols, raw)
+    assert (B.FORMATS[dt].qk, B.FORMATS[dt].nbytes * 8 / B.FORMATS[dt].qk) == (BLOCK_SIZES[dt][0], 4.25)
+    assert np.array_equal(t.dequantize(), own_reference(dt, t.raw, 5, cols))
+    assert not t.dequantize()[0, : B.FORMATS[dt].qk].any()
+
+
+def test_e5m3_rounds_up_and_keeps_its_range():
+    d = np.array([0, 2.0**-40, 2.0**-32, 1e-3, 0.00099, 0.46875, 0.5, 7], np.float32)
+    b = B.e5m3_ceil(d)
+    v = B.e5m3_value(b)
+    assert v[0] == 0 and v[1] == v[2] == 2.0**-32 and v[-1] == v[-2] == 0.46875 == v[-3]
+    assert (v[3:5] >= d[3:5]).all() and (v[3:5] < d[3:5] * 1.125).all()
+    every = B.e5m3_value(np.arange(8, 256))
+    assert (np.diff(every) > 0).all() and np.array_equal(B.e5m3_ceil(every), np.arange(8, 256))
+
+
 @pytest.mark.parametrize("dt", TYPES, ids=[d.name for d in TYPES])
 @pytest.mark.parametrize("tile", [(32, 256), (128, 128), (16, 32)])
 def test_tile_stream_round_trips_and_holds_the_file_bytes(dt, tile):
     rng = np.random.default_rng(2)
-    rows, cols = 48, 1024
+    rows, cols = 48, _cols(dt, 1024)
     t = random_blocks(dt, rows, cols, rng, 1.0)
     s = T.pack(t, dt, tile)
     L = T.TileLayout(dt, rows, cols, tile)
     assert s.size == L.nbytes
     back = T.unpack_blocks(s, dt, rows, cols, tile)
     assert np.array_equal(back.raw, t.raw)
-    if rows % tile[0] == 0:  # no row padding: exactly the GGUF's bytes
+    if rows % tile[0] == 0 and L.cols_p == cols:  # no padding: exactly the GGUF's bytes
         assert L.nbytes == t.nbytes
     assert L.cols_p % B.FORMATS[dt].qk == 0
 
@@ -53,10 +110,11 @@ def test_tile_stream_round_trips_and_holds_the_file_bytes(dt, tile):
 def test_matvec_twin_is_the_int8_activation_product(dt):
     """matvec_twin == dequantised weights times the int8-quantised activation (float64), to float rounding."""
     rng = np.random.default_rng(3)
-    t = random_blocks(dt, 40, 512, rng, 0.05)
-    x = rng.standard_normal((3, 512)).astype(np.float32)
+    cols = _cols(dt, 512)
+    t = random_blocks(dt, 40, cols, rng, 0.05)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
     qa, da = quantize_activation_q8(x)
-    xq = (qa.astype(np.float64) * da[..., None]).reshape(3, 512)
+    xq = (qa.astype(np.float64) * da[..., None]).reshape(3, cols)
     want = xq @ t.dequantize().astype(np.float64).T
     got = B.matvec_twin(t, x)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
@@ -65,7 +123,11 @@ def test_matvec_twin_is_the_int8_activation_product(dt):
 @pytest.mark.parametrize("dt", TYPES, ids=[d.name for d in TYPES])
 def test_scaled_keeps_codes_and_scales_the_values(dt):
     rng = np.random.default_rng(4)
-    t = random_blocks(dt, 8, 256, rng, 1.0)
+    t = random_blocks(dt, 8, _cols(dt, 256), rng, 1.0)
+    if dt in B.OWN_TYPES:  # an 8-bit super-block scale takes no arbitrary factor: refused, not rounded
+        with pytest.raises(ValueError, match="no fp16 scale to fold a multiplier of 3.5 into"):
+            t.scaled(3.5)
+        return
     s = t.scaled(3.5)
     fmt = t.format
     sl = fmt.field_slices()

@@ -5,7 +5,7 @@ search unweighted and below gguf-py's reference quantiser."""
 import numpy as np
 import pytest
 
-from cflow.layout.blocks import BlockTensor
+from cflow.layout.blocks import OWN_TYPES, BlockTensor
 from cflow.layout.quant import DType, to_gguf_bytes
 from cflow.layout.quantize_blocks import WEIGHTED_TYPES, quantize_weighted, weighted_error
 
@@ -21,8 +21,15 @@ def _data(rows=16, cols=512, seed=0):
 
 @pytest.mark.parametrize("dt", WEIGHTED_TYPES, ids=[d.gguf_name for d in WEIGHTED_TYPES])
 def test_bytes_are_ggufs_and_weighting_helps(dt):
-    x, imat = _data()
+    x, imat = _data(cols=576 if dt == DType.IQ4_192 else 512)
     t = quantize_weighted(x, dt, imat)
+    if dt in OWN_TYPES:  # cflow's own: its bytes as blocks.py documents them
+        from tests.layout.test_blocks import own_reference
+
+        assert np.array_equal(own_reference(dt, t.raw, *x.shape), t.dequantize())
+        assert t.raw.nbytes * 8 == 4.25 * x.size
+        assert weighted_error(x, t, imat) < weighted_error(x, quantize_weighted(x, dt, None), imat)
+        return
     ggml = getattr(gguf.GGMLQuantizationType, dt.gguf_name)
     raw = t.raw if isinstance(t, BlockTensor) else to_gguf_bytes(t)
     assert np.array_equal(gguf.quants.dequantize(raw, ggml).reshape(x.shape), t.dequantize())
@@ -38,9 +45,9 @@ def test_bytes_are_ggufs_and_weighting_helps(dt):
 
 
 def test_zero_rows_and_bad_shapes():
-    x = np.zeros((2, 256), np.float32)
+    x = np.zeros((2, 768), np.float32)  # a whole number of every type's blocks
     for dt in WEIGHTED_TYPES:
-        assert not quantize_weighted(x, dt, np.ones(256, np.float32)).dequantize().any()
+        assert not quantize_weighted(x, dt, np.ones(768, np.float32)).dequantize().any()
     with pytest.raises(ValueError, match="256-input blocks"):
         quantize_weighted(np.ones((2, 96), np.float32), DType.Q4_K)
     with pytest.raises(ValueError, match="importance matrix of 3 values"):

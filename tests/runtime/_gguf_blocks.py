@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from cflow.layout.blocks import FORMATS, BlockTensor
+from cflow.layout.blocks import FORMATS, OWN_TYPES, BlockTensor, e5m3_ceil
 from cflow.layout.quant import DType, QTensor, quantize, to_gguf_bytes
 
 # the typical code magnitude of each type (codes minus bias, times the sub-block scale's integer part)
 _SPREAD = {DType.Q4_1: 15, DType.Q5_0: 16, DType.Q5_1: 31, DType.IQ4_NL: 127, DType.Q2_K: 3 * 15,
-           DType.Q3_K: 4 * 32, DType.Q4_K: 15 * 63, DType.Q5_K: 31 * 63, DType.Q6_K: 32 * 127, DType.IQ4_XS: 127 * 32}
+           DType.Q3_K: 4 * 32, DType.Q4_K: 15 * 63, DType.Q5_K: 31 * 63, DType.Q6_K: 32 * 127, DType.IQ4_XS: 127 * 32,
+           DType.IQ4_128: 127 * 32, DType.IQ4_192: 127 * 32}
 
 
 def random_blocks(dtype: DType, rows: int, cols: int, rng, std: float) -> BlockTensor:
@@ -23,6 +24,8 @@ def random_blocks(dtype: DType, rows: int, cols: int, rng, std: float) -> BlockT
     for name in fmt.f16_scales:
         v = (rng.uniform(0.5, 1.5, (rows, nb)) * d * (0.5 if name != "d" else 1.0)).astype(np.float16)
         raw[..., sl[name]] = v.view(np.uint8).reshape(rows, nb, 2)
+    if dtype in OWN_TYPES:  # the E5M3 super-block scale, the scales word's top byte
+        raw[..., sl["scales"].stop - 1] = e5m3_ceil(rng.uniform(0.5, 1.5, (rows, nb)).astype(np.float32) * d)
     return BlockTensor(dtype, rows, cols, raw.reshape(rows, -1))
 
 

@@ -349,3 +349,32 @@ def test_direct_and_buffered_exports_are_the_same_file(tmp_path, monkeypatch):
     monkeypatch.setattr(direct.DirectFile, "open", classmethod(lambda cls, path, start: None))
     export_gguf(g, tmp_path / "b.gguf")
     assert (tmp_path / "d.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
+def test_a_mix_of_gguf_block_types_exports_their_bytes(tmp_path):
+    """A mix (cflowc --bpw's graph: matrices at several GGUF block types) exports each matrix's blocks as they are,
+    and llama.cpp's reading computes what cflow computes; a matrix at one of cflow's own types is refused by name."""
+    from cflow.layout.quant import DType
+    from cflow.passes import mix as M
+
+    g = build_graph(DENSE, _weights(DENSE), name=DENSE.name)
+    roles = {"wq": DType.Q4_1, "wk": DType.Q4_1, "wv": DType.Q4_1, "wo": DType.Q5_0, "w_gate": DType.IQ4_NL,
+             "w_up": DType.IQ4_NL, "w_down": DType.Q5_1}  # a fused stream (QKV, gate+up) reads one type
+    types = {n: roles.get(n.rsplit(".", 1)[-1], DType.Q4) for n in M.matrices(g)}
+    q = M.apply_types(g, types, M.column_weights(g, {}))
+    c = lower(q, "stored")
+    path = tmp_path / "m.gguf"
+    export_gguf(c.graph, path)
+    t = _tensors(gguf.GGUFReader(path))
+    down = c.graph.weights["blocks.1.ffn.w_down"]
+    assert t["blk.1.ffn_down.weight"].tensor_type == getattr(Q, down.dtype.gguf_name)
+    assert np.array_equal(np.asarray(t["blk.1.ffn_down.weight"].data).reshape(down.raw.shape), down.raw)
+    ids = np.random.default_rng(1).integers(0, DENSE.vocab_size, 12)
+    ref = interpret(c.graph, ids)
+    assert np.abs(gguf_forward(path, ids) - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
+    wide = DENSE.evolve(name="tiny_wide", d_model=128, ffn_dim=128)
+    g = build_graph(wide, _weights(wide), name=wide.name)
+    q = M.apply_types(g, {n: DType.IQ4_128 for n in M.matrices(g)}, M.column_weights(g, {}))
+    with pytest.raises(UnsupportedModelError, match="is IQ4_128, a block type of cflow's own"):
+        export_gguf(lower(q, "stored").graph, tmp_path / "own.gguf")
+    assert not (tmp_path / "own.gguf").exists()

@@ -51,7 +51,7 @@ def _check(path, prompt: int = 20, steps: int = 6, block: int = 9, activations: 
     return m
 
 
-TYPES = [DType.Q4, DType.Q8, *B.FORMATS]
+TYPES = [DType.Q4, DType.Q8, *(d for d in B.FORMATS if d not in B.OWN_TYPES)]  # GGUF holds cflow's own types not
 # The roles a type can hold on its own: the embedding (tied head), the QKV stream, the output projection, the fused
 # gate+up and the down projection. Three models hold every type at least once, each type in one role: a model's JIT
 # costs about the same whatever its types, and each type's kernels are checked on every ISA path in

@@ -68,6 +68,7 @@ import numpy as np
 
 from ...errors import CflowError, UnsupportedModelError
 from ...ir.gguf_names import BLOCK_TENSORS, EXPERT_TENSORS, GLOBAL_TENSORS, rope_row_permutation
+from ...layout.blocks import OWN_TYPES, BlockTensor, is_block_type
 from ...layout.quant import BLOCK, BLOCK_SIZES, DType, QTensor, to_gguf_bytes
 from ...util import atomic_path, prefetch_map, small_pages, usable_cpus
 from .direct import DirectFile
@@ -108,6 +109,10 @@ def check_exportable(graph) -> None:
     c = graph.config
     kinds = {n.kind for n in graph.nodes()}
     layers = range(1, c.n_layers + 1)
+    types = {**(graph.meta.source_dtypes or {}), **(graph.meta.weight_dtypes or {})}
+    own = sorted(n for n, dt in types.items() if DType(dt) in OWN_TYPES)
+    if own:
+        _block_ggml(own[0], DType(types[own[0]]))
     if c.n_experts or kinds & {"router", "experts"}:
         if any(c.has_dense(i) for i in layers) or not all(c.has_moe(i) for i in layers):
             raise UnsupportedModelError(
@@ -293,6 +298,12 @@ def _tensor_payload(name: str, w, perm: np.ndarray | None):
     """(array to write, raw GGML type or None) for one graph weight, rows permuted by `perm`."""
     gguf = _gguf()
     Q = gguf.GGMLQuantizationType
+    if isinstance(w, BlockTensor):  # a GGUF block type's bytes as they are; cflow's own types have no GGML id
+        raw = _block_ggml(name, w.dtype)
+        data = w.raw
+        if perm is not None:  # whole rows of blocks move with their rows
+            data = data[perm]
+        return np.ascontiguousarray(data), raw
     if isinstance(w, QTensor):
         if w.cols % BLOCK:
             raise UnsupportedModelError(f"GGUF export: {name} has rows of {w.cols} inputs; {w.dtype.label} rows in "
@@ -309,6 +320,15 @@ def _tensor_payload(name: str, w, perm: np.ndarray | None):
     return np.ascontiguousarray(data), raw
 
 
+def _block_ggml(name: str, dt: DType):
+    """The GGML type id of a GGUF block type; cflow's own types (layout/blocks.py) are refused by name."""
+    if dt in OWN_TYPES:
+        raise UnsupportedModelError(f"GGUF export: {name} is {dt.gguf_name}, a block type of cflow's own that "
+                                    "llama.cpp cannot read; compile the model with GGUF types (--quant q4 / q8, or "
+                                    "a mix without it) to export it")
+    return getattr(_gguf().GGMLQuantizationType, dt.gguf_name)
+
+
 def _planned(graph, name: str):
     """(byte shape, numpy dtype, raw GGML type) of a quantised graph's weight from its metadata, without
     quantising it; (None, None, None) for a graph that records no storage types."""
@@ -323,6 +343,9 @@ def _planned(graph, name: str):
                                         f"whole blocks of {BLOCK} inputs")
         per = BLOCK_SIZES[dt][1]
         return (shape[0], shape[1] // BLOCK * per), np.dtype(np.uint8), (Q.Q4_0 if dt == DType.Q4 else Q.Q8_0)
+    if is_block_type(dt):
+        qk, per = BLOCK_SIZES[dt]
+        return (shape[0], shape[1] // qk * per), np.dtype(np.uint8), _block_ggml(name, dt)
     return shape, np.dtype(np.float16 if dt == DType.F16 else np.float32), None
 
 
@@ -338,7 +361,9 @@ def _planned_stack(graph, names: list[str]):
 def _file_type(graph):
     LFT = _gguf().LlamaFileType
     q = graph.meta.quant or DType.F32
-    return {DType.Q4: LFT.MOSTLY_Q4_0, DType.Q8: LFT.MOSTLY_Q8_0, DType.F16: LFT.MOSTLY_F16, DType.F32: LFT.ALL_F32}[q]
+    known = {DType.Q4: LFT.MOSTLY_Q4_0, DType.Q8: LFT.MOSTLY_Q8_0, DType.F16: LFT.MOSTLY_F16, DType.F32: LFT.ALL_F32}
+    # a mix's most common type where llama.cpp has a file type of that one type; else "guessed" (its readers infer)
+    return known[q] if q in known else getattr(LFT, f"MOSTLY_{q.gguf_name}", LFT.GUESSED)
 
 
 def gguf_arch(config) -> str:
