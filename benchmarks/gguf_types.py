@@ -4,7 +4,8 @@
                                     [--tune] [--activations q8,q8x2] [--json [FILE]]
 
 For every type: TinyLlama's down projection shape (2048 outputs x 5632 inputs; IQ4_NL and the legacy types the
-same) of random blocks (every code pattern, small finite scales), copied into distinct buffers until the set is
+same; cflow's IQ4_192 5760 inputs in 192-column tiles, as a model of 576-wide rows compiles) of random
+blocks (every code pattern, small finite scales), copied into distinct buffers until the set is
 --set-gb (well past the last-level cache: 480 MiB on the AMX Xeon VM), and streamed by the decode kernel
 (`codegen/kernels.emit_matvec`, this host's ISA, the built-in knobs or with --tune the host's tuned ones), each
 thread its share of the tile-rows of every copy (Python threads; the kernel releases the GIL). Per round: the read
@@ -27,30 +28,43 @@ from benchmarks.common.record import Run, add_json_argument
 from cflow.codegen import kernels as K
 from cflow.codegen.target import cpu_model, host_target
 from cflow.layout import blocks as B
-from cflow.layout.quant import DType, act_planes, quantize
+from cflow.layout.quant import BLOCK_SIZES, DType, act_planes, quantize
 from cflow.layout.tile import TileLayout, aligned_empty, pack
 
 ROWS, COLS = 2048, 5632
 TYPES = [DType.Q4, DType.Q8, *B.FORMATS]
 
 
+def geometry(dt: DType, tile) -> tuple[int, tuple[int, int]]:
+    """(inputs, tile) of a type's matrix: COLS, or for a block COLS does not hold whole (IQ4_192) the next multiple
+    of it in tiles one block wide."""
+    qk = BLOCK_SIZES[dt][0]
+    if COLS % qk == 0:
+        return COLS, tile
+    return -(-COLS // qk) * qk, (tile[0], qk)
+
+
 def _matrix(dt: DType, tile):
     rng = np.random.default_rng(0)
+    cols, tile = geometry(dt, tile)
     if dt in B.FORMATS:
         fmt = B.FORMATS[dt]
-        raw = rng.integers(0, 256, (ROWS, COLS // fmt.qk, fmt.nbytes), dtype=np.uint8)
+        raw = rng.integers(0, 256, (ROWS, cols // fmt.qk, fmt.nbytes), dtype=np.uint8)
         sl = fmt.field_slices()
         for name in fmt.f16_scales:
-            raw[..., sl[name]] = np.full((ROWS, COLS // fmt.qk, 1), 1e-3, np.float16).view(np.uint8)
-        w = B.BlockTensor(dt, ROWS, COLS, raw.reshape(ROWS, -1))
+            raw[..., sl[name]] = np.full((ROWS, cols // fmt.qk, 1), 1e-3, np.float16).view(np.uint8)
+        if dt in B.OWN_TYPES:  # the E5M3 super-block scale, the scales word's top byte
+            raw[..., sl["scales"].stop - 1] = B.e5m3_ceil(np.float32(1e-3 / 32))
+        w = B.BlockTensor(dt, ROWS, cols, raw.reshape(ROWS, -1))
     else:
-        w = quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32) * 0.05, dt)
+        w = quantize(rng.standard_normal((ROWS, cols)).astype(np.float32) * 0.05, dt)
     return pack(w, dt, tile)
 
 
 class Case:
     def __init__(self, dt: DType, tile, set_bytes: float, knobs: dict, planes: int = 1, twin: Case | None = None):
-        self.dt, self.layout, self.planes = dt, TileLayout(dt, ROWS, COLS, tile), planes
+        cols, tile = geometry(dt, tile)
+        self.dt, self.layout, self.planes = dt, TileLayout(dt, ROWS, cols, tile), planes
         self.label = dt.gguf_name + (" q8x2" if planes == 2 else "")
         self.mv = K.MatVec(self.layout, planes=planes, **knobs)
         if twin is not None:  # a two-plane case streams its one-plane twin's copies
@@ -61,7 +75,7 @@ class Case:
             self.buf = aligned_empty(self.n * one.size, 4096)
             self.buf.reshape(self.n, one.size)[:] = one
         self.nbytes = self.buf.size
-        self.act = self.mv.activation(np.random.default_rng(1).standard_normal(COLS).astype(np.float32))
+        self.act = self.mv.activation(np.random.default_rng(1).standard_normal(cols).astype(np.float32))
         self.y = [np.zeros(self.layout.rows_p, np.float32) for _ in range(4)]
         self.knobs = knobs
 
@@ -110,10 +124,10 @@ def main(argv=None) -> int:
             from cflow.codegen import tune
             from cflow.layout.packed import Form, PackedTensor
 
-            pt = PackedTensor(name="w", form=Form.TILED, parts=("w",), dtype=dt, part_shapes=((ROWS, COLS),),
-                              tile=tile)
+            cols, t = geometry(dt, tile)
+            pt = PackedTensor(name="w", form=Form.TILED, parts=("w",), dtype=dt, part_shapes=((ROWS, cols),), tile=t)
             knobs = tune.choices([pt], target, search=True, budget=tune.BUDGET).get(
-                tune.kernel_key(TileLayout(dt, ROWS, COLS, tile), False), {})
+                tune.kernel_key(TileLayout(dt, ROWS, cols, t), False), {})
         twin = None
         for f in formats:
             planes = act_planes(f, [dt])
@@ -141,7 +155,8 @@ def main(argv=None) -> int:
             bits = 8 * c.layout.unit_nbytes / c.layout.tr / c.layout.unit_cols
             print(f"{c.label:12} {bits:6.2f} {best[c.label]:7.2f} {frac:8.1%} "
                   f"{frac / q4 if q4 else float('nan'):7.3f}")
-            records.append(run.record(engine="mat-vec", model=f"{ROWS}x{COLS}", quant=c.dt.gguf_name, threads=n,
+            records.append(run.record(engine="mat-vec", model=f"{ROWS}x{c.layout.cols}", quant=c.dt.gguf_name,
+                                      threads=n,
                                       variant="activations q8x2" if c.planes == 2 else None,
                                       read_gbs=best["read"], gbps=best[c.label],
                                       of_read=frac, over_q4_0=frac / q4 if q4 else None, bits_per_weight=bits,
