@@ -282,8 +282,8 @@ class _IQ4XS(Decoder):
 
 class _IQ4Super(_IQ4XS):
     """cflow's IQ4_128 / IQ4_192 (layout/blocks.py): IQ4_XS's sub-blocks under an E5M3 super-block scale in the top
-    byte of the scales word, the sub-block scales' low nibbles below it, their high 2 bits above them (IQ4_128) or
-    in scales_h (IQ4_192)."""
+    byte of the scales word, the sub-block scales' low nibbles below it, their high 2 bits above them (four
+    sub-blocks) or in scales_h (six)."""
 
     def scales(self, j):
         b = self.b
@@ -294,7 +294,7 @@ class _IQ4Super(_IQ4XS):
             self._cache[("D",)] = b.select(zero, _kf(0.0), b.bitcast(bits, VF))
         w = self.word("scales", 0)
         lo = self.mask(self.shr(w, 4 * j), 0xF)
-        if self.fmt.dtype == DType.IQ4_128:
+        if "scales_h" not in self.offs:  # four sub-blocks: the high 2 bits above the low nibbles
             hi = self.shr(w, 16 + 2 * j)
         else:
             hi = self.shr(self.u16_cached("scales_h"), 2 * j)
@@ -308,9 +308,20 @@ class _IQ4Super(_IQ4XS):
         return self._cache[key]
 
 
+class _Q3Super(_IQ4Super):
+    """cflow's Q3_128 / Q3_192 (layout/blocks.py): 3-bit codes under the IQ4_128 / IQ4_192 scales; chunk c of
+    sub-block j is qs word 2j + c % 2 at shift 2 (c // 2) and qh word j at shift c."""
+
+    def codes(self, j):
+        b = self.b
+        return [b.or_(self.mask(self.shr(self.word("qs", 2 * j + c % 2), 2 * (c // 2)), 0x03030303),
+                      b.shl(self.mask(self.shr(self.word("qh", j), c), 0x01010101), _k(2))) for c in range(8)]
+
+
 DECODERS = {DType.Q4_1: _Legacy, DType.Q5_0: _Legacy, DType.Q5_1: _Legacy, DType.IQ4_NL: _Legacy,
             DType.Q4_K: _Q4K, DType.Q5_K: _Q4K, DType.Q6_K: _Q6K, DType.Q2_K: _Q2K, DType.Q3_K: _Q3K,
-            DType.IQ4_XS: _IQ4XS, DType.IQ4_128: _IQ4Super, DType.IQ4_192: _IQ4Super}
+            DType.IQ4_XS: _IQ4XS, DType.IQ4_128: _IQ4Super, DType.IQ4_192: _IQ4Super, DType.Q3_128: _Q3Super,
+            DType.Q3_192: _Q3Super}
 
 
 # -- integer dots ---------------------------------------------------------------------------------------------

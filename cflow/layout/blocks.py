@@ -15,16 +15,21 @@ S * (u - bias) + M against gguf.quants.dequantize for every type. A kernel compu
 
 with exact integer sums per sub-block: the same arithmetic for every type, one code extraction per type.
 
-cflow's own types, IQ4_128 and IQ4_192 (no GGUF counterpart: written by cflow's quantiser, read by cflow only), are
-IQ4_XS on super-blocks of 128 and 192 inputs instead of 256, for the widths the K-quants cannot take (576, 640, 896,
-960 divide by 64 and 128 or 192, not by 256) at IQ4_XS's 4.25 bits per weight: the IQ4 code book on 32-input
+cflow's own types (no GGUF counterpart: written by cflow's quantiser, read by cflow only) are for the widths the
+K-quants cannot take (576, 640, 896, 960 divide by 64 and 128 or 192, not by 256). IQ4_128 and IQ4_192 are IQ4_XS on
+super-blocks of 128 and 192 inputs instead of 256, at its 4.25 bits per weight: the IQ4 code book on 32-input
 sub-blocks, a signed 6-bit scale per sub-block (l - 32 stored), and the super-block scale D as an 8-bit float
-(E5M3: S_s = D * l_s) so that it and the sub-block scales fill whole words:
+(E5M3: S_s = D * l_s) so that it and the sub-block scales fill whole words. Q3_128 and Q3_192 (3.25 bpw) hold 3-bit
+codes u (value u - 4) under the same scales:
 
     IQ4_128  scales u32: bits 4s..4s+3 the low 4 bits of sub-block s's scale (s < 4), bits 16+2s..17+2s its high 2,
                          bits 24..31 D;  qs 64 bytes: sub-block s at 16s, as IQ4_NL's qs (68 bytes = 4.25 bpw)
     IQ4_192  scales u32: bits 4s..4s+3 the low 4 bits (s < 6), bits 24..31 D;  scales_h u16: bits 2s..2s+1 the high
                          2;  qs 96 bytes (102 bytes = 4.25 bpw)
+    Q3_128   scales as IQ4_128;  qh 16 bytes, qs 32 bytes (52 bytes = 3.25 bpw)
+    Q3_192   scales, scales_h as IQ4_192;  qh 24 bytes, qs 48 bytes (78 bytes = 3.25 bpw)
+             sub-block s's low 2 bits in qs[8s .. 8s+7]: byte b, bits 2k..2k+1 = input b + 8k; its third bit in
+             qh[4s .. 4s+3]: byte b, bit k = input b + 4k (so 4 consecutive inputs sit at one shift of one word)
     D        byte b = 8e + m: D = (1 + m/8) 2^(e - 33) for e = 1..31 (2^-32 .. 0.47), 0 for e = 0; the float32 with
              bits (b << 20) + (94 << 23), so a kernel decodes it with a shift and an add
 
@@ -117,8 +122,12 @@ FORMATS: dict[DType, BlockFormat] = {f.dtype: f for f in (
     _fmt(DType.IQ4_XS, 256, [("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128)], 32, 0, signed=True),
     _fmt(DType.IQ4_128, 128, [("scales", 4), ("qs", 64)], 32, 0, signed=True, f16_scales=()),
     _fmt(DType.IQ4_192, 192, [("scales", 4), ("scales_h", 2), ("qs", 96)], 32, 0, signed=True, f16_scales=()),
+    _fmt(DType.Q3_128, 128, [("scales", 4), ("qh", 16), ("qs", 32)], 32, 4, umax=7, f16_scales=()),
+    _fmt(DType.Q3_192, 192, [("scales", 4), ("scales_h", 2), ("qh", 24), ("qs", 48)], 32, 4, umax=7,
+         f16_scales=()),
 )}
-OWN_TYPES = (DType.IQ4_128, DType.IQ4_192)  # cflow's own block types (module docstring): no GGUF counterpart
+# cflow's own block types (module docstring): no GGUF counterpart
+OWN_TYPES = (DType.IQ4_128, DType.IQ4_192, DType.Q3_128, DType.Q3_192)
 E5M3_EXP = 94  # float32 exponent field of an E5M3 super-block scale at e = 0 (module docstring)
 
 
@@ -286,10 +295,17 @@ def decompose(t: BlockTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None
         S = d * (ls - 32).astype(np.float32)
     elif dt in OWN_TYPES:
         ns = fmt.qk // 32
-        qs = f["qs"].reshape(t.rows, nb, ns, 16)
-        u = IQ4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].astype(np.int16)
+        if fmt.signed:  # IQ4_128 / IQ4_192
+            qs = f["qs"].reshape(t.rows, nb, ns, 16)
+            u = IQ4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].astype(np.int16)
+        else:  # Q3_128 / Q3_192: input b + 8k in bits 2k of qs byte b, input b + 4k in bit k of qh byte b
+            qs = f["qs"].reshape(t.rows, nb, ns, 1, 8)
+            qh = f["qh"].reshape(t.rows, nb, ns, 1, 4)
+            lo = (qs >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [.., ns, k, b]
+            hb = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+            u = (lo.reshape(t.rows, nb, ns, 32) | (hb.reshape(t.rows, nb, ns, 32) << 2)).astype(np.int16)
         w = np.ascontiguousarray(f["scales"]).view("<u4")[..., 0].astype(np.int64)  # [rows, nb]
-        if dt == DType.IQ4_128:
+        if "scales_h" not in f:  # four sub-blocks: their high 2 bits above the low nibbles
             hi = w[..., None] >> (16 + 2 * np.arange(ns))
         else:
             sh = np.ascontiguousarray(f["scales_h"]).view("<u2")[..., 0].astype(np.int64)

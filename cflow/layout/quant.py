@@ -30,8 +30,9 @@ class DType(enum.IntEnum):
     """Weight storage types. Values are file-format ids: never reuse a removed id.
 
     F32, F16, Q4 (GGUF's Q4_0) and Q8 (Q8_0) are the types cflow quantises to (--quant); the others are GGUF block
-    types kept as a GGUF file stores them (layout/blocks.py), id 100 + the type's ggml id; IQ4_128 and IQ4_192 are
-    cflow's own block types (ids from 200; layout/blocks.py says what they hold), written by its quantiser only."""
+    types kept as a GGUF file stores them (layout/blocks.py), id 100 + the type's ggml id; IQ4_128, IQ4_192, Q3_128
+    and Q3_192 are cflow's own block types (ids from 200; layout/blocks.py says what they hold), written by its
+    quantiser only."""
 
     F32 = 0
     F16 = 1
@@ -49,6 +50,8 @@ class DType(enum.IntEnum):
     IQ4_XS = 123
     IQ4_128 = 200
     IQ4_192 = 201
+    Q3_128 = 202
+    Q3_192 = 203
     MIXED = 255  # a file's tensor-table type of a stream whose parts differ in type (its packing entry says each)
 
     @property
@@ -89,7 +92,8 @@ BLOCK_SIZES: dict[DType, tuple[int, int]] = {
 BLOCK_SIZES.update({DType.Q4_1: (32, 20), DType.Q5_0: (32, 22), DType.Q5_1: (32, 24), DType.IQ4_NL: (32, 18),
                     DType.Q2_K: (256, 84), DType.Q3_K: (256, 110), DType.Q4_K: (256, 144), DType.Q5_K: (256, 176),
                     DType.Q6_K: (256, 210), DType.IQ4_XS: (256, 136),  # ggml-common.h's block structs
-                    DType.IQ4_128: (128, 68), DType.IQ4_192: (192, 102)})  # cflow's own (layout/blocks.py)
+                    DType.IQ4_128: (128, 68), DType.IQ4_192: (192, 102),  # cflow's own (layout/blocks.py)
+                    DType.Q3_128: (128, 52), DType.Q3_192: (192, 78)})
 assert BLOCK_SIZES[DType.Q4][1] == 18 and BLOCK_SIZES[DType.Q8][1] == 34
 
 

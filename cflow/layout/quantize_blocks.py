@@ -11,9 +11,9 @@ field's (llama.cpp's quantize_row_*_impl with quant_weights), vectorised over bl
     code book           x ~ d * v[l],       v the IQ4 values:     15 trial scales (IQ4_NL, IQ4_XS, IQ4_128/192)
     super-block scales  the sub-block scales themselves quantised by a weighted search (make_qp_quants for the
                         K-quants' 4/6-bit scales and mins, symmetric for Q3_K / Q6_K / IQ4_XS), the codes then
-                        refit to the quantised scales. cflow's IQ4_128 / IQ4_192 (layout/blocks.py): the
-                        smallest E5M3 super-block scale that holds every sub-block scale, then each sub-block
-                        at the best of its rounded 6-bit scale and the two next to it, its codes refit at each.
+                        refit to the quantised scales. cflow's own types (layout/blocks.py): the smallest
+                        E5M3 super-block scale that holds every sub-block scale, then each sub-block at the best
+                        of its rounded 6-bit scale and the two next to it, its codes refit at each.
 
 The per-element weight is the importance matrix's column value (mean x_j^2 of the matrix's inputs) times
 sqrt(sigma2 + x^2), sigma2 the row's (super-block's) mean square, as llama.cpp weighs it; imatrix None: all ones
@@ -30,7 +30,7 @@ from .quant import DType, QTensor, dequantize, quantize
 
 EPS = 1e-15  # llama.cpp's GROUP_MAX_EPS: a block this small is all zeros
 WEIGHTED_TYPES = (DType.Q4, DType.Q5_0, DType.Q4_1, DType.Q5_1, DType.IQ4_NL, DType.Q8, DType.Q2_K, DType.Q3_K,
-                  DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.IQ4_XS, DType.IQ4_128, DType.IQ4_192)
+                  DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.IQ4_XS, *OWN_TYPES)
 _ROWS = 1 << 16  # blocks quantised at once (bounds the temporaries)
 # Native twins of fit_symmetric / fit_affine / fit_codebook for blocks of 16 and 32 (the same bits, 15-30x faster):
 # codegen/quantfit.py sets this to itself when imported (the compiler and cflowc's calibration import it); None:
@@ -232,6 +232,12 @@ def code_fields(dt: DType, u: np.ndarray) -> dict[str, np.ndarray]:
     if dt == DType.Q2_K:
         q = u.reshape(N, 2, 4, 32)  # element n*128 + j*32 + l: bits 2j of qs[n*32 + l]
         return {"qs": (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(N, 64)}
+    if dt in (DType.Q3_128, DType.Q3_192):  # blocks.py: input b + 8k at bits 2k of qs byte b, b + 4k at bit k of qh
+        q = u.reshape(N, -1, 4, 8)
+        qs = (q & 3) << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+        h = (u.reshape(N, -1, 8, 4) >> 2) & 1
+        qh = h << np.arange(8, dtype=np.uint8).reshape(8, 1)
+        return {"qh": qh.sum(2, dtype=np.uint8).reshape(N, -1), "qs": qs.sum(2, dtype=np.uint8).reshape(N, -1)}
     if dt == DType.IQ4_XS or dt in OWN_TYPES:
         q = u.reshape(N, -1, 32)
         return {"qs": _nibbles(q[..., :16], q[..., 16:]).reshape(N, -1)}
@@ -358,23 +364,32 @@ def _k_symmetric(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return _assemble(dt, {"scales": scales, "d": _bytes16(d), **code_fields(dt, u)})
 
 
-def _iq4_super(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """IQ4_128 / IQ4_192 (blocks.py): x, w [N, qk] -> the blocks [N, nbytes]."""
+def _own(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """cflow's own types (blocks.py): x, w [N, qk] -> the blocks [N, nbytes]. Each 32-input sub-block's scale from
+    the type's search (the IQ4 code book, or symmetric 3-bit codes), then the smallest E5M3 super-block scale D at
+    which every one rounds into -32..31, then each sub-block at the best of its rounded scale and the two next to
+    it, its codes refit at each."""
     N, qk = x.shape
     ns = qk // 32
+    book = FORMATS[dt].signed
     xs, ws = x.reshape(N * ns, 32), w.reshape(N * ns, 32)
-    sc = _codebook(xs, ws).reshape(N, ns)
+    sc = (_codebook(xs, ws) if book else _symmetric(xs, ws, 4)[0]).reshape(N, ns)
     # D: the smallest E5M3 value at which every sub-block scale rounds into -32..31 (a positive one needs sc / 31)
     need = np.where(sc < 0, -sc / np.float32(32), sc / np.float32(31)).max(1)
     db = e5m3_ceil(need)
     D = e5m3_value(db)[:, None]
     l0 = np.clip(_rint(_safe_div(sc, D)), -32, 31)
     best = l = u = None
-    for step in (0, -1, 1):  # each sub-block at the best of l0 and its neighbours, its codes refit at each
+    for step in (0, -1, 1):
         lt = np.clip(l0 + step, -32, 31)
-        S = (D * lt).reshape(N * ns, 1)
-        ut = iq4_index(_safe_div(xs, np.broadcast_to(S, xs.shape)))
-        e = (ws * (xs - S * _IQ4[ut]) ** 2).sum(1).reshape(N, ns)
+        S = np.broadcast_to((D * lt).reshape(N * ns, 1), xs.shape)
+        if book:
+            ut = iq4_index(_safe_div(xs, S))
+            e = (ws * (xs - S * _IQ4[ut]) ** 2).sum(1)
+        else:
+            ut = (np.clip(_rint(_safe_div(xs, S)), -4, 3) + 4).astype(np.uint8)
+            e = (ws * (xs - S * (ut.astype(np.float32) - 4)) ** 2).sum(1)
+        e = e.reshape(N, ns)
         if best is None:
             best, l, u = e, lt, ut.reshape(N, ns, 32)
         else:
@@ -383,13 +398,13 @@ def _iq4_super(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
             u = np.where(take[..., None], ut.reshape(N, ns, 32), u)
     stored = (l + 32).astype(np.uint32)
     word = (stored & 0xF) << (4 * np.arange(ns, dtype=np.uint32))
-    hi = (stored >> 4) << (2 * np.arange(ns, dtype=np.uint32))
+    hi = ((stored >> 4) << (2 * np.arange(ns, dtype=np.uint32))).sum(1, dtype=np.uint32)
     word = word.sum(1, dtype=np.uint32) | (db.astype(np.uint32) << 24)
     fields = code_fields(dt, u.reshape(N, qk))
-    if dt == DType.IQ4_128:
-        word |= hi.sum(1, dtype=np.uint32) << 16
-    else:
-        fields["scales_h"] = np.ascontiguousarray(hi.sum(1, dtype=np.uint32).astype("<u2")).view(np.uint8).reshape(N, 2)
+    if "scales_h" in dict(FORMATS[dt].fields):
+        fields["scales_h"] = np.ascontiguousarray(hi.astype("<u2")).view(np.uint8).reshape(N, 2)
+    else:  # four sub-blocks: their high 2 bits above the low nibbles
+        word |= hi << 16
     fields["scales"] = np.ascontiguousarray(word.astype("<u4")).view(np.uint8).reshape(N, 4)
     return _assemble(dt, fields)
 
@@ -426,7 +441,7 @@ def quantize_weighted(x: np.ndarray, dtype: DType, imatrix: np.ndarray | None = 
             w = _element_weights(xb, qb, 256)
             if dtype == DType.Q6_K:  # llama.cpp weighs Q6_K by the importance alone
                 w = xb * xb if qb is None else np.ascontiguousarray(qb)
-            fn = (_k_affine if dtype in (DType.Q2_K, DType.Q4_K, DType.Q5_K) else _iq4_super if dtype in OWN_TYPES
+            fn = (_k_affine if dtype in (DType.Q2_K, DType.Q4_K, DType.Q5_K) else _own if dtype in OWN_TYPES
                   else _k_symmetric)
             out[s : s + step] = fn(dtype, xb, w)
     raw = out.reshape(rows, nb * nbytes)

@@ -36,8 +36,8 @@ from . import gptq
 from .quantize import F32_SUFFIXES
 
 # the types a mix chooses from: every block type cflow executes, cheapest first
-CANDIDATES = (DType.Q2_K, DType.Q3_K, DType.IQ4_XS, DType.IQ4_128, DType.IQ4_192, DType.Q4, DType.IQ4_NL, DType.Q4_K,
-              DType.Q4_1, DType.Q5_0, DType.Q5_K, DType.Q5_1, DType.Q6_K, DType.Q8)
+CANDIDATES = (DType.Q2_K, DType.Q3_128, DType.Q3_192, DType.Q3_K, DType.IQ4_XS, DType.IQ4_128, DType.IQ4_192, DType.Q4,
+              DType.IQ4_NL, DType.Q4_K, DType.Q4_1, DType.Q5_0, DType.Q5_K, DType.Q5_1, DType.Q6_K, DType.Q8)
 DEFAULT_BPW = 4.5
 MEASURE_WORKERS = 4  # threads measuring matrices at once
 

@@ -94,7 +94,7 @@ def test_gptq_codes_checks_before_passing_pointers():
 def test_quantize_weighted_bytes_do_not_change(dt, weighted, monkeypatch):
     """The quantisers' bytes with the native fitters plugged in and with the NumPy ones."""
     rng = np.random.default_rng(3)
-    cols = 576 if dt == DType.IQ4_192 else 512
+    cols = 576 if BLOCK_SIZES[dt][0] == 192 else 512
     w = (rng.standard_normal((24, cols)) * np.exp(rng.standard_normal((24, 1)))).astype(np.float32)
     im = np.exp(rng.standard_normal(cols)).astype(np.float32) if weighted else None
     assert QB.NATIVE_FITTERS is QF
@@ -144,7 +144,7 @@ def test_gptq_codes_are_numpys(dt, monkeypatch):
     from cflow.passes import gptq
 
     rng = np.random.default_rng(5)
-    cols = 576 if dt == DType.IQ4_192 else 512
+    cols = 576 if BLOCK_SIZES[dt][0] == 192 else 512
     mix = rng.standard_normal((cols, cols)).astype(np.float32) * 0.2 + np.eye(cols, dtype=np.float32)
     x = rng.standard_normal((700, cols)).astype(np.float32) @ mix
     curv = gptq.Curvature(x.T.astype(np.float64) @ x / len(x))

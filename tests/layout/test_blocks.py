@@ -53,17 +53,24 @@ def own_reference(dt, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
             word = int.from_bytes(bytes(blk[0:4]), "little")
             e, m = word >> 27, (word >> 24) & 7
             D = np.float32(0) if e == 0 else np.float32((1 + m / 8) * 2.0 ** (e - 33))
-            qs = blk[-16 * ns :]
+            sl = fmt.field_slices()
             for s in range(ns):
-                if dt == DType.IQ4_128:
+                if "scales_h" not in sl:
                     hi = (word >> (16 + 2 * s)) & 3
                 else:
-                    hi = (int.from_bytes(bytes(blk[4:6]), "little") >> (2 * s)) & 3
+                    hi = (int.from_bytes(bytes(blk[sl["scales_h"]]), "little") >> (2 * s)) & 3
                 scale = D * np.float32(((word >> (4 * s)) & 0xF | hi << 4) - 32)
-                for i in range(16):
-                    byte = int(qs[16 * s + i])
-                    out[r, k * fmt.qk + 32 * s + i] = scale * np.float32(B.IQ4_VALUES[byte & 0xF])
-                    out[r, k * fmt.qk + 32 * s + 16 + i] = scale * np.float32(B.IQ4_VALUES[byte >> 4])
+                x0 = k * fmt.qk + 32 * s
+                if fmt.signed:  # the IQ4 code book, two inputs a byte
+                    qs = blk[sl["qs"]][16 * s : 16 * s + 16]
+                    for i in range(16):
+                        out[r, x0 + i] = scale * np.float32(B.IQ4_VALUES[qs[i] & 0xF])
+                        out[r, x0 + 16 + i] = scale * np.float32(B.IQ4_VALUES[qs[i] >> 4])
+                    continue
+                qs, qh = blk[sl["qs"]][8 * s : 8 * s + 8], blk[sl["qh"]][4 * s : 4 * s + 4]
+                for i in range(32):  # 3-bit codes: low 2 bits in qs, the third in qh, minus 4
+                    code = ((int(qs[i % 8]) >> (2 * (i // 8))) & 3) | (((int(qh[i % 4]) >> (i // 4)) & 1) << 2)
+                    out[r, x0 + i] = scale * np.float32(code - 4)
     return out
 
 
@@ -75,7 +82,8 @@ def test_own_types_twin_is_their_documented_bytes(dt):
     raw = t.raw.copy()
     raw.reshape(5, -1, t.format.nbytes)[0, 0, 3] = 7  # a zero super-block scale (e = 0)
     t = B.BlockTensor(dt, 5, cols, raw)
-    assert (B.FORMATS[dt].qk, B.FORMATS[dt].nbytes * 8 / B.FORMATS[dt].qk) == (BLOCK_SIZES[dt][0], 4.25)
+    bpw = 4.25 if B.FORMATS[dt].signed else 3.25
+    assert (B.FORMATS[dt].qk, B.FORMATS[dt].nbytes * 8 / B.FORMATS[dt].qk) == (BLOCK_SIZES[dt][0], bpw)
     assert np.array_equal(t.dequantize(), own_reference(dt, t.raw, 5, cols))
     assert not t.dequantize()[0, : B.FORMATS[dt].qk].any()
 

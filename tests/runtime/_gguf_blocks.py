@@ -11,7 +11,7 @@ from cflow.layout.quant import DType, QTensor, quantize, to_gguf_bytes
 # the typical code magnitude of each type (codes minus bias, times the sub-block scale's integer part)
 _SPREAD = {DType.Q4_1: 15, DType.Q5_0: 16, DType.Q5_1: 31, DType.IQ4_NL: 127, DType.Q2_K: 3 * 15,
            DType.Q3_K: 4 * 32, DType.Q4_K: 15 * 63, DType.Q5_K: 31 * 63, DType.Q6_K: 32 * 127, DType.IQ4_XS: 127 * 32,
-           DType.IQ4_128: 127 * 32, DType.IQ4_192: 127 * 32}
+           DType.IQ4_128: 127 * 32, DType.IQ4_192: 127 * 32, DType.Q3_128: 4 * 32, DType.Q3_192: 4 * 32}
 
 
 def random_blocks(dtype: DType, rows: int, cols: int, rng, std: float) -> BlockTensor:
