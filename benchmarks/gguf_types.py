@@ -138,7 +138,8 @@ def main(argv=None) -> int:
             cases.append(c)
             print(f"{c.label:12s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {knobs}", file=sys.stderr)
     records = []
-    print(f"cpu: {cpu_model()}  isa: {target.isa}  {ROWS}x{COLS} per matrix, {args.set_gb} GB per type, best of "
+    print(f"cpu: {cpu_model()}  isa: {target.isa}  {ROWS}x{COLS} per matrix (a 192-input type: {ROWS}x"
+          f"{geometry(DType.IQ4_192, tile)[0]}), {args.set_gb} GB per type, best of "
           f"{args.rounds} rounds")
     for n in threads:
         best: dict = {}

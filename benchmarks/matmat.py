@@ -67,6 +67,8 @@ def measure(isa: str, dtype: DType, ntok: int, variants: dict[str, dict], rounds
     if target.isa != ISA.parse(isa):
         raise SystemExit(f"this CPU cannot run the {isa} path (its best: {host.isa})")
     rng = np.random.default_rng(0)
+    qk = FORMATS[dtype].qk if dtype in FORMATS else 32
+    cols = -(-cols // qk) * qk  # whole blocks (cflow's 192-input types: 2048 -> 2112)
     L = TileLayout(dtype, rows, cols, TILE)
     w = weights(dtype, rows, cols, rng)
     stride = L.cols_p

@@ -111,3 +111,21 @@ def test_a_float_model_no_mix_can_take_keeps_the_former_default(tmp_path):
     assert cflowc_main([str(tmp_path / "n.gguf"), "-o", str(tmp_path / "n.vflow")]) == 0
     h = _header(tmp_path / "n.vflow")
     assert h["quant"] == STORED and "quant_mix" not in h
+
+
+def test_mix_types_gguf_leaves_cflows_own_types_out(tmp_path, capsys):
+    """--mix-types gguf: a mix of llama.cpp's types only, which GGUF export takes; by default the own types are in."""
+    from cflow.layout.blocks import OWN_TYPES
+
+    own = {d.gguf_name for d in OWN_TYPES}
+    d = str(default_model_dir())
+    for flag, out in ((["--mix-types", "gguf"], tmp_path / "g.vflow"), ([], tmp_path / "a.vflow")):
+        assert cflowc_main([d, "--quant", "auto", *flag, "-o", str(out)]) == 0
+        types = {t["type"] for t in _header(out)["quant_mix"]["tensors"].values()}
+        assert bool(types & own) == (not flag), types
+    capsys.readouterr()
+    from cflow.passes import mix as M
+
+    g = load_graph(d)
+    q, plan = M.auto_mix(g, types=M.GGUF_CANDIDATES)
+    assert not set(plan.types.values()) & set(OWN_TYPES)

@@ -37,6 +37,10 @@ def add_args(p) -> None:
                    help="tokens per calibration chunk (default: 512, or the model's context if shorter)")
     p.add_argument("--imatrix-chunks", type=whole(1), default=None, metavar="N",
                    help="calibration chunks to run at most (default: every whole chunk of the text)")
+    p.add_argument("--mix-types", choices=("all", "gguf"), default="all",
+                   help="the block types a mix (--bpw, --quant auto) chooses from: every type cflow runs, its own "
+                   "128/192-input ones included, or llama.cpp's only, so that the file can be exported as a GGUF "
+                   "(default: all)")
     p.add_argument("--no-gptq", action="store_true",
                    help="fit each block alone, importance-weighted (default: with --imatrix TEXT, each block's "
                    "error is fed forward onto the inputs not yet quantised, GPTQ)")
@@ -54,16 +58,23 @@ def _bpw(text: str) -> float:
     return v
 
 
-def auto_default(model, g) -> bool:
+def mix_types(args) -> tuple:
+    """The block types --mix-types lets a mix choose from."""
+    from ..passes import mix as M
+
+    return M.GGUF_CANDIDATES if getattr(args, "mix_types", "all") == "gguf" else M.CANDIDATES
+
+
+def auto_default(model, g, types=None) -> bool:
     """Whether cflowc compiles `g` as --quant auto when no --quant is given: a float model file (not a preset: random
-    weights) with a type mix within the default budget."""
+    weights) with a type mix (of `types`, default every type) within the default budget."""
     from ..frontend.load import is_preset_spec
     from ..passes import mix as M
     from ..passes.quantize import float_source
 
     if is_preset_spec(model) or not float_source(g):
         return False
-    floor = M.smallest_bpw(g)
+    floor = M.smallest_bpw(g, types or M.CANDIDATES)
     return floor is not None and floor <= M.DEFAULT_BPW
 
 
@@ -158,7 +169,7 @@ def calibrate(args, g):
     mixed = args.quant == "auto" or args.bpw is not None
     budget = args.bpw if args.bpw is not None else M.DEFAULT_BPW
     if mixed and im is None:  # no importance matrix: each matrix's unweighted error (auto_mix weighs the columns)
-        out, plan = M.auto_mix(g, budget, progress=_progress("measuring"))
+        out, plan = M.auto_mix(g, budget, progress=_progress("measuring"), types=mix_types(args))
         _print_plan(plan, g, budget, getattr(args, "auto_default", False))
         return out
     values = im.for_graph(g, args.imatrix) if im is not None else {}
@@ -167,7 +178,7 @@ def calibrate(args, g):
     if curv:
         print(f"error feedback (GPTQ) on {len(curv)} of {len(M.matrices(g))} matrices", file=sys.stderr)
     if mixed:
-        errors = M.measure(g, weights, progress=_progress("measuring"), curv=curv)
+        errors = M.measure(g, weights, mix_types(args), progress=_progress("measuring"), curv=curv)
         sens = None
         if ids is not None:  # a KLD probe on the first calibration chunk makes the errors comparable across tensors
             sens = M.sensitivities(g, weights, errors, ids[:PROBE_TOKENS], progress=_progress("probing"), curv=curv)

@@ -129,9 +129,10 @@ def _run(args, emit: str, binary: bool, tokenizer: str | None, ctx) -> int:
 
     g = load_graph(args.model, weights=binary)
     from ..passes.quantize import STORED, default_quant, fit_tile
-    from .calibrate import auto_default, calibrate, wanted
+    from .calibrate import auto_default, calibrate, mix_types, wanted
 
-    if args.quant is None and args.bpw is None and args.imatrix is None and auto_default(args.model, g):
+    unasked = args.quant is None and args.bpw is None and args.imatrix is None
+    if unasked and auto_default(args.model, g, mix_types(args)):
         # a float model (f32/f16/bf16): each matrix's type chosen within 4.5 bits per weight, the measured best at
         # that size (docs/quantization.md, "The default"); presets are random weights, kept at q4
         if binary:

@@ -287,7 +287,7 @@ class _IQ4Super(_IQ4XS):
 
     def scales(self, j):
         b = self.b
-        if ("D",) not in self._cache:  # the float32 whose bits are (byte << 20) + (94 << 23); 0 below e = 1
+        if ("D",) not in self._cache:  # the float32 whose bits are (byte << 20) + (E5M3_EXP << 23); 0 below e = 1
             byte = self.shr(self.word("scales", 0), 24)
             bits = b.add(b.shl(byte, _k(20)), _k(E5M3_EXP << 23))
             zero = b.icmp_unsigned("<", byte, _k(8))

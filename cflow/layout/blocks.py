@@ -30,8 +30,9 @@ codes u (value u - 4) under the same scales:
     Q3_192   scales, scales_h as IQ4_192;  qh 24 bytes, qs 48 bytes (78 bytes = 3.25 bpw)
              sub-block s's low 2 bits in qs[8s .. 8s+7]: byte b, bits 2k..2k+1 = input b + 8k; its third bit in
              qh[4s .. 4s+3]: byte b, bit k = input b + 4k (so 4 consecutive inputs sit at one shift of one word)
-    D        byte b = 8e + m: D = (1 + m/8) 2^(e - 33) for e = 1..31 (2^-32 .. 0.47), 0 for e = 0; the float32 with
-             bits (b << 20) + (94 << 23), so a kernel decodes it with a shift and an add
+    D        byte b = 8e + m: D = (1 + m/8) 2^(e - 29) for e = 1..31 (2^-28 .. 7.5), 0 for e = 0; the float32 with
+             bits (b << 20) + (98 << 23), so a kernel decodes it with a shift and an add. Its range holds
+             |x| up to 7.5 * 32 * 127 = 30,480 at IQ4 and 7.5 * 32 * 4 = 960 at Q3; beyond, the quantiser refuses
 
 Tile layout. As for Q4/Q8 (layout/tile.py), a tile-row of TR rows is a run of units, each unit one block of QK
 inputs for all TR rows, in NG = TR/16 groups of 16 rows. A group holds its 16 rows' blocks field by field
@@ -128,7 +129,8 @@ FORMATS: dict[DType, BlockFormat] = {f.dtype: f for f in (
 )}
 # cflow's own block types (module docstring): no GGUF counterpart
 OWN_TYPES = (DType.IQ4_128, DType.IQ4_192, DType.Q3_128, DType.Q3_192)
-E5M3_EXP = 94  # float32 exponent field of an E5M3 super-block scale at e = 0 (module docstring)
+E5M3_EXP = 98  # float32 exponent field of an E5M3 super-block scale at e = 0 (module docstring)
+E5M3_MAX = 7.5  # its largest value, byte 255
 
 
 def e5m3_value(b: np.ndarray) -> np.ndarray:

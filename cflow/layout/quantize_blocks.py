@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .blocks import FORMATS, IQ4_VALUES, OWN_TYPES, BlockTensor, e5m3_ceil, e5m3_value
+from .blocks import E5M3_MAX, FORMATS, IQ4_VALUES, OWN_TYPES, BlockTensor, e5m3_ceil, e5m3_value
 from .quant import DType, QTensor, dequantize, quantize
 
 EPS = 1e-15  # llama.cpp's GROUP_MAX_EPS: a block this small is all zeros
@@ -370,12 +370,18 @@ def _own(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     which every one rounds into -32..31, then each sub-block at the best of its rounded scale and the two next to
     it, its codes refit at each."""
     N, qk = x.shape
+    if not np.isfinite(x).all():
+        raise ValueError(f"{dt.gguf_name} takes finite values only")
     ns = qk // 32
     book = FORMATS[dt].signed
     xs, ws = x.reshape(N * ns, 32), w.reshape(N * ns, 32)
     sc = (_codebook(xs, ws) if book else _symmetric(xs, ws, 4)[0]).reshape(N, ns)
     # D: the smallest E5M3 value at which every sub-block scale rounds into -32..31 (a positive one needs sc / 31)
     need = np.where(sc < 0, -sc / np.float32(32), sc / np.float32(31)).max(1)
+    if (need > E5M3_MAX).any():
+        big = float(np.abs(x).max())
+        raise ValueError(f"{dt.gguf_name}: a value of {big:.4g} is beyond its 8-bit super-block scale's range "
+                         f"(|x| up to about {E5M3_MAX * 32 * (127 if book else 4):.0f})")
     db = e5m3_ceil(need)
     D = e5m3_value(db)[:, None]
     l0 = np.clip(_rint(_safe_div(sc, D)), -32, 31)

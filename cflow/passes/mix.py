@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import CflowError
 from ..ir.interp import log_softmax
+from ..layout.blocks import OWN_TYPES
 from ..layout.quant import BLOCK_SIZES, DType, dequantize, dequantize_rows, matrix_bytes
 from ..layout.quantize_blocks import quantize_weighted, weighted_error
 from ..util import prefetch_map, usable_cpus
@@ -38,6 +39,8 @@ from .quantize import F32_SUFFIXES
 # the types a mix chooses from: every block type cflow executes, cheapest first
 CANDIDATES = (DType.Q2_K, DType.Q3_128, DType.Q3_192, DType.Q3_K, DType.IQ4_XS, DType.IQ4_128, DType.IQ4_192, DType.Q4,
               DType.IQ4_NL, DType.Q4_K, DType.Q4_1, DType.Q5_0, DType.Q5_K, DType.Q5_1, DType.Q6_K, DType.Q8)
+# llama.cpp's types only (cflowc --mix-types gguf): a mix a GGUF can hold (GGUF export refuses cflow's own types)
+GGUF_CANDIDATES = tuple(d for d in CANDIDATES if d not in OWN_TYPES)
 DEFAULT_BPW = 4.5
 MEASURE_WORKERS = 4  # threads measuring matrices at once
 
@@ -116,8 +119,13 @@ def measure(graph, weights: Mapping[str, np.ndarray | None], types=CANDIDATES, s
         shape = tuple(t.shape)
         rows = np.unique(np.linspace(0, shape[0] - 1, min(sample_rows, shape[0])).astype(int))
         ws, scale = dequantize_rows(t, rows), shape[0] / rows.size
-        errs = {dt: scale * error_of(n, ws, quantize_one(n, ws, dt, weights, curv), weights, curv)
-                for dt in candidates(shape, types)}
+        errs = {}
+        for dt in candidates(shape, types):
+            try:
+                errs[dt] = scale * error_of(n, ws, quantize_one(n, ws, dt, weights, curv), weights, curv)
+            except ValueError:  # values beyond an own type's 8-bit super-block scale: not a candidate here
+                if dt not in OWN_TYPES:
+                    raise
         if not errs:
             raise CflowError(f"{n}: {shape[1]} inputs per row fit no block type (a multiple of 32 is needed)")
         return errs
@@ -368,7 +376,10 @@ class WeightedQuantized(Mapping):
         dt = self.types.get(name)
         if dt is None:
             return w
-        return quantize_one(name, dequantize(w), dt, self.weights, self.curv)
+        try:
+            return quantize_one(name, dequantize(w), dt, self.weights, self.curv)
+        except ValueError as e:  # an own type's range exceeded by a row the measuring did not sample
+            raise CflowError(f"{name}: {e}") from None
 
     def __iter__(self):
         return iter(self.source)
@@ -386,6 +397,13 @@ def apply_types(graph, types: Mapping[str, DType], weights: Mapping[str, np.ndar
                 report: dict | None = None, curv: Mapping[str, gptq.Curvature] | None = None):
     """A copy of `graph` whose matrices are quantised (lazily, importance-weighted) at `types`, compiled as stored
     (quant "stored"); f16 / f32 types are converted as usual."""
+    for n, dt in types.items():
+        shape = graph.meta.shapes.get(n)
+        if shape is None or len(shape) != 2:
+            raise CflowError(f"{n}: not a matrix of {graph.name}")
+        if dt.quantised and dt not in candidates(shape, (dt,)):
+            raise CflowError(f"{n}: {shape[1]} inputs per row are not whole {dt.gguf_name} blocks of "
+                             f"{BLOCK_SIZES[dt][0]}")
     g = graph.copy()
     stored = {n: DType.F32 for n, s in g.meta.shapes.items() if len(s) == 1 or n.endswith(F32_SUFFIXES)}
     stored.update(types)
@@ -395,9 +413,9 @@ def apply_types(graph, types: Mapping[str, DType], weights: Mapping[str, np.ndar
     return g
 
 
-def auto_mix(graph, budget: float = DEFAULT_BPW, progress=None, sample_rows: int = 256):
+def auto_mix(graph, budget: float = DEFAULT_BPW, progress=None, sample_rows: int = 256, types=CANDIDATES):
     """(graph with each matrix's type chosen within `budget` bits per weight by its unweighted error, the plan):
     `--quant auto` without a calibration text, cflowc's default for a float model and the API's quant="auto"."""
     weights = column_weights(graph, {})
-    plan = plan_mix(graph, measure(graph, weights, sample_rows=sample_rows, progress=progress), budget)
+    plan = plan_mix(graph, measure(graph, weights, types, sample_rows=sample_rows, progress=progress), budget)
     return apply_types(graph, plan.types, weights, {**plan.to_json(), "gptq": False}), plan

@@ -374,7 +374,9 @@ def test_a_mix_of_gguf_block_types_exports_their_bytes(tmp_path):
     assert np.abs(gguf_forward(path, ids) - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
     wide = DENSE.evolve(name="tiny_wide", d_model=128, ffn_dim=128)
     g = build_graph(wide, _weights(wide), name=wide.name)
-    q = M.apply_types(g, {n: DType.IQ4_128 for n in M.matrices(g)}, M.column_weights(g, {}))
+    own = {n: DType.IQ4_128 if s[1] % 128 == 0 else DType.Q4 for n, s in g.meta.shapes.items() if n in M.matrices(g)}
+    assert DType.IQ4_128 in own.values()
+    q = M.apply_types(g, own, M.column_weights(g, {}))
     with pytest.raises(UnsupportedModelError, match="is IQ4_128, a block type of cflow's own"):
         export_gguf(lower(q, "stored").graph, tmp_path / "own.gguf")
     assert not (tmp_path / "own.gguf").exists()

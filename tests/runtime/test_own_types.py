@@ -4,6 +4,7 @@ compiled to a file, loaded with cflow.load, against the interpreter's twin on th
 longer than every token group, then decode)."""
 
 import numpy as np
+import pytest
 
 import cflow
 from cflow.compiler import compile_file
@@ -43,3 +44,31 @@ def test_own_types_run_as_their_twin(tmp_path):
     top2 = np.sort(ref, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 0.1 * ref.std()
     assert np.array_equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the other types' fp16 scales overflow on such values (threads)
+def test_values_beyond_the_range_or_not_finite_are_refused_and_a_mix_passes_the_type_by():
+    """The 8-bit super-block scale reaches 7.5: a matrix with larger values (|x| above 960 at Q3, 30,480 at IQ4) is
+    refused by name, not clipped; a mix measuring it leaves the own types out for that matrix; shapes a type cannot
+    take are refused when the types are applied."""
+    from cflow.errors import CflowError
+    from cflow.layout.quantize_blocks import quantize_weighted
+
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    for dt in OWN_TYPES:
+        cols = 192 if dt in (DType.IQ4_192, DType.Q3_192) else 128
+        assert quantize_weighted(x[:, :cols] * 100, dt).dequantize().any()
+        with pytest.raises(ValueError, match="beyond its 8-bit super-block scale's range"):
+            quantize_weighted(x[:, :cols] * 1e4, dt)
+        bad = x[:, :cols].copy()
+        bad[1, 3] = np.nan
+        with pytest.raises(ValueError, match="finite values only"):
+            quantize_weighted(bad, dt)
+    g = load_graph(str(default_model_dir()))
+    big = "blocks.0.ffn.w_down"
+    g.weights = {**g.weights, big: np.asarray(g.weights[big], np.float32) * 1e7}
+    errs = M.measure(g, M.column_weights(g, {}), sample_rows=16)
+    assert not set(errs[big]) & set(OWN_TYPES) and DType.Q4 in errs[big]
+    assert set(errs["blocks.0.attn.wo"]) & set(OWN_TYPES)
+    with pytest.raises(CflowError, match=r"blocks.0.attn.wq: 128 inputs per row are not whole IQ4_192 blocks"):
+        M.apply_types(g, {"blocks.0.attn.wq": DType.IQ4_192}, {})

@@ -324,8 +324,8 @@ def _block_ggml(name: str, dt: DType):
     """The GGML type id of a GGUF block type; cflow's own types (layout/blocks.py) are refused by name."""
     if dt in OWN_TYPES:
         raise UnsupportedModelError(f"GGUF export: {name} is {dt.gguf_name}, a block type of cflow's own that "
-                                    "llama.cpp cannot read; compile the model with GGUF types (--quant q4 / q8, or "
-                                    "a mix without it) to export it")
+                                    "llama.cpp cannot read; compile the model with llama.cpp's types to export it "
+                                    "(cflowc --mix-types gguf for a mix, or --quant q4 / q8)")
     return getattr(_gguf().GGMLQuantizationType, dt.gguf_name)
 
 
