@@ -74,7 +74,7 @@ def auto_default(model, g, types=None) -> bool:
 
     if is_preset_spec(model) or not float_source(g):
         return False
-    floor = M.smallest_bpw(g, types or M.CANDIDATES)
+    floor = M.smallest_bpw(g, M.auto_types(types))
     return floor is not None and floor <= M.DEFAULT_BPW
 
 
