@@ -41,12 +41,12 @@ CANDIDATES = (DType.Q2_K, DType.Q3_128, DType.Q3_192, DType.Q3_K, DType.IQ4_XS, 
               DType.IQ4_NL, DType.Q4_K, DType.Q4_1, DType.Q5_0, DType.Q5_K, DType.Q5_1, DType.Q6_K, DType.Q8)
 # llama.cpp's types only (cflowc --mix-types gguf): a mix a GGUF can hold (GGUF export refuses cflow's own types)
 GGUF_CANDIDATES = tuple(d for d in CANDIDATES if d not in OWN_TYPES)
-# what a mix without a calibration text (--quant auto, the default for a float model) chooses from: types of 4 bits
-# and more. Its errors are unweighted and uncalibrated across tensors (no probe), so a 3-bit type lands where it
-# costs most: with Q3_128 / Q3_192 among them the bundled model's auto mix had KLD 0.031 against 0.016
-# (docs/quantization.md)
+# what a mix without a calibration text (--quant auto, the default for a float model) chooses from: all but cflow's
+# own 3-bit types. Its errors are unweighted and unprobed, so its allocation is a guess: Q3_128 took the bundled
+# model's untied embedding and doubled the mix's KLD (0.031 against 0.016), where Q2_K on Qwen2.5-Coder-1.5B's
+# untied embedding was the right guess (KLD 0.0077; 0.0142 without the types below 4 bits). docs/quantization.md
 def auto_types(types=None) -> tuple:
-    return tuple(d for d in (types or CANDIDATES) if BLOCK_SIZES[d][1] * 8 >= 4 * BLOCK_SIZES[d][0])
+    return tuple(d for d in (types or CANDIDATES) if d not in (DType.Q3_128, DType.Q3_192))
 
 
 DEFAULT_BPW = 4.5
@@ -424,7 +424,7 @@ def apply_types(graph, types: Mapping[str, DType], weights: Mapping[str, np.ndar
 def auto_mix(graph, budget: float = DEFAULT_BPW, progress=None, sample_rows: int = 256, types=CANDIDATES):
     """(graph with each matrix's type chosen within `budget` bits per weight by its unweighted error, the plan):
     `--quant auto` without a calibration text, cflowc's default for a float model and the API's quant="auto"; of
-    `types`, those of 4 bits and more (auto_types)."""
+    `types`, those auto_types keeps."""
     weights = column_weights(graph, {})
     plan = plan_mix(graph, measure(graph, weights, auto_types(types), sample_rows=sample_rows, progress=progress),
                     budget)
