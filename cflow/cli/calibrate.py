@@ -25,8 +25,9 @@ def add_args(p) -> None:
     from . import whole
 
     p.add_argument("--bpw", type=_bpw, default=None, metavar="BITS",
-                   help="bits-per-weight budget: choose each matrix's type (every block type cflow runs) to minimise "
-                   "the importance-weighted error within it; implies --quant auto (default: none; auto's is 4.5)")
+                   help="bits-per-weight budget: choose each matrix's type (every block type cflow runs; without "
+                   "--imatrix TEXT all but its own 3-bit ones) to minimise the importance-weighted error within it; "
+                   "implies --quant auto (default: none; auto's is 4.5)")
     p.add_argument("--imatrix", metavar="TEXT|FILE", default=None,
                    help="importance matrix: a text file to collect it from, or a saved one (llama.cpp's .dat or "
                    "GGUF imatrix, by suffix .dat/.imatrix/.gguf); weighs every block's fit (default: none, "
@@ -39,8 +40,8 @@ def add_args(p) -> None:
                    help="calibration chunks to run at most (default: every whole chunk of the text)")
     p.add_argument("--mix-types", choices=("all", "gguf"), default="all",
                    help="the block types a mix (--bpw, --quant auto) chooses from: every type cflow runs, its own "
-                   "128/192-input ones included, or llama.cpp's only, so that the file can be exported as a GGUF "
-                   "(default: all)")
+                   "128/192-input ones included (without a calibration text, all but its own 3-bit ones), or "
+                   "llama.cpp's only, so that the file can be exported as a GGUF (default: all)")
     p.add_argument("--no-gptq", action="store_true",
                    help="fit each block alone, importance-weighted (default: with --imatrix TEXT, each block's "
                    "error is fed forward onto the inputs not yet quantised, GPTQ)")
@@ -169,6 +170,11 @@ def calibrate(args, g):
     mixed = args.quant == "auto" or args.bpw is not None
     budget = args.bpw if args.bpw is not None else M.DEFAULT_BPW
     if mixed and im is None:  # no importance matrix: each matrix's unweighted error (auto_mix weighs the columns)
+        low, full = M.smallest_bpw(g, M.auto_types(mix_types(args))), M.smallest_bpw(g, mix_types(args))
+        if low is not None and full is not None and full <= budget < low:
+            raise CflowError(f"--bpw {budget:g}: without a calibration text the smallest type mix of {g.name} is "
+                             f"{low:.3f} bits per weight (cflow's 3-bit types are left out: with no probe their "
+                             f"placement is a guess); with --imatrix TEXT it is {full:.3f}")
         out, plan = M.auto_mix(g, budget, progress=_progress("measuring"), types=mix_types(args))
         _print_plan(plan, g, budget, getattr(args, "auto_default", False))
         return out

@@ -364,6 +364,15 @@ def _k_symmetric(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return _assemble(dt, {"scales": scales, "d": _bytes16(d), **code_fields(dt, u)})
 
 
+class OwnRangeError(ValueError):
+    """Values one of cflow's own types cannot hold (beyond its 8-bit super-block scale's range, or not finite)."""
+
+
+def own_limit(dt: DType) -> float:
+    """The largest |x| one of cflow's own types holds: the E5M3 scale's top times 32 times the largest code."""
+    return E5M3_MAX * 32 * (127 if FORMATS[dt].signed else 4)
+
+
 def _own(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """cflow's own types (blocks.py): x, w [N, qk] -> the blocks [N, nbytes]. Each 32-input sub-block's scale from
     the type's search (the IQ4 code book, or symmetric 3-bit codes), then the smallest E5M3 super-block scale D at
@@ -371,17 +380,19 @@ def _own(dt: DType, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     it, its codes refit at each."""
     N, qk = x.shape
     if not np.isfinite(x).all():
-        raise ValueError(f"{dt.gguf_name} takes finite values only")
+        raise OwnRangeError(f"{dt.gguf_name} takes finite values only")
+    big = float(np.abs(x).max()) if x.size else 0.0
+    if big > own_limit(dt):
+        raise OwnRangeError(f"{dt.gguf_name}: a value of {big:.4g} is beyond its 8-bit super-block scale's range "
+                            f"(|x| up to {own_limit(dt):.0f})")
     ns = qk // 32
     book = FORMATS[dt].signed
     xs, ws = x.reshape(N * ns, 32), w.reshape(N * ns, 32)
     sc = (_codebook(xs, ws) if book else _symmetric(xs, ws, 4)[0]).reshape(N, ns)
     # D: the smallest E5M3 value at which every sub-block scale rounds into -32..31 (a positive one needs sc / 31)
-    need = np.where(sc < 0, -sc / np.float32(32), sc / np.float32(31)).max(1)
-    if (need > E5M3_MAX).any():
-        big = float(np.abs(x).max())
-        raise ValueError(f"{dt.gguf_name}: a value of {big:.4g} is beyond its 8-bit super-block scale's range "
-                         f"(|x| up to about {E5M3_MAX * 32 * (127 if book else 4):.0f})")
+    # (values within own_limit can still ask for a larger D, a fit whose peak code is not the extreme one: the top
+    # value then, the sub-block's scale clipped and its codes refit below)
+    need = np.minimum(np.where(sc < 0, -sc / np.float32(32), sc / np.float32(31)).max(1), np.float32(E5M3_MAX))
     db = e5m3_ceil(need)
     D = e5m3_value(db)[:, None]
     l0 = np.clip(_rint(_safe_div(sc, D)), -32, 31)

@@ -31,7 +31,7 @@ from ..errors import CflowError
 from ..ir.interp import log_softmax
 from ..layout.blocks import OWN_TYPES
 from ..layout.quant import BLOCK_SIZES, DType, dequantize, dequantize_rows, matrix_bytes
-from ..layout.quantize_blocks import quantize_weighted, weighted_error
+from ..layout.quantize_blocks import OwnRangeError, own_limit, quantize_weighted, weighted_error
 from ..util import prefetch_map, usable_cpus
 from . import gptq
 from .quantize import F32_SUFFIXES
@@ -127,13 +127,17 @@ def measure(graph, weights: Mapping[str, np.ndarray | None], types=CANDIDATES, s
         shape = tuple(t.shape)
         rows = np.unique(np.linspace(0, shape[0] - 1, min(sample_rows, shape[0])).astype(int))
         ws, scale = dequantize_rows(t, rows), shape[0] / rows.size
+        # an own type holds values up to own_limit: a float matrix is checked whole (cheap), a stored one on its
+        # sampled rows (a row beyond it elsewhere fails by name when the file is written)
+        top = float(np.abs(t).max()) if isinstance(t, np.ndarray) and t.size else 0.0
         errs = {}
         for dt in candidates(shape, types):
+            if dt in OWN_TYPES and not top <= own_limit(dt):
+                continue
             try:
                 errs[dt] = scale * error_of(n, ws, quantize_one(n, ws, dt, weights, curv), weights, curv)
-            except ValueError:  # values beyond an own type's 8-bit super-block scale: not a candidate here
-                if dt not in OWN_TYPES:
-                    raise
+            except OwnRangeError:  # values an own type cannot hold: not a candidate here
+                pass
         if not errs:
             raise CflowError(f"{n}: {shape[1]} inputs per row fit no block type (a multiple of 32 is needed)")
         return errs
@@ -386,8 +390,8 @@ class WeightedQuantized(Mapping):
             return w
         try:
             return quantize_one(name, dequantize(w), dt, self.weights, self.curv)
-        except ValueError as e:  # an own type's range exceeded by a row the measuring did not sample
-            raise CflowError(f"{name}: {e}") from None
+        except OwnRangeError as e:  # an own type's range exceeded by a row the measuring did not sample
+            raise CflowError(f"{name}: {e}; compile with --mix-types gguf to leave cflow's own types out") from e
 
     def __iter__(self):
         return iter(self.source)

@@ -52,6 +52,7 @@ def test_values_beyond_the_range_or_not_finite_are_refused_and_a_mix_passes_the_
     refused by name, not clipped; a mix measuring it leaves the own types out for that matrix; shapes a type cannot
     take are refused when the types are applied."""
     from cflow.errors import CflowError
+    from cflow.layout import quantize_blocks as QB
     from cflow.layout.quantize_blocks import quantize_weighted
 
     x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
@@ -60,6 +61,9 @@ def test_values_beyond_the_range_or_not_finite_are_refused_and_a_mix_passes_the_
         assert quantize_weighted(x[:, :cols] * 100, dt).dequantize().any()
         with pytest.raises(ValueError, match="beyond its 8-bit super-block scale's range"):
             quantize_weighted(x[:, :cols] * 1e4, dt)
+        edge = x[:, :cols].copy()  # one value just inside the range, the rest small: held, not refused
+        edge[0, 0] = -0.99 * QB.own_limit(dt)
+        assert abs(quantize_weighted(edge, dt).dequantize()[0, 0] - edge[0, 0]) < 0.05 * abs(edge[0, 0])
         bad = x[:, :cols].copy()
         bad[1, 3] = np.nan
         with pytest.raises(ValueError, match="finite values only"):
