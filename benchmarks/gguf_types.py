@@ -48,14 +48,7 @@ def _matrix(dt: DType, tile):
     rng = np.random.default_rng(0)
     cols, tile = geometry(dt, tile)
     if dt in B.FORMATS:
-        fmt = B.FORMATS[dt]
-        raw = rng.integers(0, 256, (ROWS, cols // fmt.qk, fmt.nbytes), dtype=np.uint8)
-        sl = fmt.field_slices()
-        for name in fmt.f16_scales:
-            raw[..., sl[name]] = np.full((ROWS, cols // fmt.qk, 1), 1e-3, np.float16).view(np.uint8)
-        if dt in B.OWN_TYPES:  # the E5M3 super-block scale, the scales word's top byte
-            raw[..., sl["scales"].stop - 1] = B.e5m3_ceil(np.float32(1e-3 / 32))
-        w = B.BlockTensor(dt, ROWS, cols, raw.reshape(ROWS, -1))
+        w = B.random_blocks(dt, ROWS, cols, rng)
     else:
         w = quantize(rng.standard_normal((ROWS, cols)).astype(np.float32) * 0.05, dt)
     return pack(w, dt, tile)

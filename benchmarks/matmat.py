@@ -26,7 +26,7 @@ from cflow.codegen import kernels as K
 from cflow.codegen.library import Library
 from cflow.codegen.target import FORCE_FEATURES, ISA, cpu_model, host_target
 from cflow.layout import tile as T
-from cflow.layout.blocks import FORMATS, BlockTensor
+from cflow.layout.blocks import FORMATS, random_blocks
 from cflow.layout.quant import DType
 from cflow.layout.tile import TileLayout
 
@@ -48,13 +48,7 @@ def parse_variants(text: str) -> dict[str, dict]:
 def weights(dtype: DType, rows: int, cols: int, rng) -> np.ndarray:
     """A packed tile stream of random weights (random block bytes, scales of order 1/sqrt(cols), for a block type)."""
     if dtype in FORMATS:
-        fmt = FORMATS[dtype]
-        raw = rng.integers(0, 256, (rows, cols // fmt.qk, fmt.nbytes), dtype=np.uint8)
-        sl = fmt.field_slices()
-        for name in fmt.f16_scales:
-            v = (rng.uniform(0.5, 1.5, raw.shape[:2]) * 1e-3).astype(np.float16)
-            raw[..., sl[name]] = v.view(np.uint8).reshape(*raw.shape[:2], 2)
-        return T.pack(BlockTensor(dtype, rows, cols, raw.reshape(rows, -1)), dtype, TILE)
+        return T.pack(random_blocks(dtype, rows, cols, rng, 1e-3, jitter=0.5), dtype, TILE)
     w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
     return T.pack(w, dtype, TILE)
 

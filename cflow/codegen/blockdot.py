@@ -85,7 +85,11 @@ class Decoder:
         return self._cache[key]
 
     def u16(self, field: str):
-        return self.b.zext(load(self.b, self.g, self.offs[field], V(i16, 16)), VI)
+        """A 2-byte integer field of the 16 rows as <16 x i32>."""
+        key = (field, "u16")
+        if key not in self._cache:
+            self._cache[key] = self.b.zext(load(self.b, self.g, self.offs[field], V(i16, 16)), VI)
+        return self._cache[key]
 
     # small idioms on <16 x i32>
     def shr(self, v, n: int):
@@ -272,11 +276,8 @@ class _IQ4XS(Decoder):
 
     def scales(self, j):
         b = self.b
-        key = ("sh",)
-        if key not in self._cache:
-            self._cache[key] = self.u16("scales_h")
         lo = self.mask(self.shr(self.word("scales_l", 0), 4 * j), 0xF)
-        hi = b.shl(self.mask(self.shr(self._cache[key], 2 * j), 3), _k(4))
+        hi = b.shl(self.mask(self.shr(self.u16("scales_h"), 2 * j), 3), _k(4))
         return [(b.fmul(self.f16("d"), self.to_float(b.sub(b.or_(lo, hi), _k(32)))), None)]
 
 
@@ -297,15 +298,9 @@ class _IQ4Super(_IQ4XS):
         if "scales_h" not in self.offs:  # four sub-blocks: the high 2 bits above the low nibbles
             hi = self.shr(w, 16 + 2 * j)
         else:
-            hi = self.shr(self.u16_cached("scales_h"), 2 * j)
+            hi = self.shr(self.u16("scales_h"), 2 * j)
         sc = b.sub(b.or_(lo, b.shl(self.mask(hi, 3), _k(4))), _k(32))
         return [(b.fmul(self._cache[("D",)], self.to_float(sc)), None)]
-
-    def u16_cached(self, field: str):
-        key = (field, "u16")
-        if key not in self._cache:
-            self._cache[key] = self.u16(field)
-        return self._cache[key]
 
 
 class _Q3Super(_IQ4Super):

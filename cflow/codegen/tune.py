@@ -305,16 +305,10 @@ def _weights(layout, gate_up: bool, nbytes: int, seed: int = 0, phase: int = 0):
 
 
 def _random_blocks(layout, rng):
-    """One tile-row of random blocks of a GGUF block type (every field random but the fp16 scales, ~1e-3)."""
-    from ..layout.blocks import BlockTensor
+    """One tile-row of random blocks of a GGUF block type (every field random but the whole-block scales, ~1e-3)."""
+    from ..layout.blocks import random_blocks
 
-    fmt = layout.format
-    nb = layout.cols_p // fmt.qk
-    raw = rng.integers(0, 256, (layout.tr, nb, fmt.nbytes), dtype=np.uint8)
-    sl = fmt.field_slices()
-    for name in fmt.f16_scales:
-        raw[..., sl[name]] = np.full((layout.tr, nb, 1), 1e-3, np.float16).view(np.uint8)
-    return BlockTensor(layout.dtype, layout.tr, layout.cols_p, raw.reshape(layout.tr, -1))
+    return random_blocks(layout.dtype, layout.tr, layout.cols_p, rng)
 
 
 class WeightSet:

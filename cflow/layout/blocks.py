@@ -127,6 +127,7 @@ FORMATS: dict[DType, BlockFormat] = {f.dtype: f for f in (
     _fmt(DType.Q3_192, 192, [("scales", 4), ("scales_h", 2), ("qh", 24), ("qs", 48)], 32, 4, umax=7,
          f16_scales=()),
 )}
+BLOCK_TYPES = tuple(FORMATS)
 # cflow's own block types (module docstring): no GGUF counterpart
 OWN_TYPES = (DType.IQ4_128, DType.IQ4_192, DType.Q3_128, DType.Q3_192)
 E5M3_EXP = 98  # float32 exponent field of an E5M3 super-block scale at e = 0 (module docstring)
@@ -146,7 +147,6 @@ def e5m3_ceil(d: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(d).view(np.uint32).astype(np.int64)
     b = np.clip(((bits + (1 << 20) - 1) >> 20) - (E5M3_EXP << 3), 8, 255)  # rounding the float's bits up
     return np.where(d > 0, b, 0).astype(np.uint8)
-BLOCK_TYPES = tuple(FORMATS)
 
 
 def is_block_type(dtype) -> bool:
@@ -209,6 +209,23 @@ class BlockTensor:
                 raise ValueError(f"{self.dtype.label}: scaling by {s} overflows an fp16 '{name}' field")
             blocks[..., sl[name]] = h.view(np.uint8).reshape(blocks[..., sl[name]].shape)
         return BlockTensor(self.dtype, self.rows, self.cols, blocks.reshape(self.rows, -1))
+
+
+def random_blocks(dtype: DType, rows: int, cols: int, rng, scale: float = 1e-3, jitter: float = 0.0) -> BlockTensor:
+    """Random block bytes (every code pattern) whose whole-block scales are about `scale`: the fp16 ones `scale`
+    times uniform(1 - jitter, 1 + jitter), an own type's E5M3 super-block scale scale / 32 (its 6-bit sub-block
+    scales random). The weights of the tuner's and the benchmarks' timed kernels, whose values never matter but
+    whose magnitudes must stay finite and ordinary."""
+    fmt = FORMATS[dtype]
+    nb = cols // fmt.qk
+    raw = rng.integers(0, 256, (rows, nb, fmt.nbytes), dtype=np.uint8)
+    sl = fmt.field_slices()
+    for name in fmt.f16_scales:
+        v = scale * (rng.uniform(1 - jitter, 1 + jitter, (rows, nb)) if jitter else np.ones((rows, nb)))
+        raw[..., sl[name]] = v.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    if dtype in OWN_TYPES:  # the scales word's top byte
+        raw[..., sl["scales"].stop - 1] = e5m3_ceil(np.float32(scale / 32))
+    return BlockTensor(dtype, rows, cols, raw.reshape(rows, -1))
 
 
 # --- the NumPy twin ------------------------------------------------------------------------------------------

@@ -129,10 +129,12 @@ def measure(graph, weights: Mapping[str, np.ndarray | None], types=CANDIDATES, s
         ws, scale = dequantize_rows(t, rows), shape[0] / rows.size
         # an own type holds values up to own_limit: a float matrix is checked whole (cheap), a stored one on its
         # sampled rows (a row beyond it elsewhere fails by name when the file is written)
-        top = float(np.abs(t).max()) if isinstance(t, np.ndarray) and t.size else 0.0
+        kinds = candidates(shape, types)
+        own = [dt for dt in kinds if dt in OWN_TYPES]
+        top = float(np.abs(t).max()) if own and isinstance(t, np.ndarray) and t.size else 0.0
         errs = {}
-        for dt in candidates(shape, types):
-            if dt in OWN_TYPES and not top <= own_limit(dt):
+        for dt in kinds:
+            if dt in own and not top <= own_limit(dt):
                 continue
             try:
                 errs[dt] = scale * error_of(n, ws, quantize_one(n, ws, dt, weights, curv), weights, curv)
