@@ -1,7 +1,7 @@
 """Each GGUF block type's decode mat-vec against the machine's read bandwidth, Q4_0 as the yardstick, one run.
 
     python -m benchmarks.gguf_types [--threads 1,2] [--rounds 3] [--set-gb 1.5] [--types Q4_0,Q4_K,...]
-                                    [--tune] [--activations q8,q8x2] [--json [FILE]]
+                                    [--tune] [--activations q8,q8x2] [--loops builtin|unit,group] [--json [FILE]]
 
 For every type: TinyLlama's down projection shape (2048 outputs x 5632 inputs; IQ4_NL and the legacy types the
 same; cflow's IQ4_192 5760 inputs in 192-column tiles, as a model of 576-wide rows compiles) of random
@@ -13,6 +13,9 @@ loop (codegen/bandwidth) and then each type, back to back, so all see the same m
 Printed: GB/s, the fraction of read bandwidth, and that fraction over Q4_0's (the target: >= 1). --activations
 q8,q8x2 times the 32-input types also with two-plane activations (load(activations='q8x2'): the same weights, the
 kernel's two dots per chunk; in the same rounds), each as a fraction of read and over Q4_0's with int8.
+--loops unit,group times every type with each loop kind of the kernel (emit_matvec's group_loop 0 and 1) in the
+same rounds, Q4_0's ratio taken from its built-in kind; a small --set-gb (0.006: one copy, within the L2 and L3
+caches) times the kernels' arithmetic rather than the memory's.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from cflow.layout.tile import TileLayout, aligned_empty, pack
 
 ROWS, COLS = 2048, 5632
 TYPES = [DType.Q4, DType.Q8, *B.FORMATS]
+LOOPS = {"builtin": {}, "unit": {"group_loop": 0}, "group": {"group_loop": 1}}
 
 
 def geometry(dt: DType, tile) -> tuple[int, tuple[int, int]]:
@@ -55,10 +59,11 @@ def _matrix(dt: DType, tile):
 
 
 class Case:
-    def __init__(self, dt: DType, tile, set_bytes: float, knobs: dict, planes: int = 1, twin: Case | None = None):
+    def __init__(self, dt: DType, tile, set_bytes: float, knobs: dict, planes: int = 1, twin: Case | None = None,
+                 suffix: str = ""):
         cols, tile = geometry(dt, tile)
         self.dt, self.layout, self.planes = dt, TileLayout(dt, ROWS, cols, tile), planes
-        self.label = dt.gguf_name + (" q8x2" if planes == 2 else "")
+        self.label = dt.gguf_name + (" q8x2" if planes == 2 else "") + suffix
         self.mv = K.MatVec(self.layout, planes=planes, **knobs)
         if twin is not None:  # a two-plane case streams its one-plane twin's copies
             self.n, self.buf = twin.n, twin.buf
@@ -100,7 +105,10 @@ def main(argv=None) -> int:
     ap.add_argument("--activations", default="q8",
                     help="comma list of activation formats: q8 (int8), q8x2 (two planes: the 32-input types only) "
                     "(default q8)")
-    add_json_argument(ap, "write one record per thread count, block type and activation format")
+    ap.add_argument("--loops", default="builtin",
+                    help="the kernel's loop kind: builtin (its default on this ISA path), or unit and / or group "
+                         "to time each (default builtin)")
+    add_json_argument(ap, "write one record per thread count, block type, activation format and loop kind")
     args = ap.parse_args(argv)
     run = Run("gguf_types", argv)
     tile = tuple(int(v) for v in args.tile.split("x"))
@@ -110,6 +118,9 @@ def main(argv=None) -> int:
     formats = [f for f in args.activations.split(",") if f]
     if not formats or any(f not in ("q8", "q8x2") for f in formats):
         ap.error(f"--activations: q8 and / or q8x2, not {args.activations!r}")
+    loops = [k for k in args.loops.split(",") if k]
+    if not loops or any(k not in LOOPS for k in loops) or ("builtin" in loops and len(loops) > 1):
+        ap.error(f"--loops: builtin, or unit and / or group, not {args.loops!r}")
     cases = []
     for dt in types:
         knobs = {}
@@ -126,10 +137,13 @@ def main(argv=None) -> int:
             planes = act_planes(f, [dt])
             if f == "q8x2" and planes == 1:
                 continue  # a K-quant: int8 under either format
-            c = twin = Case(dt, tile, args.set_gb * 1e9, knobs, planes, twin)
-            c.run(threads[0])  # page in, warm the code
-            cases.append(c)
-            print(f"{c.label:12s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {knobs}", file=sys.stderr)
+            for kind in loops:
+                kn = {**knobs, **LOOPS[kind]}
+                c = twin = Case(dt, tile, args.set_gb * 1e9, kn, planes, twin,
+                                "" if kind == "builtin" else f" {kind}")
+                c.run(threads[0])  # page in, warm the code
+                cases.append(c)
+                print(f"{c.label:16s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {kn}", file=sys.stderr)
     records = []
     print(f"cpu: {cpu_model()}  isa: {target.isa}  {ROWS}x{COLS} per matrix (a 192-input type: {ROWS}x"
           f"{geometry(DType.IQ4_192, tile)[0]}), {args.set_gb} GB per type, best of "
@@ -141,21 +155,24 @@ def main(argv=None) -> int:
             best["read"] = max(best.get("read", 0), bw)
             for c in cases:
                 best[c.label] = max(best.get(c.label, 0), c.run(n))
-        q4 = best.get("Q4_0", 0) / best["read"] if "Q4_0" in best else None
+        q4_label = "Q4_0" if "builtin" in loops else "Q4_0 unit"  # the unit loop: Q4_0's kind on every path
+        q4 = best[q4_label] / best["read"] if q4_label in best else None
         print(f"\n{n} thread(s): read bandwidth {best['read']:.2f} GB/s")
-        print(f"{'type':12} {'bits/w':>6} {'GB/s':>7} {'of read':>8} {'/ Q4_0':>7}")
+        print(f"{'type':16} {'bits/w':>6} {'GB/s':>7} {'of read':>8} {'/ Q4_0':>7}")
         for c in cases:
             frac = best[c.label] / best["read"]
             bits = 8 * c.layout.unit_nbytes / c.layout.tr / c.layout.unit_cols
-            print(f"{c.label:12} {bits:6.2f} {best[c.label]:7.2f} {frac:8.1%} "
+            print(f"{c.label:16} {bits:6.2f} {best[c.label]:7.2f} {frac:8.1%} "
                   f"{frac / q4 if q4 else float('nan'):7.3f}")
+            variant = ", ".join(v for v in ("activations q8x2" if c.planes == 2 else "",
+                                            c.label.rsplit(" ", 1)[1] + " loop" if c.label.endswith(("unit", "group"))
+                                            else "") if v)
             records.append(run.record(engine="mat-vec", model=f"{ROWS}x{c.layout.cols}", quant=c.dt.gguf_name,
-                                      threads=n,
-                                      variant="activations q8x2" if c.planes == 2 else None,
+                                      threads=n, variant=variant or None,
                                       read_gbs=best["read"], gbps=best[c.label],
                                       of_read=frac, over_q4_0=frac / q4 if q4 else None, bits_per_weight=bits,
                                       knobs=c.knobs, copies=c.n))
-    run.write(args.json, records, {"tile": list(tile), "set_gb": args.set_gb, "tuned": args.tune})
+    run.write(args.json, records, {"tile": list(tile), "set_gb": args.set_gb, "tuned": args.tune, "loops": loops})
     return 0
 
 

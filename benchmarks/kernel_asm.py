@@ -1,8 +1,10 @@
 """Instructions per 64-byte line of weights in the mat-vec kernel's inner loop, from the JIT's own assembly.
 
-    python -m benchmarks.kernel_asm [--cols 5632] [--knobs unroll=1,prefetch=4608]
+    python -m benchmarks.kernel_asm [--cols 5632] [--knobs unroll=1,prefetch=4608] [--types q4,q8,Q4_K,IQ4_192]
 
-Builds the decode mat-vec (codegen.kernels.emit_matvec, this host's ISA) for Q4 and Q8 with the given knobs
+Builds the decode mat-vec (codegen.kernels.emit_matvec, this host's ISA or the one CFLOW_FEATURES leaves) for
+each type (default Q4 and Q8; GGUF block types and cflow's own by name, 192-input types 5760 columns in
+192-column tiles) with its built-in knobs on this path (codegen.tune.default_for) and the given ones over them,
 through codegen.library.Library (the optimisation pipeline the runtime uses), takes the optimised module's
 assembly, finds the loop over block units (the largest basic block that jumps back: one iteration = `unroll`
 units, or with group_loop one 16-row group of one unit) and prints its instruction count, the count per
@@ -24,7 +26,7 @@ from cflow.codegen import tune
 from cflow.codegen.bandwidth import CHUNK, read_kernel_module
 from cflow.codegen.library import Library
 from cflow.codegen.target import cpu_model, host_target
-from cflow.layout.quant import DType
+from cflow.layout.quant import BLOCK_SIZES, DType
 from cflow.layout.tile import TileLayout
 
 
@@ -59,28 +61,38 @@ def count(module: ir.Module, target) -> list[str]:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cols", type=int, default=5632)
-    ap.add_argument("--knobs", default="", help="K=V,... over codegen.tune.DEFAULT (e.g. unroll=1,prefetch=4608)")
+    ap.add_argument("--knobs", default="",
+                    help="K=V,... over each type's built-in knobs (e.g. unroll=1,prefetch=4608; default none)")
+    ap.add_argument("--types", default="q4,q8", help="kernels to count (default q4,q8)")
     add_json_argument(ap, "write one record per kernel (a static count: tok_s is null)")
     args = ap.parse_args(argv)
     run = Run("kernel_asm", argv)
-    knobs = dict(tune.DEFAULT)
+    given = {}
     for kv in filter(None, args.knobs.split(",")):
         k, _, v = kv.partition("=")
         if k not in tune.KNOBS:
             ap.error(f"--knobs: {k!r} is not one of {', '.join(tune.KNOBS)}")
-        knobs[k] = int(v)
+        given[k] = int(v)
+    try:
+        types = [DType.parse(t) for t in args.types.split(",") if t]
+    except (KeyError, ValueError) as e:
+        ap.error(f"--types: {e}")
     target = host_target()
-    print(f"# {cpu_model()}; {target.isa}; knobs {tune.label(knobs)}; {args.cols} columns, 128x256 tiles")
+    print(f"# {cpu_model()}; {target.isa}; knobs {given or 'built-in'}; {args.cols} columns, 128x256 tiles")
     rows = []
-    for dt in (DType.Q4, DType.Q8):
-        L = TileLayout(dt, 128, args.cols)
+    for dt in types:
+        qk = BLOCK_SIZES[dt][0]
+        cols = -(-args.cols // qk) * qk
+        L = TileLayout(dt, 128, cols, (128, 256) if 256 % qk == 0 else (128, qk))
+        knobs = {**tune.default_for(L, target.isa), **given}
         m = ir.Module(name="asm")
         K.emit_matvec(m, "mv", L, target.isa, **knobs)
         ops = count(m, target)
-        unroll = K._pick_unroll(L.cols_p // 32, knobs["unroll"])
+        unroll = K._pick_unroll(L.n_units, 1 if L.is_block_type else knobs["unroll"])
         # a group loop's iteration is one 16-row group of one unit; otherwise `unroll` whole units
         lines = (L.unit_nbytes / L.groups_per_tile if knobs["group_loop"] else unroll * L.unit_nbytes) / 64
-        rows.append({"kernel": dt.label, "instructions": len(ops), "lines": lines, "per_line": len(ops) / lines,
+        rows.append({"kernel": dt.gguf_name if L.is_block_type else dt.label, "knobs": tune.label(knobs),
+                     "instructions": len(ops), "lines": lines, "per_line": len(ops) / lines,
                      "top": collections.Counter(ops).most_common(8)})
     ops = count(read_kernel_module(), target)
     n = CHUNK / 64
@@ -89,11 +101,12 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         top = ", ".join(f"{op} {n}" for op, n in r["top"])
         print(f"{r['kernel']:<10} {r['instructions']:4d} instructions per iteration of {r['lines']:g} lines = "
-              f"{r['per_line']:.1f} per 64-byte line   ({top})")
+              f"{r['per_line']:.1f} per 64-byte line   [{r.get('knobs', '')}] ({top})")
     loop = "read loop"
     run.write(args.json, [run.record(engine=loop if r["kernel"] == loop else "mat-vec", model=f"128x{args.cols}",
-                                     quant=None if r["kernel"] == loop else r["kernel"], variant=tune.label(knobs),
-                                     **r) for r in rows])
+                                     quant=None if r["kernel"] == loop else r["kernel"], variant=r.get("knobs"),
+                                     **{k: v for k, v in r.items() if k != "knobs"})
+                          for r in rows])
     return rows
 
 

@@ -376,7 +376,9 @@ def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int):
             for c in cs:
                 w = shuffle(b, chunks[c], range(h * 32, h * 32 + 32))
                 a = _act4(b, aptr, 4 * c, 8)
-                p = b.call(mad, [b.call(absb, [w, ir.Constant(i1, 0)]), b.call(sign, [a, w])]) if signed else \
+                # signed codes: |a| . (w with a's sign): the activation's abs is shared by every row group of the
+                # unit (one per chunk), where |w| . (a with w's sign) costs an abs per group
+                p = b.call(mad, [b.call(absb, [a, ir.Constant(i1, 0)]), b.call(sign, [w, a])]) if signed else \
                     b.call(mad, [w, a])
                 s16 = p if s16 is None else b.add(s16, p)
                 n += 1

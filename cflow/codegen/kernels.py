@@ -310,6 +310,22 @@ def default_prefetch(L: TileLayout) -> int:
     return L.unit_nbytes if L.is_block_type else DEFAULT_PREFETCH
 
 
+# The block types whose built-in loop is the group loop, per 256-bit ISA path (default_group_loop): those it
+# streamed faster from DRAM at 1 and 2 threads with each path forced on an AMX Xeon (`python -m benchmarks.gguf_types
+# --loops unit,group`, docs/quantization.md "Decode speed"): Q2_K, Q3_K, Q5_K and Q6_K by 10-40% on both paths (a
+# unit of 256 inputs in eight 16-row groups does not fit the 16 vector registers), on AVX2 also IQ4_192, Q3_192 and
+# Q5_1 (3-13%), on AVX-VNNI also Q4_K and Q3_128 (1-14%). Q4_K and IQ4_XS on AVX2, the IQ4 types on AVX-VNNI and
+# every type on AVX-512 (0.8-0.9x from DRAM there) stream as fast or faster in the unit loop; `cflow tune` tries both.
+_K_WIDE = frozenset({DType.Q2_K, DType.Q3_K, DType.Q5_K, DType.Q6_K})
+GROUP_LOOP_TYPES = {ISA.AVX2: _K_WIDE | {DType.IQ4_192, DType.Q3_192, DType.Q5_1},
+                    ISA.AVXVNNI: _K_WIDE | {DType.Q4_K, DType.Q3_128}}
+
+
+def default_group_loop(L: TileLayout, isa) -> int:
+    """The built-in loop kind (emit_matvec's group_loop) of a layout on an ISA path: GROUP_LOOP_TYPES."""
+    return int(L.dtype in GROUP_LOOP_TYPES.get(_check_isa(isa), ()))
+
+
 def _check_isa(isa: str) -> ISA:
     return ISA.parse(isa)
 
@@ -458,7 +474,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
                 max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int | None = None,
                 prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
                 act: str = "silu", vector_bits: int = 0, unpack: int = 0, prefetch_stride: int = 64,
-                group_loop: int = 0, planes: int = 1) -> ir.Function:
+                group_loop: int | None = None, planes: int = 1) -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
@@ -478,15 +494,15 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
             one line per unit, a hint to the hardware prefetchers rather than a fetch of every line).
         group_loop: 1 = one 16-row group of one unit per loop iteration (_emit_group_loop: a short loop body;
             max_groups and unroll do not apply, prefetch_stride counts within a group); 0 = every group of
-            `unroll` units per iteration, groups in passes of max_groups. (For the GGUF block types the group loop
-            ran 1.1-1.3x faster from L2 but 0.8-0.9x from DRAM on an AMX Xeon: the unit loop stays the default,
-            the tuner tries both.)
+            `unroll` units per iteration, groups in passes of max_groups; None: default_group_loop (the tuner
+            tries both).
         planes: the activation's int8 planes (emit_quantize_act): 2 for quant.TWO_PLANE_TYPES only.
     """
     isa = _check_isa(isa)
     _check_act(act)
     _check_layout_planes(layout, planes)
     prefetch = default_prefetch(layout) if prefetch is None else prefetch
+    group_loop = default_group_loop(layout, isa) if group_loop is None else group_loop
     if vector_bits not in (0, 256, 512):
         raise CodegenError(f"matvec: vector_bits must be 0, 256 or 512, not {vector_bits}")
     if vector_bits == 256 and isa == ISA.AVX512VNNI:

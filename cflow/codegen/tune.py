@@ -67,10 +67,11 @@ DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
 SEEDS = (DEFAULT, {**DEFAULT, "group_loop": 1})
 
 
-def default_for(layout) -> dict:
-    """The kernel's built-in knobs for a layout (DEFAULT, with the prefetch distance one unit ahead for a GGUF block
-    type: kernels.default_prefetch)."""
-    return {**DEFAULT, "prefetch": K.default_prefetch(layout)}
+def default_for(layout, isa) -> dict:
+    """The kernel's built-in knobs for a layout on an ISA path (DEFAULT, with the prefetch distance one unit ahead
+    for a GGUF block type, kernels.default_prefetch, and the loop kind of kernels.default_group_loop)."""
+    return _normal({**DEFAULT, "prefetch": K.default_prefetch(layout),
+                    "group_loop": K.default_group_loop(layout, isa)})
 # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent; 4: group_loop; 5: a descent per loop
 # kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache;
 # 6: a quarter and half a unit; 7: a GGUF block type's default prefetch one unit ahead (older tables: searched again)
@@ -138,7 +139,7 @@ def neighbours(cur: dict, layout, isa: str | None = None) -> list[dict]:
 
 def candidates(layout, isa: str | None = None) -> list[dict]:
     """The first pass of the search: the default, then each one-knob change of it."""
-    return neighbours(default_for(layout), layout, isa)
+    return neighbours(default_for(layout, isa or "generic"), layout, isa)
 
 
 def label(knobs: dict) -> str:
@@ -459,8 +460,8 @@ def _shipped(layout, gate_up: bool, target) -> dict | None:
 
 def start_for(layout, gate_up: bool, target) -> dict:
     """Where a load starts without a cached record, and a search starts its first descent: the choice shipped for
-    this host's microarchitecture family (tune_defaults), else the built-in default_for(layout)."""
-    return _shipped(layout, gate_up, target) or default_for(layout)
+    this host's microarchitecture family (tune_defaults), else the built-in default_for(layout, isa)."""
+    return _shipped(layout, gate_up, target) or default_for(layout, target.isa)
 
 
 def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | None = None,
@@ -477,7 +478,7 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
     nbytes = nbytes or MIN_BYTES
     wset = WeightSet(layout, gate_up, nbytes, span=stream_span(nbytes))
     log, ends = [], []
-    base, start = default_for(layout), start_for(layout, gate_up, target)
+    base, start = default_for(layout, target.isa), start_for(layout, gate_up, target)
     seeds = [start] + [_normal({**seed, "prefetch": base["prefetch"]}) for seed in SEEDS
                        if seed["group_loop"] != start["group_loop"]]
     last = 0.0  # seconds the last pass took: a pass is not started unless one as long would end by the deadline
@@ -560,7 +561,7 @@ def choices(tensors, target, search: bool = False, force: bool = False, rounds: 
         return {}
     shapes = kernel_shapes(tensors)
     return cached_choices(
-        target, shapes, _valid_choice, lambda key: default_for(shapes[key][0]),
+        target, shapes, _valid_choice, lambda key: default_for(shapes[key][0], target.isa),
         lambda shape, deadline: tune_kernel(shape[0], shape[1], target, rounds=rounds, nbytes=nbytes, passes=passes,
                                             deadline=deadline),
         lambda n: f"mat-vec kernel variants for {n} kernel shape{'s' * (n != 1)}",

@@ -25,3 +25,12 @@ def test_loop_body_picks_the_block_that_jumps_back():
 \tretq
 """
     assert kernel_asm.loop_body(asm) == ["vpxorq", "addq", "jl"]
+
+
+def test_counts_a_block_type_with_its_built_in_loop_kind():
+    """--types takes GGUF and cflow's own block types (a 192-input type in 192-column tiles); each kernel is built
+    with its built-in knobs on this path (tune.default_for) and the row says which."""
+    rows = {r["kernel"]: r for r in kernel_asm.main(["--cols", "512", "--types", "Q4_K,IQ4_192"])}
+    assert set(rows) == {"Q4_K", "IQ4_192", "read loop"}
+    assert all(rows[k]["instructions"] > rows["read loop"]["instructions"] for k in ("Q4_K", "IQ4_192"))
+    assert rows["Q4_K"]["knobs"].startswith(("u", "gloop"))

@@ -76,6 +76,10 @@ def test_block_kernels(dt, isa, planes):
     mod = ir.Module("t")
     K.emit_quantize_act(mod, "q", Kd, L.cols_p, planes=planes)
     mv_fn = K.emit_matvec(mod, "mv", L, isa, planes=planes)
+    # the other loop kind than the built-in one (kernels.GROUP_LOOP_TYPES) where the built-in differs per type
+    other = isa in (ISA.AVX2, ISA.AVXVNNI)
+    if other:
+        K.emit_matvec(mod, "mv_other", L, isa, planes=planes, group_loop=1 - K.default_group_loop(L, isa))
     # its tail tokens through the mat-vec, as in a step
     K.emit_matmat(mod, "mm", L, isa, planes * stride, act_blocks=stride // 32, planes=planes, tail=mv_fn)
     K.emit_matvec(mod, "gu", L, isa, gate_up=True, act="gelu_tanh", planes=planes)
@@ -105,6 +109,10 @@ def test_block_kernels(dt, isa, planes):
         mv(_p(w), _p(X[t]), _p(XQ[t]), _p(XD[t]), _p(XS[t]), _p(want[t]), 0, L.n_tile_rows)
     ref = B.matvec_twin(W, X[:, :Kd], planes=planes)
     assert np.abs(want[:, :M] - ref).max() <= 2e-6 * np.abs(ref).max()
+    if other:  # the same arithmetic in the same order: the same bits
+        mv2, y2 = lib.get_cfunc("mv_other", None, vp, vp, vp, vp, vp, vp, i64, i64), np.zeros(ys, np.float32)
+        mv2(_p(w), _p(X[0]), _p(XQ[0]), _p(XD[0]), _p(XS[0]), _p(y2), 0, L.n_tile_rows)
+        assert np.array_equal(y2, want[0])
     got = np.zeros((n, ys), np.float32)
     mm(_p(w), _p(X), _p(XQ), _p(XD), _p(XS), _p(got), 0, L.n_tile_rows, n, stride, ys)
     assert np.array_equal(got, want)

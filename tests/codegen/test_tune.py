@@ -530,11 +530,31 @@ def test_shipped_choice_applies_on_its_own_family_and_its_isa_knobs_on_its_path(
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
     assert D.attention_choice("f16") == 1024 and D.attention_choice("f32") is None
     monkeypatch.setattr(D, "host_family", lambda: "some-future-cpu")
-    assert tune.start_for(L, False, vnni) == tune.default_for(L)
-    # a GGUF block type keeps its built-in prefetch (one whole block ahead)
+    assert tune.start_for(L, False, vnni) == tune.default_for(L, "avx512vnni")
+    # a GGUF block type keeps its built-in prefetch (one whole block ahead) and its path's built-in loop kind
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
     LK = TileLayout("q4_k", 256, 2048, (128, 256))
-    assert tune.start_for(LK, False, vnni) == tune.default_for(LK)
+    assert tune.start_for(LK, False, vnni) == tune.default_for(LK, "avx512vnni")
+    LK6 = TileLayout("q6_k", 256, 2048, (128, 256))
+    assert tune.start_for(LK6, False, vnni)["group_loop"] == 0 and tune.start_for(LK6, False, avx2)["group_loop"] == 1
+
+
+def test_the_built_in_loop_kind_per_isa_path():
+    """The group loop is the built-in for the block types GROUP_LOOP_TYPES names on the 256-bit paths (measured
+    there), the unit loop for everything else; default_for and the kernel's own default agree."""
+    from cflow.codegen import kernels as K
+    from cflow.layout.tile import TileLayout
+
+    cases = {("q4", "avx2"): 0, ("q4_k", "avx2"): 0, ("q4_k", "avxvnni"): 1, ("q6_k", "avxvnni"): 1,
+             ("q3_k", "avx2"): 1, ("q4_k", "avx512vnni"): 0, ("q6_k", "avx512vnni"): 0,
+             ("iq4_192", "avx2"): 1, ("iq4_192", "avxvnni"): 0, ("iq4_128", "avx2"): 0, ("q3_128", "avxvnni"): 1,
+             ("iq4_nl", "avx2"): 0, ("q4_k", "generic"): 0}
+    for (dt, isa), want in cases.items():
+        cols = 1920 if dt.endswith("192") else 2048
+        L = TileLayout(dt, 256, cols, (128, 192 if dt.endswith("192") else 256))
+        assert K.default_group_loop(L, isa) == want, (dt, isa)
+        assert tune.default_for(L, isa)["group_loop"] == want
+        assert tune.candidates(L, isa)[0] == tune.default_for(L, isa)
 
 
 def test_a_load_never_searches_and_takes_the_shipped_choice(tuning_on, monkeypatch, model_file):
