@@ -1,7 +1,8 @@
 """Each GGUF block type's decode mat-vec against the machine's read bandwidth, Q4_0 as the yardstick, one run.
 
     python -m benchmarks.gguf_types [--threads 1,2] [--rounds 3] [--set-gb 1.5] [--types Q4_0,Q4_K,...]
-                                    [--tune] [--activations q8,q8x2] [--loops builtin|unit,group] [--json [FILE]]
+                                    [--tune] [--activations q8,q8x2] [--loops builtin|unit,group,group-l2]
+                                    [--json [FILE]]
 
 For every type: TinyLlama's down projection shape (2048 outputs x 5632 inputs; IQ4_NL and the legacy types the
 same; cflow's IQ4_192 5760 inputs in 192-column tiles, as a model of 576-wide rows compiles) of random
@@ -13,9 +14,9 @@ loop (codegen/bandwidth) and then each type, back to back, so all see the same m
 Printed: GB/s, the fraction of read bandwidth, and that fraction over Q4_0's (the target: >= 1). --activations
 q8,q8x2 times the 32-input types also with two-plane activations (load(activations='q8x2'): the same weights, the
 kernel's two dots per chunk; in the same rounds), each as a fraction of read and over Q4_0's with int8.
---loops unit,group times every type with each loop kind of the kernel (emit_matvec's group_loop 0 and 1) in the
-same rounds, Q4_0's ratio taken from its built-in kind; a small --set-gb (0.006: one copy, within the L2 and L3
-caches) times the kernels' arithmetic rather than the memory's.
+--loops unit,group,group-l2 times every type with each loop kind of the kernel (emit_matvec's group_loop 0 and 1,
+the software prefetch into L1; group-l2: the group loop prefetching into L2) in the same rounds, each ratio over
+Q4_0's unit loop (the built-in kernels: --loops builtin, the default).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from cflow.layout.tile import TileLayout, aligned_empty, pack
 
 ROWS, COLS = 2048, 5632
 TYPES = [DType.Q4, DType.Q8, *B.FORMATS]
-LOOPS = {"builtin": {}, "unit": {"group_loop": 0}, "group": {"group_loop": 1}}
+# the kernel's loop kinds (emit_matvec's group_loop) with the L1 prefetch, and the group loop with the L2 one
+LOOPS = {"builtin": {}, "unit": {"group_loop": 0, "prefetch_locality": 3},
+         "group": {"group_loop": 1, "prefetch_locality": 3}, "group-l2": {"group_loop": 1, "prefetch_locality": 2}}
 
 
 def geometry(dt: DType, tile) -> tuple[int, tuple[int, int]]:
@@ -106,8 +109,8 @@ def main(argv=None) -> int:
                     help="comma list of activation formats: q8 (int8), q8x2 (two planes: the 32-input types only) "
                     "(default q8)")
     ap.add_argument("--loops", default="builtin",
-                    help="the kernel's loop kind: builtin (its default on this ISA path), or unit and / or group "
-                         "to time each (default builtin)")
+                    help="the kernels timed: builtin (each type's default on this ISA path), or any of unit, group "
+                         "and group-l2 (the group loop prefetching into L2) to time each (default builtin)")
     add_json_argument(ap, "write one record per thread count, block type, activation format and loop kind")
     args = ap.parse_args(argv)
     run = Run("gguf_types", argv)
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
         ap.error(f"--activations: q8 and / or q8x2, not {args.activations!r}")
     loops = [k for k in args.loops.split(",") if k]
     if not loops or any(k not in LOOPS for k in loops) or ("builtin" in loops and len(loops) > 1):
-        ap.error(f"--loops: builtin, or unit and / or group, not {args.loops!r}")
+        ap.error(f"--loops: builtin, or any of unit, group, group-l2; not {args.loops!r}")
     cases = []
     for dt in types:
         knobs = {}
@@ -164,9 +167,8 @@ def main(argv=None) -> int:
             bits = 8 * c.layout.unit_nbytes / c.layout.tr / c.layout.unit_cols
             print(f"{c.label:16} {bits:6.2f} {best[c.label]:7.2f} {frac:8.1%} "
                   f"{frac / q4 if q4 else float('nan'):7.3f}")
-            variant = ", ".join(v for v in ("activations q8x2" if c.planes == 2 else "",
-                                            c.label.rsplit(" ", 1)[1] + " loop" if c.label.endswith(("unit", "group"))
-                                            else "") if v)
+            kind = c.label.rsplit(" ", 1)[1] if c.label.endswith(tuple(LOOPS)) else ""
+            variant = ", ".join(v for v in ("activations q8x2" if c.planes == 2 else "", kind and f"{kind} loop") if v)
             records.append(run.record(engine="mat-vec", model=f"{ROWS}x{c.layout.cols}", quant=c.dt.gguf_name,
                                       threads=n, variant=variant or None,
                                       read_gbs=best["read"], gbps=best[c.label],

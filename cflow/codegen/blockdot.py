@@ -10,9 +10,10 @@ with a = the int8 activation codes (or, for the 32-input types under two-plane a
 two int8 dots: kernels.plane_dot), da their float32 scale, u the weight codes; the integer sums are exact
 (vpdpbusd on AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2, widening multiplies in portable IR) and each sub-block's
 sum meets its float scale once. A `Decoder` per type says only where the codes and scales are in the group
-(`codes(j)`: eight <16 x i32> vectors, lane i = the codes of inputs 4c .. 4c+3 of block j for row i, one per
-byte; `scales(j)`: (S, M) per sub-block as <16 x float>). Codes are unsigned (bias subtracted through the
-activation sum, as for Q4_0) or, for the IQ4 code book, signed bytes (looked up with vpshufb).
+(`chunk(j, c)`, c = 0..7: a <16 x i32> vector, lane i = the codes of inputs 4c .. 4c+3 of block j for row i, one
+per byte, made where its dot first uses it; `scales(j)`: (S, M) per sub-block as <16 x float>). Codes are unsigned
+(bias subtracted through the activation sum, as for Q4_0) or, for the IQ4 code book, signed bytes (looked up with
+vpshufb).
 """
 
 from __future__ import annotations
@@ -117,6 +118,11 @@ class Decoder:
 
     # per type
     def codes(self, j: int) -> list:
+        """The eight chunks of block j (module docstring)."""
+        return [self.chunk(j, c) for c in range(8)]
+
+    def chunk(self, j: int, c: int):
+        """Chunk c of block j's codes: <16 x i32>, lane i = the codes of inputs 4c .. 4c+3 for row i."""
         raise NotImplementedError
 
     def parts(self, j: int) -> list:
@@ -148,14 +154,11 @@ class Decoder:
 class _Legacy(Decoder):
     """Q4_1, Q5_0, Q5_1, IQ4_NL: one 32-input block per unit; qs low nibbles inputs 0..15, high 16..31."""
 
-    def codes(self, j):
-        out = []
-        for c in range(8):
-            v = self.nibbles("qs", c % 4, c >= 4)
-            if "qh" in self.offs:  # Q5: bit k of qh is input k's fifth bit
-                v = self.b.or_(v, self.bits_to_bytes(self.word("qh", 0), 4 * c, 16))
-            out.append(v)
-        return out
+    def chunk(self, j, c):
+        v = self.nibbles("qs", c % 4, c >= 4)
+        if "qh" in self.offs:  # Q5: bit k of qh is input k's fifth bit
+            v = self.b.or_(v, self.bits_to_bytes(self.word("qh", 0), 4 * c, 16))
+        return v
 
     def scales(self, j):
         return [(self.f16("d"), self.f16("m") if "m" in self.offs else None)]
@@ -164,15 +167,12 @@ class _Legacy(Decoder):
 class _Q4K(Decoder):
     """Q4_K / Q5_K: 8 blocks of 32; qs chunk n (32 bytes) low nibbles block 2n, high block 2n+1; 6-bit scales."""
 
-    def codes(self, j):
+    def chunk(self, j, c):
         n, hi = divmod(j, 2)
-        out = []
-        for c in range(8):
-            v = self.nibbles("qs", 8 * n + c, bool(hi))
-            if "qh" in self.offs:  # Q5_K: bit j of qh[l] is input l's fifth bit in block j
-                v = self.b.or_(v, self.b.shl(self.mask(self.shr(self.word("qh", c), j), 0x01010101), _k(4)))
-            out.append(v)
-        return out
+        v = self.nibbles("qs", 8 * n + c, bool(hi))
+        if "qh" in self.offs:  # Q5_K: bit j of qh[l] is input l's fifth bit in block j
+            v = self.b.or_(v, self.b.shl(self.mask(self.shr(self.word("qh", c), j), 0x01010101), _k(4)))
+        return v
 
     def parts(self, j):
         n, hi = divmod(j, 2)
@@ -201,11 +201,10 @@ class _Q6K(Decoder):
 
     int_combine = True  # measured: Q6_K 1.08x from L2 with it; Q2_K no faster, Q3_K 0.8x (more spills)
 
-    def codes(self, j):
+    def chunk(self, j, c):
         n, q = divmod(j, 4)
-        return [self.b.or_(self.nibbles("ql", 16 * n + 8 * (q % 2) + c, q >= 2),
-                           self.b.shl(self.mask(self.shr(self.word("qh", 8 * n + c), 2 * q), 0x03030303), _k(4)))
-                for c in range(8)]
+        return self.b.or_(self.nibbles("ql", 16 * n + 8 * (q % 2) + c, q >= 2),
+                          self.b.shl(self.mask(self.shr(self.word("qh", 8 * n + c), 2 * q), 0x03030303), _k(4)))
 
     def int_scales(self, j):
         n, q = divmod(j, 4)
@@ -223,9 +222,9 @@ class _Q6K(Decoder):
 class _Q2K(Decoder):
     """Q2_K: 8 blocks of 32 in two halves of 128 (2-bit codes at shift 2q); a 4-bit scale and min per 16."""
 
-    def codes(self, j):
+    def chunk(self, j, c):
         n, q = divmod(j, 4)
-        return [self.mask(self.shr(self.word("qs", 8 * n + c), 2 * q), 0x03030303) for c in range(8)]
+        return self.mask(self.shr(self.word("qs", 8 * n + c), 2 * q), 0x03030303)
 
     def int_scales(self, j):
         n, q = divmod(j, 4)
@@ -243,11 +242,11 @@ class _Q2K(Decoder):
 class _Q3K(Decoder):
     """Q3_K: 2-bit codes as Q2_K plus a third bit from hmask (bit j of hmask[l]); 16 six-bit scales minus 32."""
 
-    def codes(self, j):
+    def chunk(self, j, c):
         n, q = divmod(j, 4)
         b = self.b
-        return [b.or_(self.mask(self.shr(self.word("qs", 8 * n + c), 2 * q), 0x03030303),
-                      b.shl(self.mask(self.shr(self.word("hmask", c), j), 0x01010101), _k(2))) for c in range(8)]
+        return b.or_(self.mask(self.shr(self.word("qs", 8 * n + c), 2 * q), 0x03030303),
+                     b.shl(self.mask(self.shr(self.word("hmask", c), j), 0x01010101), _k(2)))
 
     def aux(self, k: int):
         key = ("aux", k)
@@ -271,8 +270,8 @@ class _IQ4XS(Decoder):
     """IQ4_XS: 8 blocks of 32, each laid out as IQ4_NL's qs; a 6-bit scale per block (4 bits in scales_l, 2 in
     scales_h), minus 32."""
 
-    def codes(self, j):
-        return [self.nibbles("qs", 4 * j + c % 4, c >= 4) for c in range(8)]
+    def chunk(self, j, c):
+        return self.nibbles("qs", 4 * j + c % 4, c >= 4)
 
     def scales(self, j):
         b = self.b
@@ -307,10 +306,10 @@ class _Q3Super(_IQ4Super):
     """cflow's Q3_128 / Q3_192 (layout/blocks.py): 3-bit codes under the IQ4_128 / IQ4_192 scales; chunk c of
     sub-block j is qs word 2j + c % 2 at shift 2 (c // 2) and qh word j at shift c."""
 
-    def codes(self, j):
+    def chunk(self, j, c):
         b = self.b
-        return [b.or_(self.mask(self.shr(self.word("qs", 2 * j + c % 2), 2 * (c // 2)), 0x03030303),
-                      b.shl(self.mask(self.shr(self.word("qh", j), c), 0x01010101), _k(2))) for c in range(8)]
+        return b.or_(self.mask(self.shr(self.word("qs", 2 * j + c % 2), 2 * (c // 2)), 0x03030303),
+                     b.shl(self.mask(self.shr(self.word("qh", j), c), 0x01010101), _k(2)))
 
 
 DECODERS = {DType.Q4_1: _Legacy, DType.Q5_0: _Legacy, DType.Q5_1: _Legacy, DType.IQ4_NL: _Legacy,
@@ -370,25 +369,31 @@ def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int):
             absb = intrinsic(b.module, "llvm.abs.v32i8", V(i8, 32), [V(i8, 32), i1])
         # i16 pair sums stay exact while n * 2 * max|code| * 128 <= 32767
         per = 1 if signed else max(1, 32767 // (2 * umax * 128))
-        r = [None, None]
-        for h in range(2):
-            s16, n = None, 0
-            for c in cs:
+        r, s16, n = [None, None], [None, None], 0
+
+        def flush(h):
+            v = b.call(wd, [s16[h], ones])
+            r[h] = v if r[h] is None else b.add(r[h], v)
+            s16[h] = None
+
+        # chunk by chunk, both halves (rows 0-7, 8-15) of each: a chunk's codes are used as soon as they are made
+        # (all of a block's chunks live at once spill AVX2's 16 registers)
+        for c in cs:
+            a = _act4(b, aptr, 4 * c, 8)
+            if signed:  # |a| . (w with a's sign): one abs a chunk for every row group of the unit
+                a_abs = b.call(absb, [a, ir.Constant(i1, 0)])
+            for h in range(2):
                 w = shuffle(b, chunks[c], range(h * 32, h * 32 + 32))
-                a = _act4(b, aptr, 4 * c, 8)
-                # signed codes: |a| . (w with a's sign): the activation's abs is shared by every row group of the
-                # unit (one per chunk), where |w| . (a with w's sign) costs an abs per group
-                p = b.call(mad, [b.call(absb, [a, ir.Constant(i1, 0)]), b.call(sign, [w, a])]) if signed else \
-                    b.call(mad, [w, a])
-                s16 = p if s16 is None else b.add(s16, p)
-                n += 1
-                if n == per:
-                    v = b.call(wd, [s16, ones])
-                    r[h] = v if r[h] is None else b.add(r[h], v)
-                    s16, n = None, 0
-            if s16 is not None:
-                v = b.call(wd, [s16, ones])
-                r[h] = v if r[h] is None else b.add(r[h], v)
+                p = b.call(mad, [a_abs, b.call(sign, [w, a])]) if signed else b.call(mad, [w, a])
+                s16[h] = p if s16[h] is None else b.add(s16[h], p)
+            n += 1
+            if n == per:
+                flush(0)
+                flush(1)
+                n = 0
+        if s16[0] is not None:
+            flush(0)
+            flush(1)
         return b.shuffle_vector(r[0], r[1], ir.Constant(V(i32, 16), list(range(16))))
     # portable: byte products in i16 (|u8 x s8| <= 32640: exact, and SSE2 multiplies i16 lanes natively, not i32),
     # widened to i32 before they are summed
@@ -425,6 +430,18 @@ class UnitActivation:
             self.blocks.append((aptr, da, sums))
 
 
+class _Lazy:
+    """f(items[i]), made on first use and kept: each chunk's code-book lookup is emitted where its dot uses it."""
+
+    def __init__(self, items, f):
+        self.items, self.f, self.done = items, f, {}
+
+    def __getitem__(self, i):
+        if i not in self.done:
+            self.done[i] = self.f(self.items[i])
+        return self.done[i]
+
+
 def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks=None, vnni_signed_bias: int = 128):
     """acc (<16 x float>) + this group's share of W x over the unit's activation blocks `blocks` (default: all, QK
     inputs; module docstring). (Blocks outside and groups inside, so that each activation block is live for one
@@ -459,10 +476,12 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
         if blocks is not None and j not in blocks:
             continue
         parts = dec.parts(j) if by_parts else None
-        codes = None if by_parts else [b.bitcast(v, V(i8, 64)) for v in dec.codes(j)]
+        # each chunk made where its dot first uses it (a block's chunks all live at once spill AVX2's registers)
+        codes = None if by_parts else _Lazy(range(8), lambda c, j=j: b.bitcast(dec.chunk(j, c), V(i8, 64)))
         if fmt.signed:
             table = [int(v) + 128 for v in IQ4_VALUES] if isa.vnni else [int(v) for v in IQ4_VALUES]
-            codes = [_lookup(b, isa, c, [t - 256 if t > 127 else t for t in table]) for c in codes]
+            table = [t - 256 if t > 127 else t for t in table]
+            codes = _Lazy(codes, lambda c, table=table: _lookup(b, isa, c, table))
         bias = fmt.bias + (vnni_signed_bias if fmt.signed and isa.vnni else 0)
         ds = splat(b, da, 16)
         if nsub == 2 and dec.int_combine:  # two 16-input sub-blocks share da: integer sums times integer scales

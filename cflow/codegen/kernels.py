@@ -310,20 +310,27 @@ def default_prefetch(L: TileLayout) -> int:
     return L.unit_nbytes if L.is_block_type else DEFAULT_PREFETCH
 
 
-# The block types whose built-in loop is the group loop, per 256-bit ISA path (default_group_loop): those it
-# streamed faster from DRAM at 1 and 2 threads with each path forced on an AMX Xeon (`python -m benchmarks.gguf_types
-# --loops unit,group`, docs/quantization.md "Decode speed"): Q2_K, Q3_K, Q5_K and Q6_K by 10-40% on both paths (a
-# unit of 256 inputs in eight 16-row groups does not fit the 16 vector registers), on AVX2 also IQ4_192, Q3_192 and
-# Q5_1 (3-13%), on AVX-VNNI also Q4_K and Q3_128 (1-14%). Q4_K and IQ4_XS on AVX2, the IQ4 types on AVX-VNNI and
-# every type on AVX-512 (0.8-0.9x from DRAM there) stream as fast or faster in the unit loop; `cflow tune` tries both.
-_K_WIDE = frozenset({DType.Q2_K, DType.Q3_K, DType.Q5_K, DType.Q6_K})
-GROUP_LOOP_TYPES = {ISA.AVX2: _K_WIDE | {DType.IQ4_192, DType.Q3_192, DType.Q5_1},
-                    ISA.AVXVNNI: _K_WIDE | {DType.Q4_K, DType.Q3_128}}
+# The block types whose built-in kernel differs on the 256-bit ISA paths: the group loop (one 16-row group of one
+# unit per iteration) and, for some, the software prefetch into L2 (locality 2) instead of L1; every other type,
+# and every type on AVX-512 (where the group loop was 0.8-0.9x from DRAM), takes the unit loop with the kernel's
+# defaults. Measured with each path forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python -m
+# benchmarks.gguf_types --loops unit,group` and the prefetch comparison in docs/quantization.md, "Decode speed"):
+# a unit of 192 or 256 inputs in eight 16-row groups does not fit the 16 vector registers, so the group loop gains
+# 10-40% for the K-quants; the L2 prefetch adds 4-12% to it where the kernel is the least arithmetic-bound (Q4_K,
+# Q5_K, Q6_K, IQ4_XS, IQ4_192) and costs 2-6% elsewhere. `cflow tune` tries both loop kinds and localities.
+_GL, _GL2 = {"group_loop": 1}, {"group_loop": 1, "prefetch_locality": 2}
+BUILTIN_KNOBS = {
+    ISA.AVX2: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_192: _GL, DType.Q5_1: _GL, DType.Q4_K: _GL2,
+               DType.Q5_K: _GL2, DType.Q6_K: _GL2, DType.IQ4_XS: _GL2, DType.IQ4_192: _GL2},
+    ISA.AVXVNNI: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_128: _GL, DType.Q3_192: _GL, DType.Q4_K: _GL2,
+                  DType.Q5_K: _GL2, DType.Q6_K: _GL2, DType.IQ4_XS: _GL2},
+}
 
 
-def default_group_loop(L: TileLayout, isa) -> int:
-    """The built-in loop kind (emit_matvec's group_loop) of a layout on an ISA path: GROUP_LOOP_TYPES."""
-    return int(L.dtype in GROUP_LOOP_TYPES.get(_check_isa(isa), ()))
+def builtin_knobs(L: TileLayout, isa) -> dict:
+    """The kernel knobs a layout's type takes by default on an ISA path beyond the kernel's own (BUILTIN_KNOBS):
+    {} or group_loop and prefetch_locality."""
+    return dict(BUILTIN_KNOBS.get(_check_isa(isa), {}).get(L.dtype, {}))
 
 
 def _check_isa(isa: str) -> ISA:
@@ -472,7 +479,7 @@ def _pick_unroll(nunits: int, unroll: int) -> int:
 
 def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, linkage: str = "external",
                 max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int | None = None,
-                prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
+                prefetch_locality: int | None = None, gate_up: bool = False,
                 act: str = "silu", vector_bits: int = 0, unpack: int = 0, prefetch_stride: int = 64,
                 group_loop: int | None = None, planes: int = 1) -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
@@ -483,7 +490,8 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
         max_groups: 16-row groups accumulated in registers per pass (TR/16 <= this: one pass).
         unroll: block units per loop iteration.
         prefetch: software-prefetch distance in bytes (0 = rely on the hardware prefetchers; None: default_prefetch).
-        prefetch_locality: llvm.prefetch locality (3 = prefetcht0 into L1, 2 = prefetcht1 into L2).
+        prefetch_locality: llvm.prefetch locality (3 = prefetcht0 into L1, 2 = prefetcht1 into L2); None:
+            builtin_knobs' or DEFAULT_PREFETCH_LOCALITY.
         gate_up: the stream is pack_gate_up's; write act(gate x) * (up x) instead of W x.
         act: the gate activation (GATE_ACTS: 'silu' or 'gelu_tanh').
         vector_bits: 256 on an AVX-512 VNNI host: the AVX2 kernel's 256-bit integer dot (vpmaddubsw/vpmaddwd)
@@ -494,7 +502,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
             one line per unit, a hint to the hardware prefetchers rather than a fetch of every line).
         group_loop: 1 = one 16-row group of one unit per loop iteration (_emit_group_loop: a short loop body;
             max_groups and unroll do not apply, prefetch_stride counts within a group); 0 = every group of
-            `unroll` units per iteration, groups in passes of max_groups; None: default_group_loop (the tuner
+            `unroll` units per iteration, groups in passes of max_groups; None: builtin_knobs' or 0 (the tuner
             tries both).
         planes: the activation's int8 planes (emit_quantize_act): 2 for quant.TWO_PLANE_TYPES only.
     """
@@ -502,7 +510,10 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     _check_act(act)
     _check_layout_planes(layout, planes)
     prefetch = default_prefetch(layout) if prefetch is None else prefetch
-    group_loop = default_group_loop(layout, isa) if group_loop is None else group_loop
+    builtin = builtin_knobs(layout, isa)
+    group_loop = builtin.get("group_loop", 0) if group_loop is None else group_loop
+    if prefetch_locality is None:
+        prefetch_locality = builtin.get("prefetch_locality", DEFAULT_PREFETCH_LOCALITY)
     if vector_bits not in (0, 256, 512):
         raise CodegenError(f"matvec: vector_bits must be 0, 256 or 512, not {vector_bits}")
     if vector_bits == 256 and isa == ISA.AVX512VNNI:

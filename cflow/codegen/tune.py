@@ -69,9 +69,8 @@ SEEDS = (DEFAULT, {**DEFAULT, "group_loop": 1})
 
 def default_for(layout, isa) -> dict:
     """The kernel's built-in knobs for a layout on an ISA path (DEFAULT, with the prefetch distance one unit ahead
-    for a GGUF block type, kernels.default_prefetch, and the loop kind of kernels.default_group_loop)."""
-    return _normal({**DEFAULT, "prefetch": K.default_prefetch(layout),
-                    "group_loop": K.default_group_loop(layout, isa)})
+    for a GGUF block type, kernels.default_prefetch, and its type's kernels.builtin_knobs on that path)."""
+    return _normal({**DEFAULT, "prefetch": K.default_prefetch(layout), **K.builtin_knobs(layout, isa)})
 # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent; 4: group_loop; 5: a descent per loop
 # kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache;
 # 6: a quarter and half a unit; 7: a GGUF block type's default prefetch one unit ahead (older tables: searched again)

@@ -76,10 +76,11 @@ def test_block_kernels(dt, isa, planes):
     mod = ir.Module("t")
     K.emit_quantize_act(mod, "q", Kd, L.cols_p, planes=planes)
     mv_fn = K.emit_matvec(mod, "mv", L, isa, planes=planes)
-    # the other loop kind than the built-in one (kernels.GROUP_LOOP_TYPES) where the built-in differs per type
+    # the other loop kind than the built-in one (kernels.BUILTIN_KNOBS) where the built-in differs per type
     other = isa in (ISA.AVX2, ISA.AVXVNNI)
     if other:
-        K.emit_matvec(mod, "mv_other", L, isa, planes=planes, group_loop=1 - K.default_group_loop(L, isa))
+        gl = K.builtin_knobs(L, isa).get("group_loop", 0)
+        K.emit_matvec(mod, "mv_other", L, isa, planes=planes, group_loop=1 - gl, prefetch_locality=3)
     # its tail tokens through the mat-vec, as in a step
     K.emit_matmat(mod, "mm", L, isa, planes * stride, act_blocks=stride // 32, planes=planes, tail=mv_fn)
     K.emit_matvec(mod, "gu", L, isa, gate_up=True, act="gelu_tanh", planes=planes)

@@ -540,21 +540,24 @@ def test_shipped_choice_applies_on_its_own_family_and_its_isa_knobs_on_its_path(
 
 
 def test_the_built_in_loop_kind_per_isa_path():
-    """The group loop is the built-in for the block types GROUP_LOOP_TYPES names on the 256-bit paths (measured
-    there), the unit loop for everything else; default_for and the kernel's own default agree."""
+    """The group loop (and for some types the L2 prefetch) is the built-in for the block types BUILTIN_KNOBS names
+    on the 256-bit paths (measured there), the unit loop for everything else; default_for, the search's first
+    candidate and the kernel's own default agree."""
     from cflow.codegen import kernels as K
     from cflow.layout.tile import TileLayout
 
-    cases = {("q4", "avx2"): 0, ("q4_k", "avx2"): 0, ("q4_k", "avxvnni"): 1, ("q6_k", "avxvnni"): 1,
-             ("q3_k", "avx2"): 1, ("q4_k", "avx512vnni"): 0, ("q6_k", "avx512vnni"): 0,
-             ("iq4_192", "avx2"): 1, ("iq4_192", "avxvnni"): 0, ("iq4_128", "avx2"): 0, ("q3_128", "avxvnni"): 1,
-             ("iq4_nl", "avx2"): 0, ("q4_k", "generic"): 0}
-    for (dt, isa), want in cases.items():
-        cols = 1920 if dt.endswith("192") else 2048
-        L = TileLayout(dt, 256, cols, (128, 192 if dt.endswith("192") else 256))
-        assert K.default_group_loop(L, isa) == want, (dt, isa)
-        assert tune.default_for(L, isa)["group_loop"] == want
-        assert tune.candidates(L, isa)[0] == tune.default_for(L, isa)
+    cases = {("q4", "avx2"): (0, 3), ("q4_k", "avx2"): (1, 2), ("q4_k", "avxvnni"): (1, 2), ("q3_k", "avx2"): (1, 3),
+             ("q6_k", "avx512vnni"): (0, 3), ("iq4_192", "avx2"): (1, 2), ("iq4_192", "avxvnni"): (0, 3),
+             ("iq4_128", "avx2"): (0, 3), ("q3_128", "avxvnni"): (1, 3), ("iq4_nl", "avx2"): (0, 3),
+             ("q4_k", "generic"): (0, 3)}
+    for (dt, isa), (gl, loc) in cases.items():
+        wide = dt.endswith("192")
+        L = TileLayout(dt, 256, 1920 if wide else 2048, (128, 192 if wide else 256))
+        d = tune.default_for(L, isa)
+        assert (d["group_loop"], d["prefetch_locality"]) == (gl, loc), (dt, isa)
+        assert {**{"group_loop": 0, "prefetch_locality": 3}, **K.builtin_knobs(L, isa)} == {
+            "group_loop": gl, "prefetch_locality": loc}
+        assert tune.candidates(L, isa)[0] == d
 
 
 def test_a_load_never_searches_and_takes_the_shipped_choice(tuning_on, monkeypatch, model_file):
