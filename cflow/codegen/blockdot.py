@@ -380,7 +380,9 @@ def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int):
         # (all of a block's chunks live at once spill AVX2's 16 registers)
         for c in cs:
             a = _act4(b, aptr, 4 * c, 8)
-            if signed:  # |a| . (w with a's sign): one abs a chunk for every row group of the unit
+            if signed:  # |a| . (w with a's sign): one abs a chunk for every row group of the unit. Exact: |a| <= 128
+                # read unsigned (vpabsb(-128) = 0x80), w in [-127, 113] (the code book has no -128 to negate), so a
+                # pair sums to at most 2 * 128 * 127 = 32512, below vpmaddubsw's saturation
                 a_abs = b.call(absb, [a, ir.Constant(i1, 0)])
             for h in range(2):
                 w = shuffle(b, chunks[c], range(h * 32, h * 32 + 32))

@@ -312,12 +312,13 @@ def default_prefetch(L: TileLayout) -> int:
 
 # The block types whose built-in kernel differs on the 256-bit ISA paths: the group loop (one 16-row group of one
 # unit per iteration) and, for some, the software prefetch into L2 (locality 2) instead of L1; every other type,
-# and every type on AVX-512 (where the group loop was 0.8-0.9x from DRAM), takes the unit loop with the kernel's
-# defaults. Measured with each path forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python -m
-# benchmarks.gguf_types --loops unit,group` and the prefetch comparison in docs/quantization.md, "Decode speed"):
-# a unit of 192 or 256 inputs in eight 16-row groups does not fit the 16 vector registers, so the group loop gains
-# 10-40% for the K-quants; the L2 prefetch adds 4-12% to it where the kernel is the least arithmetic-bound (Q4_K,
-# Q5_K, Q6_K, IQ4_XS, IQ4_192) and costs 2-6% elsewhere. `cflow tune` tries both loop kinds and localities.
+# and every type on AVX-512 (where the unit loop streams as fast or faster for most types: group / unit 0.81-1.07
+# from DRAM), takes the unit loop with the kernel's defaults. Measured with each path forced on an AMX Xeon, from
+# DRAM at 1 and 2 threads (`python -m benchmarks.gguf_types --loops unit,group,group-l2`, docs/quantization.md
+# "Decode speed"): a unit of 192 or 256 inputs in eight 16-row groups does not fit the 16 vector registers, so the
+# group loop gains 10-40% for the K-quants; the L2 prefetch adds 3-22% to it where the kernel is the least
+# arithmetic-bound (Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_192) and costs up to 3% for Q2_K and the Q3 types (Q3_K gains
+# 1-2%, within the runs' spread). `cflow tune` tries both loop kinds and localities.
 _GL, _GL2 = {"group_loop": 1}, {"group_loop": 1, "prefetch_locality": 2}
 BUILTIN_KNOBS = {
     ISA.AVX2: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_192: _GL, DType.Q5_1: _GL, DType.Q4_K: _GL2,
@@ -561,7 +562,7 @@ MATMAT_GROUPS = 16  # Q4 / Q8 mat-mat accumulators per pass (token groups x row 
 def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_stride: int, *,
                 tail: ir.Function | None = None, linkage: str = "external", token_group: int | None = None,
                 max_groups: int | None = None, unroll: int = 1, prefetch: int | None = None,
-                prefetch_locality: int = DEFAULT_PREFETCH_LOCALITY, gate_up: bool = False,
+                prefetch_locality: int | None = None, gate_up: bool = False,
                 act: str = "silu", act_blocks: int | None = None, planes: int = 1) -> ir.Function:
     """Emit `name`: y[t][r0*TR : r1*TR] = W x_t for tokens t in [0, ntok) over tile-rows [r0, r1).
 
@@ -585,9 +586,10 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     if act_stride % BLOCK or act_stride < planes * L.cols_p or nblk < L.cols_p // BLOCK:
         raise CodegenError(f"matmat: activation stride {act_stride} must be a multiple of {BLOCK} >= "
                            f"{planes * L.cols_p}, and {nblk} blocks >= {L.cols_p // BLOCK}")
-    if tail is None:
+    if tail is None:  # None knobs: the mat-vec's built-ins (builtin_knobs)
         tail = emit_matvec(module, f"{name}_tail", layout, isa, linkage="internal", gate_up=gate_up, unroll=unroll,
                            prefetch=prefetch, prefetch_locality=prefetch_locality, act=act, planes=planes)
+    prefetch_locality = DEFAULT_PREFETCH_LOCALITY if prefetch_locality is None else prefetch_locality
     fn = new_function(module, name, MATMAT_ARGS, linkage,
                       ("w", "x", "xq", "xd", "xs", "y", "r0", "r1", "ntok", "x_stride", "y_stride"), noalias=False)
     w, x, xq, xd, xs, y, r0, r1, ntok, x_stride, y_stride = fn.args
