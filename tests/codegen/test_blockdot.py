@@ -77,7 +77,7 @@ def test_block_kernels(dt, isa, planes):
     K.emit_quantize_act(mod, "q", Kd, L.cols_p, planes=planes)
     mv_fn = K.emit_matvec(mod, "mv", L, isa, planes=planes)
     # the other loop kind than the built-in one (kernels.BUILTIN_KNOBS) where the built-in differs per type
-    other = isa in (ISA.AVX2, ISA.AVXVNNI)
+    other = isa in (ISA.AVX2, ISA.AVXVNNI) or (isa == ISA.AVX512VNNI and dt == DType.Q6_K)
     if other:
         gl = K.builtin_knobs(L, isa).get("group_loop", 0)
         K.emit_matvec(mod, "mv_other", L, isa, planes=planes, group_loop=1 - gl, prefetch_locality=3)
