@@ -199,7 +199,9 @@ class _Q4K(Decoder):
 class _Q6K(Decoder):
     """Q6_K: 8 blocks of 32 in two halves of 128; low 4 bits from ql, high 2 from qh; int8 scales per 16."""
 
-    int_combine = True  # measured: Q6_K 1.08x from L2 with it; Q2_K no faster, Q3_K 0.8x (more spills)
+    # measured: Q6_K 1.08x from L2 with it. Q3_K was 0.8x (more spills) while a block's chunks were made all at once;
+    # made where used (block_unit) it gains there too; Q2_K stays without (0.96-1.01x from DRAM: benchmarks/blockdot_ab)
+    int_combine = True
 
     def chunk(self, j, c):
         n, q = divmod(j, 4)
@@ -241,6 +243,8 @@ class _Q2K(Decoder):
 
 class _Q3K(Decoder):
     """Q3_K: 2-bit codes as Q2_K plus a third bit from hmask (bit j of hmask[l]); 16 six-bit scales minus 32."""
+
+    int_combine = True  # 1.10-1.11x from DRAM on AVX-512, 1.00-1.01x on the 256-bit paths (benchmarks/blockdot_ab)
 
     def chunk(self, j, c):
         n, q = divmod(j, 4)
