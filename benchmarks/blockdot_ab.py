@@ -42,9 +42,10 @@ def build(types, versions: dict, set_gb: float, threads: int) -> list:
     cases = []
     try:
         for dt in types:
+            twin = None  # the versions stream the same copies
             for label, mod in versions.items():
                 K.blockdot = mod
-                c = Case(dt, (128, 256), set_gb * 1e9, {}, suffix=f" {label}")
+                c = twin = Case(dt, (128, 256), set_gb * 1e9, {}, twin=twin, suffix=f" {label}")
                 c.run(threads)  # page in, warm the code
                 cases.append((dt, label, c))
     finally:

@@ -199,8 +199,8 @@ class _Q4K(Decoder):
 class _Q6K(Decoder):
     """Q6_K: 8 blocks of 32 in two halves of 128; low 4 bits from ql, high 2 from qh; int8 scales per 16."""
 
-    # measured: Q6_K 1.08x from L2 with it. Q3_K was 0.8x (more spills) while a block's chunks were made all at once;
-    # made where used (block_unit) it gains there too; Q2_K stays without (0.96-1.01x from DRAM: benchmarks/blockdot_ab)
+    # measured: Q6_K 1.08x from L2 with it. Q3_K measured 0.8x from L2 when first tried (more spills), 1.09-1.11x from
+    # the L3 and DRAM on AVX-512 later (benchmarks/blockdot_ab): it takes it too; Q2_K stays without (0.96-1.01x)
     int_combine = True
 
     def chunk(self, j, c):

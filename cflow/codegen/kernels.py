@@ -312,14 +312,14 @@ def default_prefetch(L: TileLayout) -> int:
 
 # The block types whose built-in kernel differs per ISA path: the group loop (one 16-row group of one unit per
 # iteration) and, for some, the software prefetch into L2 (locality 2) instead of L1; every other type takes the
-# unit loop with the kernel's defaults. On AVX-512 that is every type but Q6_K (the unit loop streams as fast or
-# faster there: group / unit 0.81-1.07 from DRAM; Q6_K 1.07, and 1.06-1.08 in a run of its own). Measured with the
-# 256-bit paths forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python -m benchmarks.gguf_types --loops
-# unit,group,group-l2`, docs/quantization.md "Decode speed"): a unit of 192 or 256 inputs in eight 16-row groups
-# does not fit the 16 vector registers, so the group loop gains 10-40% for the K-quants; the L2 prefetch adds 3-22%
-# to it where the kernel is the least arithmetic-bound (Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_192) and costs up to 3% for
-# Q2_K and the Q3 types (Q3_K gains 1-2%, within the runs' spread). `cflow tune` tries both loop kinds and
-# localities.
+# unit loop with the kernel's defaults. On AVX-512 that is every type but Q6_K (group / unit 0.81-1.05 from DRAM at
+# 1 thread for the others, Q5_0 / Q5_1 at 1.04-1.05 within the runs' spread; Q6_K 1.07, 1.06-1.08 in a run of its
+# own). Measured with the 256-bit paths forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python -m
+# benchmarks.gguf_types --loops unit,group,group-l2`, docs/quantization.md "Decode speed"): a unit of 192 or 256
+# inputs in eight 16-row groups does not fit the 16 vector registers, so the group loop gains 10-40% for the
+# K-quants; the L2 prefetch adds 3-22% to it where the kernel is the least arithmetic-bound (Q4_K, Q5_K, Q6_K,
+# IQ4_XS, IQ4_192) and costs up to 3% for Q2_K and the Q3 types (Q3_K gains 1-2%, within the runs' spread).
+# `cflow tune` tries both loop kinds and localities.
 _GL, _GL2 = {"group_loop": 1}, {"group_loop": 1, "prefetch_locality": 2}
 BUILTIN_KNOBS = {
     ISA.AVX512VNNI: {DType.Q6_K: _GL},

@@ -74,9 +74,9 @@ def default_for(layout, isa) -> dict:
 # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent; 4: group_loop; 5: a descent per loop
 # kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache;
 # 6: a quarter and half a unit; 7: a GGUF block type's default prefetch one unit ahead; 8: per-ISA built-in knobs for
-# the block types (kernels.BUILTIN_KNOBS: a record searched from the older built-in would pin it) (older tables:
-# searched again)
-SCHEMA = 8
+# the block types (kernels.BUILTIN_KNOBS: a record searched from the older built-in would pin it); 9: Q6_K's group
+# loop on AVX-512 (the same) (older tables: searched again)
+SCHEMA = 9
 
 
 def enabled() -> bool:
