@@ -127,13 +127,14 @@ class Decoder:
 
     def parts(self, j: int) -> list:
         """The codes of block j as a sum of masked fields: [(chunks, rshift, lshift)], the code of an input being
-        sum (field >> rshift) << lshift. On VNNI each part is dotted as it lies in its bytes (vpdpbusd sums into i32:
-        no intermediate saturation) and its sum shifted after: exact, since every masked byte is a multiple of
-        2^rshift, and the shifts and ORs of the field assembly move from every chunk to one per sub-block. Default:
+        sum (field >> rshift) << lshift; chunks made where first used, as chunk(). On VNNI each part is dotted as it
+        lies in its bytes (vpdpbusd sums into i32: no intermediate saturation) and its sum shifted after: exact,
+        since every masked byte is a multiple of 2^rshift, and the shifts and ORs of the field assembly move from
+        every chunk to one per sub-block. Default:
         the assembled codes (one part). Only Q4_K overrides it (its high nibbles, 1.03-1.05x from DRAM on an AMX
         Xeon); a part per extra bit (Q5_K, Q6_K, Q3_K) or per 2-bit plane (Q2_K) costs a second dot per chunk and
         measured 0.85-0.93x, so those assemble their codes."""
-        return [(self.codes(j), 0, 0)]
+        return [(_Lazy(range(8), lambda c: self.chunk(j, c)), 0, 0)]
 
     def scales(self, j: int) -> list:
         """[(S, M or None)] per sub-block of activation block j (one for 32-input sub-blocks, two for 16); by default
@@ -179,7 +180,7 @@ class _Q4K(Decoder):
         mask = 0xF0F0F0F0 if hi else 0x0F0F0F0F
         if "qh" in self.offs:  # Q5_K: a fifth bit as a part of its own costs a second dot per chunk (measured 0.91x)
             return super().parts(j)
-        return [([self.b.and_(self.word("qs", 8 * n + c), _ku(mask)) for c in range(8)], 4 * hi, 0)]
+        return [(_Lazy(range(8), lambda c: self.b.and_(self.word("qs", 8 * n + c), _ku(mask))), 4 * hi, 0)]
 
     def sbyte(self, k: int):
         return self.byte(self.word("scales", k // 4), k % 4)
@@ -472,7 +473,7 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
             return _idot(b, isa, codes, aptr, cs, fmt.signed and not isa.vnni, fmt.umax)
         total = None
         for chunks, rsh, lsh in parts:
-            p = _idot(b, isa, [b.bitcast(v, V(i8, 64)) for v in chunks], aptr, cs, False, 255)
+            p = _idot(b, isa, _Lazy(chunks, lambda v: b.bitcast(v, V(i8, 64))), aptr, cs, False, 255)
             p = b.ashr(p, _k(rsh)) if rsh else p
             p = b.shl(p, _k(lsh)) if lsh else p
             total = p if total is None else b.add(total, p)
