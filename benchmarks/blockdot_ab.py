@@ -45,7 +45,7 @@ def build(types, versions: dict, set_gb: float, threads: int) -> list:
             twin = None  # the versions stream the same copies
             for label, mod in versions.items():
                 K.blockdot = mod
-                c = twin = Case(dt, (128, 256), set_gb * 1e9, {}, twin=twin, suffix=f" {label}")
+                c = twin = Case(dt, (128, 256), set_gb * 1e9, {}, twin=twin, kind=label)
                 c.run(threads)  # page in, warm the code
                 cases.append((dt, label, c))
     finally:

@@ -42,13 +42,13 @@ LOOPS = {"builtin": {}, "unit": {"group_loop": 0, "prefetch_locality": 3},
          "group": {"group_loop": 1, "prefetch_locality": 3}, "group-l2": {"group_loop": 1, "prefetch_locality": 2}}
 
 
-def geometry(dt: DType, tile) -> tuple[int, tuple[int, int]]:
-    """(inputs, tile) of a type's matrix: COLS, or for a block COLS does not hold whole (IQ4_192) the next multiple
-    of it in tiles one block wide."""
+def geometry(dt: DType, tile, cols: int = COLS) -> tuple[int, tuple[int, int]]:
+    """(inputs, tile) of a type's matrix: `cols`, or for a block `cols` does not hold whole (IQ4_192) the next
+    multiple of it in tiles one block wide."""
     qk = BLOCK_SIZES[dt][0]
-    if COLS % qk == 0:
-        return COLS, tile
-    return -(-COLS // qk) * qk, (tile[0], qk)
+    if cols % qk == 0:
+        return cols, tile
+    return -(-cols // qk) * qk, (tile[0], qk)
 
 
 def _matrix(dt: DType, tile):
@@ -63,10 +63,11 @@ def _matrix(dt: DType, tile):
 
 class Case:
     def __init__(self, dt: DType, tile, set_bytes: float, knobs: dict, planes: int = 1, twin: Case | None = None,
-                 suffix: str = ""):
+                 kind: str = ""):
+        """kind: what tells this kernel apart from others of the type in one run (a loop kind, a version)."""
         cols, tile = geometry(dt, tile)
-        self.dt, self.layout, self.planes = dt, TileLayout(dt, ROWS, cols, tile), planes
-        self.label = dt.gguf_name + (" q8x2" if planes == 2 else "") + suffix
+        self.dt, self.layout, self.planes, self.kind = dt, TileLayout(dt, ROWS, cols, tile), planes, kind
+        self.label = dt.gguf_name + (" q8x2" if planes == 2 else "") + (f" {kind}" if kind else "")
         self.mv = K.MatVec(self.layout, planes=planes, **knobs)
         if twin is not None:  # a two-plane case streams its one-plane twin's copies
             self.n, self.buf = twin.n, twin.buf
@@ -142,8 +143,7 @@ def main(argv=None) -> int:
                 continue  # a K-quant: int8 under either format
             for kind in loops:
                 kn = {**knobs, **LOOPS[kind]}
-                c = twin = Case(dt, tile, args.set_gb * 1e9, kn, planes, twin,
-                                "" if kind == "builtin" else f" {kind}")
+                c = twin = Case(dt, tile, args.set_gb * 1e9, kn, planes, twin, "" if kind == "builtin" else kind)
                 c.run(threads[0])  # page in, warm the code
                 cases.append(c)
                 print(f"{c.label:16s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {kn}", file=sys.stderr)
@@ -159,8 +159,8 @@ def main(argv=None) -> int:
             for c in cases:
                 best[c.label] = max(best.get(c.label, 0), c.run(n))
         # the yardstick: Q4_0's built-in kernel, else its unit loop (its built-in on every path), else its first
-        q4s = [c.label for c in cases if c.dt == DType.Q4]
-        q4_label = next((lb for lb in q4s if lb in ("Q4_0", "Q4_0 unit")), q4s[0] if q4s else None)
+        q4s = [c for c in cases if c.dt == DType.Q4 and c.planes == 1]
+        q4_label = next((c.label for c in q4s if c.kind in ("", "unit")), q4s[0].label if q4s else None)
         q4 = best[q4_label] / best["read"] if q4_label in best else None
         print(f"\n{n} thread(s): read bandwidth {best['read']:.2f} GB/s")
         print(f"{'type':16} {'bits/w':>6} {'GB/s':>7} {'of read':>8} {'/ Q4_0':>7}"
@@ -170,8 +170,8 @@ def main(argv=None) -> int:
             bits = 8 * c.layout.unit_nbytes / c.layout.tr / c.layout.unit_cols
             print(f"{c.label:16} {bits:6.2f} {best[c.label]:7.2f} {frac:8.1%} "
                   f"{frac / q4 if q4 else float('nan'):7.3f}")
-            kind = c.label.rsplit(" ", 1)[1] if c.label.endswith(tuple(LOOPS)) else ""
-            variant = ", ".join(v for v in ("activations q8x2" if c.planes == 2 else "", kind and f"{kind} loop") if v)
+            variant = ", ".join(v for v in ("activations q8x2" if c.planes == 2 else "",
+                                            c.kind and f"{c.kind} loop") if v)
             records.append(run.record(engine="mat-vec", model=f"{ROWS}x{c.layout.cols}", quant=c.dt.gguf_name,
                                       threads=n, variant=variant or None,
                                       read_gbs=best["read"], gbps=best[c.label],

@@ -1,15 +1,17 @@
 """Instructions per 64-byte line of weights in the mat-vec kernel's inner loop, from the JIT's own assembly.
 
     python -m benchmarks.kernel_asm [--cols 5632] [--knobs unroll=1,prefetch=4608] [--types q4,q8,Q4_K,IQ4_192]
+                                    [--blockdot FILE]
 
 Builds the decode mat-vec (codegen.kernels.emit_matvec, this host's ISA or the one CFLOW_FEATURES leaves) for
-each type (default Q4 and Q8; GGUF block types and cflow's own by name, 192-input types 5760 columns in
-192-column tiles) with its built-in knobs on this path (codegen.tune.default_for) and the given ones over them,
-through codegen.library.Library (the optimisation pipeline the runtime uses), takes the optimised module's
-assembly, finds the loop over block units (the largest basic block that jumps back: one iteration = `unroll`
-units, or with group_loop one 16-row group of one unit) and prints its instruction count, the count per
-64-byte line of weights the iteration reads, and the most frequent opcodes. Next to it, the read loop of
-codegen.bandwidth (the bandwidth reference) counted the same way.
+each type (default Q4 and Q8; GGUF block types and cflow's own by name, a block --cols does not hold whole in the
+next multiple of its width, in tiles one block wide: benchmarks.gguf_types.geometry) with its built-in knobs on this
+path (codegen.tune.default_for) and the given ones over them, through codegen.library.Library (the optimisation
+pipeline the runtime uses), takes the optimised module's assembly, finds the loop over block units (the largest
+basic block that jumps back: one iteration = `unroll` units, or with group_loop one 16-row group of one unit) and
+prints its instruction count, the count per 64-byte line of weights the iteration reads, and the most frequent
+opcodes. Next to it, the read loop of codegen.bandwidth (the bandwidth reference) counted the same way. --blockdot
+builds the block types' kernels from another version of codegen/blockdot.py (a before / after of a decoder change).
 A static count, not a timing: how many instructions the core must issue per line it streams.
 """
 
@@ -20,13 +22,15 @@ import collections
 
 from llvmlite import ir
 
+from benchmarks.blockdot_ab import load_version
 from benchmarks.common.record import Run, add_json_argument
+from benchmarks.gguf_types import geometry
+from cflow.codegen import blockdot, tune
 from cflow.codegen import kernels as K
-from cflow.codegen import tune
 from cflow.codegen.bandwidth import CHUNK, read_kernel_module
 from cflow.codegen.library import Library
 from cflow.codegen.target import cpu_model, host_target
-from cflow.layout.quant import BLOCK_SIZES, DType
+from cflow.layout.quant import DType
 from cflow.layout.tile import TileLayout
 
 
@@ -64,6 +68,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--knobs", default="",
                     help="K=V,... over each type's built-in knobs (e.g. unroll=1,prefetch=4608; default none)")
     ap.add_argument("--types", default="q4,q8", help="kernels to count (default q4,q8)")
+    ap.add_argument("--blockdot", default=None, metavar="FILE",
+                    help="a version of cflow/codegen/blockdot.py to build the block types' kernels from, as "
+                         "benchmarks/blockdot_ab.py takes it (default: the tree's)")
     add_json_argument(ap, "write one record per kernel (a static count: tok_s is null)")
     args = ap.parse_args(argv)
     run = Run("kernel_asm", argv)
@@ -77,16 +84,20 @@ def main(argv=None) -> list[dict]:
         types = [DType.parse(t) for t in args.types.split(",") if t]
     except (KeyError, ValueError) as e:
         ap.error(f"--types: {e}")
+    other = load_version(args.blockdot, "blockdot_asm") if args.blockdot else None
     target = host_target()
-    print(f"# {cpu_model()}; {target.isa}; knobs {given or 'built-in'}; {args.cols} columns, 128x256 tiles")
+    print(f"# {cpu_model()}; {target.isa}; knobs {given or 'built-in'}; {args.cols} columns, 128x256 tiles"
+          + (f"; blockdot.py from {args.blockdot}" if other else ""))
     rows = []
     for dt in types:
-        qk = BLOCK_SIZES[dt][0]
-        cols = -(-args.cols // qk) * qk
-        L = TileLayout(dt, 128, cols, (128, 256) if 256 % qk == 0 else (128, qk))
+        L = TileLayout(dt, 128, *geometry(dt, (128, 256), args.cols))
         knobs = {**tune.default_for(L, target.isa), **given}
         m = ir.Module(name="asm")
-        K.emit_matvec(m, "mv", L, target.isa, **knobs)
+        try:  # another version of the block types' decoder, where asked (--blockdot)
+            K.blockdot = other or blockdot
+            K.emit_matvec(m, "mv", L, target.isa, **knobs)
+        finally:
+            K.blockdot = blockdot
         ops = count(m, target)
         unroll = K._pick_unroll(L.n_units, 1 if L.is_block_type else knobs["unroll"])
         # a group loop's iteration is one 16-row group of one unit; otherwise `unroll` whole units

@@ -7,6 +7,7 @@ from benchmarks import blockdot_ab
 from cflow.codegen import blockdot
 from cflow.codegen import kernels as K
 from cflow.layout.quant import DType
+from tests.benchmarks._blockdot_versions import without_q3k_combine
 
 
 def test_times_both_versions_and_restores_the_module(tmp_path, capsys):
@@ -24,11 +25,7 @@ def test_times_both_versions_and_restores_the_module(tmp_path, capsys):
 
 def test_each_version_builds_its_own_kernel(tmp_path):
     """The swap reaches the emitter: a copy without Q3_K's integer combine makes other IR than the tree's."""
-    src = Path(blockdot.__file__).read_text()
-    marker = "    int_combine = True  # 1.10-1.11x"
-    assert marker in src
-    old = tmp_path / "old.py"
-    old.write_text(src.replace(marker, "    int_combine = False  # 1.10-1.11x"))
+    old = without_q3k_combine(tmp_path / "old.py")
     versions = {"old": blockdot_ab.load_version(str(old), "blockdot_test_old"), "new": blockdot}
     cases = blockdot_ab.build([DType.Q3_K], versions, 0.002, 1)
     ir_old, ir_new = (c.mv.library.get_source_str() for _, _, c in cases)

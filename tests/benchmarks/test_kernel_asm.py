@@ -34,3 +34,17 @@ def test_counts_a_block_type_with_its_built_in_loop_kind():
     assert set(rows) == {"Q4_K", "IQ4_192", "read loop"}
     assert all(rows[k]["instructions"] > rows["read loop"]["instructions"] for k in ("Q4_K", "IQ4_192"))
     assert rows["Q4_K"]["knobs"].startswith(("u", "gloop"))
+
+
+def test_counts_another_version_of_the_decoder(tmp_path):
+    """--blockdot builds the block types' kernels from another blockdot.py (here without Q3_K's integer combine:
+    another count) and leaves the tree's decoder in place after."""
+    from cflow.codegen import blockdot
+    from cflow.codegen import kernels as K
+    from tests.benchmarks._blockdot_versions import without_q3k_combine
+
+    other = without_q3k_combine(tmp_path / "bd.py")
+    base = kernel_asm.main(["--cols", "512", "--types", "Q3_K"])[0]
+    alt = kernel_asm.main(["--cols", "512", "--types", "Q3_K", "--blockdot", str(other)])[0]
+    assert base["kernel"] == alt["kernel"] == "Q3_K" and base["instructions"] != alt["instructions"]
+    assert K.blockdot is blockdot
