@@ -169,13 +169,14 @@ def calibrate(args, g):
         return None
     mixed = args.quant == "auto" or args.bpw is not None
     budget = args.bpw if args.bpw is not None else M.DEFAULT_BPW
+    types = mix_types(args)
     if mixed and im is None:  # no importance matrix: each matrix's unweighted error (auto_mix weighs the columns)
-        low, full = M.smallest_bpw(g, M.auto_types(mix_types(args))), M.smallest_bpw(g, mix_types(args))
+        low, full = M.smallest_bpw(g, M.auto_types(types)), M.smallest_bpw(g, types)
         if low is not None and full is not None and full <= budget < low:
             raise CflowError(f"--bpw {budget:g}: without a calibration text the smallest type mix of {g.name} is "
                              f"{low:.3f} bits per weight (cflow's 3-bit types are left out: with no probe their "
                              f"placement is a guess); with --imatrix TEXT it is {full:.3f}")
-        out, plan = M.auto_mix(g, budget, progress=_progress("measuring"), types=mix_types(args))
+        out, plan = M.auto_mix(g, budget, progress=_progress("measuring"), types=types)
         _print_plan(plan, g, budget, getattr(args, "auto_default", False))
         return out
     values = im.for_graph(g, args.imatrix) if im is not None else {}
@@ -184,7 +185,7 @@ def calibrate(args, g):
     if curv:
         print(f"error feedback (GPTQ) on {len(curv)} of {len(M.matrices(g))} matrices", file=sys.stderr)
     if mixed:
-        errors = M.measure(g, weights, mix_types(args), progress=_progress("measuring"), curv=curv)
+        errors = M.measure(g, weights, types, progress=_progress("measuring"), curv=curv)
         sens = None
         if ids is not None:  # a KLD probe on the first calibration chunk makes the errors comparable across tensors
             sens = M.sensitivities(g, weights, errors, ids[:PROBE_TOKENS], progress=_progress("probing"), curv=curv)

@@ -130,10 +130,9 @@ class Decoder:
         sum (field >> rshift) << lshift; chunks made where first used, as chunk(). On VNNI each part is dotted as it
         lies in its bytes (vpdpbusd sums into i32: no intermediate saturation) and its sum shifted after: exact,
         since every masked byte is a multiple of 2^rshift, and the shifts and ORs of the field assembly move from
-        every chunk to one per sub-block. Default:
-        the assembled codes (one part). Only Q4_K overrides it (its high nibbles, 1.03-1.05x from DRAM on an AMX
-        Xeon); a part per extra bit (Q5_K, Q6_K, Q3_K) or per 2-bit plane (Q2_K) costs a second dot per chunk and
-        measured 0.85-0.93x, so those assemble their codes."""
+        every chunk to one per sub-block. Default: the assembled codes (one part). Only Q4_K overrides it (its high
+        nibbles, 1.03-1.05x from DRAM on an AMX Xeon); a part per extra bit (Q5_K, Q6_K, Q3_K) or per 2-bit plane
+        (Q2_K) costs a second dot per chunk and measured 0.85-0.93x, so those assemble their codes."""
         return [(_Lazy(range(8), lambda c: self.chunk(j, c)), 0, 0)]
 
     def scales(self, j: int) -> list:
@@ -200,9 +199,7 @@ class _Q4K(Decoder):
 class _Q6K(Decoder):
     """Q6_K: 8 blocks of 32 in two halves of 128; low 4 bits from ql, high 2 from qh; int8 scales per 16."""
 
-    # measured: Q6_K 1.08x from L2 with it. Q3_K measured 0.8x from L2 when first tried (more spills), 1.09-1.11x from
-    # the L3 and DRAM on AVX-512 later (benchmarks/blockdot_ab): it takes it too; Q2_K stays without (0.96-1.01x)
-    int_combine = True
+    int_combine = True  # measured: 1.08x from L2 with it
 
     def chunk(self, j, c):
         n, q = divmod(j, 4)
@@ -223,7 +220,8 @@ class _Q6K(Decoder):
 
 
 class _Q2K(Decoder):
-    """Q2_K: 8 blocks of 32 in two halves of 128 (2-bit codes at shift 2q); a 4-bit scale and min per 16."""
+    """Q2_K: 8 blocks of 32 in two halves of 128 (2-bit codes at shift 2q); a 4-bit scale and min per 16. Without
+    the integer combine: no faster with it (0.96-1.01x from DRAM, benchmarks/blockdot_ab)."""
 
     def chunk(self, j, c):
         n, q = divmod(j, 4)
@@ -245,7 +243,9 @@ class _Q2K(Decoder):
 class _Q3K(Decoder):
     """Q3_K: 2-bit codes as Q2_K plus a third bit from hmask (bit j of hmask[l]); 16 six-bit scales minus 32."""
 
-    int_combine = True  # 1.10-1.11x from DRAM on AVX-512, 1.00-1.01x on the 256-bit paths (benchmarks/blockdot_ab)
+    # 0.8x from L2 when first tried (more spills); 1.10-1.11x from L3 and DRAM on AVX-512 since, 1.00-1.01x on the
+    # 256-bit paths (benchmarks/blockdot_ab)
+    int_combine = True
 
     def chunk(self, j, c):
         n, q = divmod(j, 4)
@@ -438,7 +438,8 @@ class UnitActivation:
 
 
 class _Lazy:
-    """f(items[i]), made on first use and kept: each chunk's code-book lookup is emitted where its dot uses it."""
+    """f(items[i]), made on first use and kept: a chunk's codes (its fields, its bitcast, its code-book lookup)
+    emitted where its dot first uses it."""
 
     def __init__(self, items, f):
         self.items, self.f, self.done = items, f, {}
