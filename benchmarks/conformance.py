@@ -82,6 +82,7 @@ DERIVED = {
     "smollm2-135m.IQ4_XS": ("smollm2-135m", 30, "IQ4_XS"),
     "qwen2.5-coder-1.5b.IQ4_XS": ("qwen2.5-coder-1.5b", 30, "IQ4_XS"),
     "qwen2.5-coder-1.5b.Q5_K_M": ("qwen2.5-coder-1.5b", 17, "Q5_K_M"),
+    "qwen2.5-coder-1.5b.Q3_K_M": ("qwen2.5-coder-1.5b", 12, "Q3_K_M"),  # Q3_K on real weights (1536-wide rows)
 }
 
 
