@@ -71,9 +71,10 @@ def run(args) -> int:
         context = plan.graph.config.max_seq_len  # a default load's cache positions
     target = host_target()
     span = tune.stream_span(args.mb * 2**20)
-    from ..codegen.tune_defaults import host_family
+    from ..codegen.tune_defaults import host_family, shipped_family
 
-    print(f"{cpu_model()} ({target.isa}; family {host_family()}); one thread, {args.mb} MiB of weights per call "
+    family = host_family() + ("" if shipped_family() else ", no shipped choices for this CPU: the built-in ones")
+    print(f"{cpu_model()} ({target.isa}; family {family}); one thread, {args.mb} MiB of weights per call "
           f"(page-aligned, the next window of a {span / 2**20:.0f} MiB set each call, past the last-level cache), "
           f"median of {args.rounds} rounds; coordinate descent from the start (this family's shipped choice, else "
           f"the default: passes s1, s2, ...), then from the other loop kind (o1, ...), <= {args.passes} passes "

@@ -7,8 +7,15 @@ without one the kernels' built-in defaults (tune.default_for, attention.KV_PREFE
 like every tuned knob: a wrong guess costs speed, never numbers.
 
 A family is named by host_family(): LLVM's name for the host's microarchitecture (znver5, znver4, ...), or
-"intel-amx" for an Intel core with the AMX tile unit (Sapphire Rapids and later: an AMX Xeon reports a
-masked model, which LLVM names "rocketlake"). A choice's prefetch and loop knobs apply on every ISA path: they
+"intel-amx" for an Intel core with the AMX tile unit (Sapphire Rapids and later). A family's choices may be
+limited to the CPU names LLVM gave the hosts they were measured on (Family.cpus): two AMX Xeon VMs wanted
+opposite loops. The one that reported a masked model (family 6 model 167, which LLVM names "rocketlake") ran the
+group loop 1.18-1.27x faster than the built-in unit loop; one reporting its own model (207, "emeraldrapids")
+decodes 1.19-1.23x faster with the built-in knobs than with those choices on its AVX-512 path, 1.07-1.15x on the
+forced 256-bit paths, and its own search chose the unit loop for every shape
+(docs/results/intel-amx/decode_shipped_vs_builtin_q4_emr.txt, _q8_emr.txt; docs/performance.md). So
+"intel-amx" applies on the masked host only; another AMX core takes the built-ins until one is measured. A
+choice's prefetch and loop knobs apply on every ISA path: they
 are the memory system's, and `cflow tune` with the AVX2 and the AVX-VNNI paths forced on an AMX Xeon chose
 the same loop and distances as its AVX-512 search (docs/journal/performance.md, "ISA paths"); the dot width and the Q4
 unpack only on the path they were measured on (elsewhere the built-in ones). A choice applies to every dtype it
@@ -44,6 +51,7 @@ class Family(NamedTuple):
     source: str  # where the measurement is recorded (docs/results/...)
     kernels: dict  # "q4" / "q8" (and "q4:gate_up" for a fused gate+up kernel alone) -> knobs with a Pf
     attention: dict  # KV cache type -> the attention core's prefetch distance (bytes)
+    cpus: tuple = ()  # LLVM's host CPU names the choices apply to (those measured); empty: the whole family
 
 
 _GLOOP = {"group_loop": 1, "unroll": 2, "max_groups": 8, "prefetch_locality": 3, "prefetch_stride": 64,
@@ -52,12 +60,12 @@ _UNIT = {"group_loop": 0, "unroll": 2, "max_groups": 8, "prefetch_locality": 3, 
          "vector_bits": 0, "unpack": 0}
 
 FAMILIES: dict[str, Family] = {
-    # an AMX Xeon (Intel Xeon, family 6 model 167 masked, AMX): all six shapes of the TinyLlama geometry
-    # chose the group loop, Q4 one unit and a line ahead, Q8 a quarter unit ahead
+    # an AMX Xeon VM (Intel Xeon, family 6 model 167 masked, AMX): all six shapes of the TinyLlama geometry
+    # chose the group loop, Q4 one unit and a line ahead, Q8 a quarter unit ahead. Not on model 207 (above).
     "intel-amx": Family("avx512vnni", "docs/results/intel-amx/tune_table_intel_s15.json",
                         {"q4": {**_GLOOP, "prefetch": Pf(1, 1)},
                          "q8": {**_GLOOP, "prefetch": Pf(Fraction(1, 4))}},
-                        {"f16": 1024}),
+                        {"f16": 1024}, cpus=("rocketlake",)),
     # AMD EPYC Zen 5: the group loop four Q4 units ahead; Q8 two units ahead (two of its three shapes)
     "znver5": Family("avx512vnni", "docs/results/znver5/tune_table_zen5_s18.json",
                      {"q4": {**_GLOOP, "prefetch": Pf(4)},
@@ -77,15 +85,31 @@ FAMILIES: dict[str, Family] = {
 def host_family() -> str:
     """This host's microarchitecture family: "intel-amx" for an Intel core with AMX tiles, else LLVM's host CPU
     name. The real host's, not a forced CFLOW_CPU's: the memory system the choices were measured on."""
-    import llvmlite.binding as llvm
+    from .target import _cpuinfo
 
-    from .target import _cpuinfo, init_llvm
-
-    init_llvm()
     info = _cpuinfo()
     if info.get("vendor_id") == "GenuineIntel" and "amx_tile" in info.get("flags", "").split():
         return "intel-amx"
+    return host_cpu()
+
+
+@functools.lru_cache(maxsize=1)
+def host_cpu() -> str:
+    """LLVM's name for the real host's CPU (not a forced CFLOW_CPU's)."""
+    import llvmlite.binding as llvm
+
+    from .target import init_llvm
+
+    init_llvm()
     return llvm.get_host_cpu_name()
+
+
+def shipped_family() -> Family | None:
+    """The shipped choices for this host: its family's, where they apply to its CPU (Family.cpus), else None."""
+    fam = FAMILIES.get(host_family())
+    if fam is None or fam.cpus and host_cpu() not in fam.cpus:
+        return None
+    return fam
 
 
 ISA_KNOBS = ("vector_bits", "unpack")  # what only the ISA path a choice was measured on may take
@@ -95,7 +119,7 @@ def kernel_choice(layout, gate_up: bool, target) -> dict | None:
     """The shipped mat-vec knobs for one kernel shape on this host, with the prefetch in bytes; None: the built-in
     default (no family, a dtype the family did not measure, or a GGUF block type). On another ISA path than the
     family's the ISA's own knobs are the built-in ones."""
-    fam = FAMILIES.get(host_family())
+    fam = shipped_family()
     if fam is None or layout.is_block_type:
         return None
     label = layout.dtype.label
@@ -113,5 +137,5 @@ def kernel_choice(layout, gate_up: bool, target) -> dict | None:
 
 def attention_choice(kv: str) -> int | None:
     """The shipped attention-core prefetch distance for a KV cache type on this host (any ISA path), or None."""
-    fam = FAMILIES.get(host_family())
+    fam = shipped_family()
     return None if fam is None else fam.attention.get(kv)

@@ -501,6 +501,7 @@ def test_shipped_families_are_valid_choices_for_every_tile(monkeypatch):
             assert attn_tune._valid({"kv_prefetch": d}), kv
         target = SimpleNamespace(isa=fam.isa)
         monkeypatch.setattr(D, "host_family", lambda name=fam_name: name)
+        monkeypatch.setattr(D, "host_cpu", lambda f=fam: f.cpus[0] if f.cpus else "any")
         for dt in ("q4", "q8"):
             for tile in ((128, 256), (64, 512)):
                 L = TileLayout(dt, 256, 2048, tile)
@@ -521,6 +522,7 @@ def test_shipped_choice_applies_on_its_own_family_and_its_isa_knobs_on_its_path(
 
     L = TileLayout("q4", 256, 2048, (128, 256))
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
+    monkeypatch.setattr(D, "host_cpu", lambda: "rocketlake")  # the masked VM measured
     vnni, avx2 = SimpleNamespace(isa="avx512vnni"), SimpleNamespace(isa="avx2")
     assert tune.start_for(L, False, vnni) == {**tune.DEFAULT, "group_loop": 1, "prefetch": 2368}
     # a forced path: the same loop and distance (the memory system's), the path's own dot and unpack
@@ -528,11 +530,19 @@ def test_shipped_choice_applies_on_its_own_family_and_its_isa_knobs_on_its_path(
     monkeypatch.setattr(D, "host_family", lambda: "znver4")
     assert tune.start_for(L, False, vnni)["vector_bits"] == 256 and tune.start_for(L, False, avx2)["vector_bits"] == 0
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
+    monkeypatch.setattr(D, "host_cpu", lambda: "rocketlake")  # the masked VM measured
     assert D.attention_choice("f16") == 1024 and D.attention_choice("f32") is None
     monkeypatch.setattr(D, "host_family", lambda: "some-future-cpu")
     assert tune.start_for(L, False, vnni) == tune.default_for(L, "avx512vnni")
+    # another AMX core than the one the family was measured on: the built-ins (model 207 decodes faster with them)
+    monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
+    monkeypatch.setattr(D, "host_cpu", lambda: "emeraldrapids")
+    assert D.shipped_family() is None and D.attention_choice("f16") is None
+    assert tune.start_for(L, False, vnni) == tune.default_for(L, "avx512vnni")
+    assert tune.start_for(L, False, avx2) == tune.default_for(L, "avx2")
     # a GGUF block type keeps its built-in prefetch (one whole block ahead) and its path's built-in loop kind
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
+    monkeypatch.setattr(D, "host_cpu", lambda: "rocketlake")  # the masked VM measured
     LK = TileLayout("q4_k", 256, 2048, (128, 256))
     assert tune.start_for(LK, False, vnni) == tune.default_for(LK, "avx512vnni")
     LK5 = TileLayout("q5_k", 256, 2048, (128, 256))
@@ -574,6 +584,7 @@ def test_a_load_never_searches_and_takes_the_shipped_choice(tuning_on, monkeypat
     monkeypatch.setattr(tune, "tune_kernel", no_search)
     monkeypatch.setattr(attn_tune, "tune_attention", no_search)
     monkeypatch.setattr(D, "host_family", lambda: "intel-amx")
+    monkeypatch.setattr(D, "host_cpu", lambda: "rocketlake")  # the masked VM measured
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m = cflow.load(model_file, kv="f16", **DECODE)
