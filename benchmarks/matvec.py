@@ -95,7 +95,7 @@ def check(lib, tile, mats, one, isa):
     chk = Library(name="bench_check", cache=lib.cache)
     chk.add_ir(mod)
     vp = ctypes.c_void_p
-    mv.layout, mv.gate_up = L, False
+    mv.layout, mv.gate_up, mv.planes = L, False, 1
     mv._quant = chk.get_cfunc("q", None, vp, vp, vp, vp)
     mv._mv = chk.get_cfunc("mv", None, vp, vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64)
     x = np.random.default_rng(1).standard_normal(L.cols).astype(np.float32)
