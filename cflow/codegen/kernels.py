@@ -36,6 +36,7 @@ from .cgutils import (
     V,
     c32,
     const_vec,
+    exp_vec,
     f32,
     half_to_float,
     i1,
@@ -312,9 +313,11 @@ def default_prefetch(L: TileLayout) -> int:
 
 # The block types whose built-in kernel differs per ISA path: the group loop (one 16-row group of one unit per
 # iteration) and, for some, the software prefetch into L2 (locality 2) instead of L1; every other type takes the
-# unit loop with the kernel's defaults. On AVX-512 that is every type but Q6_K (group / unit 0.81-1.05 from DRAM at
-# 1 thread for the others, Q5_0 / Q5_1 at 1.04-1.05 within the runs' spread; Q6_K 1.07, 1.06-1.08 in a run of its
-# own). Measured with the 256-bit paths forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python -m
+# unit loop with the kernel's defaults. On AVX-512 that is every type (group / unit 0.81-1.05 from DRAM at 1
+# thread, Q5_0 / Q5_1 at 1.04-1.05 within the runs' spread). Q6_K took the group loop for a while (1.06-1.08x),
+# measured before its chunks were made where used (Decoder.parts, lazily); since then its unit loop is the faster,
+# 1.12-1.13x from DRAM and its head 1.15x in a decode step (docs/quantization.md "Decode speed"). The 256-bit
+# paths' choices: measured with those paths forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python -m
 # benchmarks.gguf_types --loops unit,group,group-l2`, docs/quantization.md "Decode speed"): a unit of 192 or 256
 # inputs in eight 16-row groups does not fit the 16 vector registers, so the group loop gains 10-40% for the
 # K-quants; the L2 prefetch adds 3-22% to it where the kernel is the least arithmetic-bound (Q4_K, Q5_K, Q6_K,
@@ -322,7 +325,7 @@ def default_prefetch(L: TileLayout) -> int:
 # `cflow tune` tries both loop kinds and localities.
 _GL, _GL2 = {"group_loop": 1}, {"group_loop": 1, "prefetch_locality": 2}
 BUILTIN_KNOBS = {
-    ISA.AVX512VNNI: {DType.Q6_K: _GL},
+    ISA.AVX512VNNI: {},
     ISA.AVX2: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_192: _GL, DType.Q5_1: _GL, DType.Q4_K: _GL2,
                DType.Q5_K: _GL2, DType.Q6_K: _GL2, DType.IQ4_XS: _GL2, DType.IQ4_192: _GL2},
     ISA.AVXVNNI: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_128: _GL, DType.Q3_192: _GL, DType.Q4_K: _GL2,
@@ -659,13 +662,16 @@ def _gate_mul(b, g, u, act: str = "silu"):
     0.5 g (1 + tanh(y)) = g sigmoid(2y), so z = 2 sqrt(2/pi) (g + 0.044715 g^3) (overflow gives g / inf = 0)."""
     _check_act(act)  # NOTE: a non-string here once meant SiLU for every GELU model's prompt blocks
     vt = V(f32, 16)
-    exp = intrinsic(b.module, "llvm.exp.v16f32", vt, [vt])
     one = ir.Constant(vt, [1.0] * 16)
     z = g
     if act == "gelu_tanh":
         g3 = b.fmul(b.fmul(g, g), g)
         z = b.fmul(ir.Constant(vt, [2.0 * _GELU_C] * 16), b.fadd(g, b.fmul(ir.Constant(vt, [0.044715] * 16), g3)))
-    return b.fmul(b.fdiv(g, b.fadd(one, b.call(exp, [b.fsub(ir.Constant(vt, [0.0] * 16), z)]))), u)
+    # exp in vector ops (cgutils.exp_vec, ~1 ulp), not llvm.exp: without a vector math library LLVM lowers that
+    # to 16 libm calls a vector, and the calls cost more than their time: every vector register live across them
+    # is spilled, so the tile loop's constants came back from memory. Measured 1.07-1.18x on Q4_K's fused gate+up
+    # (docs/performance.md, "The gate's exp").
+    return b.fmul(b.fdiv(g, b.fadd(one, exp_vec(b, b.fsub(ir.Constant(vt, [0.0] * 16), z)))), u)
 
 
 # -- ctypes convenience (tests, benchmarks) ------------------------------------------------------

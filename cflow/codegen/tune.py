@@ -75,8 +75,8 @@ def default_for(layout, isa) -> dict:
 # kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache;
 # 6: a quarter and half a unit; 7: a GGUF block type's default prefetch one unit ahead; 8: per-ISA built-in knobs for
 # the block types (kernels.BUILTIN_KNOBS: a record searched from the older built-in would pin it); 9: Q6_K's group
-# loop on AVX-512 (the same) (older tables: searched again)
-SCHEMA = 9
+# loop on AVX-512 (the same); 10: Q6_K's unit loop on AVX-512 again (older tables: searched again)
+SCHEMA = 10
 
 
 def enabled() -> bool:

@@ -551,13 +551,13 @@ def test_shipped_choice_applies_on_its_own_family_and_its_isa_knobs_on_its_path(
 
 def test_the_built_in_loop_kind_per_isa_path():
     """The group loop (and for some types the L2 prefetch) is the built-in for the block types BUILTIN_KNOBS names
-    per path (measured there; on AVX-512 Q6_K alone), the unit loop for everything else; default_for, the search's first
+    per path (measured there; none on AVX-512), the unit loop for everything else; default_for, the search's first
     candidate and the kernel's own default agree."""
     from cflow.codegen import kernels as K
     from cflow.layout.tile import TileLayout
 
     cases = {("q4", "avx2"): (0, 3), ("q4_k", "avx2"): (1, 2), ("q4_k", "avxvnni"): (1, 2), ("q3_k", "avx2"): (1, 3),
-             ("q6_k", "avx512vnni"): (1, 3), ("q5_k", "avx512vnni"): (0, 3), ("iq4_192", "avx2"): (1, 2),
+             ("q6_k", "avx512vnni"): (0, 3), ("q5_k", "avx512vnni"): (0, 3), ("iq4_192", "avx2"): (1, 2),
              ("iq4_192", "avxvnni"): (0, 3),
              ("iq4_128", "avx2"): (0, 3), ("q3_128", "avxvnni"): (1, 3), ("iq4_nl", "avx2"): (0, 3),
              ("q4_k", "generic"): (0, 3)}
