@@ -106,6 +106,8 @@ def main(argv=None) -> None:
                     help="the K/V scans' prefetch distances to time, bytes (default: the built-in default; this "
                          "host's tuned choice is in `cflow tune`)")
     ap.add_argument("--layers", type=int, default=1, help="caches called in turn (22: TinyLlama's, from DRAM)")
+    ap.add_argument("--softcap", type=float, default=0.0,
+                    help="Gemma 2's attention score cap, cap * tanh(s / cap) before the softmax (default 0: none)")
     add_json_argument(ap, "write one record per cache type, prefetch distance and position")
     a = ap.parse_args(argv)
     run = Run("attention", argv)
@@ -121,7 +123,8 @@ def main(argv=None) -> None:
     recs = []
     for kv in a.kv.split(","):
         for pf in (int(x) for x in a.prefetch.split(",")):
-            bench = AttentionBench(H, KV, hd, kv, S, host_target(), distances=(pf,), n_caches=a.layers)
+            bench = AttentionBench(H, KV, hd, kv, S, host_target(), distances=(pf,), n_caches=a.layers,
+                                   softcap=a.softcap)
             for pos in (int(x) for x in a.contexts.split(",")):
                 for c in range(a.layers):
                     bench.call(0, c, pos)

@@ -460,9 +460,8 @@ def score_scan(f: CoreFrame, kbase) -> None:
             at_r = b.bitcast(b.gep(f.scores, [b.add(c64(r * SS), b.mul(j, c64(B)))]), P(bt))
             raw = b.load(at_r, align=4) if s.amx else tree_sum(b, [b.load(a_) for a_ in f.qk[r]])
             sc = b.fmul(raw, const_vec(f32, B, s.scale))
-            if s.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax (per lane)
-                for t in range(B):
-                    sc = b.insert_element(sc, softcap(b, b.extract_element(sc, c32(t)), s.softcap), c32(t))
+            if s.softcap:  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax
+                sc = softcap(b, sc, s.softcap)
             sc = b.select(live, sc, f.ninf_b)
             b.store(sc, b.bitcast(b.gep(f.scores, [b.add(c64(r * SS), b.mul(j, c64(B)))]), P(bt)), align=4)
             m0 = b.load(f.mx[r])

@@ -63,7 +63,8 @@ class AttentionBench:
     on one thread, as a decode step's attention stage does. Also benchmarks/attention.py's harness."""
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, kv: str, max_seq: int, target,
-                 distances=DISTANCES, n_caches: int = 1, seed: int = 0, bf16_unit: str | None = None):
+                 distances=DISTANCES, n_caches: int = 1, seed: int = 0, bf16_unit: str | None = None,
+                 softcap: float = 0.0):
         from ..ir import Attention
         from ..layout.quant import bf16_bits
         from ..layout.tile import aligned_empty
@@ -74,7 +75,7 @@ class AttentionBench:
         H, KV, hd, S = n_heads, n_kv_heads, head_dim, max_seq
         self.kv, self.n_kv_heads, self.head_dim, self.max_seq = kv, KV, hd, S
         n = Attention(name="attn.1", inputs=("x",), prefix="layers.1.attn", dim=H * hd, n_heads=H, n_kv_heads=KV,
-                      head_dim=hd, rope_theta=10000.0)
+                      head_dim=hd, rope_theta=10000.0, softcap=softcap)  # softcap: Gemma 2's score cap
         m = ir.Module(name="cflow_attn_tune")
         offs = (0, H * hd, H * hd + KV * hd)
         kvp = P(i16) if KV_BYTES[kv] == 2 else P(f32)

@@ -285,11 +285,19 @@ def bf16_dot(b: ir.IRBuilder, acc, x, y, hw: bool, fma: bool = True):
 
 # -- math ------------------------------------------------------------------------------------------
 def softcap(b: ir.IRBuilder, x, cap: float):
-    """cap * tanh(x / cap) for a scalar f32 (Gemma 2's soft-caps), tanh(y) = 1 - 2 / (exp(2y) + 1): no libm call,
-    saturating to +-1 where exp overflows or underflows; absolute error ~1e-7 * cap near 0."""
-    exp = intrinsic(b.module, "llvm.exp.f32", f32, [f32])
-    e = b.call(exp, [b.fmul(x, cf(2.0 / cap))])
-    return b.fmul(cf(cap), b.fsub(cf(1.0), b.fdiv(cf(2.0), b.fadd(e, cf(1.0)))))
+    """cap * tanh(x / cap) for an f32 or a <n x float> (Gemma 2's soft-caps), tanh(y) = 1 - 2 / (exp(2y) + 1) with
+    exp_vec: no libm call (a call per lane spilled the attention core's registers around it), saturating to +-1 where
+    exp overflows or underflows; absolute error ~1e-7 * cap near 0."""
+    scalar = not isinstance(x.type, ir.VectorType)
+    v = b.insert_element(ir.Constant(V(f32, 1), [0.0]), x, c32(0)) if scalar else x
+    n = v.type.count
+
+    def k(c):
+        return const_vec(f32, n, c)
+
+    e = exp_vec(b, b.fmul(v, k(2.0 / cap)))
+    y = b.fmul(k(cap), b.fsub(k(1.0), b.fdiv(k(2.0), b.fadd(e, k(1.0)))))
+    return b.extract_element(y, c32(0)) if scalar else y
 
 
 def exp_vec(b: ir.IRBuilder, x, fma: bool = False):
