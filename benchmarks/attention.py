@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     bf_peak = bf16_rate() if host_target().has_avx512_bf16 else 0.0
     bf = f", {bf_peak / 1e9:.1f} G with VDPBF16PS (bf16's floor)" if bf_peak else ""
     print(f"# {cpu_model()}, 1 thread, read bandwidth {bw:.2f} GB/s, {peak / 1e9:.1f} G multiply-adds/s (f32 FMA on "
-          f"registers){bf}; H={H} KV={KV} hd={hd} max_seq={S}")
+          f"registers){bf}; H={H} KV={KV} hd={hd} max_seq={S}" + (f" softcap={a.softcap:g}" if a.softcap else ""))
     print(f"  {'kv / unit':<11} {'pf':>6} {'P':>5} {'us/call':>9} {'K/V MB':>7} {'GB/s':>6} {'% read':>7} "
           f"{'FMA floor us':>12} {'% of FMA peak':>13}")
     recs = []
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
                     variant=f"{label} pf {pf} pos {pos}", read_gbs=round(bw, 3), kv=kv, bf16_unit=bench.unit,
                     kv_prefetch=pf, pos=pos, us=round(1e6 * best, 2), kv_bytes=nbytes, gbps=round(rate, 3),
                     layers=a.layers, fma_per_s=round(peak), bf16_dot_per_s=round(bf_peak),
-                    fma_floor_us=round(1e6 * floor, 2), heads=H, kv_heads=KV, head_dim=hd))
+                    fma_floor_us=round(1e6 * floor, 2), heads=H, kv_heads=KV, head_dim=hd, softcap=a.softcap))
             del bench
     run.write(a.json, recs)
 

@@ -316,7 +316,7 @@ def default_prefetch(L: TileLayout) -> int:
 # unit loop with the kernel's defaults. On AVX-512 that is every type (group / unit 0.81-1.05 from DRAM at 1
 # thread, Q5_0 / Q5_1 at 1.04-1.05 within the runs' spread). Q6_K took the group loop for a while (1.06-1.08x),
 # measured before its chunks were made where used (Decoder.parts, lazily); since then its unit loop is the faster,
-# 1.12-1.13x from DRAM and its head 1.15x in a decode step (docs/quantization.md "Decode speed"). The 256-bit
+# 1.12-1.13x from DRAM and its head 1.15-1.17x in a decode step (docs/quantization.md "Decode speed"). The 256-bit
 # paths' choices: measured with those paths forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python -m
 # benchmarks.gguf_types --loops unit,group,group-l2`, docs/quantization.md "Decode speed"): a unit of 192 or 256
 # inputs in eight 16-row groups does not fit the 16 vector registers, so the group loop gains 10-40% for the

@@ -11,7 +11,7 @@ A family is named by host_family(): LLVM's name for the host's microarchitecture
 limited to the CPU names LLVM gave the hosts they were measured on (Family.cpus): two AMX Xeon VMs wanted
 opposite loops. The one that reported a masked model (family 6 model 167, which LLVM names "rocketlake") ran the
 group loop 1.18-1.27x faster than the built-in unit loop; one reporting its own model (207, "emeraldrapids")
-decodes 1.19-1.23x faster with the built-in knobs than with those choices on its AVX-512 path, 1.07-1.15x on the
+decodes 1.19-1.27x faster with the built-in knobs than with those choices on its AVX-512 path, 1.00-1.15x on the
 forced 256-bit paths, and its own search chose the unit loop for every shape
 (docs/results/intel-amx/decode_shipped_vs_builtin_q4_emr.txt, _q8_emr.txt; docs/performance.md). So
 "intel-amx" applies on the masked host only; another AMX core takes the built-ins until one is measured. A
