@@ -303,11 +303,25 @@ DEFAULT_PREFETCH = 2304  # bytes ahead of the unit being read
 DEFAULT_PREFETCH_LOCALITY = 3  # prefetcht0
 
 
-def default_prefetch(L: TileLayout) -> int:
-    """The built-in prefetch distance: one unit ahead. For Q4/Q8/F16/F32 the measured 2304 bytes (one Q4 unit of
-    128 rows); a GGUF block type's unit is a whole block (8x as many inputs for the K-quants), and 2304 bytes ahead of
-    it fell inside the unit being read: the K-quants streamed at 0.6x Q4_0's rate from DRAM with it, at Q4_0's one
-    unit ahead (benchmarks/gguf_types.py)."""
+# Q4 and Q8 on the 256-bit paths: two units ahead (4,608 / 8,704 bytes at 128-row tiles). Measured with each path
+# forced on an AMX Xeon (model 207), `cflow tune` chose two units for every Q8 shape (1.12-1.26x over 2,304 bytes
+# in its timing) and for Q4 on AVX2 (1.07-1.09x; AVX-VNNI: its gate+up, a tie on the rest); end to end (TinyLlama
+# geometry) Q8 went from 73-80% to 92-100% of the read bandwidth (docs/performance.md "Decode on each ISA path").
+# Not measured on an AVX2-only CPU; on AVX-512 the 2,304 bytes stay (Q8 at 92% of read there).
+BUILTIN_PREFETCH_UNITS = {
+    ISA.AVX2: {DType.Q4: 2, DType.Q8: 2},
+    ISA.AVXVNNI: {DType.Q4: 2, DType.Q8: 2},
+}
+
+
+def default_prefetch(L: TileLayout, isa=None) -> int:
+    """The built-in prefetch distance: one unit ahead, or BUILTIN_PREFETCH_UNITS' units on their ISA path. For
+    Q4/Q8/F16/F32 the measured 2304 bytes (one Q4 unit of 128 rows); a GGUF block type's unit is a whole block (8x
+    as many inputs for the K-quants), and 2304 bytes ahead of it fell inside the unit being read: the K-quants
+    streamed at 0.6x Q4_0's rate from DRAM with it, at Q4_0's one unit ahead (benchmarks/gguf_types.py)."""
+    units = BUILTIN_PREFETCH_UNITS.get(_check_isa(isa), {}).get(L.dtype) if isa is not None else None
+    if units:
+        return units * L.unit_nbytes
     return L.unit_nbytes if L.is_block_type else DEFAULT_PREFETCH
 
 
@@ -515,7 +529,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     isa = _check_isa(isa)
     _check_act(act)
     _check_layout_planes(layout, planes)
-    prefetch = default_prefetch(layout) if prefetch is None else prefetch
+    prefetch = default_prefetch(layout, isa) if prefetch is None else prefetch
     builtin = builtin_knobs(layout, isa)
     group_loop = builtin.get("group_loop", 0) if group_loop is None else group_loop
     if prefetch_locality is None:
@@ -586,7 +600,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     _check_act(act)
     L = layout
     _check_layout_planes(L, planes)
-    prefetch = default_prefetch(L) if prefetch is None else prefetch
+    prefetch = default_prefetch(L, isa) if prefetch is None else prefetch
     nblk = act_stride // BLOCK if act_blocks is None else act_blocks
     if act_stride % BLOCK or act_stride < planes * L.cols_p or nblk < L.cols_p // BLOCK:
         raise CodegenError(f"matmat: activation stride {act_stride} must be a multiple of {BLOCK} >= "

@@ -70,13 +70,14 @@ SEEDS = (DEFAULT, {**DEFAULT, "group_loop": 1})
 def default_for(layout, isa) -> dict:
     """The kernel's built-in knobs for a layout on an ISA path (DEFAULT, with the prefetch distance one unit ahead
     for a GGUF block type, kernels.default_prefetch, and its type's kernels.builtin_knobs on that path)."""
-    return _normal({**DEFAULT, "prefetch": K.default_prefetch(layout), **K.builtin_knobs(layout, isa)})
+    return _normal({**DEFAULT, "prefetch": K.default_prefetch(layout, isa), **K.builtin_knobs(layout, isa)})
 # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent; 4: group_loop; 5: a descent per loop
 # kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache;
 # 6: a quarter and half a unit; 7: a GGUF block type's default prefetch one unit ahead; 8: per-ISA built-in knobs for
 # the block types (kernels.BUILTIN_KNOBS: a record searched from the older built-in would pin it); 9: Q6_K's group
-# loop on AVX-512 (the same); 10: Q6_K's unit loop on AVX-512 again (older tables: searched again)
-SCHEMA = 10
+# loop on AVX-512 (the same); 10: Q6_K's unit loop on AVX-512 again; 11: Q4 / Q8 two units ahead on the 256-bit
+# paths (kernels.BUILTIN_PREFETCH_UNITS) (older tables: searched again)
+SCHEMA = 11
 
 
 def enabled() -> bool:

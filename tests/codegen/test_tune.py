@@ -569,6 +569,12 @@ def test_the_built_in_loop_kind_per_isa_path():
         assert {**{"group_loop": 0, "prefetch_locality": 3}, **K.builtin_knobs(L, isa)} == {
             "group_loop": gl, "prefetch_locality": loc}
         assert tune.candidates(L, isa)[0] == d
+    # Q4 / Q8 two units ahead on the 256-bit paths (kernels.BUILTIN_PREFETCH_UNITS), one Q4 unit (2,304 B) elsewhere
+    for dt, unit in (("q4", 2304), ("q8", 4352)):
+        L = TileLayout(dt, 256, 2048, (128, 256))
+        assert L.unit_nbytes == unit
+        for isa, want in (("avx2", 2 * unit), ("avxvnni", 2 * unit), ("avx512vnni", 2304), ("generic", 2304)):
+            assert tune.default_for(L, isa)["prefetch"] == want == K.default_prefetch(L, isa), (dt, isa)
 
 
 def test_a_load_never_searches_and_takes_the_shipped_choice(tuning_on, monkeypatch, model_file):
