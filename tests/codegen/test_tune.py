@@ -62,7 +62,7 @@ def test_candidates_are_bit_identical(dtype, gate_up):
     L = TileLayout(DType.parse(dtype), 128, 512, (64, 256))
     res = tune.measure(L, gate_up, rounds=1, nbytes=MB)  # raises if any candidate's output differs
     isa = host_target().isa
-    assert [r["knobs"] for r in res] == tune.candidates(L, isa) and res[0]["knobs"] == tune.DEFAULT
+    assert [r["knobs"] for r in res] == tune.candidates(L, isa) and res[0]["knobs"] == tune.default_for(L, isa)
     if isa == "avx512vnni" and dtype in ("q4", "q8"):  # the 256-bit kernel (and Q4's other unpack) among them
         assert any(r["knobs"]["vector_bits"] == 256 for r in res)
         assert any(r["knobs"]["unpack"] == 1 for r in res) == (dtype == "q4")
@@ -168,8 +168,9 @@ def test_search_drift_is_caught_by_the_final_check(monkeypatch):
         return [{"knobs": c, "gbps": 10.0 + (1.0 if i == 1 else 0.0), "samples": []} for i, c in enumerate(cands)]
 
     monkeypatch.setattr(tune, "measure", measure)
-    choice, log = tune.search(TileLayout(DType.Q8, 256, 512, (128, 256)), False, host_target())
-    assert choice == tune.DEFAULT and len(calls) == len(tune.SEEDS) * tune.PASSES + 1
+    L = TileLayout(DType.Q8, 256, 512, (128, 256))
+    choice, log = tune.search(L, False, host_target())
+    assert choice == tune.default_for(L, host_target().isa) and len(calls) == len(tune.SEEDS) * tune.PASSES + 1
     calls.clear()  # passes=1 (`cflow tune --passes 1`): one pass per seed, and still the head-to-head
     tune.search(TileLayout(DType.Q8, 256, 512, (128, 256)), False, host_target(), passes=1)
     assert len(calls) == len(tune.SEEDS) + 1 and calls[-1] <= len(tune.SEEDS) + 1
@@ -358,7 +359,7 @@ def test_attention_choice_is_cached_reaches_the_program_and_keeps_the_numbers(tu
 
     with FileReader(model_file) as r:
         shapes = tune.kernel_shapes(plan_from_header(r.header, r.path).tensors.values())
-    table = {k: {"choice": dict(tune.DEFAULT)} for k in shapes}
+    table = {k: {"choice": tune.default_for(shapes[k][0], target.isa)} for k in shapes}
     tune._write_table(target, {**table, key: {"choice": {"kv_prefetch": 0}}})
     m = cflow.load(model_file, kv="f16", **DECODE)
     assert m.session.tuning == {key: {"kv_prefetch": 0}}
