@@ -88,16 +88,7 @@ def make_weights(tile, layers, seed=0):
 def check(lib, tile, mats, one, isa):
     """Max relative error of the O projection vs the NumPy oracle (int8 activation emulation)."""
     L = TileLayout(DType.Q4, *SHAPES["o"], tile)
-    mod = ir.Module(name="bench_check")
-    K.emit_quantize_act(mod, "q", L.cols, L.cols_p)
-    K.emit_matvec(mod, "mv", L, isa)
-    mv = K.MatVec.__new__(K.MatVec)
-    chk = Library(name="bench_check", cache=lib.cache)
-    chk.add_ir(mod)
-    vp = ctypes.c_void_p
-    mv.layout, mv.gate_up, mv.planes = L, False, 1
-    mv._quant = chk.get_cfunc("q", None, vp, vp, vp, vp)
-    mv._mv = chk.get_cfunc("mv", None, vp, vp, vp, vp, vp, vp, ctypes.c_int64, ctypes.c_int64)
+    mv = K.MatVec(L, target=lib.target, isa=isa, cache=lib.cache)  # the quantiser and the kernel, default knobs
     x = np.random.default_rng(1).standard_normal(L.cols).astype(np.float32)
     y = mv(one["o"], mv.activation(x))[: L.rows]
     t = quantize(mats["o"], "q4")

@@ -1,5 +1,5 @@
-"""benchmarks/matvec.py's oracle check runs (its kernel built by hand, not through MatVec's constructor, so a field
-MatVec gains must be set there too: the benchmark broke once on `planes`)."""
+"""benchmarks/matvec.py's oracle check runs (it broke once on a MatVec it built by hand, without the `planes` field
+the constructor sets; it now takes the constructor)."""
 
 from benchmarks import matvec as B
 from cflow.codegen.library import Library
