@@ -303,54 +303,54 @@ DEFAULT_PREFETCH = 2304  # bytes ahead of the unit being read
 DEFAULT_PREFETCH_LOCALITY = 3  # prefetcht0
 
 
-# Q4 and Q8 on the 256-bit paths: two units ahead (4,608 / 8,704 bytes at 128-row tiles). Measured with each path
-# forced on an AMX Xeon (model 207), `cflow tune` chose two units for every Q8 shape (1.12-1.26x over 2,304 bytes
-# in its timing) and for Q4 on AVX2 (1.07-1.09x; AVX-VNNI: its gate+up, a tie on the rest); end to end (TinyLlama
-# geometry) Q8 went from 73-80% to 92-100% of the read bandwidth (docs/performance.md "Decode on each ISA path").
-# Not measured on an AVX2-only CPU; on AVX-512 the 2,304 bytes stay (Q8 at 92% of read there).
-BUILTIN_PREFETCH_UNITS = {
-    ISA.AVX2: {DType.Q4: 2, DType.Q8: 2},
-    ISA.AVXVNNI: {DType.Q4: 2, DType.Q8: 2},
-}
-
-
 def default_prefetch(L: TileLayout, isa=None) -> int:
-    """The built-in prefetch distance: one unit ahead, or BUILTIN_PREFETCH_UNITS' units on their ISA path. For
-    Q4/Q8/F16/F32 the measured 2304 bytes (one Q4 unit of 128 rows); a GGUF block type's unit is a whole block (8x
-    as many inputs for the K-quants), and 2304 bytes ahead of it fell inside the unit being read: the K-quants
+    """The built-in prefetch distance: one unit ahead, or the units BUILTIN_KNOBS gives the type on `isa`'s path.
+    For Q4/Q8/F16/F32 the measured 2304 bytes (one Q4 unit of 128 rows); a GGUF block type's unit is a whole block
+    (8x as many inputs for the K-quants), and 2304 bytes ahead of it fell inside the unit being read: the K-quants
     streamed at 0.6x Q4_0's rate from DRAM with it, at Q4_0's one unit ahead (benchmarks/gguf_types.py)."""
-    units = BUILTIN_PREFETCH_UNITS.get(_check_isa(isa), {}).get(L.dtype) if isa is not None else None
+    units = _builtin(L, isa).get("prefetch_units") if isa is not None else None
     if units:
         return units * L.unit_nbytes
     return L.unit_nbytes if L.is_block_type else DEFAULT_PREFETCH
 
 
-# The block types whose built-in kernel differs per ISA path: the group loop (one 16-row group of one unit per
-# iteration) and, for some, the software prefetch into L2 (locality 2) instead of L1; every other type takes the
-# unit loop with the kernel's defaults. On AVX-512 that is every type (group / unit 0.81-1.05 from DRAM at 1
-# thread, Q5_0 / Q5_1 at 1.04-1.05 within the runs' spread). Q6_K took the group loop for a while (1.06-1.08x),
-# measured before its chunks were made where used (Decoder.parts, lazily); since then its unit loop is the faster,
-# 1.12-1.13x from DRAM and its head 1.15-1.17x in a decode step (docs/quantization.md "Decode speed"). The 256-bit
-# paths' choices: measured with those paths forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python -m
-# benchmarks.gguf_types --loops unit,group,group-l2`, docs/quantization.md "Decode speed"): a unit of 192 or 256
-# inputs in eight 16-row groups does not fit the 16 vector registers, so the group loop gains 10-40% for the
-# K-quants; the L2 prefetch adds 3-22% to it where the kernel is the least arithmetic-bound (Q4_K, Q5_K, Q6_K,
-# IQ4_XS, IQ4_192) and costs up to 3% for Q2_K and the Q3 types (Q3_K gains 1-2%, within the runs' spread).
-# `cflow tune` tries both loop kinds and localities.
-_GL, _GL2 = {"group_loop": 1}, {"group_loop": 1, "prefetch_locality": 2}
+# The types whose built-in kernel differs per ISA path; every other type takes the unit loop with the kernel's
+# defaults. Knobs: group_loop (one 16-row group of one unit per iteration), prefetch_locality (2: into L2 instead of
+# L1), prefetch_units (the prefetch distance in the type's units; default_prefetch).
+# - AVX-512: none. Group / unit 0.81-1.05 from DRAM at 1 thread (Q5_0 / Q5_1 at 1.04-1.05 within the runs' spread).
+#   Q6_K took the group loop for a while (1.06-1.08x), measured before its chunks were made where used
+#   (Decoder.parts, lazily); since then its unit loop is the faster, 1.12-1.13x from DRAM and its head 1.15-1.17x in
+#   a decode step (docs/quantization.md "Decode speed").
+# - The 256-bit paths' loops, measured with those paths forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python
+#   -m benchmarks.gguf_types --loops unit,group,group-l2`, docs/quantization.md "Decode speed"): a unit of 192 or
+#   256 inputs in eight 16-row groups does not fit the 16 vector registers, so the group loop gains 10-40% for the
+#   K-quants; the L2 prefetch adds 3-22% to it where the kernel is the least arithmetic-bound (Q4_K, Q5_K, Q6_K,
+#   IQ4_XS, IQ4_192) and costs up to 3% for Q2_K and the Q3 types (Q3_K gains 1-2%, within the runs' spread).
+# - Q4 and Q8 on the 256-bit paths: two units ahead (4,608 / 8,704 bytes at 128-row tiles). With each path forced on
+#   an AMX Xeon (model 207) `cflow tune` chose two units for every Q8 shape (1.12-1.26x over 2,304 bytes in its
+#   timing) and for Q4 on AVX2 (1.07-1.09x; AVX-VNNI: its gate+up, a tie on the rest); end to end (TinyLlama
+#   geometry) Q8 went from 78-85% to 99-104% of the read bandwidth (docs/performance.md "Decode on each ISA path").
+#   Not measured on an AVX2-only CPU.
+# `cflow tune` tries both loop kinds, both localities and other distances.
+_GL, _GL2, _PF2 = {"group_loop": 1}, {"group_loop": 1, "prefetch_locality": 2}, {"prefetch_units": 2}
 BUILTIN_KNOBS = {
     ISA.AVX512VNNI: {},
     ISA.AVX2: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_192: _GL, DType.Q5_1: _GL, DType.Q4_K: _GL2,
-               DType.Q5_K: _GL2, DType.Q6_K: _GL2, DType.IQ4_XS: _GL2, DType.IQ4_192: _GL2},
+               DType.Q5_K: _GL2, DType.Q6_K: _GL2, DType.IQ4_XS: _GL2, DType.IQ4_192: _GL2, DType.Q4: _PF2,
+               DType.Q8: _PF2},
     ISA.AVXVNNI: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_128: _GL, DType.Q3_192: _GL, DType.Q4_K: _GL2,
-                  DType.Q5_K: _GL2, DType.Q6_K: _GL2, DType.IQ4_XS: _GL2},
+                  DType.Q5_K: _GL2, DType.Q6_K: _GL2, DType.IQ4_XS: _GL2, DType.Q4: _PF2, DType.Q8: _PF2},
 }
 
 
+def _builtin(L: TileLayout, isa) -> dict:
+    return BUILTIN_KNOBS.get(_check_isa(isa), {}).get(L.dtype, {})
+
+
 def builtin_knobs(L: TileLayout, isa) -> dict:
-    """The kernel knobs a layout's type takes by default on an ISA path beyond the kernel's own (BUILTIN_KNOBS):
-    {} or group_loop and prefetch_locality."""
-    return dict(BUILTIN_KNOBS.get(_check_isa(isa), {}).get(L.dtype, {}))
+    """The loop knobs a layout's type takes by default on an ISA path beyond the kernel's own (BUILTIN_KNOBS): {} or
+    group_loop and prefetch_locality (its prefetch distance: default_prefetch)."""
+    return {k: v for k, v in _builtin(L, isa).items() if k != "prefetch_units"}
 
 
 def _check_isa(isa: str) -> ISA:

@@ -570,7 +570,7 @@ def test_the_built_in_loop_kind_per_isa_path():
         assert {**{"group_loop": 0, "prefetch_locality": 3}, **K.builtin_knobs(L, isa)} == {
             "group_loop": gl, "prefetch_locality": loc}
         assert tune.candidates(L, isa)[0] == d
-    # Q4 / Q8 two units ahead on the 256-bit paths (kernels.BUILTIN_PREFETCH_UNITS), one Q4 unit (2,304 B) elsewhere
+    # Q4 / Q8 two units ahead on the 256-bit paths (BUILTIN_KNOBS' prefetch_units), one Q4 unit (2,304 B) elsewhere
     for dt, unit in (("q4", 2304), ("q8", 4352)):
         L = TileLayout(dt, 256, 2048, (128, 256))
         assert L.unit_nbytes == unit
