@@ -15,6 +15,7 @@ do not use blockdot (Q4_0, Q8_0) time the same kernel twice: the noise floor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import sys
 
@@ -37,19 +38,26 @@ def load_version(path: str, name: str):
     return mod
 
 
+@contextlib.contextmanager
+def using(mod):
+    """The kernel emitter (codegen/kernels.py) calls `mod` as its blockdot while the block runs."""
+    K.blockdot = mod
+    try:
+        yield
+    finally:
+        K.blockdot = blockdot
+
+
 def build(types, versions: dict, set_gb: float, threads: int) -> list:
     """[(type, version label, Case)]: each type's kernel compiled from each version of blockdot."""
     cases = []
-    try:
-        for dt in types:
-            twin = None  # the versions stream the same copies
-            for label, mod in versions.items():
-                K.blockdot = mod
+    for dt in types:
+        twin = None  # the versions stream the same copies
+        for label, mod in versions.items():
+            with using(mod):
                 c = twin = Case(dt, (128, 256), set_gb * 1e9, {}, twin=twin, kind=label)
-                c.run(threads)  # page in, warm the code
-                cases.append((dt, label, c))
-    finally:
-        K.blockdot = blockdot
+            c.run(threads)  # page in, warm the code
+            cases.append((dt, label, c))
     return cases
 
 

@@ -22,7 +22,7 @@ import collections
 
 from llvmlite import ir
 
-from benchmarks.blockdot_ab import load_version
+from benchmarks.blockdot_ab import load_version, using
 from benchmarks.common.record import Run, add_json_argument
 from benchmarks.gguf_types import geometry
 from cflow.codegen import blockdot, tune
@@ -93,11 +93,8 @@ def main(argv=None) -> list[dict]:
         L = TileLayout(dt, 128, *geometry(dt, (128, 256), args.cols))
         knobs = {**tune.default_for(L, target.isa), **given}
         m = ir.Module(name="asm")
-        try:  # another version of the block types' decoder, where asked (--blockdot)
-            K.blockdot = other or blockdot
+        with using(other or blockdot):  # another version of the block types' decoder, where asked (--blockdot)
             K.emit_matvec(m, "mv", L, target.isa, **knobs)
-        finally:
-            K.blockdot = blockdot
         ops = count(m, target)
         unroll = K._pick_unroll(L.n_units, 1 if L.is_block_type else knobs["unroll"])
         # a group loop's iteration is one 16-row group of one unit; otherwise `unroll` whole units
