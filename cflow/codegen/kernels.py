@@ -319,8 +319,8 @@ def default_prefetch(L: TileLayout, isa=None) -> int:
 # L1), prefetch_units (the prefetch distance in the type's units; default_prefetch).
 # - AVX-512: none. Group / unit 0.81-1.05 from DRAM at 1 thread (Q5_0 / Q5_1 at 1.04-1.05 within the runs' spread).
 #   Q6_K took the group loop for a while (1.06-1.08x), measured before its chunks were made where used
-#   (Decoder.parts, lazily); since then its unit loop is the faster, 1.12-1.13x from DRAM and its head 1.15-1.17x in
-#   a decode step (docs/quantization.md "Decode speed").
+#   (Decoder.parts, lazily); since then its unit loop is the faster, 1.12-1.13x from DRAM (docs/quantization.md
+#   "Decode speed").
 # - The 256-bit paths' loops, measured with those paths forced on an AMX Xeon, from DRAM at 1 and 2 threads (`python
 #   -m benchmarks.gguf_types --loops unit,group,group-l2`, docs/quantization.md "Decode speed"): a unit of 192 or
 #   256 inputs in eight 16-row groups does not fit the 16 vector registers, so the group loop gains 10-40% for the
@@ -683,8 +683,8 @@ def _gate_mul(b, g, u, act: str = "silu"):
         z = b.fmul(ir.Constant(vt, [2.0 * _GELU_C] * 16), b.fadd(g, b.fmul(ir.Constant(vt, [0.044715] * 16), g3)))
     # exp in vector ops (cgutils.exp_vec, ~1 ulp), not llvm.exp: without a vector math library LLVM lowers that
     # to 16 libm calls a vector, and the calls cost more than their time: every vector register live across them
-    # is spilled, so the tile loop's constants came back from memory. Measured 1.07-1.18x on Q4_K's fused gate+up
-    # (docs/performance.md, "The gate's exp").
+    # is spilled, so the tile loop's constants came back from memory. With Q6_K's loop beside it, Qwen2.5-Coder-1.5B's
+    # Q4_K_M file decoded 3-11% faster at 1 thread (docs/performance.md, "The gate's exp").
     return b.fmul(b.fdiv(g, b.fadd(one, exp_vec(b, b.fsub(ir.Constant(vt, [0.0] * 16), z)))), u)
 
 
