@@ -64,11 +64,24 @@ class Decoder:
     """Where one type's codes and scales sit in a 16-row group (module docstring); subclasses per type."""
 
     int_combine = False  # two 16-input sub-blocks' integer sums scaled by their integer scales before the float
+    shared = False  # blocks share words of a field (next_block)
 
     def __init__(self, b: ir.IRBuilder, fmt: BlockFormat, group, isa):
         self.b, self.fmt, self.g, self.isa = b, fmt, group, isa
+        self.g0 = group
         self.offs = fmt.group_offsets()
         self._cache: dict = {}
+
+    def next_block(self):
+        """Before each block after the first: on the 256-bit paths a type whose blocks share fields (`shared`)
+        loads them again for each block, through a pointer LLVM cannot prove equal to the last block's, so that
+        it cannot merge the loads and keep 8-16 words live across blocks, which spills AVX2's 16 registers (a
+        reload from L1 is cheaper than a spill and its reload)."""
+        if not self.shared or self.isa not in (ISA.AVX2, ISA.AVXVNNI):
+            return
+        self._cache = {}
+        pty = self.g0.type
+        self.g = self.b.call(ir.InlineAsm(ir.FunctionType(pty, [pty]), "", "=r,0"), [self.g0])
 
     # field access
     def word(self, field: str, c: int):
@@ -167,6 +180,10 @@ class _Legacy(Decoder):
 class _Q4K(Decoder):
     """Q4_K / Q5_K: 8 blocks of 32; qs chunk n (32 bytes) low nibbles block 2n, high block 2n+1; 6-bit scales."""
 
+    # blocks 2n and 2n+1 share their qs words, every block Q5_K's qh words and the scales: reloaded per block on
+    # the 256-bit paths, 1.03-1.10x from DRAM (benchmarks/blockdot_ab, docs/quantization.md "Decode speed")
+    shared = True
+
     def chunk(self, j, c):
         n, hi = divmod(j, 2)
         v = self.nibbles("qs", 8 * n + c, bool(hi))
@@ -200,6 +217,7 @@ class _Q6K(Decoder):
     """Q6_K: 8 blocks of 32 in two halves of 128; low 4 bits from ql, high 2 from qh; int8 scales per 16."""
 
     int_combine = True  # measured: 1.08x from L2 with it
+    shared = True  # blocks q and q + 2 share ql words, a half's four blocks its qh words: 1.05-1.07x (as Q4_K's)
 
     def chunk(self, j, c):
         n, q = divmod(j, 4)
@@ -483,6 +501,8 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
     for j, (aptr, da, sums) in enumerate(act.blocks):
         if blocks is not None and j not in blocks:
             continue
+        if j:
+            dec.next_block()
         parts = dec.parts(j) if by_parts else None
         # each chunk made where its dot first uses it (a block's chunks all live at once spill AVX2's registers)
         codes = None if by_parts else _Lazy(range(8), lambda c, j=j: b.bitcast(dec.chunk(j, c), V(i8, 64)))
