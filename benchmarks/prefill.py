@@ -221,16 +221,17 @@ def _stage_kind(st) -> str:
     return " + ".join(kinds) or "no weights: " + ",".join(sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st}))
 
 
-def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0) -> dict:
+def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0, decode: bool = False) -> dict:
     """Where the time goes in the multi-token body: per-stage cycle stamps of a profiling build (worker 0 stamps
     after each stage's barrier), summed over the native calls and scaled to their wall time. batch = 0: an
     n-token prompt in blocks of `block` (per-block times too, to show the growth with position); batch = B:
-    n steps of B sequences (batch_step)."""
+    n steps of B sequences (batch_step); decode: n single-token steps after a 4-token prompt (the decode step;
+    each kind's weight bytes a token over its time too: `gbps`)."""
     from cflow.runtime.session import Session
 
     s = Session(path, threads=threads, profile=True, prefill_block=max(batch, 8) if batch else block,
                 max_batch=max(batch, 1),
-                max_seq=max(n + 8, 16))
+                max_seq=max(n + 16, 16))
     ids = prompt_ids(n)
     stages = s.run_state.schedule.stages
     ticks = np.zeros(len(stages))
@@ -240,10 +241,17 @@ def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0) 
             s.prefill([1 + i, 2, 3], slot=i)
         toks, slots = [5] * batch, list(range(batch))
         calls = [lambda: s.step_batch(toks, slots)] * n
+    elif decode:
+        ids = [t % s.config.vocab_size for t in prompt_ids(n + 8)]
+        s.prefill(ids[:4])
+        for t in ids[4:8]:  # warm-up: the code and the caches (not counted)
+            s.step(t)
+        calls = [lambda t=t: s.step(t) for t in ids[8:]]
     else:
         calls = [lambda c=ids[i : i + block]: s.prefill(c) for i in range(0, n, block)]
-    calls[0]()  # warm-up (not counted); for a prompt the first block runs again below
-    if not batch:
+    if not decode:
+        calls[0]()  # warm-up (not counted); for a prompt the first block runs again below
+    if not batch and not decode:
         s.reset()
     for call in calls:
         t0 = time.perf_counter()
@@ -255,21 +263,29 @@ def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0) 
     s.close()
     per_tick = wall / ticks.sum()
     groups: dict[str, float] = {}
+    nbytes: dict[str, int] = {}
     for st, t in zip(stages, ticks):
-        groups[_stage_kind(st)] = groups.get(_stage_kind(st), 0.0) + t * per_tick
+        k = _stage_kind(st)
+        groups[k] = groups.get(k, 0.0) + t * per_tick
+        nbytes[k] = nbytes.get(k, 0) + sum(x.nbytes for x in st)
     toks_done = n * batch if batch else n
-    return {"threads": threads, "prompt_tokens": 0 if batch else n, "batch": batch or 1, "block": block,
-            "wall_s": wall, "tok_s": toks_done / wall,
-            "stages_ms_per_token": {k: 1e3 * v / toks_done for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
-            "share": {k: v / wall for k, v in groups.items()},
-            "ms_per_call": [1e3 * x for x in per_call]}
+    out = {"threads": threads, "prompt_tokens": 0 if batch or decode else n, "batch": batch or 1, "block": block,
+           "decode": decode, "wall_s": wall, "tok_s": toks_done / wall,
+           "stages_ms_per_token": {k: 1e3 * v / toks_done for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+           "share": {k: v / wall for k, v in groups.items()},
+           "ms_per_call": [1e3 * x for x in per_call]}
+    if decode:  # every step reads each stage's weights once
+        out["gbps"] = {k: nbytes[k] * n / v / 1e9 for k, v in groups.items() if nbytes[k] and v > 0}
+    return out
 
 
 def print_profile(p: dict, label: str) -> None:
     print(f"   profile, {label} ({p['threads']} threads, {p['tok_s']:.1f} tok/s):", flush=True)
+    gbps = p.get("gbps", {})
     for k, v in p["stages_ms_per_token"].items():
-        print(f"      {k:<44} {v:8.3f} ms/token {p['share'][k]:6.1%}")
-    if p["batch"] == 1 and len(p["ms_per_call"]) > 1:
+        print(f"      {k:<44} {v:8.3f} ms/token {p['share'][k]:6.1%}"
+              + (f" {gbps[k]:6.2f} GB/s" if k in gbps else ""))
+    if p["batch"] == 1 and not p.get("decode") and len(p["ms_per_call"]) > 1:
         c = p["ms_per_call"]
         print(f"      per block of {p['block']}: first {c[0]:.0f} ms, last {c[-1]:.0f} ms", flush=True)
 

@@ -2,13 +2,16 @@
 bandwidth measured around it) and llama.cpp on its GGUF files, interleaved rounds in one run.
 
     python -m benchmarks.quant_speed MIX.vflow Q4_K_M.vflow Q4.vflow --gguf Q4_K_M.gguf [--threads 1,2]
-        [--rounds 3] [--tokens 64] [--json OUT.json]
+        [--rounds 3] [--tokens 64] [--profile N] [--json OUT.json]
 
 What the quality-per-bit issue asks of a type mix: decode at least at the fraction of the read bandwidth Q4_0
 reaches on the same host, >= 1.1x the tok/s of the Q4_K_M file in cflow (fewer bytes), and ahead of llama.cpp on
 its Q4_K_M file. Use a model larger than the last-level cache (Qwen2.5-Coder-1.5B: about 1 GB), or bytes per token
 do not set the speed. Each round runs every file once per thread count (best of --reps inside), the read bandwidth
-the better of a measurement before and after each cflow file; the table keeps each file's best round.
+the better of a measurement before and after each cflow file; the table keeps each file's best round. --profile N:
+then, per cflow file and thread count, where a decode step's time goes (N steps of a profiling build: per-stage
+cycle stamps, benchmarks.prefill.profile_stages), each kind of stage in ms a token, its share and its weight bytes
+over its time (GB/s), printed and in the JSON records (`extra.profile`); the profiling build's tok/s is its own.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens timed (default 64)")
     p.add_argument("--reps", type=int, default=2, help="repetitions per file and round, the best kept (default 2)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then N decode steps of a profiling build per cflow file and thread count (default 0: none)")
     add_json_argument(p, "one record per file and thread count")
     args = p.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
@@ -70,6 +75,14 @@ def main(argv=None) -> int:
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
     print(f"{'file':<40} {'engine':<9} {'thr':>3} {'tok/s':>8} {'MB/token':>9} {'GB/s':>6} {'read GB/s':>9} "
           f"{'of read':>7}")
+    profiles = {}
+    if args.profile:
+        from benchmarks.prefill import print_profile, profile_stages
+
+        for f in args.files:
+            for t in threads:
+                profiles[(f, t)] = prof = profile_stages(f, t, args.profile, 64, decode=True)
+                print_profile(prof, f"decode, {Path(f).name}")
     records = []
     for (f, t), res in best.items():
         engine = "llama.cpp" if f in args.gguf else "cflow"
@@ -81,7 +94,7 @@ def main(argv=None) -> int:
             print(f"{Path(f).name:<40} {engine:<9} {t:>3} {res['tok_s']:8.2f}")
         records.append(run.record(engine=engine, model=Path(f).name, quant=None, threads=t, variant=None,
                                   tok_s=res["tok_s"], bytes_per_token=res.get("bytes_per_token"),
-                                  read_gbs=res.get("read_gbs"), file=f))
+                                  read_gbs=res.get("read_gbs"), file=f, profile=profiles.get((f, t))))
     written = run.write(args.json, records)
     if written:
         print(f"wrote {written}", file=sys.stderr)
