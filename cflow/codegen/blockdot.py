@@ -64,7 +64,6 @@ class Decoder:
     """Where one type's codes and scales sit in a 16-row group (module docstring); subclasses per type."""
 
     int_combine = False  # two 16-input sub-blocks' integer sums scaled by their integer scales before the float
-    scaled_dot = False  # one 32-input sub-block a block, no bias: its integer scale taken inside the dot (block_unit)
     shared = False  # blocks share words of a field (next_block)
 
     def __init__(self, b: ir.IRBuilder, fmt: BlockFormat, group, isa):
@@ -191,7 +190,6 @@ class _Q4K(Decoder):
     # blocks 2n and 2n+1 share their qs words, every block Q5_K's qh words and the scales: reloaded per block on
     # the 256-bit paths, 1.03-1.10x from DRAM (benchmarks/blockdot_ab, docs/quantization.md "Decode speed")
     shared = True
-    scaled_dot = True
 
     def chunk(self, j, c):
         n, hi = divmod(j, 2)
@@ -210,17 +208,16 @@ class _Q4K(Decoder):
     def sbyte(self, k: int):
         return self.byte(self.word("scales", k // 4), k % 4)
 
-    def int_scales(self, j):
+    def scales(self, j):
         b = self.b
         if j < 4:
             sc, m = self.mask(self.sbyte(j), 63), self.mask(self.sbyte(j + 4), 63)
         else:
             sc = b.or_(self.mask(self.sbyte(j + 4), 0xF), b.shl(self.shr(self.sbyte(j - 4), 6), _k(4)))
             m = b.or_(self.shr(self.sbyte(j + 4), 4), b.shl(self.shr(self.sbyte(j), 6), _k(4)))
-        return [(sc, m)]
-
-    def supers(self):
-        return self.f16("d"), self.b.fneg(self.f16("dmin"))
+        S = b.fmul(self.f16("d"), self.to_float(sc))
+        M = b.fmul(b.fneg(self.f16("dmin")), self.to_float(m))
+        return [(S, M)]
 
 
 class _Q6K(Decoder):
@@ -383,25 +380,20 @@ def _lookup(b, isa, codes_i8, table_values):
     return b.call(internal_function(b.module, key, (V(i8, 64),), build, ret=V(i8, 64)), [codes_i8])
 
 
-def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int, weight=None):
-    """sum over chunks c in cs of chunks[c] (bytes) . activation bytes 4c .. 4c+3: <16 x i32>, exact; times
-    `weight` (<16 x i32>, each row's integer scale, 0 <= w < 2^15) where given. Unsigned codes on VNNI; signed
-    codes are shifted by +128 there (the caller subtracts 128 * sum(a))."""
+def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int):
+    """sum over chunks c in cs of chunks[c] (bytes) . activation bytes 4c .. 4c+3: <16 x i32>, exact.
+    Unsigned codes on VNNI; signed codes are shifted by +128 there (the caller subtracts 128 * sum(a))."""
     if isa.vnni:
         from .kernels import Dots
 
         acc = Dots(b, isa)
         for c in cs:
             acc.add(chunks[c], aptr, 4 * c)
-        return acc.total() if weight is None else b.mul(acc.total(), weight)
+        return acc.total()
     if isa == ISA.AVX2:
         mad = intrinsic(b.module, "llvm.x86.avx2.pmadd.ub.sw", V(i16, 16), [V(i8, 32), V(i8, 32)])
         wd = intrinsic(b.module, "llvm.x86.avx2.pmadd.wd", V(i32, 8), [V(i16, 16), V(i16, 16)])
-        ones = [const_vec(i16, 16, 1)] * 2
-        if weight is not None:  # vpmaddwd sums a row's two i16 partial sums times (w, w) instead of (1, 1): the
-            # scale for free (exact: |partial| <= 32767, w < 2^15, the pair's sum below 2^31)
-            pair = b.or_(weight, b.shl(weight, _k(16)))
-            ones = [b.bitcast(shuffle(b, pair, range(h * 8, h * 8 + 8)), V(i16, 16)) for h in range(2)]
+        ones = const_vec(i16, 16, 1)
         if signed:
             sign = intrinsic(b.module, "llvm.x86.avx2.psign.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
             absb = intrinsic(b.module, "llvm.abs.v32i8", V(i8, 32), [V(i8, 32), i1])
@@ -410,7 +402,7 @@ def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int, weight=None):
         r, s16, n = [None, None], [None, None], 0
 
         def flush(h):
-            v = b.call(wd, [s16[h], ones[h]])
+            v = b.call(wd, [s16[h], ones])
             r[h] = v if r[h] is None else b.add(r[h], v)
             s16[h] = None
 
@@ -443,8 +435,7 @@ def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int, weight=None):
         p = b.sext(b.mul(w, b.sext(_act4(b, aptr, 4 * c, 16), V(i16, 64))), V(i32, 64))
         acc = p if acc is None else b.add(acc, p)
     s = b.add(shuffle(b, acc, range(0, 64, 2)), shuffle(b, acc, range(1, 64, 2)))
-    s = b.add(shuffle(b, s, range(0, 32, 2)), shuffle(b, s, range(1, 32, 2)))
-    return s if weight is None else b.mul(s, weight)
+    return b.add(shuffle(b, s, range(0, 32, 2)), shuffle(b, s, range(1, 32, 2)))
 
 
 def _asum16(b, aptr, h: int):
@@ -495,30 +486,25 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
     fma = isa != ISA.GENERIC
     by_parts = isa.vnni and not fmt.signed
 
-    def dot(j, codes, aptr, h, weight=None):
-        """The exact integer dot of sub-block h of block j (over both planes of a two-plane activation), times
-        `weight` (_idot's) where given."""
+    def dot(j, codes, aptr, h):
+        """The exact integer dot of sub-block h of block j (over both planes of a two-plane activation)."""
         from .kernels import plane_dot
 
-        return plane_dot(b, lambda ap: dot1(j, codes, ap, h, weight), aptr, act.planes)
+        return plane_dot(b, lambda ap: dot1(j, codes, ap, h), aptr, act.planes)
 
-    def dot1(j, codes, aptr, h, weight):
+    def dot1(j, codes, aptr, h):
         """... over one plane: of its parts (by_parts) or of its assembled codes."""
         cs = range(h * cper, (h + 1) * cper)
         if codes is not None:
-            return _idot(b, isa, codes, aptr, cs, fmt.signed and not isa.vnni, fmt.umax, weight)
+            return _idot(b, isa, codes, aptr, cs, fmt.signed and not isa.vnni, fmt.umax)
         total = None
         for chunks, rsh, lsh in parts:
             p = _idot(b, isa, _Lazy(chunks, lambda v: b.bitcast(v, V(i8, 64))), aptr, cs, False, 255)
             p = b.ashr(p, _k(rsh)) if rsh else p
             p = b.shl(p, _k(lsh)) if lsh else p
             total = p if total is None else b.add(total, p)
-        return total if weight is None else b.mul(total, weight)
+        return total
 
-    def mad(x, y, a):
-        return b.fmul(x, y) if a is None else muladd(b, x, y, a, fma)
-
-    sacc = macc = None  # sums of the unit's blocks still to be scaled by the super-block's D and Dmin
     for j, (aptr, da, sums) in enumerate(act.blocks):
         if blocks is not None and j not in blocks:
             continue
@@ -533,14 +519,9 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
             codes = _Lazy(codes, lambda c, table=table: _lookup(b, isa, c, table))
         bias = fmt.bias + (vnni_signed_bias if fmt.signed and isa.vnni else 0)
         ds = splat(b, da, 16)
-        if nsub == 1 and dec.scaled_dot and not bias and dec.narrow:  # Q4_K / Q5_K: the integer scale inside the dot
-            ((sc, m),) = dec.int_scales(j)
-            sacc = mad(b.sitofp(dot(j, codes, aptr, 0, sc), VF), ds, sacc)
-            if m is not None:
-                macc = mad(b.sitofp(m, VF), splat(b, b.fmul(da, b.sitofp(sums[0], f32)), 16), macc)
-            continue
         if nsub == 2 and dec.int_combine:  # two 16-input sub-blocks share da: integer sums times integer scales
             (sc0, m0), (sc1, m1) = dec.int_scales(j)
+            D, Dm = dec.supers()
             isum = None
             msum = None
             for h, (sc, m) in enumerate(((sc0, m0), (sc1, m1))):
@@ -552,11 +533,6 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
                 if m is not None:
                     mp = b.mul(m, splat(b, sums[h], 16))
                     msum = mp if msum is None else b.add(msum, mp)
-            if dec.narrow:  # D and Dmin once a unit (on AVX-512 Q6_K measured 0.97x with it)
-                sacc = mad(b.sitofp(isum, VF), ds, sacc)
-                macc = mad(b.sitofp(msum, VF), ds, macc) if msum is not None else macc
-                continue
-            D, Dm = dec.supers()
             acc = muladd(b, b.sitofp(isum, VF), b.fmul(D, ds), acc, fma)
             if msum is not None:
                 acc = muladd(b, b.sitofp(msum, VF), b.fmul(Dm, ds), acc, fma)
@@ -569,10 +545,6 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
             acc = muladd(b, b.sitofp(isum, VF), b.fmul(S, ds), acc, fma)
             if M is not None:
                 acc = muladd(b, M, splat(b, b.fmul(da, b.sitofp(asum, f32)), 16), acc, fma)
-    if sacc is not None or macc is not None:  # the super-block scales once a unit (scaled_dot, int_combine)
-        D, Dm = dec.supers()
-        acc = muladd(b, sacc, D, acc, fma) if sacc is not None else acc
-        acc = muladd(b, macc, Dm, acc, fma) if macc is not None else acc
     return acc
 
 
