@@ -131,25 +131,25 @@ def test_block_kernels(dt, isa, planes):
 
 @pytest.mark.parametrize("dt", list(B.FORMATS), ids=[d.name for d in B.FORMATS])
 def test_every_path_gives_the_same_bits(dt):
-    """A block type's mat-vec and gate+up give the same bits on every FMA path the host has (AVX-512 VNNI, its
-    256-bit dot as `cflow tune` tries it, AVX-VNNI, AVX2): the integer sums are exact and the float arithmetic
-    is the same sequence on each, so a file's tokens do not depend on the CPU, and the tuner may offer the
-    256-bit kernel on an AVX-512 host (it refuses a candidate that changes the numbers). A per-path reordering
-    of the float work (a scale applied once a unit on the 256-bit paths only) broke both once."""
+    """A block type's mat-vec gives the same bits on every FMA path the host has (AVX-512 VNNI, its 256-bit dot
+    as `cflow tune` tries it, AVX-VNNI, AVX2): the integer sums are exact and the float work (blockdot.block_unit,
+    which the gate+up and mat-mat kernels share) is the same sequence on each, so a file's tokens do not depend
+    on the CPU, and the tuner may offer the 256-bit kernel on an AVX-512 host (it refuses a candidate that changes
+    the numbers). A per-path reordering of the float work (K-quant scales once a unit on the 256-bit paths only)
+    broke both once."""
     rng = np.random.default_rng(int(dt) + 7)
     Kd, tile = (512, (32, 256)) if 512 % B.FORMATS[dt].qk == 0 else (576, (32, 192))
-    W, U = (random_blocks(dt, 48, Kd, rng, Kd**-0.5) for _ in range(2))
+    W = random_blocks(dt, 48, Kd, rng, Kd**-0.5)
     x = rng.standard_normal(Kd).astype(np.float32) * 3
     paths = [(isa, kn) for isa, kn in ((ISA.AVX512VNNI, {}), (ISA.AVX512VNNI, {"vector_bits": 256}),
                                        (ISA.AVXVNNI, {}), (ISA.AVX2, {})) if _target(isa) is not None]
     if len(paths) < 2:
         pytest.skip("the host has one FMA path")
-    for gate_up in (False, True):
-        L = T.gate_up_layout(48, Kd, dt, tile) if gate_up else T.TileLayout(dt, 48, Kd, tile)
-        buf = T.pack_gate_up(W, U, dt, tile) if gate_up else T.pack(W, dt, tile)
-        ys = []
-        for isa, kn in paths:
-            mv = K.MatVec(L, target=_target(isa), isa=isa, cache=False, gate_up=gate_up, **kn)
-            ys.append(mv(buf, mv.activation(x)))
-        for (isa, kn), y in zip(paths[1:], ys[1:]):
-            np.testing.assert_array_equal(y, ys[0], err_msg=f"{dt.name} on {isa} {kn} (gate_up={gate_up})")
+    L = T.TileLayout(dt, 48, Kd, tile)
+    buf = T.pack(W, dt, tile)
+    ys = []
+    for isa, kn in paths:
+        mv = K.MatVec(L, target=_target(isa), isa=isa, cache=False, **kn)
+        ys.append(mv(buf, mv.activation(x)))
+    for (isa, kn), y in zip(paths[1:], ys[1:]):
+        np.testing.assert_array_equal(y, ys[0], err_msg=f"{dt.name} on {isa} {kn}")
