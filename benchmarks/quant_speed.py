@@ -73,8 +73,6 @@ def main(argv=None) -> int:
                 if res["tok_s"] > best.get((g, t), {}).get("tok_s", 0):
                     best[(g, t)] = res
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
-    print(f"{'file':<40} {'engine':<9} {'thr':>3} {'tok/s':>8} {'MB/token':>9} {'GB/s':>6} {'read GB/s':>9} "
-          f"{'of read':>7}")
     profiles = {}
     if args.profile:
         from benchmarks.prefill import print_profile, profile_stages
@@ -83,6 +81,8 @@ def main(argv=None) -> int:
             for t in threads:
                 profiles[(f, t)] = prof = profile_stages(f, t, args.profile, 64, decode=True)
                 print_profile(prof, f"decode, {Path(f).name}")
+    print(f"{'file':<40} {'engine':<9} {'thr':>3} {'tok/s':>8} {'MB/token':>9} {'GB/s':>6} {'read GB/s':>9} "
+          f"{'of read':>7}")
     records = []
     for (f, t), res in best.items():
         engine = "llama.cpp" if f in args.gguf else "cflow"
@@ -94,7 +94,8 @@ def main(argv=None) -> int:
             print(f"{Path(f).name:<40} {engine:<9} {t:>3} {res['tok_s']:8.2f}")
         records.append(run.record(engine=engine, model=Path(f).name, quant=None, threads=t, variant=None,
                                   tok_s=res["tok_s"], bytes_per_token=res.get("bytes_per_token"),
-                                  read_gbs=res.get("read_gbs"), file=f, profile=profiles.get((f, t))))
+                                  read_gbs=res.get("read_gbs"), file=f,
+                                  **({"profile": profiles[(f, t)]} if (f, t) in profiles else {})))
     written = run.write(args.json, records)
     if written:
         print(f"wrote {written}", file=sys.stderr)

@@ -188,7 +188,8 @@ class _Q4K(Decoder):
     """Q4_K / Q5_K: 8 blocks of 32; qs chunk n (32 bytes) low nibbles block 2n, high block 2n+1; 6-bit scales."""
 
     # blocks 2n and 2n+1 share their qs words, every block Q5_K's qh words and the scales: reloaded per block on
-    # the 256-bit paths, 1.03-1.10x from DRAM (benchmarks/blockdot_ab, docs/quantization.md "Decode speed")
+    # the 256-bit paths, 1.03-1.06x from DRAM (benchmarks/blockdot_ab; docs/quantization.md, "cflow's own block
+    # types", the bullet on fields shared by blocks)
     shared = True
 
     def chunk(self, j, c):
@@ -224,7 +225,7 @@ class _Q6K(Decoder):
     """Q6_K: 8 blocks of 32 in two halves of 128; low 4 bits from ql, high 2 from qh; int8 scales per 16."""
 
     int_combine = True  # measured: 1.08x from L2 with it
-    shared = True  # blocks q and q + 2 share ql words, a half's four blocks its qh words: 1.05-1.07x (as Q4_K's)
+    shared = True  # blocks q and q + 2 share ql words, a half's four blocks its qh words: 1.06-1.08x (as Q4_K's)
 
     def chunk(self, j, c):
         n, q = divmod(j, 4)
@@ -475,10 +476,14 @@ class _Lazy:
         return self.done[i]
 
 
-def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks=None, vnni_signed_bias: int = 128):
+def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks=None, vnni_signed_bias: int = 128,
+               reload: bool = True):
     """acc (<16 x float>) + this group's share of W x over the unit's activation blocks `blocks` (default: all, QK
     inputs; module docstring). (Blocks outside and groups inside, so that each activation block is live for one
-    sweep, measured no faster on an AMX Xeon: LLVM schedules the unrolled unit as one block either way.)"""
+    sweep, measured no faster on an AMX Xeon: LLVM schedules the unrolled unit as one block either way.)
+    reload: Decoder.next_block between blocks (a mat-vec). Off in the mat-mat kernel, whose tokens take turns on
+    the same unit and share its decode, which the reload's opaque pointers would make each token redo (on AVX2 the
+    Q4_K / Q5_K / Q6_K mat-mat loop grew from 3,314 / 4,035 / 4,923 to 4,099 / 6,051 / 6,432 instructions)."""
     isa = ISA.parse(isa)
     dec = DECODERS[fmt.dtype](b, fmt, group, isa)
     nsub = BLOCK // fmt.sub
@@ -508,7 +513,7 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
     for j, (aptr, da, sums) in enumerate(act.blocks):
         if blocks is not None and j not in blocks:
             continue
-        if j:
+        if j and reload:
             dec.next_block()
         parts = dec.parts(j) if by_parts else None
         # each chunk made where its dot first uses it (a block's chunks all live at once spill AVX2's registers)

@@ -394,14 +394,17 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
-def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0, planes: int = 1) -> None:
+def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0, planes: int = 1, one_token: bool = True) -> None:
     """One unit for `groups` of any dtype: _q_unit (Q4/Q8), _f_unit (F16/F32) or a GGUF block type's
-    (blockdot.block_unit, one block of QK inputs); act = (x, xq, xd, xs), xq of `planes` int8 planes."""
+    (blockdot.block_unit, one block of QK inputs); act = (x, xq, xd, xs), xq of `planes` int8 planes. one_token:
+    the unit is dotted with this activation only (a mat-vec), not with several in turn (a mat-mat, whose tokens
+    share one decode of the unit: blockdot.block_unit's `reload` is off there)."""
     x, xq, xd, xs = act
     if L.is_block_type:
         ua = blockdot.UnitActivation(b, L.format, kb, xq, xd, xs, planes)
         for g in groups:
-            accs[g] = blockdot.block_unit(b, isa, L.format, ptr(b, unit, _goff(b, g, L.group_nbytes)), ua, accs[g])
+            accs[g] = blockdot.block_unit(b, isa, L.format, ptr(b, unit, _goff(b, g, L.group_nbytes)), ua, accs[g],
+                                          reload=one_token)
         return
     if L.dtype in (DType.Q4, DType.Q8):
         _q_unit(b, L, isa, unit, kb, groups, accs, xq, xd, xs, unpack, planes)
@@ -474,7 +477,7 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                     prefetch_lines(b, unit, [prefetch + off for off in range(0, UB, pf_stride)], pf_locality)
                 for a, act in enumerate(acts):
                     accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
-                    _unit(b, L, isa, unit, kb, groups, accs, act, unpack, planes)
+                    _unit(b, L, isa, unit, kb, groups, accs, act, unpack, planes, one_token=na == 1)
                     for k, g in enumerate(groups):
                         b.store(accs[g], slots[a * gp + k])
         for a in range(na):

@@ -17,6 +17,7 @@ def test_one_round_prints_and_records(tmp_path, capsys):
     assert "m.vflow" in table and "of read" in table
     rec = json.loads(out.read_text())["records"][0]
     assert rec["engine"] == "cflow" and rec["tok_s"] > 0 and rec["bytes_per_token"] > 0 and rec["read_gbs"] > 0
+    assert "profile" not in rec["extra"]  # only with --profile
 
 
 def test_profile_splits_a_decode_step(tmp_path, capsys):
@@ -29,6 +30,7 @@ def test_profile_splits_a_decode_step(tmp_path, capsys):
                              "--profile", "6", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "profile, decode, m.vflow" in text and "GB/s" in text
+    assert text.index("profile, decode") < text.index("of read")  # the profiles, then the table whole
     prof = json.loads(out.read_text())["records"][0]["extra"]["profile"]
     assert prof["decode"] and prof["batch"] == 1 and prof["gbps"]
     ms = prof["stages_ms_per_token"]
