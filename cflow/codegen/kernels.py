@@ -309,8 +309,8 @@ def default_prefetch(L: TileLayout, isa=None) -> int:
     (8x as many inputs for the K-quants), and 2304 bytes ahead of it fell inside the unit being read: the K-quants
     streamed at 0.6x Q4_0's rate from DRAM with it, at Q4_0's one unit ahead (benchmarks/gguf_types.py)."""
     units = _builtin(L, isa).get("prefetch_units") if isa is not None else None
-    if units:
-        return units * L.unit_nbytes
+    if units:  # whole lines (a quarter unit of a 64-row tile is not)
+        return max(64, int(units * L.unit_nbytes) // 64 * 64)
     return L.unit_nbytes if L.is_block_type else DEFAULT_PREFETCH
 
 
@@ -331,15 +331,19 @@ def default_prefetch(L: TileLayout, isa=None) -> int:
 #   timing) and for Q4 on AVX2 (1.07-1.09x; AVX-VNNI: its gate+up, a tie on the rest); end to end (TinyLlama
 #   geometry) Q8 went from 78-85% to 99-104% of the read bandwidth (docs/performance.md "Decode on each ISA path").
 #   Not measured on an AVX2-only CPU.
+# - Q5_K and Q6_K on the 256-bit paths: a quarter unit ahead (their group loop prefetching into L2), 1.02-1.05x over
+#   one unit from DRAM at 1 and 2 threads with each path forced on model 207; Q4_K lost 7% with it and IQ4_XS tied
+#   (docs/quantization.md, "cflow's own block types", the bullet on the quarter unit).
 # `cflow tune` tries both loop kinds, both localities and other distances.
 _GL, _GL2, _PF2 = {"group_loop": 1}, {"group_loop": 1, "prefetch_locality": 2}, {"prefetch_units": 2}
+_GL2Q = {**_GL2, "prefetch_units": 0.25}
 BUILTIN_KNOBS = {
     ISA.AVX512VNNI: {},
     ISA.AVX2: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_192: _GL, DType.Q5_1: _GL, DType.Q4_K: _GL2,
-               DType.Q5_K: _GL2, DType.Q6_K: _GL2, DType.IQ4_XS: _GL2, DType.IQ4_192: _GL2, DType.Q4: _PF2,
+               DType.Q5_K: _GL2Q, DType.Q6_K: _GL2Q, DType.IQ4_XS: _GL2, DType.IQ4_192: _GL2, DType.Q4: _PF2,
                DType.Q8: _PF2},
     ISA.AVXVNNI: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_128: _GL, DType.Q3_192: _GL, DType.Q4_K: _GL2,
-                  DType.Q5_K: _GL2, DType.Q6_K: _GL2, DType.IQ4_XS: _GL2, DType.Q4: _PF2, DType.Q8: _PF2},
+                  DType.Q5_K: _GL2Q, DType.Q6_K: _GL2Q, DType.IQ4_XS: _GL2, DType.Q4: _PF2, DType.Q8: _PF2},
 }
 
 

@@ -76,8 +76,9 @@ def default_for(layout, isa) -> dict:
 # 6: a quarter and half a unit; 7: a GGUF block type's default prefetch one unit ahead; 8: per-ISA built-in knobs for
 # the block types (kernels.BUILTIN_KNOBS: a record searched from the older built-in would pin it); 9: Q6_K's group
 # loop on AVX-512 (the same); 10: Q6_K's unit loop on AVX-512 again; 11: Q4 / Q8 two units ahead on the 256-bit
-# paths (kernels.BUILTIN_KNOBS' prefetch_units) (older tables: searched again)
-SCHEMA = 11
+# paths (kernels.BUILTIN_KNOBS' prefetch_units); 12: Q5_K / Q6_K a quarter unit ahead there (older tables: searched
+# again)
+SCHEMA = 12
 
 
 def enabled() -> bool:

@@ -576,6 +576,13 @@ def test_the_built_in_loop_kind_per_isa_path():
         assert L.unit_nbytes == unit
         for isa, want in (("avx2", 2 * unit), ("avxvnni", 2 * unit), ("avx512vnni", 2304), ("generic", 2304)):
             assert tune.default_for(L, isa)["prefetch"] == want == K.default_prefetch(L, isa), (dt, isa)
+    # Q5_K / Q6_K a quarter unit ahead on the 256-bit paths, in whole lines (a 64-row tile's quarter is not one);
+    # one unit on AVX-512 and for Q4_K everywhere
+    for dt, rows, quarter in (("q5_k", 128, 5632), ("q6_k", 128, 6720), ("q6_k", 64, 3328), ("q4_k", 128, None)):
+        L = TileLayout(dt, 256, 2048, (rows, 256))
+        for isa in ("avx2", "avxvnni", "avx512vnni"):
+            want = quarter if quarter and isa != "avx512vnni" else L.unit_nbytes
+            assert tune.default_for(L, isa)["prefetch"] == want == K.default_prefetch(L, isa), (dt, rows, isa)
 
 
 def test_a_load_never_searches_and_takes_the_shipped_choice(tuning_on, monkeypatch, model_file):
