@@ -221,12 +221,27 @@ def _stage_kind(st) -> str:
     return " + ".join(kinds) or "no weights: " + ",".join(sorted({f"{x.op.split('.')[0]}/{x.phase}" for x in st}))
 
 
+def _stage_dtypes(session, st) -> str:
+    """' q4_k' / ' q4_k,q6_k': the types of a stage's weight matrices (a decode profile's kinds are split by them)."""
+    types = set()
+    for x in st:
+        for name in x.tensors:
+            try:
+                e = session.reader.entry(name)
+            except KeyError:
+                continue
+            if len(e.shape) > 1:
+                types.add(e.dtype.label)
+    return " " + ",".join(sorted(types)) if types else ""
+
+
 def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0, decode: bool = False) -> dict:
     """Where the time goes in the multi-token body: per-stage cycle stamps of a profiling build (worker 0 stamps
     after each stage's barrier), summed over the native calls and scaled to their wall time. batch = 0: an
     n-token prompt in blocks of `block` (per-block times too, to show the growth with position); batch = B:
     n steps of B sequences (batch_step); decode: n single-token steps after a 4-token prompt (the decode step;
-    each kind's weight bytes a token over its time too: `gbps`)."""
+    kinds split by the types of their weight matrices, each kind's weight bytes a token over its time too:
+    `gbps`)."""
     from cflow.runtime.session import Session
 
     s = Session(path, threads=threads, profile=True, prefill_block=max(batch, 8) if batch else block,
@@ -265,7 +280,7 @@ def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0, 
     groups: dict[str, float] = {}
     nbytes: dict[str, int] = {}
     for st, t in zip(stages, ticks):
-        k = _stage_kind(st)
+        k = _stage_kind(st) + (_stage_dtypes(s, st) if decode else "")
         groups[k] = groups.get(k, 0.0) + t * per_tick
         nbytes[k] = nbytes.get(k, 0) + sum(x.nbytes for x in st)
     toks_done = n * batch if batch else n
