@@ -445,21 +445,47 @@ def _asum16(b, aptr, h: int):
     return b.call(intrinsic(b.module, "llvm.vector.reduce.add.v16i32", i32, [V(i32, 16)]), [v])
 
 
+def _asum16_psad(b, aptr, nblocks: int) -> list:
+    """The sums of every 16 activation bytes of `nblocks` consecutive 32-byte blocks from aptr (i32, in order), by
+    vpsadbw: the bytes + 128 (as unsigned) summed 8 at a time against zero, adjacent pairs added, 2 * 8 * 128 taken
+    off; exact. A few instructions a unit where a reduction per 16 bytes took about ten each. 256-bit paths."""
+    width, nq = 32, 4
+    fn = intrinsic(b.module, "llvm.x86.avx2.psad.bw", V(i64, nq), [V(i8, width), V(i8, width)])
+    zero, flip = ir.Constant(V(i8, width), [0] * width), const_vec(i8, width, -128)
+    out = []
+    for off in range(0, BLOCK * nblocks, width):
+        q = b.call(fn, [b.xor(load(b, aptr, off, V(i8, width)), flip), zero])
+        for k in range(0, nq, 2):
+            pair = b.add(b.extract_element(q, ir.Constant(i32, k)), b.extract_element(q, ir.Constant(i32, k + 1)))
+            out.append(b.sub(b.trunc(pair, i32), ir.Constant(i32, 2 * 8 * 128)))
+    return out
+
+
 class UnitActivation:
     """The activation of one unit (QK inputs), shared by its groups: per 32-block its bytes, scale and sums;
     `planes` int8 planes a block (kernels.plane_dot; two for the 32-input types only)."""
 
-    def __init__(self, b, fmt: BlockFormat, kb, xq, xd, xs, planes: int = 1):
+    def __init__(self, b, fmt: BlockFormat, kb, xq, xd, xs, planes: int = 1, isa=None):
         per = fmt.qk // BLOCK
         if planes != 1 and (per != 1 or fmt.sub != BLOCK):
             raise CodegenError(f"{fmt.ggml_name} reads one-plane activations only")
         self.planes = planes
         self.blocks = []
+        k0 = b.mul(kb, ir.Constant(i64, per))
+        # the 16-input types' sums per 16 activation bytes: vpsadbw on the 256-bit paths, whose group loop makes
+        # them once per 16-row group (AVX2 / AVX-VNNI Q3_K 1.02-1.03x, Q2_K 1.01-1.02x, Q6_K 1.00-1.01x from DRAM;
+        # on AVX-512, made once per unit there, no gain beyond its runs' spread: it keeps the reduction)
+        sums16 = None
+        if fmt.sub == 16 and isa is not None and ISA.parse(isa) in (ISA.AVX2, ISA.AVXVNNI):
+            sums16 = _asum16_psad(b, ptr(b, xq, b.mul(k0, ir.Constant(i64, BLOCK))), per)
         for j in range(per):
-            k = b.add(b.mul(kb, ir.Constant(i64, per)), ir.Constant(i64, j))
+            k = b.add(k0, ir.Constant(i64, j))
             aptr = ptr(b, xq, b.mul(k, ir.Constant(i64, BLOCK * planes)))
             da = b.load(ptr(b, xd, k), align=4)
-            sums = [_asum16(b, aptr, h) for h in range(2)] if fmt.sub == 16 else [b.load(ptr(b, xs, k), align=4)]
+            if sums16 is not None:
+                sums = sums16[2 * j : 2 * j + 2]
+            else:
+                sums = [_asum16(b, aptr, h) for h in range(2)] if fmt.sub == 16 else [b.load(ptr(b, xs, k), align=4)]
             self.blocks.append((aptr, da, sums))
 
 

@@ -405,7 +405,7 @@ def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0, planes: int =
     share one decode of the unit: blockdot.block_unit's `reload` is off there)."""
     x, xq, xd, xs = act
     if L.is_block_type:
-        ua = blockdot.UnitActivation(b, L.format, kb, xq, xd, xs, planes)
+        ua = blockdot.UnitActivation(b, L.format, kb, xq, xd, xs, planes, isa)
         for g in groups:
             accs[g] = blockdot.block_unit(b, isa, L.format, ptr(b, unit, _goff(b, g, L.group_nbytes)), ua, accs[g],
                                           reload=one_token)
