@@ -247,8 +247,9 @@ def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0, 
     s = Session(path, threads=threads, profile=True, prefill_block=max(batch, 8) if batch else block,
                 max_batch=max(batch, 1),
                 max_seq=max(n + 16, 16))
-    ids = prompt_ids(n)
     stages = s.run_state.schedule.stages
+    # each stage's kind (split by weight type in a decode profile: the file's tensor table, read before close)
+    kinds = [_stage_kind(st) + (_stage_dtypes(s, st) if decode else "") for st in stages]
     ticks = np.zeros(len(stages))
     wall, per_call = 0.0, []
     if batch:
@@ -263,6 +264,7 @@ def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0, 
             s.step(t)
         calls = [lambda t=t: s.step(t) for t in ids[8:]]
     else:
+        ids = prompt_ids(n)
         calls = [lambda c=ids[i : i + block]: s.prefill(c) for i in range(0, n, block)]
     if not decode:
         calls[0]()  # warm-up (not counted); for a prompt the first block runs again below
@@ -279,8 +281,7 @@ def profile_stages(path: str, threads: int, n: int, block: int, batch: int = 0, 
     per_tick = wall / ticks.sum()
     groups: dict[str, float] = {}
     nbytes: dict[str, int] = {}
-    for st, t in zip(stages, ticks):
-        k = _stage_kind(st) + (_stage_dtypes(s, st) if decode else "")
+    for k, st, t in zip(kinds, stages, ticks):
         groups[k] = groups.get(k, 0.0) + t * per_tick
         nbytes[k] = nbytes.get(k, 0) + sum(x.nbytes for x in st)
     toks_done = n * batch if batch else n

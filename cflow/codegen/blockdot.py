@@ -36,6 +36,7 @@ from .cgutils import (
     intrinsic,
     load,
     muladd,
+    opaque,
     ptr,
     shuffle,
     splat,
@@ -67,9 +68,8 @@ class Decoder:
     shared = False  # blocks share words of a field (next_block)
 
     def __init__(self, b: ir.IRBuilder, fmt: BlockFormat, group, isa):
-        self.b, self.fmt, self.g, self.isa = b, fmt, group, isa
+        self.b, self.fmt, self.g, self.isa = b, fmt, group, ISA.parse(isa)
         self.g0 = group
-        self.narrow = isa in (ISA.AVX2, ISA.AVXVNNI)  # 256-bit vectors, 16 registers
         self.offs = fmt.group_offsets()
         self._cache: dict = {}
 
@@ -78,11 +78,10 @@ class Decoder:
         loads them again for each block, through a pointer LLVM cannot prove equal to the last block's, so that
         it cannot merge the loads and keep 8-16 words live across blocks, which spills AVX2's 16 registers (a
         reload from L1 is cheaper than a spill and its reload)."""
-        if not self.shared or not self.narrow:
+        if not self.shared or not self.isa.narrow:
             return
         self._cache = {}
-        pty = self.g0.type
-        self.g = self.b.call(ir.InlineAsm(ir.FunctionType(pty, [pty]), "", "=r,0"), [self.g0])
+        self.g = opaque(self.b, self.g0)
 
     # field access
     def word(self, field: str, c: int):
@@ -119,7 +118,7 @@ class Decoder:
 
     def nibbles(self, field: str, word: int, high: bool):
         w = self.word(field, word)
-        if not high or not self.narrow:
+        if not high or not self.isa.narrow:
             return self.mask(self.shr(w, 4 if high else 0), 0x0F0F0F0F)
         # a byte shift, which clears the high bits itself: one vgf2p8affineqb where the CPU has GFNI (LLVM's
         # lowering), else the word shift and mask as before (AVX-512 keeps the word shift: Q6_K 0.95x with it)
@@ -358,10 +357,11 @@ def _act4(b, aptr, off, n_lanes):
 def _lookup(b, isa, codes_i8, table_values):
     """Bytes 0..15 -> table_values[byte] (a 16-entry code book), per byte lane."""
     vals = [int(v) for v in table_values]
+    isa = ISA.parse(isa)
     if isa == ISA.AVX512VNNI:
         fn = intrinsic(b.module, "llvm.x86.avx512.pshuf.b.512", V(i8, 64), [V(i8, 64), V(i8, 64)])
         return b.call(fn, [ir.Constant(V(i8, 64), vals * 4), codes_i8])
-    if isa in (ISA.AVX2, ISA.AVXVNNI):
+    if isa.narrow:
         fn = intrinsic(b.module, "llvm.x86.avx2.pshuf.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
         t = ir.Constant(V(i8, 32), vals * 2)
         halves = [b.call(fn, [t, shuffle(b, codes_i8, range(h * 32, h * 32 + 32))]) for h in range(2)]
@@ -476,7 +476,7 @@ class UnitActivation:
         # them once per 16-row group (AVX2 / AVX-VNNI Q3_K 1.02-1.03x, Q2_K 1.01-1.02x, Q6_K 1.00-1.01x from DRAM;
         # on AVX-512, made once per unit there, no gain beyond its runs' spread: it keeps the reduction)
         sums16 = None
-        if fmt.sub == 16 and isa is not None and ISA.parse(isa) in (ISA.AVX2, ISA.AVXVNNI):
+        if fmt.sub == 16 and isa is not None and ISA.parse(isa).narrow:
             sums16 = _asum16_psad(b, ptr(b, xq, b.mul(k0, ir.Constant(i64, BLOCK))), per)
         for j in range(per):
             k = b.add(k0, ir.Constant(i64, j))

@@ -127,6 +127,12 @@ def ptr(b: ir.IRBuilder, base, offset, ty=None):
     return b.bitcast(p, P(ty)) if ty is not None and p.type.pointee != ty else p
 
 
+def opaque(b: ir.IRBuilder, v, name: str = ""):
+    """v through an empty asm: the same value at run time, one LLVM cannot prove equal to v (or to another opaque
+    copy of it), so it neither folds what is loaded through it nor merges those loads with others."""
+    return b.call(ir.InlineAsm(ir.FunctionType(v.type, [v.type]), "", "=r,0"), [v], name=name)
+
+
 def prefetch_lines(b: ir.IRBuilder, base, offsets, locality: int = 3) -> None:
     """llvm.prefetch (read, `locality`, data) of base + each offset (ints or IR values, elements of base; never
     faults, so a prefetch past the end of a buffer is harmless)."""

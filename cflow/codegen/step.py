@@ -49,7 +49,7 @@ from .abi import (
     kv_floats_per_layer,
 )
 from .attn_tune import attention_key
-from .cgutils import Loop, P, c64, f32, i8, i16, i32, i64, intrinsic, void
+from .cgutils import Loop, P, c64, f32, i8, i16, i32, i64, intrinsic, opaque, void
 from .moe import MoEEmitter
 from .step_context import StepContext, tensor_key
 from .target import ISA
@@ -187,7 +187,7 @@ class _Emitter(StepContext):
             # NOTE: the index passes through an empty asm, so LLVM cannot fold the table loads (after
             # unrolling the loop) into direct calls with constant descriptors, which it could then
             # specialise or inline back into one function per stage.
-            i = b.call(ir.InlineAsm(ir.FunctionType(i64, [i64]), "", "=r,0"), [si], name="si.opaque")
+            i = opaque(b, si, name="si.opaque")
             call = b.load(b.gep(table, [c64(0), i]), name="stage_fn")
             desc = b.gep(desc_all, [c64(0), b.load(b.gep(offs, [c64(0), i]), name="desc_off")], name="desc")
             b.call(call, [self.ptrs, self.params, self.tid, self.nth, self.bar, desc])

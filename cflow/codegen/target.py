@@ -64,6 +64,11 @@ class ISA(enum.StrEnum):
         """64-byte vectors (32 registers): larger token groups and more accumulators."""
         return self == ISA.AVX512VNNI
 
+    @property
+    def narrow(self) -> bool:
+        """The 256-bit x86 paths (AVX2, AVX-VNNI): 16 vector registers, x86 intrinsics on 32-byte halves."""
+        return self in (ISA.AVX2, ISA.AVXVNNI)
+
     def runs_on(self, target_isa: ISA | str) -> bool:
         """Kernels of this ISA can run on a host whose best ISA is `target_isa`."""
         return self.rank <= ISA.parse(target_isa).rank
