@@ -2,7 +2,7 @@
 
     python -m benchmarks.gguf_types [--threads 1,2] [--rounds 3] [--set-gb 1.5] [--types Q4_0,Q4_K,...]
                                     [--tune] [--activations q8,q8x2] [--loops builtin|unit,group,group-l2]
-                                    [--json [FILE]]
+                                    [--prefetch-units 1,0.25] [--json [FILE]]
 
 For every type: TinyLlama's down projection shape (2048 outputs x 5632 inputs; IQ4_NL and the legacy types the
 same; cflow's IQ4_192 5760 inputs in 192-column tiles, as a model of 576-wide rows compiles) of random
@@ -17,6 +17,8 @@ kernel's two dots per chunk; in the same rounds), each as a fraction of read and
 --loops unit,group,group-l2 times every type with each loop kind of the kernel (emit_matvec's group_loop 0 and 1,
 the software prefetch into L1; group-l2: the group loop prefetching into L2) in the same rounds, each ratio over
 Q4_0's unit loop where it is timed (else Q4_0's first kernel; --loops builtin, the default: the built-in kernels).
+--prefetch-units 1,0.25 times each kernel also with its software prefetch that many of its units ahead (in whole
+lines; kernels.default_prefetch's rule), in the same rounds: how BUILTIN_KNOBS' prefetch_units are chosen.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loops", default="builtin",
                     help="the kernels timed: builtin (each type's default on this ISA path), or any of unit, group "
                          "and group-l2 (the group loop prefetching into L2) to time each (default builtin)")
+    ap.add_argument("--prefetch-units", default="",
+                    help="comma list of prefetch distances in the type's units to time each kernel at (default: its "
+                         "built-in distance only)")
     add_json_argument(ap, "write one record per thread count, block type, activation format and loop kind")
     args = ap.parse_args(argv)
     run = Run("gguf_types", argv)
@@ -122,6 +127,12 @@ def main(argv=None) -> int:
     formats = [f for f in args.activations.split(",") if f]
     if not formats or any(f not in ("q8", "q8x2") for f in formats):
         ap.error(f"--activations: q8 and / or q8x2, not {args.activations!r}")
+    try:
+        units = [float(u) for u in args.prefetch_units.split(",") if u] or [None]
+    except ValueError:
+        ap.error(f"--prefetch-units: numbers, not {args.prefetch_units!r}")
+    if any(u is not None and u < 0 for u in units):
+        ap.error("--prefetch-units: distances >= 0")
     loops = [k for k in args.loops.split(",") if k]
     if not loops or any(k not in LOOPS for k in loops) or ("builtin" in loops and len(loops) > 1):
         ap.error(f"--loops: builtin, or any of unit, group, group-l2; not {args.loops!r}")
@@ -142,11 +153,18 @@ def main(argv=None) -> int:
             if f == "q8x2" and planes == 1:
                 continue  # a K-quant: int8 under either format
             for kind in loops:
-                kn = {**knobs, **LOOPS[kind]}
-                c = twin = Case(dt, tile, args.set_gb * 1e9, kn, planes, twin, "" if kind == "builtin" else kind)
-                c.run(threads[0])  # page in, warm the code
-                cases.append(c)
-                print(f"{c.label:16s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {kn}", file=sys.stderr)
+                for u in units:
+                    kn = {**knobs, **LOOPS[kind]}
+                    label = "" if kind == "builtin" else kind
+                    if u is not None:  # whole lines, as kernels.default_prefetch takes a fraction of a unit
+                        unit = TileLayout(dt, ROWS, *geometry(dt, tile)).unit_nbytes
+                        kn["prefetch"] = max(64, int(u * unit) // 64 * 64) if u else 0
+                        label = f"{label} pf{u:g}u".strip()
+                    c = twin = Case(dt, tile, args.set_gb * 1e9, kn, planes, twin, label)
+                    c.loop, c.pf_units = ("" if kind == "builtin" else kind), u
+                    c.run(threads[0])  # page in, warm the code
+                    cases.append(c)
+                    print(f"{c.label:16s}: {c.n} copies, {c.nbytes / 1e9:.2f} GB, knobs {kn}", file=sys.stderr)
     records = []
     print(f"cpu: {cpu_model()}  isa: {target.isa}  {ROWS}x{COLS} per matrix (a 192-input type: {ROWS}x"
           f"{geometry(DType.IQ4_192, tile)[0]}), {args.set_gb} GB per type, best of "
@@ -171,7 +189,8 @@ def main(argv=None) -> int:
             print(f"{c.label:16} {bits:6.2f} {best[c.label]:7.2f} {frac:8.1%} "
                   f"{frac / q4 if q4 else float('nan'):7.3f}")
             variant = ", ".join(v for v in ("activations q8x2" if c.planes == 2 else "",
-                                            c.kind and f"{c.kind} loop") if v)
+                                            c.loop and f"{c.loop} loop",
+                                            c.pf_units is not None and f"prefetch {c.pf_units:g} units") if v)
             records.append(run.record(engine="mat-vec", model=f"{ROWS}x{c.layout.cols}", quant=c.dt.gguf_name,
                                       threads=n, variant=variant or None,
                                       read_gbs=best["read"], gbps=best[c.label],

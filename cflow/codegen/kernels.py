@@ -331,9 +331,10 @@ def default_prefetch(L: TileLayout, isa=None) -> int:
 #   timing) and for Q4 on AVX2 (1.07-1.09x; AVX-VNNI: its gate+up, a tie on the rest); end to end (TinyLlama
 #   geometry) Q8 went from 78-85% to 99-104% of the read bandwidth (docs/performance.md "Decode on each ISA path").
 #   Not measured on an AVX2-only CPU.
-# - Q5_K and Q6_K on the 256-bit paths: a quarter unit ahead (their group loop prefetching into L2), 1.02-1.05x over
-#   one unit from DRAM at 1 and 2 threads with each path forced on model 207; Q4_K lost 7% with it and IQ4_XS tied
-#   (docs/quantization.md, "cflow's own block types", the bullet on the quarter unit).
+# - Q5_K and Q6_K on the 256-bit paths: a quarter unit ahead (their group loop prefetching into L2), 1.01-1.05x over
+#   one unit from DRAM at 1 and 2 threads with each path forced on model 207; Q4_K 0.92-0.93x and IQ4_XS 0.93-0.99x
+#   with it (`python -m benchmarks.gguf_types --prefetch-units 1,0.25`; docs/quantization.md, "cflow's own block
+#   types", the bullet on the quarter unit).
 # `cflow tune` tries both loop kinds, both localities and other distances.
 _GL, _GL2, _PF2 = {"group_loop": 1}, {"group_loop": 1, "prefetch_locality": 2}, {"prefetch_units": 2}
 _GL2Q = {**_GL2, "prefetch_units": 0.25}
