@@ -95,7 +95,7 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
          experts: str = "ram", expert_cache_mb: float | None = None, expert_io: str = "async",
          weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64, max_batch: int = 1,
          kv: str = "auto", draft=None, activations: str = "q8", max_ram_mb: float | None = None,
-         expert_guess: bool = True) -> CompiledModel:
+         expert_guess: bool = True, detached: bool = False) -> CompiledModel:
     """Map a .vflow/.cflow file, validate it, JIT the step (cached on disk) and get ready to decode.
 
     Args:
@@ -129,6 +129,9 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
             llama.cpp's Q8_0 pairing) or 'q8x2' (two int8 planes on one scale, about 15 bits, for the 32-input block
             types Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL; the K-quants and IQ4_XS keep int8): closer to the
             weights' exact function, at some cost in speed (docs/conformance.md). `session.activations` is it.
+        detached: every thread of the step is a worker, the first too, so that `session.step_launch(token)`
+            returns while the step runs and the caller works meanwhile (`cflow serve` does its host work between
+            tokens so when the step's threads leave it a core: docs/serving.md); weights in RAM only.
     """
     from .runtime.session import Session
 
@@ -138,7 +141,8 @@ def load(path, threads: int | None = None, verify: bool = False, max_seq: int | 
     m = CompiledModel(Session(str(p), threads=threads, verify=verify, max_seq=max_seq, experts=experts,
                               expert_cache_mb=expert_cache_mb, expert_io=expert_io, weights=weights,
                               read_ahead=read_ahead, prefill_block=prefill_block, max_batch=max_batch, kv=kv,
-                              activations=activations, max_ram_mb=max_ram_mb, guess_routes=expert_guess))
+                              activations=activations, max_ram_mb=max_ram_mb, guess_routes=expert_guess,
+                              detached=detached))
     if draft is not None:
         d = None
         try:

@@ -24,7 +24,7 @@ import attrs
 from ..errors import CodegenError
 from ..layout.quant import BLOCK, act_planes, padded
 
-STEP_SYMBOL, WORKER_SYMBOL, KICK_SYMBOL = "cflow_step", "cflow_worker", "cflow_kick"
+STEP_SYMBOL, WORKER_SYMBOL, KICK_SYMBOL, JOIN_SYMBOL = "cflow_step", "cflow_worker", "cflow_kick", "cflow_join"
 
 
 class Param(enum.IntEnum):
@@ -52,6 +52,8 @@ class BarrierWord(enum.IntEnum):
 
     COUNT = 0  # arrivals at the current barrier (every arrival writes this line)
     SPIN = 1  # pause rounds a waiter spins before it sleeps; 0 = threads.BARRIER_SPINS (set at run time to tune)
+    ABORT = 2  # non-zero: a one-thread step returns at its next stage boundary (set by the host, which then drops
+    #            what the step computed: a detached step launched for a token it will not use)
     GENERATION = 16  # bumped by the last arriver; waiters poll it and futex_wait on it
     SLEEPERS = 17  # waiters inside futex_wait: the last arriver calls FUTEX_WAKE only when non-zero. On the
     #               generation's line, which the last arriver has just written, so reading it costs no miss.
@@ -66,9 +68,13 @@ class CtlWord(enum.IntEnum):
 
     GO = 0  # token generation: a kick adds 1, workers run a step when it changes (futex word)
     STOP = 16  # non-zero: workers return at their next wake-up
+    DONE = 32  # the generation whose step a worker has finished (futex word: cflow_join waits on it)
+    JOINERS = 33  # threads asleep in cflow_join: a worker that finishes a step wakes them only if non-zero
+    SPINS = 34  # pause rounds an idle worker spins for the next kick, and cflow_join for the step, before sleeping
+    # (0: threads.SPINS; runtime.workers sets more for a detached step)
 
 
-CTL_WORDS = 32
+CTL_WORDS = 48  # three 64-byte cache lines: the kick's, the stop's, the finished step's
 
 
 class Binding(enum.StrEnum):

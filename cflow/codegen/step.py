@@ -37,10 +37,12 @@ from . import attention as A
 from . import blockdot, threads
 from . import ops as O
 from .abi import (
+    JOIN_SYMBOL,
     KICK_SYMBOL,
     KV_BYTES,
     STEP_SYMBOL,
     WORKER_SYMBOL,
+    BarrierWord,
     Binding,
     BindingKey,
     Mode,
@@ -49,7 +51,7 @@ from .abi import (
     kv_floats_per_layer,
 )
 from .attn_tune import attention_key
-from .cgutils import Loop, P, c64, f32, i8, i16, i32, i64, intrinsic, opaque, void
+from .cgutils import Loop, P, c32, c64, f32, i8, i16, i32, i64, intrinsic, opaque, void
 from .moe import MoEEmitter
 from .step_context import StepContext, tensor_key
 from .target import ISA
@@ -194,6 +196,12 @@ class _Emitter(StepContext):
             self.arrive(b, si, n)
             # The last stage ends with a barrier too: when worker 0 returns, every worker is done.
             b.call(threads.barrier(self.m, self.isa), [self.bar, self.nth])
+            # A one-thread step the host has given up on (BarrierWord.ABORT) stops here: with more threads they
+            # could not all agree on where, so those run to the end
+            with b.if_then(b.icmp_signed("==", self.nth, c64(1))):  # (more threads never read the word)
+                asked = b.load_atomic(b.gep(self.bar, [c32(BarrierWord.ABORT)]), "monotonic", 4)
+                with b.if_then(b.icmp_signed("!=", asked, ir.Constant(i32, 0)), likely=False):
+                    b.ret_void()
             self.stamp(b, b.add(si, c64(1)))
             if guard is not None:
                 guard.__exit__(None, None, None)
@@ -214,7 +222,7 @@ class _Emitter(StepContext):
         eb = ir.IRBuilder(entry.append_basic_block("entry"))
         eb.call(body, list(entry.args))
         eb.ret_void()
-        threads.emit_workers(self.m, body, self.isa, WORKER_SYMBOL, KICK_SYMBOL)
+        threads.emit_workers(self.m, body, self.isa, WORKER_SYMBOL, KICK_SYMBOL, JOIN_SYMBOL)
         return StepProgram(module=self.m, bindings=tuple(self.bindings), pool_strides=self.strides,
                            pool_slots={p: n for p, (n, _) in self.sched.pools.items()}, scratch=self.scratch,
                            kv_floats_per_layer=kv_floats_per_layer(self.cfg, self.max_seq),

@@ -98,9 +98,12 @@ def barrier(m: ir.Module, isa: str):
     return internal_function(m, ("barrier",), (P(i32), i64), build)
 
 
-def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, kick_name: str) -> None:
-    """cflow_worker(ptrs, params, tid, nth, barrier, ctl): loop { wait until ctl.go changes; run the step }
-    until ctl.stop; cflow_kick(ctl): start the next token (go += 1, wake the sleepers).
+def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, kick_name: str,
+                 join_name: str) -> None:
+    """cflow_worker(ptrs, params, tid, nth, barrier, ctl): loop { wait until ctl.go changes; run the step;
+    ctl.done = go } until ctl.stop; cflow_kick(ctl): start the next token (go += 1, wake the sleepers);
+    cflow_join(ctl, gen): return once the step of generation `gen` is done (when every thread of the step is a
+    worker, so that the caller is free meanwhile: runtime.workers.Workers(detached=True)).
 
     A waiting worker spins briefly (the next token usually follows within microseconds), then sleeps
     in futex_wait, so an idle loaded model costs no CPU.
@@ -130,7 +133,7 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     pause(b, isa)
     n = b.add(b.load(spins), c64(1))
     b.store(n, spins)
-    b.cbranch(b.icmp_signed(">", n, c64(SPINS)), sleep, poll)
+    b.cbranch(b.icmp_signed(">", n, _spin_budget(b, ctl)), sleep, poll)
     b.position_at_end(sleep)  # futex_wait returns at once if go already moved on: no lost wake-up
     _futex(b, go_p, FUTEX_WAIT_PRIVATE, b.sext(b.load(seen), i64))
     b.branch(poll)
@@ -141,10 +144,18 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     b.cbranch(b.icmp_signed("!=", stop, ir.Constant(i32, 0)), out, go_on)
     b.position_at_end(go_on)
     b.call(step, step_args)
+    # the step is over (every thread has passed its last barrier): say so for cflow_join, waking a sleeper if
+    # one says it sleeps (both seq_cst against its JOINERS-then-DONE: one side sees the other, no lost wake-up)
+    done_p = b.gep(ctl, [c32(CtlWord.DONE)])
+    b.store_atomic(now, done_p, "seq_cst", 4)
+    joiners = b.load_atomic(b.gep(ctl, [c32(CtlWord.JOINERS)]), "seq_cst", 4)
+    with b.if_then(b.icmp_signed("!=", joiners, ir.Constant(i32, 0)), likely=False):
+        _futex(b, done_p, FUTEX_WAKE_PRIVATE, c64(1 << 30))
     b.branch(wait)
     b.position_at_end(out)
     b.ret_void()
 
+    _emit_join(m, isa, join_name)
     kick = ir.Function(m, ir.FunctionType(ir.VoidType(), [P(i32)]), kick_name)
     kick.attributes.add("nounwind")
     b = ir.IRBuilder(kick.append_basic_block("entry"))
@@ -152,3 +163,46 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     b.atomic_rmw("add", go_p, ir.Constant(i32, 1), "acq_rel")
     _futex(b, go_p, FUTEX_WAKE_PRIVATE, c64(1 << 30))
     b.ret_void()
+
+
+def _emit_join(m: ir.Module, isa: str, name: str) -> None:
+    """cflow_join(ctl, gen): spin (with pause) until ctl.done == gen, then sleep in futex_wait on it. The caller
+    (the host's thread, back from its own work between kicks) usually finds the step nearly done, so the spin
+    covers it; a long step gets the core back to the other threads."""
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [P(i32), i32]), name)
+    fn.attributes.add("nounwind")
+    ctl, gen = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    done_p, joiners = b.gep(ctl, [c32(CtlWord.DONE)]), b.gep(ctl, [c32(CtlWord.JOINERS)])
+    spins = alloca_once(b, i64)
+    b.store(c64(0), spins)
+    poll, count, sleep, recheck, nap, woke, out = (b.append_basic_block(n) for n in (
+        "poll", "count", "sleep", "recheck", "nap", "woke", "out"))
+    b.branch(poll)
+    b.position_at_end(poll)
+    b.cbranch(b.icmp_signed("==", b.load_atomic(done_p, "acquire", 4), gen), out, count)
+    b.position_at_end(count)
+    pause(b, isa)
+    n = b.add(b.load(spins), c64(1))
+    b.store(n, spins)
+    b.cbranch(b.icmp_signed(">", n, _spin_budget(b, ctl)), sleep, poll)
+    b.position_at_end(sleep)
+    b.atomic_rmw("add", joiners, ir.Constant(i32, 1), "seq_cst")
+    b.branch(recheck)
+    b.position_at_end(recheck)
+    now = b.load_atomic(done_p, "seq_cst", 4)
+    b.cbranch(b.icmp_signed("==", now, gen), woke, nap)
+    b.position_at_end(nap)  # returns at once if done is no longer `now`; spurious wake-ups recheck
+    _futex(b, done_p, FUTEX_WAIT_PRIVATE, b.sext(now, i64))
+    b.branch(recheck)
+    b.position_at_end(woke)
+    b.atomic_rmw("sub", joiners, ir.Constant(i32, 1), "seq_cst")
+    b.branch(out)
+    b.position_at_end(out)
+    b.ret_void()
+
+
+def _spin_budget(b: ir.IRBuilder, ctl):
+    """The pause rounds ctl.SPINS asks for (i64), SPINS where it is 0 (runtime.workers sets it)."""
+    v = b.sext(b.load_atomic(b.gep(ctl, [c32(CtlWord.SPINS)]), "monotonic", 4), i64)
+    return b.select(b.icmp_signed("==", v, c64(0)), c64(SPINS), v)

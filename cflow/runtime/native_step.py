@@ -5,6 +5,7 @@ pointer table it runs on, and the threads that run it.
     step.bind(tensor)    allocate the buffers and fill the pointer table (tensor(name): its array, or None
                          for one that is set later with point()); start the workers
     step.run()           one native call over the parameters in step.params (a Session sets them)
+    step.launch()        (detached) start that call on the workers and return; step.wait() once it is done
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ class NativeStep:
 
     def __init__(self, state, header: dict, *, max_seq: int, tmax: int, kv: str, n_slots: int, threads: int,
                  profile: bool = False, segmented: bool = False, adaptive: bool = False, cache=None,
-                 activations: str = "q8"):
+                 activations: str = "q8", detached: bool = False):
         self.state, self.header, self.config = state, header, state.graph.config
         self.activations = activations  # the quantised activations' format (layout.quant.ACT_FORMATS)
         self.max_seq, self.tmax, self.kv_dtype, self.n_slots = max_seq, tmax, kv, n_slots
         self.threads, self.profile, self.segmented, self.adaptive = threads, profile, segmented, adaptive
+        # detached: every thread of the step is a worker (thread 0 too), so the caller may launch a call and do
+        # other work until it waits for it (Session.step_launch); no backoff to the caller's thread then
+        self.detached = detached
         self.ptrs = None  # the pointer table: None until bind()
         self.workers: Workers | None = None
         self.backoff: Backoff | None = None
@@ -126,10 +130,11 @@ class NativeStep:
                      ctypes.c_void_p(self.barrier.ctypes.data))
         self.logits_view = self.pools[Pool.LOGITS][: self.config.vocab_size]
         self.ptrs = ptrs
-        self.workers = (Workers(self.library, self.args, self.threads, keep=(self.ptrs, self.params, self.barrier))
-                        if self.threads > 1 else None)
+        self.workers = (Workers(self.library, self.args, self.threads, keep=(self.ptrs, self.params, self.barrier),
+                                detached=self.detached)
+                        if self.threads > 1 or self.detached else None)
         self.backoff = (Backoff(busy=lambda n=self.threads: cores_taken(n)) if self.workers is not None
-                        and self.adaptive else None)
+                        and self.adaptive and not self.detached else None)
 
     def _alloc(self) -> None:
         prog, cfg = self.program, self.config
@@ -173,12 +178,15 @@ class NativeStep:
     # --- running ----------------------------------------------------------------------------------
     def solo(self) -> bool:
         """Run the next call (the disk tiers: the next token's calls) on the caller's thread alone?"""
+        if self.detached:
+            return False
         return self.workers is None or (self.backoff is not None and not self.hold_threads and self.backoff.solo())
 
     def run(self, solo: bool | None = None) -> None:
         """One native call over the current params (solo: on the caller's thread alone; None: as solo() says)."""
         if self.ptrs is None:
             raise RuntimeFault("the step ran before its buffers were bound (NativeStep.bind)")
+        self.wait()
         if solo is None:
             solo = self.solo()
         if solo:
@@ -191,6 +199,40 @@ class NativeStep:
                     self.backoff.seen = naps
                 else:
                     self.backoff.after(naps)
+
+    def launch(self) -> None:
+        """Start one native call over the current params on the workers and return at once (detached steps
+        only); the params, buffers and logits are the call's until wait()."""
+        if self.ptrs is None:
+            raise RuntimeFault("the step ran before its buffers were bound (NativeStep.bind)")
+        if not self.detached:
+            raise RuntimeFault("launch() needs a detached step (Session(detached=True))")
+        if self.workers.inflight:
+            raise RuntimeFault("a step is already in flight: wait() for it first")
+        self.workers.launch()
+
+    def wait(self) -> None:
+        """Return once the launched call is done (at once if none is in flight)."""
+        if self.workers is not None:
+            self.workers.wait()
+
+    def abort(self) -> None:
+        """Stop the launched call at its next stage boundary and wait for it (a one-thread step; with more
+        threads, wait for it to end): what it computed is not to be used (the KV cache's entries at its
+        position, its logits), the next call at that position writes them again."""
+        if not self.inflight:
+            return
+        if self.threads == 1:
+            self.barrier[BarrierWord.ABORT] = 1
+        try:
+            self.wait()
+        finally:
+            self.barrier[BarrierWord.ABORT] = 0
+
+    @property
+    def inflight(self) -> bool:
+        """A launched call not yet waited for."""
+        return self.workers is not None and self.workers.inflight
 
     def logits_rows(self, n: int) -> np.ndarray:
         """A view of the logits of the last call's first `n` token rows, [n, vocab]."""

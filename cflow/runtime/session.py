@@ -71,7 +71,7 @@ class Session:
                  cache=None, profile: bool = False, experts: str = "ram", expert_cache_mb: float | None = None,
                  expert_io: str = "async", weights: str = "ram", read_ahead: int = 2, prefill_block: int = 64,
                  max_batch: int = 1, kv: str = "auto", activations: str = "q8", max_ram_mb: float | None = None,
-                 guess_routes: bool = True):
+                 guess_routes: bool = True, detached: bool = False):
         check_options(threads, max_seq, experts, weights, expert_io, read_ahead, kv, activations)
         self.activations = activations  # the quantised activations' format (layout.quant.ACT_FORMATS)
         if max_ram_mb is not None and not (isinstance(max_ram_mb, (int, float)) and max_ram_mb > 0):
@@ -103,10 +103,15 @@ class Session:
         self.threads = thread_count(threads)
         self.max_seq = context_length(max_seq, self.config)
         self.profile = profile
+        # every step thread a worker, so that step_launch returns while the step runs (RAM-resident weights only:
+        # the disk tiers' calls interleave with reads the caller issues)
+        self.detached = bool(detached)
         self.n_slots = max_batch  # sequences with their own KV cache; slot 0 is the single-sequence API's
         if self.max_ram is not None:
             experts, weights = fit_max_ram(self, experts, weights, prefill_block)
         self._set_tiers(experts, weights, prefill_block)
+        if self.detached and self.segmented:
+            raise CflowError("detached steps need the weights in RAM (not with experts or weights on disk)")
         self.slot_pos = np.zeros(max_batch, np.int64)  # next position of each slot
         # Slots holding a sequence: set by prefill (and step, for slot 0), cleared by reset and release.
         # step_batch refuses the others, so a slot never started, or reused after release, is one clear error
@@ -157,7 +162,8 @@ class Session:
     def _build(self, cache, adaptive: bool = False) -> None:
         self.native = NativeStep(self.run_state, self.header, max_seq=self.max_seq, tmax=self.tmax, kv=self.kv_dtype,
                                  activations=self.activations, n_slots=self.n_slots, threads=self.threads,
-                                 profile=self.profile, segmented=self.segmented, adaptive=adaptive, cache=cache)
+                                 profile=self.profile, segmented=self.segmented, adaptive=adaptive, cache=cache,
+                                 detached=self.detached)
 
     def _tensor(self, name: str) -> np.ndarray | None:
         """A tensor binding's array: mapped from the file, or read into RAM when segmented (of the file only an
@@ -295,12 +301,7 @@ class Session:
 
     def step(self, token: int) -> np.ndarray:
         """Run one token at the current position; returns (a view of) the logits [vocab]."""
-        token = int(token)
-        if not 0 <= token < self.config.vocab_size:
-            raise RuntimeFault(f"token id {token} out of range 0..{self.config.vocab_size - 1}")
-        if self.pos >= self.max_seq:
-            raise RuntimeFault(f"context full: position {self.pos} reaches the maximum of {self.max_seq} tokens")
-        self.native.params[Param.TOKEN], self.native.params[Param.POS] = token, self.pos
+        self._set_token(token)
         if not self.segmented:
             self._run_native()
         else:
@@ -312,6 +313,41 @@ class Session:
         self.pos += 1
         self.slot_open[0] = True
         return self.native.logits_view
+
+    def _set_token(self, token) -> None:
+        """The decode step's parameters for `token` at slot 0's position (after any step in flight is done)."""
+        self.native.wait()
+        token = int(token)
+        if not 0 <= token < self.config.vocab_size:
+            raise RuntimeFault(f"token id {token} out of range 0..{self.config.vocab_size - 1}")
+        if self.pos >= self.max_seq:
+            raise RuntimeFault(f"context full: position {self.pos} reaches the maximum of {self.max_seq} tokens")
+        self.native.params[Param.TOKEN], self.native.params[Param.POS] = token, self.pos
+
+    def step_launch(self, token: int) -> None:
+        """Start step(token) and return while it runs (a session loaded with detached=True): the caller does its
+        own work meanwhile (the server: the token's text out, the next draw's bookkeeping) and takes the logits
+        with step_wait(). Any other call on the session first waits for it. The position advances now; a caller
+        that drops the step's token sets `pos` back (the next step writes that position again)."""
+        if not self.detached:
+            raise RuntimeFault("step_launch needs a session loaded with detached=True")
+        self._set_token(token)
+        self.native.launch()
+        self.pos += 1
+        self.slot_open[0] = True
+
+    def step_wait(self) -> np.ndarray:
+        """The logits of the launched step (a view, as step() gives), once it is done."""
+        self.native.wait()
+        return self.native.logits_view
+
+    def step_drop(self) -> None:
+        """Give up the launched step (its token will not be used): stopped at its next stage boundary where it
+        runs on one thread, else waited for; slot 0's position goes back to the token's, which the next call
+        writes again."""
+        if self.native.inflight:
+            self.native.abort()
+            self.pos -= 1
 
     def resume(self, slot: int, pos: int) -> None:
         """Start a sequence in slot `slot` whose first `pos` positions are already in its KV cache (written there
@@ -351,6 +387,7 @@ class Session:
     def _run_multi(self, tokens, slots, positions, logits_from: int) -> None:
         """One multi-token call: token i of slot slots[i] at positions[i]; the logits of rows logits_from on."""
         native, n = self.native, len(tokens)
+        native.wait()
         native.tokens[:n], native.slots[:n], native.positions[:n] = tokens, slots, positions
         params = native.params
         params[Param.NTOK], params[Param.LOGITS_FROM], params[Param.MODE] = n, logits_from, Mode.PREFILL

@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from ..codegen.abi import CTL_WORDS, KICK_SYMBOL, STEP_SYMBOL, WORKER_SYMBOL, CtlWord
+from ..codegen.abi import CTL_WORDS, JOIN_SYMBOL, KICK_SYMBOL, STEP_SYMBOL, WORKER_SYMBOL, CtlWord
 from ..layout.tile import aligned_empty
 
 
@@ -142,13 +142,23 @@ def parked_workers() -> int:
         return sum(t.is_alive() for ts, _ in _PARKED for t in ts)
 
 
+# Pause rounds a detached step's idle workers and its joiner spin before sleeping: 0.55 ms on the AMX Xeon VM of
+# model 167 (14 ns a pause), about 2 ms where a pause is 140 cycles (docs/serving.md, "The next step while a token
+# is handed out").
+DETACHED_SPINS = 40000
+
+
 class Workers:
     """Worker threads 1..n-1 live in native code (cflow_worker): each token, worker 0 (the caller)
     kicks them through a futex and runs its share; the step's final barrier means all are done.
-    Python only starts them (one thread each, ctypes releases the GIL) and stops them."""
+    Python only starts them (one thread each, ctypes releases the GIL) and stops them.
 
-    def __init__(self, library, args, n: int, keep: tuple = ()):
-        self.n = n
+    detached: every one of the n threads is a worker, thread 0 too, and the caller only kicks (`launch`) and
+    waits (`wait`: cflow_join, until the step's generation is done), so that it can do other work while the step
+    runs (the server's host work between tokens, runtime/session.py step_launch). `run` is launch then wait."""
+
+    def __init__(self, library, args, n: int, keep: tuple = (), detached: bool = False):
+        self.n, self.detached = n, detached
         # the code the workers run and the buffers args points into: they must outlive the threads (close parks
         # them if a worker lingers)
         self.library, self.keep = library, keep
@@ -156,23 +166,48 @@ class Workers:
         vp = ctypes.c_void_p
         self.worker = library.get_cfunc(WORKER_SYMBOL, None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp, vp)
         self.kick = library.get_cfunc(KICK_SYMBOL, None, vp)
+        self.join = library.get_cfunc(JOIN_SYMBOL, None, vp, ctypes.c_int32)
         self.step = library.get_cfunc(STEP_SYMBOL, None, vp, vp, ctypes.c_int64, ctypes.c_int64, vp)
         self.args = args
+        if detached:  # the next kick comes after the host's work on a token (100-300 us in a server) and the
+            # step after the host's work: either may outlast threads.SPINS (50-200 us, by the CPU's pause), and a
+            # party asleep costs a wake-up (30-40 us on the VMs); the host's core is the host's alone meanwhile
+            self.ctl[CtlWord.SPINS] = DETACHED_SPINS
         ctl = ctypes.c_void_p(self.ctl.ctypes.data)
         self._ctl = ctl
+        self.generation = 0  # kicks so far (ctl.GO, as the i32 it wraps to)
+        self.inflight = False  # a step launched and not yet waited for
         self.threads = [threading.Thread(target=self.worker, args=(args[0], args[1], t, n, args[2], ctl), daemon=True,
-                                         name=f"cflow-worker-{t}") for t in range(1, n)]
+                                         name=f"cflow-worker-{t}") for t in range(0 if detached else 1, n)]
         for t in self.threads:
             t.start()
 
     def run(self) -> None:
+        if self.detached:
+            self.launch()
+            self.wait()
+            return
         self.kick(self._ctl)
         self.step(self.args[0], self.args[1], 0, self.n, self.args[2])
+
+    def launch(self) -> None:
+        """Start the step on the workers and return (detached only; one step in flight at a time)."""
+        assert self.detached and not self.inflight
+        self.generation = (self.generation + 1 + 2**31) % 2**32 - 2**31
+        self.inflight = True
+        self.kick(self._ctl)
+
+    def wait(self) -> None:
+        """Return once the launched step is done (at once if none is in flight)."""
+        if self.inflight:
+            self.join(self._ctl, self.generation)
+            self.inflight = False
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the workers. Between tokens a worker only waits on the control block (and the barrier), so one
         that has not ended after the join timeout is parked with the control block, the argument buffers and
         the code, rather than having them freed under it; it ends as soon as it runs again and sees STOP."""
+        self.wait()  # a launched step finishes first: its buffers and code go with the session
         self.ctl[CtlWord.STOP] = 1  # then wake everyone
         self.kick(self._ctl)
         for t in self.threads:

@@ -21,6 +21,8 @@ def test_words_fit_their_blocks_on_separate_cache_lines():
     assert max(abi.BarrierWord) < abi.BARRIER_WORDS and max(abi.CtlWord) < abi.CTL_WORDS
     assert abi.BarrierWord.COUNT * 4 // 64 != abi.BarrierWord.GENERATION * 4 // 64
     assert abi.CtlWord.GO * 4 // 64 != abi.CtlWord.STOP * 4 // 64
+    # the finished step's word (written by a worker, polled by the joiner) on a line of its own
+    assert abi.CtlWord.DONE * 4 // 64 not in (abi.CtlWord.GO * 4 // 64, abi.CtlWord.STOP * 4 // 64)
 
 
 def test_no_abi_literals_outside_abi():
@@ -36,7 +38,7 @@ def test_emitter_and_driver_agree(tmp_path):
     state = compile_file(load_graph("preset:arch2_4_combined@tiny"), path, "q4")
     prog = build_step(state, host_target().isa, 64, tmax=64)
     text = str(prog.module)
-    for sym in (abi.STEP_SYMBOL, abi.WORKER_SYMBOL, abi.KICK_SYMBOL):
+    for sym in (abi.STEP_SYMBOL, abi.WORKER_SYMBOL, abi.KICK_SYMBOL, abi.JOIN_SYMBOL):
         assert f'define void @"{sym}"' in text
     assert all(isinstance(k.kind, abi.Binding) for k in prog.bindings)
     back = StepProgram.from_meta(text, prog.meta())  # the program cache's round trip
