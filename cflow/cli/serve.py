@@ -55,6 +55,10 @@ def add_args(p):
                    "from --draft, checked in one pass; the same tokens as without (default: off)")
     p.add_argument("--draft", default=None, metavar="FILE",
                    help="a smaller compiled model with the same tokenizer, for --speculate draft (default: none)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run each decode step only once the previous token has been handed out; by default, where "
+                   "--threads leaves a core free, a lone request's next step runs while the server handles the "
+                   "token just drawn (docs/serving.md)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level; 'warning' hides the access log (default info)")
 
@@ -134,7 +138,7 @@ def run(args) -> int:
                     api_key=api_key, model_id=args.model_name, cache_mb=args.cache_mb,
                     experts="disk" if args.experts_on_disk else "ram", expert_cache_mb=args.expert_cache_mb,
                     weights="disk" if args.weights_on_disk else "ram", kv=args.kv, speculate=args.speculate,
-                    activations=args.activations,
+                    activations=args.activations, overlap=not args.no_overlap,
                     **({"draft": args.draft} if args.draft else {}),
                     **({"max_ram_mb": args.max_ram} if args.max_ram is not None else {}))
     st = app.state.engine.stats()
@@ -146,7 +150,8 @@ def run(args) -> int:
           f"{m.session.max_seq} tokens, {m.kv} KV cache, "
           f"{f'prefix cache {cache.budget / 2**20:,.0f} MB' if cache else 'no prefix cache'}"
           f"{', API key required' if api_key else ''}"
-          f"{', speculative decoding (' + args.speculate + ')' if args.speculate else ''}", file=sys.stderr,
+          f"{', speculative decoding (' + args.speculate + ')' if args.speculate else ''}"
+          f"{', next step while a token is handed out' if m.session.detached else ''}", file=sys.stderr,
           flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=5)

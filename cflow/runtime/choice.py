@@ -112,6 +112,12 @@ class Chooser:
         plain = self._greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
         self._try_first = plain and hasattr(constraint, "try_accept")  # draw first, mask if refused: exact here
         self._forced = getattr(constraint, "forced", None)  # the token the grammar forces next, or None
+        # guess(): the uniform it drew and the token it gave (and, for a masked draw, the draw's stats)
+        self._guess: tuple | None = None
+        # share of draw-first tokens whose first draw the grammar refused, by the kind of token before (as _need):
+        # the odds that a guess (the first draw) is refused
+        self._refused = [0.5, 0.5, 0.0, 0.5]
+        self._first_refused = False
 
     # --- a Sampler's interface -----------------------------------------------------------------------------
     @property
@@ -140,8 +146,55 @@ class Chooser:
         return not self._rules and self.constraint is None and self.top_n is None
 
     def __call__(self, logits: np.ndarray) -> int:
-        """The next token (one uniform from the generator unless greedy, as Sampler.__call__)."""
+        """The next token (one uniform from the generator unless greedy, as Sampler.__call__; the one guess()
+        drew, if it was called on this row)."""
+        if self._guess is not None:
+            return self.draw(logits, self._guess[0])
         return self.draw(logits, None if self.greedy else self.rng.random())
+
+    def guess(self, logits: np.ndarray, odds: float = 0.0) -> int | None:
+        """The token the next call on this row will return unless the grammar refuses it, before any of the
+        grammar's work: the token it forces, or (drawing first) the draw from the unmasked row; None where the
+        call masks first or the guess would cost the call's work (rules, top-k / top-p / min_p). The call then
+        takes the same uniform and draw, so guessing changes no token; the server starts the model's step for the
+        guess while the grammar checks it (serve/backends.py). `odds`: what a refused guess costs against what an
+        accepted one saves (the server's: the rest of a step against the grammar's check); a draw is not guessed
+        where the share of refused first draws p here (the kind of token before) says p x odds > 1 - p."""
+        c = self.constraint
+        self._guess = None
+        if c is None or c.finished:
+            return None
+        tok = self._forced() if self._forced is not None else None
+        if tok is not None:
+            return tok
+        if not self._try_first or not (self._greedy or self._need[self._after] < MASK_FIRST):
+            return self._guess_masked(logits)
+        p = self._refused[self._after]
+        if p * odds > 1 - p:
+            return None
+        x = logits
+        if self._greedy:
+            if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
+                return None
+            self._guess = (None, int(np.argmax(x)))
+        elif self._native_row(x):
+            u = self.rng.random()
+            self._guess = (u, self.sampler.draw(x, u))
+        else:
+            return None
+        return self._guess[1]
+
+    def _guess_masked(self, x: np.ndarray) -> int | None:
+        """Masking first with the mask known already (prepare() made it while the step ran): the masked draw the
+        call will make (`_native_masked`), which the grammar cannot refuse; the call takes it and only accepts
+        it. None where the draw would not be native or the mask is not known."""
+        c = self.constraint
+        if not self._native_row(x) or not getattr(c, "mask_known", False):
+            return None
+        d, u = self.sampler.native(), self.rng.random()
+        tok = d.masked(x, self.temperature, u, c.allowed_bits())
+        self._guess = (u, tok, tuple(d.stats.tolist()))
+        return tok if tok >= 0 else None
 
     def draw(self, logits: np.ndarray, u: float | None) -> int:
         """The token uniform `u` selects from the distribution the rules leave; recorded and accepted."""
@@ -152,6 +205,7 @@ class Chooser:
             x, ids = self._adjusted(logits)
             i = self.sampler.draw(x, u)
             tok = i if ids is None else int(ids[i])
+        self._guess = None
         if self.top_n is not None:
             self._records.append(self.logprob(logits, tok))
         self.history.append(tok)
@@ -159,6 +213,21 @@ class Chooser:
             self._seen.add(tok)
         self._counts[tok] = self._counts.get(tok, 0) + 1
         return tok
+
+    def prepare(self) -> None:
+        """Do now the grammar's work that the next call starts with and that needs no logits: the mask, where the
+        next token is to be drawn from the masked row (masking first) and no forced token is known. The server
+        calls this while the model's step runs, so that the mask is ready when its logits are; the next call's
+        token is the same either way (the mask is the state's)."""
+        c = self.constraint
+        if c is None or c.finished or (self._forced is not None and self._forced() is not None):
+            return
+        if self._try_first and (self._greedy or self._need[self._after] < MASK_FIRST):
+            return
+        try:
+            c.allowed_bits() if hasattr(c, "allowed_bits") else c.allowed()
+        except CflowError:
+            pass  # the engine's limit: the next call meets it again and says so
 
     def _draw_constrained(self, c, logits: np.ndarray, u: float | None) -> int:
         """The next token under constraint `c`: a token the grammar forces is taken as it is (the only one its mask
@@ -174,6 +243,7 @@ class Chooser:
         after = self._after
         if self._try_first and (self._greedy or self._need[after] < MASK_FIRST):
             tok, needed = self._draw_then_check(logits, u)
+            self._refused[after] += NEED_RATE * (self._first_refused - self._refused[after])
         else:
             tok, needed = self._mask_first(logits, u)
         self._need[after] += NEED_RATE * (needed - self._need[after])
@@ -193,13 +263,19 @@ class Chooser:
         x = logits
         if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
             x, _ = self._adjusted(logits, mask=False)
+        guessed = self._guess[1] if self._guess is not None and len(self._guess) == 2 else None  # guess() drew it
+        self._first_refused = False
         if self._greedy:
-            tok = int(np.argmax(x))
-            return (tok, False) if c.try_accept(tok) else (self._draw_masked(logits, None)[0], True)
-        if self._native_row(x):
-            tok = self.sampler.draw(x, u)
+            tok = int(np.argmax(x)) if guessed is None else guessed
             if c.try_accept(tok):
                 return tok, False
+            self._first_refused = True
+            return self._draw_masked(logits, None)[0], True
+        if self._native_row(x):
+            tok = self.sampler.draw(x, u) if guessed is None else guessed
+            if c.try_accept(tok):
+                return tok, False
+            self._first_refused = True
             out = np.full(-(-x.size // 32), -1, np.int32).view(np.uint32)  # every token, less the refused
             for _ in range(1, TRIES):
                 out[tok >> 5] &= np.uint32(~(1 << (tok & 31)) & 0xFFFFFFFF)
@@ -214,6 +290,7 @@ class Chooser:
             tok = draws.pick(u if k == 0 else self.rng.random())
             if c.try_accept(tok):
                 return tok, False
+            self._first_refused = True
             if not draws.drop(tok):
                 break
         allowed = c.allowed()
@@ -236,7 +313,11 @@ class Chooser:
         constraint's packed mask and one native draw among the tokens it allows (codegen/draw.py: the masked
         row's softmax weights, as `_draw_masked` takes them)."""
         c, d = self.constraint, self.sampler.native()
-        tok = d.masked(x, self.temperature, u, c.allowed_bits())
+        if self._guess is not None and len(self._guess) == 3:  # guess() made this very draw
+            _, tok, stats = self._guess
+        else:
+            tok = d.masked(x, self.temperature, u, c.allowed_bits())
+            stats = tuple(d.stats.tolist())
         if tok == -2:
             return self._end("the constraint allows no token"), True
         if tok < 0:
@@ -244,7 +325,7 @@ class Chooser:
             k = min(ok.size, x.size)
             raise CflowError(f"cannot sample: the largest allowed logit is {x[:k][ok[:k]].max()}")
         c.accept(tok)
-        count, best = d.stats.tolist()
+        count, best = stats
         return tok, count <= FEW or not best
 
     def _mask_first(self, logits: np.ndarray, u: float | None) -> tuple[int, bool]:

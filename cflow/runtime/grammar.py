@@ -178,6 +178,11 @@ class Constraint:
     def finished(self) -> bool:
         return self._stopped
 
+    @property
+    def mask_known(self) -> bool:
+        """Is the current state's mask computed already (allowed_bits() then costs nothing)?"""
+        return self._known
+
     def _consume(self, token: int) -> None:
         """Advance with a token known to be allowed."""
         if self._forced:

@@ -6,7 +6,8 @@ prefill / advance / stop over slot numbers); two classes implement it:
                    slot with one pass over the weights (batched decode); a sequence decoding alone in slot 0
                    runs the single-sequence decode step, so one slot is `m.generate`'s path. With a prefix cache
                    (prefix_cache.py) a prompt's cached first blocks are copied into its slot and only the rest
-                   is read.
+                   is read. A model loaded detached (its step's threads leave the engine thread a core) runs a
+                   lone sequence's next step while the engine and the HTTP side handle the token just drawn.
     StreamSlots    `CompiledModel.stream` per slot, one loaded model per slot: the fallback for several slots
                    where batched decode is not available (experts or weights on disk): the slots take turns
                    token by token, each a full weight pass; a prompt is read in one go at admission; no prefix
@@ -18,13 +19,18 @@ prefill / advance / stop over slot numbers); two classes implement it:
 from __future__ import annotations
 
 import math
+import os
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
 from ..errors import CflowError
 from ..runtime.kv_blocks import KVSpans
+from ..runtime.workers import thread_count
 from .job import Job, chooser_of
 from .prefix_cache import PrefixCache, budget_bytes
+
+SMOOTH = 0.1  # weight of the newest sample in BatchedSlots' running means of step, Chooser and guess times
 
 
 class Backend(Protocol):
@@ -147,6 +153,16 @@ class BatchedSlots:
         self._ready: dict[int, list[int]] = {}  # slot 0 -> tokens a pass computed, not yet handed out
         self._left: dict[int, int] = {}  # slot -> tokens its job may still generate
         self._drafting = None  # runtime.speculate.Drafting: prompt lookup's table and costs, shared by requests
+        # A detached model (load(detached=True)): slot 0's step for the token just drawn is launched before the
+        # token is handed out, so the engine's and the server's work on it overlaps the step; the next advance
+        # waits for its logits. True while such a step is in flight or its logits are not taken yet.
+        self.detached = bool(getattr(model.session, "detached", False))
+        self._ahead = False
+        self.ahead_steps = self.ahead_dropped = 0  # steps launched ahead; of them, run for a token not used
+        # running means (seconds) of what _next_ahead weighs a guess with: dropping a step launched on a refused
+        # guess (stopped at a stage boundary on one thread, else waited for), the Chooser's call on a token not
+        # guessed, the guess itself
+        self._drop_s, self._sample_s, self._guess_s = 0.0, 0.0, 0.0
 
     def _speculator(self, job: Job):
         from ..runtime import speculate as sp
@@ -169,6 +185,7 @@ class BatchedSlots:
         return self._emit(slot, tok)
 
     def start(self, slot: int, job: Job) -> int:
+        self._settle()
         self._sampler[slot] = chooser_of(job)
         ids = job.prompt_ids
         reused = self._reuse(slot, ids)
@@ -193,6 +210,7 @@ class BatchedSlots:
         return self._reused.get(slot, 0)
 
     def prefill(self, slot: int) -> int:
+        self._settle()
         ids, done = self._prompt[slot]
         piece = ids[done : done + self.chunk]
         try:
@@ -210,7 +228,71 @@ class BatchedSlots:
         del self._prompt[slot]
         self._first[slot] = first
         self._keep(slot, len(ids))  # now: requests with the same prompt waiting for it can take it
+        self._launch(slot, first)
+        self._prepare()
         return 0
+
+    def _launch(self, slot: int, tok: int | None) -> None:
+        """Start slot 0's step for `tok` now, when it decodes alone and will ask for another token (detached
+        models only): its logits wait for the next advance."""
+        if (self.detached and slot == 0 and tok is not None and len(self._sampler) == 1 and not self._spec
+                and self._left.get(0, 0) > 0 and slot in self._seq):
+            try:
+                self.model.session.step_launch(tok)
+            except Exception:  # noqa: BLE001 -- the context is full, say: the next advance's step says so
+                return
+            self._ahead = True
+            self.ahead_steps += 1
+
+    def _next_ahead(self) -> int | None:
+        """Slot 0's next token from the step launched ahead, and the step for it launched. Under a grammar the
+        step starts on the Chooser's guess (the token it forces, or the draw the grammar is then asked about)
+        while the grammar does its work; a refused guess costs that step (waited for, its position written
+        again), never a token: the Chooser's answer is the one the sequence gets. A draw is guessed where that
+        pays: the Chooser weighs the share of its refused first draws against what a refused guess costs (the
+        drop: `_drop_s`, a stage on one thread, the rest of the step on more) and what an accepted one saves (the
+        Chooser's call less the guess itself)."""
+        clock = time.perf_counter
+        session = self.model.session
+        row = session.step_wait()
+        t0 = clock()
+        guess = getattr(self._sampler[0], "guess", None)
+        g = None
+        if guess is not None and self._left[0] > 1:
+            g = guess(row, odds=self._drop_s / max(self._sample_s - self._guess_s, 1e-6))
+            if g is not None:
+                self._guess_s += SMOOTH * (clock() - t0 - self._guess_s)
+        if g is None or g in self._eos:
+            t1 = clock()
+            tok = self._sample(0, row)
+            self._sample_s += SMOOTH * (clock() - t1 - self._sample_s)
+            self._launch(0, tok)
+        else:
+            row = row.copy()  # the step launched now writes the logits buffer
+            self._launch(0, g)
+            tok = self._sample(0, row)
+            if tok != g:
+                t1 = clock()
+                self._settle()
+                self._drop_s += SMOOTH * (clock() - t1 - self._drop_s)
+                self._launch(0, tok)
+        self._prepare()
+        return tok
+
+    def _prepare(self) -> None:
+        """While slot 0's step runs ahead: the grammar's work for its next token that needs no logits."""
+        prepare = getattr(self._sampler.get(0), "prepare", None) if self._ahead else None
+        if prepare is not None:
+            prepare()
+
+    def _settle(self) -> None:
+        """Wait for a step launched ahead (before anything else uses the model); its logits stay in the model's
+        buffer for the advance that takes them, unless a call after this one overwrites them: so any caller
+        other than advance drops them, and slot 0's token is fed again by the batch step."""
+        if self._ahead:
+            self.model.session.step_drop()  # stopped early where it can be; the token is fed again later
+            self._ahead = False
+            self.ahead_dropped += 1
 
     def _keep(self, slot: int, n: int) -> None:
         """Keep the whole blocks of the slot's first n positions in the prefix cache (if it is on and the slot
@@ -230,6 +312,17 @@ class BatchedSlots:
 
     def advance(self, slots: Sequence[int]) -> list[int | None | BaseException]:
         out: dict[int, int | None | BaseException] = {}
+        if self._ahead and list(slots) == [0]:  # slot 0's step is running already
+            if 0 in self._first:  # the prompt's first token, handed out while the step for it runs
+                return [self._first.pop(0)]
+            self._ahead = False
+            try:
+                return [self._next_ahead()]
+            except Exception as e:  # noqa: BLE001 -- that sequence fails, the model stays
+                self._settle()
+                self._seq.pop(0, None)
+                return [e]
+        self._settle()
         feed = []
         for s in slots:
             if s in self._first:
@@ -274,9 +367,14 @@ class BatchedSlots:
                 except Exception as e:  # noqa: BLE001
                     out[s] = e
                     self._seq.pop(s, None)
+            if feed == [0] and isinstance(out[0], int):
+                self._launch(0, out[0])
+                self._prepare()
         return [out[s] for s in slots]
 
     def stop(self, slot: int) -> None:
+        if self._ahead and slot == 0:  # the step ran for a token the sequence will not use: not kept
+            self._settle()
         try:
             self._stop(slot)
         finally:
@@ -297,15 +395,18 @@ class BatchedSlots:
             self._keep(slot, min(len(self._seq[slot]), int(self.model.session.slot_pos[slot])))
 
     def close(self) -> None:
+        self._settle()
         self.model.close()
 
 
 def load_backend(path: str, threads: int | None = None, slots: int = 1, speculate: str | None = None,
-                 cache_mb: float | None = None, **load_kwargs) -> Backend:
+                 cache_mb: float | None = None, overlap: bool = True, **load_kwargs) -> Backend:
     """The backend for `slots` sequences at once: BatchedSlots over one model loaded with max_batch=slots, or,
     with experts or weights on disk and several slots (no batched decode there), StreamSlots over `slots` loaded
     models. cache_mb: the prefix cache's budget in MiB (prefix_cache.budget_bytes; None: its default, 0: off;
-    not with StreamSlots). load_kwargs go to `cflow.load`; without kv= the KV cache type is load's 'auto' (f16
+    not with StreamSlots). overlap: load the model detached where the step's threads leave this thread a core
+    (BatchedSlots then runs a lone sequence's next step while the token just drawn is handed out; False: never).
+    load_kwargs go to `cflow.load`; without kv= the KV cache type is load's 'auto' (f16
     for Q4 / Q8 weights, f32 otherwise), as `cflow run` decodes."""
     import cflow
 
@@ -326,13 +427,43 @@ def load_backend(path: str, threads: int | None = None, slots: int = 1, speculat
                              "loaded model; with the disk tiers and --max-batch > 1 each slot is a model of its "
                              "own (give --cache-mb 0, or --max-batch 1)")
         return _stream_slots(path, threads, slots, speculate, load_kwargs)
-    m = cflow.load(path, threads=threads, max_batch=slots, **load_kwargs)
+    # detached when the step's threads leave the engine thread a core of its own: a lone sequence's next step
+    # then runs while the engine and the HTTP side handle the token just drawn (BatchedSlots._launch). By
+    # default a small model's step leaves that core (one thread fewer than the usable cores): its step is short
+    # against the host's work per token, which then hides; a larger one takes every core.
+    cores = len(os.sched_getaffinity(0))
+    if threads is None and overlap and not disk and cores > 1 and token_bytes(path) < OVERLAP_BELOW:
+        threads = cores - 1
+    detached = overlap and not disk and thread_count(threads) < cores
+    m = cflow.load(path, threads=threads, max_batch=slots, detached=detached, **load_kwargs)
     try:
         cache = _prefix_cache(m, slots, cache_mb)
         return BatchedSlots(m, speculate, cache)
     except BaseException:
         m.close()
         raise
+
+
+# Weights a token reads (token_bytes) below which the server's default threads leave the engine a core
+# (load_backend): a served token's time, free text, one core for the step with the overlap against both cores
+# without it, on a 2-core AMX Xeon VM (`python -m benchmarks.serve --thread-split`; docs/serving.md, "The next
+# step while a token is handed out"): 2.9 MB a token 0.32x, 8.6 MB 0.72x, 22.8 MB 0.91x, 41 MB 0.96x, 485 MB
+# 1.42x. Below the largest size measured to gain.
+OVERLAP_BELOW = 32e6
+
+
+def token_bytes(path: str) -> float:
+    """The weight bytes one decode step reads, from the file's tensor table (an expert's by its share of the
+    routing: top_k / n_experts); inf where the file cannot be read (the load says why)."""
+    from ..runtime.format import FileReader
+
+    try:
+        with FileReader(path) as r:
+            cfg = r.header.get("config", {})
+            share = cfg.get("top_k", 0) / cfg["n_experts"] if cfg.get("n_experts") else 0.0
+            return float(sum(t.nbytes * (share if t.expert >= 0 else 1.0) for t in r.tensors))
+    except (CflowError, OSError, KeyError, TypeError, ZeroDivisionError):
+        return math.inf
 
 
 def _stream_slots(path, threads, slots, speculate, load_kwargs) -> StreamSlots:
@@ -363,7 +494,7 @@ def _finite(logits, slot: int) -> None:
 
     from ..errors import RuntimeFault
 
-    top = float(np.max(logits))
+    top = float(np.asarray(logits).max())  # the method: half np.max's call overhead, on every token
     if not math.isfinite(top):
         raise RuntimeFault(f"the logits of slot {slot} are not finite ({top}): the model's weights or "
                            "activations overflow")

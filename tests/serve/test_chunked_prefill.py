@@ -122,8 +122,9 @@ def _decode_alone(be, slot, ids, params, n):
 
 def test_one_sequence_in_slot_0_runs_the_decode_step(tiny_path, ref_tiny):
     """BatchedSlots with one sequence decoding in slot 0 runs the single-sequence decode step (Session.step), in any
-    other slot a one-slot batch_step (the multi-token program); both give m.generate's tokens."""
-    be = load_backend(tiny_path, threads=1, slots=2, prefill_block=8)
+    other slot a one-slot batch_step (the multi-token program); both give m.generate's tokens. (Not detached:
+    the steps run one after the other, as with the default threads; tests/serve/test_overlap.py has the rest.)"""
+    be = load_backend(tiny_path, threads=1, slots=2, prefill_block=8, overlap=False)
     calls = {"step": 0, "batch_step": 0}
     m = be.model
     step, batch_step = m.session.step, m.batch_step
