@@ -194,7 +194,7 @@ class _Emitter(StepContext):
             desc = b.gep(desc_all, [c64(0), b.load(b.gep(offs, [c64(0), i]), name="desc_off")], name="desc")
             b.call(call, [self.ptrs, self.params, self.tid, self.nth, self.bar, desc])
             self.arrive(b, si, n)
-            # The last stage ends with a barrier too: when worker 0 returns, every worker is done.
+            # The last stage ends with a barrier too: when thread 0 returns, every thread's work is done.
             b.call(threads.barrier(self.m, self.isa), [self.bar, self.nth])
             # A one-thread step the host has given up on (BarrierWord.ABORT) stops here: with more threads they
             # could not all agree on where, so those run to the end

@@ -123,6 +123,7 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     b.branch(wait)
     b.position_at_end(wait)
     b.store(c64(0), spins)
+    budget = _spin_budget(b, ctl)
     b.branch(poll)
     b.position_at_end(poll)
     now = b.load_atomic(go_p, "acquire", 4)
@@ -133,7 +134,7 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     pause(b, isa)
     n = b.add(b.load(spins), c64(1))
     b.store(n, spins)
-    b.cbranch(b.icmp_signed(">", n, _spin_budget(b, ctl)), sleep, poll)
+    b.cbranch(b.icmp_signed(">", n, budget), sleep, poll)
     b.position_at_end(sleep)  # futex_wait returns at once if go already moved on: no lost wake-up
     _futex(b, go_p, FUTEX_WAIT_PRIVATE, b.sext(b.load(seen), i64))
     b.branch(poll)
@@ -144,13 +145,15 @@ def emit_workers(m: ir.Module, step: ir.Function, isa: str, worker_name: str, ki
     b.cbranch(b.icmp_signed("!=", stop, ir.Constant(i32, 0)), out, go_on)
     b.position_at_end(go_on)
     b.call(step, step_args)
-    # the step is over (every thread has passed its last barrier): say so for cflow_join, waking a sleeper if
-    # one says it sleeps (both seq_cst against its JOINERS-then-DONE: one side sees the other, no lost wake-up)
-    done_p = b.gep(ctl, [c32(CtlWord.DONE)])
-    b.store_atomic(now, done_p, "seq_cst", 4)
-    joiners = b.load_atomic(b.gep(ctl, [c32(CtlWord.JOINERS)]), "seq_cst", 4)
-    with b.if_then(b.icmp_signed("!=", joiners, ir.Constant(i32, 0)), likely=False):
-        _futex(b, done_p, FUTEX_WAKE_PRIVATE, c64(1 << 30))
+    # the step is over (every thread has passed its last barrier; thread 0, which says so, has also written its
+    # profiling stamps): tell cflow_join, waking a sleeper if one says it sleeps (both seq_cst against its
+    # JOINERS-then-DONE: one side sees the other, no lost wake-up). Attached, thread 0 is the caller: no one joins.
+    with b.if_then(b.icmp_signed("==", step_args[2], c64(0))):
+        done_p = b.gep(ctl, [c32(CtlWord.DONE)])
+        b.store_atomic(now, done_p, "seq_cst", 4)
+        joiners = b.load_atomic(b.gep(ctl, [c32(CtlWord.JOINERS)]), "seq_cst", 4)
+        with b.if_then(b.icmp_signed("!=", joiners, ir.Constant(i32, 0)), likely=False):
+            _futex(b, done_p, FUTEX_WAKE_PRIVATE, c64(1 << 30))
     b.branch(wait)
     b.position_at_end(out)
     b.ret_void()
@@ -176,6 +179,7 @@ def _emit_join(m: ir.Module, isa: str, name: str) -> None:
     done_p, joiners = b.gep(ctl, [c32(CtlWord.DONE)]), b.gep(ctl, [c32(CtlWord.JOINERS)])
     spins = alloca_once(b, i64)
     b.store(c64(0), spins)
+    budget = _spin_budget(b, ctl)
     poll, count, sleep, recheck, nap, woke, out = (b.append_basic_block(n) for n in (
         "poll", "count", "sleep", "recheck", "nap", "woke", "out"))
     b.branch(poll)
@@ -185,7 +189,7 @@ def _emit_join(m: ir.Module, isa: str, name: str) -> None:
     pause(b, isa)
     n = b.add(b.load(spins), c64(1))
     b.store(n, spins)
-    b.cbranch(b.icmp_signed(">", n, _spin_budget(b, ctl)), sleep, poll)
+    b.cbranch(b.icmp_signed(">", n, budget), sleep, poll)
     b.position_at_end(sleep)
     b.atomic_rmw("add", joiners, ir.Constant(i32, 1), "seq_cst")
     b.branch(recheck)

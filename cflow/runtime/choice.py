@@ -71,6 +71,15 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class _Guess:
+    """What guess() drew for the next call: its uniform, the token, and for a masked draw the draw's stats."""
+
+    u: float | None
+    token: int
+    stats: tuple[int, int] | None = None
+
+
 class Chooser:
     """Sampler(temperature, top_k, top_p, seed) behind the rules of the module docstring; logprobs=N records each
     chosen token's logprob and its row's N best (None: no records)."""
@@ -112,8 +121,7 @@ class Chooser:
         plain = self._greedy or (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0)
         self._try_first = plain and hasattr(constraint, "try_accept")  # draw first, mask if refused: exact here
         self._forced = getattr(constraint, "forced", None)  # the token the grammar forces next, or None
-        # guess(): the uniform it drew and the token it gave (and, for a masked draw, the draw's stats)
-        self._guess: tuple | None = None
+        self._guess: _Guess | None = None  # what guess() drew for the next call
         # share of draw-first tokens whose first draw the grammar refused, by the kind of token before (as _need):
         # the odds that a guess (the first draw) is refused
         self._refused = [0.5, 0.5, 0.0, 0.5]
@@ -149,7 +157,7 @@ class Chooser:
         """The next token (one uniform from the generator unless greedy, as Sampler.__call__; the one guess()
         drew, if it was called on this row)."""
         if self._guess is not None:
-            return self.draw(logits, self._guess[0])
+            return self.draw(logits, self._guess.u)
         return self.draw(logits, None if self.greedy else self.rng.random())
 
     def guess(self, logits: np.ndarray, odds: float = 0.0) -> int | None:
@@ -167,7 +175,7 @@ class Chooser:
         tok = self._forced() if self._forced is not None else None
         if tok is not None:
             return tok
-        if not self._try_first or not (self._greedy or self._need[self._after] < MASK_FIRST):
+        if not self._draws_first(self._after):
             return self._guess_masked(logits)
         p = self._refused[self._after]
         if p * odds > 1 - p:
@@ -176,13 +184,13 @@ class Chooser:
         if self._greedy:
             if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
                 return None
-            self._guess = (None, int(np.argmax(x)))
+            self._guess = _Guess(None, int(np.argmax(x)))
         elif self._native_row(x):
             u = self.rng.random()
-            self._guess = (u, self.sampler.draw(x, u))
+            self._guess = _Guess(u, self.sampler.draw(x, u))
         else:
             return None
-        return self._guess[1]
+        return self._guess.token
 
     def _guess_masked(self, x: np.ndarray) -> int | None:
         """Masking first with the mask known already (prepare() made it while the step ran): the masked draw the
@@ -193,7 +201,7 @@ class Chooser:
             return None
         d, u = self.sampler.native(), self.rng.random()
         tok = d.masked(x, self.temperature, u, c.allowed_bits())
-        self._guess = (u, tok, tuple(d.stats.tolist()))
+        self._guess = _Guess(u, tok, tuple(d.stats.tolist()))
         return tok if tok >= 0 else None
 
     def draw(self, logits: np.ndarray, u: float | None) -> int:
@@ -222,12 +230,16 @@ class Chooser:
         c = self.constraint
         if c is None or c.finished or (self._forced is not None and self._forced() is not None):
             return
-        if self._try_first and (self._greedy or self._need[self._after] < MASK_FIRST):
+        if self._draws_first(self._after):
             return
         try:
             c.allowed_bits() if hasattr(c, "allowed_bits") else c.allowed()
         except CflowError:
             pass  # the engine's limit: the next call meets it again and says so
+
+    def _draws_first(self, after: int) -> bool:
+        """Is the next token (after a token of kind `after`) drawn first and checked (else masked first)?"""
+        return self._try_first and (self._greedy or self._need[after] < MASK_FIRST)
 
     def _draw_constrained(self, c, logits: np.ndarray, u: float | None) -> int:
         """The next token under constraint `c`: a token the grammar forces is taken as it is (the only one its mask
@@ -241,7 +253,7 @@ class Chooser:
             self._after = _FORCED
             return tok
         after = self._after
-        if self._try_first and (self._greedy or self._need[after] < MASK_FIRST):
+        if self._draws_first(after):
             tok, needed = self._draw_then_check(logits, u)
             self._refused[after] += NEED_RATE * (self._first_refused - self._refused[after])
         else:
@@ -263,7 +275,8 @@ class Chooser:
         x = logits
         if type(x) is not np.ndarray or x.dtype.kind != "f" or self._edits:
             x, _ = self._adjusted(logits, mask=False)
-        guessed = self._guess[1] if self._guess is not None and len(self._guess) == 2 else None  # guess() drew it
+        g = self._guess  # guess() drew the first draw from this row already
+        guessed = g.token if g is not None and g.stats is None else None
         self._first_refused = False
         if self._greedy:
             tok = int(np.argmax(x)) if guessed is None else guessed
@@ -313,8 +326,8 @@ class Chooser:
         constraint's packed mask and one native draw among the tokens it allows (codegen/draw.py: the masked
         row's softmax weights, as `_draw_masked` takes them)."""
         c, d = self.constraint, self.sampler.native()
-        if self._guess is not None and len(self._guess) == 3:  # guess() made this very draw
-            _, tok, stats = self._guess
+        if self._guess is not None and self._guess.stats is not None:  # guess() made this very draw
+            tok, stats = self._guess.token, self._guess.stats
         else:
             tok = d.masked(x, self.temperature, u, c.allowed_bits())
             stats = tuple(d.stats.tolist())

@@ -64,6 +64,7 @@ class KVSpans:
 
     def _check(self, slot: int, lo: int, hi: int) -> int:
         slot = self.s._check_slot(slot)
+        self.s.native.wait()  # a detached step in flight writes the cache: let it finish first
         if not (0 <= lo < hi <= self.max_seq and lo % self.align == 0 and hi % self.align == 0):
             raise RuntimeFault(f"KV span [{lo}, {hi}) must lie in 0..{self.max_seq} with both ends multiples of "
                                f"{self.align}")

@@ -14,7 +14,6 @@ native call per token or prompt block, or, with experts or weights on disk, one 
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
@@ -23,18 +22,19 @@ from ..errors import CflowError, FormatError, RuntimeFault
 from ..ir.config import ModelConfig
 from ..passes.pipeline import plan_from_header
 from ..passes.schedule import build_schedule
+from .detached import DetachedSteps
+from .disk_steps import DiskSteps
 from .format import FileReader
 from .format.folios import mend_folios_enabled
 from .format.header import check_header, check_plan, stale_file_error
-from .memory_estimate import allocating, cache_budget, check_load, fit_max_ram, lookup_tensors, memory_parts
+from .memory_estimate import allocating, check_load, fit_max_ram, lookup_tensors, memory_parts
 from .native_step import NativeStep
 from .options import KV_AUTO as KV_AUTO  # `X as X`: re-exported, other modules import these from here
 from .options import MAX_BATCH as MAX_BATCH
 from .options import MAX_THREADS as MAX_THREADS
 from .options import check_options, context_length, resolve_kv, tokens_per_call
-from .route_guess import RouteGuess
 from .segments import Segment as Segment
-from .segments import open_streamer, open_tier, plan_segments, read_dense
+from .segments import read_dense
 from .workers import OversubscribedWarning as OversubscribedWarning
 from .workers import parked_workers as parked_workers
 from .workers import thread_count
@@ -45,7 +45,7 @@ def _on_native(name: str, doc: str | None = None) -> property:
     return property(lambda self: getattr(self.native, name), lambda self, v: setattr(self.native, name, v), doc=doc)
 
 
-class Session:
+class Session(DetachedSteps, DiskSteps):
     """Everything needed to run decode steps of one compiled file."""
 
     # the compiled step's parts, where other code reads them from the session
@@ -175,85 +175,6 @@ class Session:
             return read_dense(self._dense_fd, self.reader, self.path, name)
         return self.reader.tensor(name)
 
-    # --- the disk tiers ---------------------------------------------------------------------------------
-    def _open_disk(self, expert_cache_mb: float | None) -> None:
-        """The segments of the step and, for experts on disk, the expert tier; for weights on disk, the streamer."""
-        self._dense_fd = os.open(self.path, os.O_RDONLY)
-        plan = plan_segments(self.run_state.schedule, self.config.top_k, every_stage=self.weights == "disk",
-                             sync=self.expert_io == "sync")
-        self.segments = plan.segments
-        self.window_stages = plan.window_stages  # stages run between a choice and its use
-        self.segment_seconds = np.zeros(len(self.segments))  # native time per segment, summed over steps
-        self._layer_misses = {l: 0 for l in plan.routed}
-        self._min_slots = plan.min_slots
-        scratch = self.program.scratch
-        self._route_at = {l: scratch.route + l * scratch.route_stride for l in plan.routed}
-        if self.experts == "disk" and self.max_ram is not None:  # the cache gets what the budget leaves
-            # every part in full on top of the resident set: the KV cache and buffers are allocated but mostly
-            # untouched yet, and a long context fills them
-            expert_cache_mb = max(1, cache_budget(self.max_ram, sum(self.memory_parts().values()))) / 2**20
-        self.route_guess = None
-        if self.experts == "disk" and self.expert_io == "async" and self.guess_routes:
-            self.route_guess = RouteGuess(self.run_state, self.reader.tensor, at=scratch.xn,
-                                          only={l for l, w in plan.window_stages.items() if w == 0})
-        if self.experts == "disk":
-            try:
-                self.tier, self.tier_tensors = open_tier(self.reader, self.compiled.tensors, self.config,
-                                                         plan.routed, self._min_slots, expert_cache_mb)
-            except CflowError as e:
-                if self.max_ram is None:
-                    raise
-                raise CflowError(f"max_ram {self.max_ram / 2**30:.2f} GiB leaves {expert_cache_mb:.0f} MiB for "
-                                 f"the expert cache once the step is built: {e}") from None
-        if self.weights == "disk":
-            self.streamer, self.streamed = open_streamer(self.reader, self.compiled.tensors,
-                                                         self.run_state.schedule, self.read_ahead)
-
-    def _route(self, layer: int) -> np.ndarray:
-        """The experts layer `layer` chose (thread 0's copy; every thread routes alike)."""
-        at = self._route_at[layer]
-        return self.scratch[at : at + 4 * self.config.top_k].view(np.int32).copy()
-
-    def _step_segments(self) -> None:
-        chosen: dict[int, np.ndarray] = {}
-        blk = self.config.block_of
-        clock = time.perf_counter
-        native = self.native
-        # One thread count for every segment of the token: each thread keeps its own copy of a layer's route
-        # (and shared-expert gate) in its scratch, written by the ROUTE segment and read by the expert
-        # segments. Were the backoff to switch from one thread to all between them, a worker would read its stale
-        # route and the pointer of an expert nobody loaded (NULL until first chosen: a SIGSEGV).
-        solo = self._solo()
-        for k, seg in enumerate(self.segments):
-            for l in seg.awaits:
-                if self.expert_io == "sync":
-                    self._layer_misses[l] += self.tier.issue(blk(l), chosen[l], l)
-                for name, addr in self.tier.wait(blk(l), chosen[l]).items():
-                    native.point(name, addr)
-            if self.streamer is not None:
-                for name, addr in self.streamer.wait(seg.lo).items():  # one stage per segment when streaming
-                    native.point(name, addr)
-            native.params[Param.STAGE_LO], native.params[Param.STAGE_HI] = seg.lo, seg.hi
-            t0 = clock()
-            self._run_native(solo)
-            self.segment_seconds[k] += clock() - t0  # compute only: what the overlap model needs
-            if self.streamer is not None:
-                self.streamer.done(seg.lo)
-            for l in seg.issues:
-                chosen[l] = self._route(l)
-                if self.expert_io == "async":
-                    self._layer_misses[l] += self.tier.issue(blk(l), chosen[l], l)
-                    if self.route_guess is not None and (g := self.route_guess.guess(l, self.scratch)):
-                        self.tier.prefetch(blk(g[0]), g[1], g[0])  # the next layer's reads, on a guess
-            for l in seg.releases:
-                self.tier.release(blk(l), chosen[l])
-        if solo and native.backoff is not None:
-            native.backoff.solo_calls += len(self.segments) - 1  # solo_calls counts native calls, solo() one
-
-    def misses_by_layer(self) -> dict[int, int]:
-        """Expert reads started per layer since load (the disk tier)."""
-        return dict(self._layer_misses)
-
     def _solo(self) -> bool:
         """Run the next call (the disk tiers: the next token's calls) on the caller's thread alone?"""
         return self.native.solo()
@@ -267,12 +188,6 @@ class Session:
         return self.native.solo_calls
 
     # --- running ----------------------------------------------------------------------------------
-    def _reset_io(self) -> None:
-        if self.tier is not None:
-            self.tier.reset()
-        if self.streamer is not None:
-            self.streamer.reset()
-
     @property
     def pos(self) -> int:
         """Next position of slot 0 (the single-sequence API)."""
@@ -290,6 +205,7 @@ class Session:
 
     def reset(self, slot: int | None = None) -> None:
         """Empty every sequence (or one slot): its next token goes to position 0."""
+        self.native.wait()
         if slot is None:
             self.slot_pos[:] = 0
             self.slot_open[:] = False
@@ -320,34 +236,10 @@ class Session:
         token = int(token)
         if not 0 <= token < self.config.vocab_size:
             raise RuntimeFault(f"token id {token} out of range 0..{self.config.vocab_size - 1}")
-        if self.pos >= self.max_seq:
-            raise RuntimeFault(f"context full: position {self.pos} reaches the maximum of {self.max_seq} tokens")
+        if not 0 <= self.pos < self.max_seq:
+            raise RuntimeFault(f"context full: position {self.pos} reaches the maximum of {self.max_seq} tokens"
+                               if self.pos >= 0 else f"position {self.pos} is below 0")
         self.native.params[Param.TOKEN], self.native.params[Param.POS] = token, self.pos
-
-    def step_launch(self, token: int) -> None:
-        """Start step(token) and return while it runs (a session loaded with detached=True): the caller does its
-        own work meanwhile (the server: the token's text out, the next draw's bookkeeping) and takes the logits
-        with step_wait(). Any other call on the session first waits for it. The position advances now; a caller
-        that drops the step's token sets `pos` back (the next step writes that position again)."""
-        if not self.detached:
-            raise RuntimeFault("step_launch needs a session loaded with detached=True")
-        self._set_token(token)
-        self.native.launch()
-        self.pos += 1
-        self.slot_open[0] = True
-
-    def step_wait(self) -> np.ndarray:
-        """The logits of the launched step (a view, as step() gives), once it is done."""
-        self.native.wait()
-        return self.native.logits_view
-
-    def step_drop(self) -> None:
-        """Give up the launched step (its token will not be used): stopped at its next stage boundary where it
-        runs on one thread, else waited for; slot 0's position goes back to the token's, which the next call
-        writes again."""
-        if self.native.inflight:
-            self.native.abort()
-            self.pos -= 1
 
     def resume(self, slot: int, pos: int) -> None:
         """Start a sequence in slot `slot` whose first `pos` positions are already in its KV cache (written there
@@ -361,6 +253,7 @@ class Session:
     def release(self, slot: int) -> None:
         """Mark slot `slot` free: its sequence is over; step_batch refuses it until a prefill starts a new one."""
         slot = self._check_slot(slot)
+        self.native.wait()
         self.slot_pos[slot] = 0
         self.slot_open[slot] = False
 

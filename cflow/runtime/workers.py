@@ -1,8 +1,9 @@
 """The threads that run a model's step: how many, when to run on one alone, and the workers themselves.
 
 Worker threads 1..n-1 live in native code (the step's worker entry); Python starts them, kicks them each call
-through a futex in a control block, and stops them. Under load the default thread count backs off to the
-caller's thread alone (Backoff). Workers that outlive a close are parked with what they may still touch.
+through a futex in a control block, and stops them. Detached (Workers(detached=True)), thread 0 is a worker too
+and the caller joins the call's generation instead of running a share. Under load the default thread count backs
+off to the caller's thread alone (Backoff). Workers that outlive a close are parked with what they may still touch.
 """
 
 from __future__ import annotations

@@ -286,9 +286,9 @@ class BatchedSlots:
             prepare()
 
     def _settle(self) -> None:
-        """Wait for a step launched ahead (before anything else uses the model); its logits stay in the model's
-        buffer for the advance that takes them, unless a call after this one overwrites them: so any caller
-        other than advance drops them, and slot 0's token is fed again by the batch step."""
+        """Drop a step launched ahead, before anything else uses the model (Session.step_drop: stopped early
+        where it runs on one thread): slot 0's position goes back, and its token is fed again by the next step
+        that has it (a batch step with the others, or its own)."""
         if self._ahead:
             self.model.session.step_drop()  # stopped early where it can be; the token is fed again later
             self._ahead = False
@@ -432,7 +432,10 @@ def load_backend(path: str, threads: int | None = None, slots: int = 1, speculat
     # default a small model's step leaves that core (one thread fewer than the usable cores): its step is short
     # against the host's work per token, which then hides; a larger one takes every core.
     cores = len(os.sched_getaffinity(0))
-    if threads is None and overlap and not disk and cores > 1 and token_bytes(path) < OVERLAP_BELOW:
+    # (Not with speculation: a lone sequence drafts instead, and never launches ahead.) An explicit thread count
+    # does not back off under load (runtime/workers.py Backoff): the price of the default here.
+    if (threads is None and overlap and not disk and not speculate and cores > 1
+            and token_bytes(path) < OVERLAP_BELOW):
         threads = cores - 1
     detached = overlap and not disk and thread_count(threads) < cores
     m = cflow.load(path, threads=threads, max_batch=slots, detached=detached, **load_kwargs)
@@ -453,8 +456,9 @@ OVERLAP_BELOW = 32e6
 
 
 def token_bytes(path: str) -> float:
-    """The weight bytes one decode step reads, from the file's tensor table (an expert's by its share of the
-    routing: top_k / n_experts); inf where the file cannot be read (the load says why)."""
+    """The weight bytes of a file's tensor table counted per token (an expert's by its share of the routing:
+    top_k / n_experts; an untied embedding whole, of which a step reads one row: an upper bound, the one
+    OVERLAP_BELOW was measured with); inf where the file cannot be read (the load says why)."""
     from ..runtime.format import FileReader
 
     try:

@@ -166,19 +166,27 @@ def _run(be, jobs, join_at=None, stop_at=None):
     return out
 
 
-@pytest.mark.parametrize("case", ["plain", "greedy", "logprobs", "json_object", "person", "join", "stop"])
+@pytest.mark.parametrize("case", ["plain", "greedy", "logprobs", "json_object", "person", "join", "stop",
+                                  "person@2", "cached"])
 def test_overlapped_slots_give_the_same_tokens(text_path, case):
     """BatchedSlots over a detached model (slot 0's next step launched before its token is handed out, on the
     Chooser's guess under a grammar) against the same backend run step by step: the same tokens for plain,
     greedy, logprobs and constrained requests, with a second request joining mid-way (the step launched ahead is
-    dropped and its token fed again with the batch) and a request stopped mid-way."""
+    dropped and its token fed again with the batch), a request stopped mid-way, two threads (a dropped step runs
+    to its end) and the prefix cache (what a stopped slot keeps, taken by the next request)."""
     pytest.importorskip("llguidance")
+    from cflow.serve.prefix_cache import PrefixCache
+
+    threads = 2 if case.endswith("@2") else 1
+    case = case.split("@")[0]
     outs, counts = [], []
     for detached in (False, True):
-        m = cflow.load(text_path, threads=1, max_batch=2, detached=detached)
-        be = BatchedSlots(m)
+        m = cflow.load(text_path, threads=threads, max_batch=2, detached=detached)
+        be = BatchedSlots(m, prefix_cache=PrefixCache(8 << 20) if case == "cached" else None)
         tok = m.tokenizer
         ids = tok.encode("Once upon a time")
+        long_ids = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play in the park "
+                              "with her friends. One day, she saw a big red ball under a tree. Lily")
         kw = dict(max_tokens=40, temperature=0.8, seed=5, eos=min(m.eos_ids))
         jobs = {"plain": [_job(tok, ids, **kw)],
                 "greedy": [_job(tok, ids, max_tokens=40, temperature=0.0, eos=min(m.eos_ids))],
@@ -186,17 +194,24 @@ def test_overlapped_slots_give_the_same_tokens(text_path, case):
                 "json_object": [_job(tok, ids, "json_object", **kw)],
                 "person": [_job(tok, ids, "person", **kw)],
                 "join": [_job(tok, ids, **kw), _job(tok, tok.encode("The dog"), "json_object", **kw)],
-                "stop": [_job(tok, ids, "person", **kw)]}[case]
+                "stop": [_job(tok, ids, "person", **kw)],
+                "cached": [_job(tok, long_ids, **kw), _job(tok, long_ids, **kw)]}[case]
         try:
-            out = _run(be, jobs, join_at=10 if case == "join" else None, stop_at=12 if case == "stop" else None)
+            out = _run(be, jobs[:1] if case == "cached" else jobs, join_at=10 if case == "join" else None,
+                       stop_at=12 if case in ("stop", "cached") else None)
+            if case == "cached":  # the second request starts from what the stopped one kept
+                out["again"] = _run(be, jobs[1:])[0]
+                out["reused"] = be.prefix_cache.hit_tokens
             counts.append((be.ahead_steps, be.ahead_dropped))
         finally:
             be.close()
         outs.append(out)
     assert outs[0] == outs[1]
     assert counts[0] == (0, 0) and counts[1][0] >= 10
-    if case in ("person", "join", "stop"):  # a guess refused, a join or a stop: a step ahead was dropped
+    if case in ("person", "join", "stop", "cached"):  # a guess refused, a join or a stop: a step ahead dropped
         assert counts[1][1] > 0, counts
+    if case == "cached":
+        assert outs[1]["reused"] > 0
 
 
 def test_load_backend_detaches_only_with_a_core_to_spare(text_path):
