@@ -46,11 +46,20 @@ turns (what serving one slot with BatchedSlots costs).
 
 --shapes (server, HTTP): what structured output costs per served token: free text against a JSON schema,
 json_object and a GBNF grammar, --rounds requests of each, one at a time in turns (the share of the cores other
-processes used meanwhile is printed and recorded). With --engine-only, the engine's side of it in this process
-(the server's Job and Chooser over a one-slot BatchedSlots), in thread CPU time per token.
+processes used meanwhile is printed and recorded); --overlap on,off: a server each way (--no-overlap), requests
+alternating. With --engine-only, the engine's side of it in this process (the server's Job and Chooser over a
+one-slot BatchedSlots): --overlap off, steps in turn, in thread CPU time per token; on, the step detached, in
+wall time per token with the host's work between a step's end and the next one's start.
 
-    python -m benchmarks.serve --shapes --models bundled --threads 1 --rounds 401 --max-tokens 64 --json
-    python -m benchmarks.serve --shapes --engine-only --models bundled --threads 1 --rounds 60 --max-tokens 64 --json
+    python -m benchmarks.serve --shapes --models bundled --threads 1 --rounds 401 --max-tokens 64 \
+        --overlap on,off --json
+    python -m benchmarks.serve --shapes --engine-only --models bundled --threads 1 --rounds 60 --max-tokens 64 \
+        --overlap on,off --json
+
+--thread-split (server, HTTP): a served token's time with the step on every core against one core fewer with the
+overlap, per model (bundled, 114m, dNNN: an arch2_4_combined of width NNN, or a compiled file).
+
+    python -m benchmarks.serve --thread-split --models bundled,d256,d384,114m --rounds 21 --max-tokens 48 --json
 
 --json writes one record (benchmarks/common/record.py) per level (server runs: tok_s is the aggregate), per B and
 run (--engine-only) or per run and mode (--chunked-prefill: no tok_s); the run's extra has the usable cores.
@@ -90,6 +99,22 @@ def compile_model(which: str, out_dir: str) -> str:
         g = load_graph(default_model_dir())
         path = os.path.join(out_dir, "bundled.vflow")
         compile_file(g, path, tokenizer=g.meta.tokenizer, eos=g.meta.eos_token_ids)
+    elif which.endswith((".vflow", ".cflow")):  # a compiled file, as it is
+        path = which
+    elif which.startswith("d") and which[1:].isdigit():  # an arch2_4_combined geometry of width D (--thread-split)
+        import attrs
+        import torch
+
+        from cflow.frontend.torch_module import from_torch
+        from cflow.models import PipelineNativeLM, get_preset
+
+        d = int(which[1:])
+        cfg = attrs.evolve(get_preset("arch2_4_combined", "small"), vocab_size=16 * d, d_model=d,
+                           n_heads=d // 64, n_kv_heads=d // 64, ffn_dim=4 * d, n_experts=8, expert_dim=2 * d,
+                           max_seq_len=512)
+        torch.manual_seed(0)
+        path = os.path.join(out_dir, f"{which}.vflow")
+        compile_file(from_torch(PipelineNativeLM(cfg).eval()), path, "q4")
     elif which in GEOMETRY_MODELS:  # a benchmark geometry (random weights), built once into out/bench
         from benchmarks.common.models import compiled_model
 
@@ -545,43 +570,94 @@ SHAPES = {
 
 
 def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
-    """What structured output costs per served token: one server (--max-batch 1), requests one at a time in turns,
-    free text and each shape of SHAPES, the same prompts, temperature 0.8, fresh seeds; per request the time
-    between its first and last token / (tokens - 1), medians compared. The texts differ (a grammar makes the
-    model write something else), the model's step per token does not: the difference is the sampler's and the
-    grammar's work per token."""
+    """What structured output costs per served token: one server (--max-batch 1) per --overlap mode, requests one
+    at a time in turns (the modes alternating request by request), free text and each shape of SHAPES, the same
+    prompts, temperature 0.8, fresh seeds; per request the time between its first and last token / (tokens - 1),
+    medians compared. The texts differ (a grammar makes the model write something else), the model's step per
+    token does not: the difference is the sampler's and the grammar's work per token. Modes: `on` (the server's
+    default: where --threads leaves a core free, the next step runs while a token is handed out), `off`
+    (--no-overlap)."""
     from benchmarks.common.timing import cpu_ticks, other_load
 
-    server = Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{which}_shapes.log"))
-    per_token: dict[str, list[float]] = {k: [] for k in ("free", *SHAPES)}
+    modes = args.overlap
+    servers = {m: Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{which}_shapes_{m}.log"),
+                         extra=("--no-overlap",) if m == "off" else ()) for m in modes}
+    per_token: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("free", *SHAPES)}
     rng = random.Random(3)
     try:
-        asyncio.run(stream_once(server.port, {"model": "m", "prompt": "Once", "max_tokens": 8, "stream": True}, 60))
-        ticks = cpu_ticks((server.p.pid,))
+        for server in servers.values():
+            asyncio.run(stream_once(server.port, {"model": "m", "prompt": "Once", "max_tokens": 8, "stream": True},
+                                    60))
+        pids = tuple(server.p.pid for server in servers.values())
+        ticks = cpu_ticks(pids)
         for r in range(args.rounds):
-            for kind in per_token:
+            for kind in ("free", *SHAPES):
                 body = {"model": "m", "prompt": STORY_PROMPTS[r % len(STORY_PROMPTS)], "max_tokens": args.max_tokens,
                         "temperature": 0.8, "seed": rng.randrange(2**31), "stream": True, **SHAPES.get(kind, {})}
-                rec = asyncio.run(stream_once(server.port, body, 120))
-                if rec["error"]:
-                    raise SystemExit(f"a --shapes request failed: {rec['error']}")
-                t = rec["times"]
-                if len(t) > 8:
-                    per_token[kind].append((t[-1] - t[0]) / (len(t) - 1))
-        load = other_load(ticks, cpu_ticks((server.p.pid,)))
+                for m in (modes if r % 2 == 0 else modes[::-1]):  # the same request to each, in turns
+                    rec = asyncio.run(stream_once(servers[m].port, body, 120))
+                    if rec["error"]:
+                        raise SystemExit(f"a --shapes request failed: {rec['error']}")
+                    t = rec["times"]
+                    if len(t) > 8:
+                        per_token[m, kind].append((t[-1] - t[0]) / (len(t) - 1))
+        load = other_load(ticks, cpu_ticks(pids))
     finally:
-        server.close()
-    free = statistics.median(per_token["free"])
+        for server in servers.values():
+            server.close()
     records = []
-    for kind, ts in per_token.items():
+    for (m, kind), ts in per_token.items():
+        free = statistics.median(per_token[m, "free"])
         med = statistics.median(ts)
-        records.append({"model": which, "shape": kind, "threads": args.threads or len(os.sched_getaffinity(0)),
+        records.append({"model": which, "shape": kind, "overlap": m,
+                        "threads": args.threads or len(os.sched_getaffinity(0)),
                         "requests": len(ts), "per_token_us": round(med * 1e6, 1), "vs_free": round(med / free, 4),
                         "other_load": round(load, 3), "per_request_us": [round(x * 1e6, 1) for x in ts]})
-        print(f"{which:>8} {kind:>12}: {med * 1e6:7.1f} us a served token (median of {len(ts)} requests), "
-              f"{med / free - 1:+6.1%} against free text", flush=True)
+        print(f"{which:>8} {kind:>12}, overlap {m:>3}: {med * 1e6:7.1f} us a served token (median of {len(ts)} "
+              f"requests), {med / free - 1:+6.1%} against free text", flush=True)
     print(f"# other processes used {load:.0%} of the {len(os.sched_getaffinity(0))} cores meanwhile", flush=True)
     return records
+
+
+def thread_split(which: str, path: str, args, tmp: str) -> list[dict]:
+    """--thread-split: a served token's time, free text, with the step on every usable core (the default threads
+    without the overlap, as before it: the engine thread is the step's first thread) against the step on one core
+    fewer with the overlap (the engine's and the HTTP side's work on a token runs while the next step does: what
+    `cflow serve` picks by default for a small model, serve/backends.py OVERLAP_BELOW); one server each, the same
+    requests alternating between them."""
+    from cflow.serve.backends import token_bytes
+
+    cores = len(os.sched_getaffinity(0))
+    # all cores as the default threads take them (backing off to one thread under load: runtime/workers.py)
+    ways = {"all cores": (None, ("--no-overlap",)), "one core fewer, overlap": (cores - 1, ())}
+    servers = {k: Server(path, t, 1, args.max_queue, os.path.join(tmp, f"{which}_split_{t}.log"), extra=x)
+               for k, (t, x) in ways.items()}
+    text = which == "bundled"
+    per: dict[str, list[float]] = {k: [] for k in ways}
+    try:
+        for r in range(args.rounds):
+            prompt = STORY_PROMPTS[r % len(STORY_PROMPTS)] if text else [1, 5, 9, 33, 7, 1 + r % 50]
+            body = {"model": "m", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.8, "seed": r,
+                    "stream": True}
+            for k in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+                rec = asyncio.run(stream_once(servers[k].port, body, 300))
+                if rec["error"]:
+                    raise SystemExit(f"a --thread-split request failed: {rec['error']}")
+                t = rec["times"]
+                if len(t) > 8:
+                    per[k].append((t[-1] - t[0]) / (len(t) - 1))
+    finally:
+        for server in servers.values():
+            server.close()
+    med = {k: statistics.median(v) for k, v in per.items()}
+    mb = token_bytes(path) / 1e6
+    ratio = med["one core fewer, overlap"] / med["all cores"]
+    print(f"{which:>8} ({mb:7.1f} MB a token): all {cores} cores {med['all cores'] * 1e6:9.1f} us a served token, "
+          f"{cores - 1} and the overlap {med['one core fewer, overlap'] * 1e6:9.1f} us: {ratio:.2f}x the time "
+          f"(medians of {len(per['all cores'])} requests)", flush=True)
+    return [{"model": which, "split": k, "threads": ways[k][0] or cores, "token_mb": round(mb, 3), "requests": len(v),
+             "per_token_us": round(med[k] * 1e6, 1), "vs_all_cores": round(med[k] / med["all cores"], 4),
+             "per_request_us": [round(x * 1e6, 1) for x in v]} for k, v in per.items()]
 
 
 def shape_cost_engine(which: str, path: str, args) -> list[dict]:
@@ -667,6 +743,92 @@ def shape_cost_engine(which: str, path: str, args) -> list[dict]:
     return records
 
 
+def shape_cost_overlap(which: str, path: str, args) -> list[dict]:
+    """--shapes --engine-only --overlap on: the engine's side of a served token when the step runs detached (what
+    the server does where the step leaves it a core), in this process, no HTTP: a one-slot BatchedSlots over the
+    model loaded detached, the Job the server makes, the same prompts and turns as --shapes. Per token, in wall
+    time: the turn, and the host's work between a step's end and the next step's start (`critical`: the work
+    the step cannot hide: the guess, or the Chooser where it masks first, and the launch), the wait for the step
+    and the steps launched ahead on a guess the grammar then refused (dropped)."""
+    import cflow
+    from cflow.serve.backends import BatchedSlots
+    from cflow.serve.job import Job, SamplingParams
+    from cflow.serve.protocol import CompletionRequest
+    from cflow.serve.shaping import constraint_factory
+
+    clock = time.perf_counter_ns
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)) - 1)
+    m = cflow.load(path, threads=threads, max_batch=1, detached=True)
+    kinds = ("free", *SHAPES)
+    spent = {k: {"turn": 0, "critical": 0, "wait": 0, "tokens": 0, "dropped": 0} for k in kinds}
+    try:
+        backend, loop, tok = BatchedSlots(m), asyncio.new_event_loop(), m.tokenizer
+        stops = frozenset(m.eos_ids)
+        makers = {k: constraint_factory(CompletionRequest(model="m", prompt="x", **SHAPES.get(k, {})), tok, stops)
+                  for k in kinds}
+        session, acc_now, ready, charged = m.session, [None], [None], [0]
+        launch, wait = session.step_launch, session.step_wait
+
+        def timed_launch(t):
+            # from the step's end to the last launch before the next wait (a refused guess's step is dropped and
+            # another launched: both count)
+            if acc_now[0] is not None and ready[0] is not None:
+                spent = clock() - ready[0]
+                acc_now[0]["critical"] += spent - charged[0]
+                charged[0] = spent
+            launch(t)
+
+        def timed_wait():
+            a = clock()
+            out = wait()
+            ready[0], charged[0] = clock(), 0
+            if acc_now[0] is not None:
+                acc_now[0]["wait"] += ready[0] - a
+            return out
+
+        session.step_launch, session.step_wait = timed_launch, timed_wait
+        rng = random.Random(3)
+        for r in range(args.rounds):
+            for kind in kinds:
+                make, acc = makers[kind], spent[kind]
+                job = Job(tok.encode(STORY_PROMPTS[r % len(STORY_PROMPTS)]),
+                          SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=rng.randrange(2**31)),
+                          tok, loop=loop, constraint=make() if make else None, eos_id=min(stops) if make else None)
+                job._emit = lambda ev: None  # no client: the text is made, not sent
+                left = backend.start(0, job)
+                while left:
+                    left = backend.prefill(0)
+                dropped0 = backend.ahead_dropped
+                acc_now[0], ready[0] = acc, None
+                a = clock()
+                while True:
+                    out = backend.advance([0])[0]
+                    if out is None or isinstance(out, BaseException):
+                        break
+                    acc["tokens"] += 1
+                    if job._feed(out) is not None:
+                        break
+                acc["turn"] += clock() - a
+                acc_now[0] = None
+                acc["dropped"] += backend.ahead_dropped - dropped0  # refused guesses (not the stop's drop below)
+                backend.stop(0)
+    finally:
+        m.close()
+    records = []
+    free = spent["free"]["turn"] / spent["free"]["tokens"]
+    for kind, acc in spent.items():
+        n = acc["tokens"]
+        turn, crit, wt = (acc[k] / n / 1e3 for k in ("turn", "critical", "wait"))
+        records.append({"model": which, "shape": kind, "threads": threads, "engine_only": True, "overlap": "on",
+                        "tokens": n, "wall_turn_us": round(turn, 1), "critical_us": round(crit, 1),
+                        "wait_us": round(wt, 1), "dropped_per_token": round(acc["dropped"] / n, 4),
+                        "vs_free": round(turn * 1e3 / free, 4)})
+        print(f"{which:>8} {kind:>12}, overlap on: {turn:6.1f} us a token (host work between steps {crit:5.1f}, "
+              f"waiting for the step {wt:5.1f}; {acc['dropped'] / n:.3f} steps dropped a token), "
+              f"{turn * 1e3 / free - 1:+6.1%} against free text ({n} tokens)", flush=True)
+    return records
+
+
 class _TimedConstraint:
     """A grammar constraint whose calls add their thread CPU time to acc["grammar"]."""
 
@@ -739,6 +901,15 @@ def main(argv=None) -> int:
                    help="what structured output costs per served token: free text against each shape (response_format "
                    "json_schema / json_object, a GBNF grammar), one server, requests in turns (default: off)")
     p.add_argument("--new", type=int, default=20, help="--prefix: new tokens after the shared ones (default 20)")
+    p.add_argument("--thread-split", action="store_true",
+                   help="a served token's time with the step on every core against one core fewer with the overlap "
+                   "(the engine's work hidden behind the next step); --models takes bundled, 114m, dNNN (an "
+                   "arch2_4_combined of width NNN) and .vflow paths")
+    p.add_argument("--overlap", type=lambda v: v.split(","), default=["on"],
+                   help="--shapes: the server's overlap modes, each its own server, requests alternating: on (the "
+                   "default: the next step runs while a token is handed out, where --threads leaves a core free), "
+                   "off (--no-overlap); with --engine-only: on, the step detached (wall time), off, in turn (thread "
+                   "CPU time); e.g. on,off (default on)")
     p.add_argument("--rounds", type=int, default=5, help="--prefix, --shapes: requests each way (default 5)")
     p.add_argument("--repeat", type=int, default=1,
                    help="--engine-only, --chunked-prefill: runs, every one recorded (default 1)")
@@ -751,7 +922,8 @@ def main(argv=None) -> int:
     from cflow.codegen.target import cpu_model
 
     cpu = cpu_model()
-    load_test = not (args.prefix or args.one_slot or args.engine_only or args.chunked_prefill or args.shapes)
+    load_test = not (args.prefix or args.one_slot or args.engine_only or args.chunked_prefill or args.shapes
+                     or args.thread_split)
     print(f"# cflow serve{' load test' if load_test else ''}: {cpu}, {len(os.sched_getaffinity(0))} usable cores; "
           f"--threads {args.threads or 'default'}" + (f" --max-queue {args.max_queue}; {args.max_tokens} tokens per "
                                                       f"request, {args.duration:g} s per level" if load_test else ""),
@@ -768,8 +940,12 @@ def main(argv=None) -> int:
             if args.prefix:
                 records += prefix_ttft(which, path, batches, args, tmp)
                 continue
+            if args.thread_split:
+                records += thread_split(which, path, args, tmp)
+                continue
             if args.shapes and args.engine_only:
-                records += shape_cost_engine(which, path, args)
+                for mode in args.overlap:
+                    records += (shape_cost_overlap if mode == "on" else shape_cost_engine)(which, path, args)
                 continue
             if args.shapes:
                 records += shape_cost(which, path, args, tmp)
@@ -800,10 +976,14 @@ def schema_record(run: Run, r: dict) -> dict:
     elif "prefix_tokens" in r:
         variant = f"server, max-batch {r['max_batch']}, TTFT of {r['prefix_tokens']} cached + {r['new_tokens']} new"
         tok_s = None
+    elif "shape" in r and r.get("engine_only") and r.get("overlap") == "on":
+        variant, tok_s = f"engine, max-batch 1, output {r['shape']}, detached, wall", 1e6 / r["wall_turn_us"]
     elif "shape" in r and r.get("engine_only"):
         variant, tok_s = f"engine, max-batch 1, output {r['shape']}, thread CPU", 1e6 / r["cpu_turn_us"]
     elif "shape" in r:
-        variant, tok_s = f"server, max-batch 1, output {r['shape']}", 1e6 / r["per_token_us"]
+        variant, tok_s = f"server, max-batch 1, output {r['shape']}, overlap {r['overlap']}", 1e6 / r["per_token_us"]
+    elif "split" in r:
+        variant, tok_s = f"server, max-batch 1, {r['threads']} threads ({r['split']})", 1e6 / r["per_token_us"]
     elif r.get("path") == "one slot":
         variant, tok_s = f"engine, one slot, {r['backend']}", r["aggregate_tok_s"]
     elif "slot" in r:
@@ -815,7 +995,8 @@ def schema_record(run: Run, r: dict) -> dict:
 
         model = MODELS[r["model"]].name
     else:
-        model = "bundled" if r["model"] == "bundled" else f"arch2_4_combined@{r['model']}"
+        model = (r["model"] if r["model"] == "bundled" or r["model"].endswith((".vflow", ".cflow"))
+                 else f"arch2_4_combined@{r['model']}")
     return run.record(engine="cflow", model=model, quant="q4", threads=r["threads"], variant=variant, tok_s=tok_s,
                       **{k: v for k, v in r.items() if k not in ("model", "threads", "cpu")})
 
