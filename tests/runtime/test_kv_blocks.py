@@ -30,7 +30,7 @@ def _fake_session(max_seq: int, kv: str, layers=3, heads=2, head_dim=8, slots=2)
     cfg = SimpleNamespace(n_layers=layers, n_kv_heads=heads, head_dim=head_dim)
     n = slots * 2 * layers * kv_floats_per_layer(cfg, max_seq)
     return SimpleNamespace(config=cfg, max_seq=max_seq, kv_dtype=kv, kv=np.arange(n, dtype=np.float32),
-                           _check_slot=lambda s: s)
+                           _check_slot=lambda s: s, native=SimpleNamespace(wait=lambda: None))  # no step in flight
 
 
 @pytest.mark.parametrize("max_seq,kv", [(64, "f32"), (64, "bf16"), (40, "f16"), (12, "f32"), (7, "bf16"),
