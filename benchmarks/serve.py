@@ -579,8 +579,8 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
     (--no-overlap)."""
     from benchmarks.common.timing import cpu_ticks, other_load
 
-    modes = args.overlap
-    servers = {m: Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{which}_shapes_{m}.log"),
+    modes, label = args.overlap, os.path.basename(which)
+    servers = {m: Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{label}_shapes_{m}.log"),
                          extra=("--no-overlap",) if m == "off" else ()) for m in modes}
     per_token: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("free", *SHAPES)}
     rng = random.Random(3)
@@ -630,7 +630,8 @@ def thread_split(which: str, path: str, args, tmp: str) -> list[dict]:
     cores = len(os.sched_getaffinity(0))
     # all cores as the default threads take them (backing off to one thread under load: runtime/workers.py)
     ways = {"all cores": (None, ("--no-overlap",)), "one core fewer, overlap": (cores - 1, ())}
-    servers = {k: Server(path, t, 1, args.max_queue, os.path.join(tmp, f"{which}_split_{t}.log"), extra=x)
+    label = os.path.basename(which)  # a compiled file's name, not its path
+    servers = {k: Server(path, t, 1, args.max_queue, os.path.join(tmp, f"{label}_split_{t}.log"), extra=x)
                for k, (t, x) in ways.items()}
     text = which == "bundled"
     per: dict[str, list[float]] = {k: [] for k in ways}
