@@ -671,7 +671,6 @@ def shape_cost_engine(which: str, path: str, args) -> list[dict]:
     shared machine's preemptions stay out of it (its cache traffic does not)."""
     import cflow
     from cflow.serve.backends import BatchedSlots
-    from cflow.serve.job import Job, SamplingParams
     from cflow.serve.protocol import CompletionRequest
     from cflow.serve.shaping import constraint_factory
 
@@ -701,24 +700,13 @@ def shape_cost_engine(which: str, path: str, args) -> list[dict]:
                 grammar = make() if make else None
                 if grammar is not None and r % 2:
                     grammar = _TimedConstraint(grammar, acc, cpu)
-                job = Job(tok.encode(STORY_PROMPTS[r % len(STORY_PROMPTS)]),
-                          SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=rng.randrange(2**31)),
-                          tok, loop=loop, constraint=grammar, eos_id=min(stops) if make else None)
-                job._emit = lambda ev: None  # no client: the text is made, not sent
-                left = backend.start(0, job)
-                while left:
-                    left = backend.prefill(0)
+                job = _engine_job(backend, tok, loop, r, rng.randrange(2**31), args.max_tokens, grammar,
+                                  min(stops) if make else None)
                 counts = {"turn": 0, "step": 0, "chooser": 0, "tokens": 0}
                 backend._sampler[0] = _TimedChooser(backend._sampler[0], counts, cpu)
                 now[0] = counts
                 a = cpu()
-                while True:
-                    out = backend.advance([0])[0]
-                    if out is None or isinstance(out, BaseException):
-                        break
-                    counts["tokens"] += 1
-                    if job._feed(out) is not None:
-                        break
+                counts["tokens"] += _decode_job(backend, job)
                 counts["turn"] += cpu() - a
                 now[0] = None
                 backend.stop(0)
@@ -753,7 +741,6 @@ def shape_cost_overlap(which: str, path: str, args) -> list[dict]:
     and the steps launched ahead on a guess the grammar then refused (dropped)."""
     import cflow
     from cflow.serve.backends import BatchedSlots
-    from cflow.serve.job import Job, SamplingParams
     from cflow.serve.protocol import CompletionRequest
     from cflow.serve.shaping import constraint_factory
 
@@ -792,23 +779,12 @@ def shape_cost_overlap(which: str, path: str, args) -> list[dict]:
         for r in range(args.rounds):
             for kind in kinds:
                 make, acc = makers[kind], spent[kind]
-                job = Job(tok.encode(STORY_PROMPTS[r % len(STORY_PROMPTS)]),
-                          SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=rng.randrange(2**31)),
-                          tok, loop=loop, constraint=make() if make else None, eos_id=min(stops) if make else None)
-                job._emit = lambda ev: None  # no client: the text is made, not sent
-                left = backend.start(0, job)
-                while left:
-                    left = backend.prefill(0)
+                job = _engine_job(backend, tok, loop, r, rng.randrange(2**31), args.max_tokens,
+                                  make() if make else None, min(stops) if make else None)
                 dropped0 = backend.ahead_dropped
                 acc_now[0], ready[0] = acc, None
                 a = clock()
-                while True:
-                    out = backend.advance([0])[0]
-                    if out is None or isinstance(out, BaseException):
-                        break
-                    acc["tokens"] += 1
-                    if job._feed(out) is not None:
-                        break
+                acc["tokens"] += _decode_job(backend, job)
                 acc["turn"] += clock() - a
                 acc_now[0] = None
                 acc["dropped"] += backend.ahead_dropped - dropped0  # refused guesses (not the stop's drop below)
@@ -828,6 +804,33 @@ def shape_cost_overlap(which: str, path: str, args) -> list[dict]:
               f"waiting for the step {wt:5.1f}; {acc['dropped'] / n:.3f} steps dropped a token), "
               f"{turn * 1e3 / free - 1:+6.1%} against free text ({n} tokens)", flush=True)
     return records
+
+
+def _engine_job(backend, tok, loop, r: int, seed: int, max_tokens: int, constraint, eos_id):
+    """--engine-only's request r (the story prompts in turn, temperature 0.8), started in slot 0 and its prompt
+    read; no client: the text is made, not sent."""
+    from cflow.serve.job import Job, SamplingParams
+
+    job = Job(tok.encode(STORY_PROMPTS[r % len(STORY_PROMPTS)]),
+              SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed), tok, loop=loop,
+              constraint=constraint, eos_id=eos_id)
+    job._emit = lambda ev: None
+    left = backend.start(0, job)
+    while left:
+        left = backend.prefill(0)
+    return job
+
+
+def _decode_job(backend, job) -> int:
+    """Slot 0's tokens until the job ends (the engine's loop without its queue): how many."""
+    n = 0
+    while True:
+        out = backend.advance([0])[0]
+        if out is None or isinstance(out, BaseException):
+            return n
+        n += 1
+        if job._feed(out) is not None:
+            return n
 
 
 class _TimedConstraint:
