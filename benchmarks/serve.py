@@ -45,11 +45,12 @@ earlier request): two servers per --max-batch, --rounds requests each, one at a 
 turns (what serving one slot with BatchedSlots costs).
 
 --shapes (server, HTTP): what structured output costs per served token: free text against a JSON schema,
-json_object and a GBNF grammar, --rounds requests of each, one at a time in turns (the share of the cores other
-processes used meanwhile is printed and recorded); --overlap on,off: a server each way (--no-overlap), requests
-alternating. With --engine-only, the engine's side of it in this process (the server's Job and Chooser over a
-one-slot BatchedSlots): --overlap off, steps in turn, in thread CPU time per token; on, the step detached, in
-wall time per token with the host's work between a step's end and the next one's start.
+json_object and a GBNF grammar, --rounds requests of each, one at a time in turns, per token by the server's
+clock (its `timings`) and the client's (the share of the cores other processes used meanwhile is printed and
+recorded); --overlap on,off: a server each way (--no-overlap), requests alternating. With --engine-only, the
+engine's side of it in this process (the server's Job and Chooser over a one-slot BatchedSlots): --overlap off,
+steps in turn, in thread CPU time per token; on, the step detached, in wall time per token with the host's work
+between a step's end and the next one's start.
 
     python -m benchmarks.serve --shapes --models bundled --threads 1 --rounds 401 --max-tokens 64 \
         --overlap on,off --json
@@ -180,8 +181,10 @@ class Server:
 
 
 # --- the clients ------------------------------------------------------------------------------------------------
-async def stream_once(port: int, body: dict, timeout: float) -> dict:
-    """One streaming request over HTTP/1.1 (chunked SSE). Returns sent, token times, usage and an error."""
+async def stream_once(port: int, body: dict, timeout: float, light: bool = False) -> dict:
+    """One streaming request over HTTP/1.1 (chunked SSE). Returns sent, token times, usage, the server's timings
+    and an error. light: parse only the events that carry usage, timings or an error, and take every other one
+    for a text event (the client shares the server's cores: what it spends per token, the server waits for)."""
     rec = {"sent": time.perf_counter(), "times": [], "tokens": 0, "error": None}
     payload = json.dumps(body).encode()
     try:
@@ -213,7 +216,12 @@ async def stream_once(port: int, body: dict, timeout: float) -> dict:
                         if data == b"[DONE]":
                             done = True
                             break
+                        if light and not any(k in data for k in (b'"usage": {', b'"timings": ', b'"error": ')):
+                            rec["times"].append(time.perf_counter())  # (those keys cannot appear inside a text)
+                            continue
                         d = json.loads(data)
+                        if "timings" in d:  # llama-server's, on the finishing chunk: the engine's clock
+                            rec["timings"] = d["timings"]
                         if "error" in d:
                             rec["error"] = d["error"]["message"]
                         elif d.get("usage"):
@@ -572,17 +580,21 @@ SHAPES = {
 def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
     """What structured output costs per served token: one server (--max-batch 1) per --overlap mode, requests one
     at a time in turns (the modes alternating request by request), free text and each shape of SHAPES, the same
-    prompts, temperature 0.8, fresh seeds; per request the time between its first and last token / (tokens - 1),
-    medians compared. The texts differ (a grammar makes the model write something else), the model's step per
-    token does not: the difference is the sampler's and the grammar's work per token. Modes: `on` (the server's
-    default: where --threads leaves a core free, the next step runs while a token is handed out), `off`
-    (--no-overlap)."""
+    prompts, temperature 0.8, fresh seeds; per request the time between two tokens by the server's clock (the
+    `timings` of its last chunk, llama-server's: first to last token handed out / intervals; the HTTP side works on
+    the same cores meanwhile) and as the client saw it (request sent to last token / tokens, the prompt included:
+    the client is a third process on the same cores, and a server that falls behind writes several tokens'
+    events at once), medians compared. The texts differ (a grammar makes the model write something else), the
+    model's step per token does not: the difference is the sampler's and the grammar's work per token. Modes:
+    `on` (the server's default: where --threads leaves a core free, the next step runs while a token is handed
+    out), `off` (--no-overlap)."""
     from benchmarks.common.timing import cpu_ticks, other_load
 
     modes, label = args.overlap, os.path.basename(which)
     servers = {m: Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{label}_shapes_{m}.log"),
                          extra=("--no-overlap",) if m == "off" else ()) for m in modes}
     per_token: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("free", *SHAPES)}
+    client: dict[tuple[str, str], list[float]] = {key: [] for key in per_token}
     rng = random.Random(3)
     try:
         for server in servers.values():
@@ -593,28 +605,31 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
         for r in range(args.rounds):
             for kind in ("free", *SHAPES):
                 body = {"model": "m", "prompt": STORY_PROMPTS[r % len(STORY_PROMPTS)], "max_tokens": args.max_tokens,
-                        "temperature": 0.8, "seed": rng.randrange(2**31), "stream": True, **SHAPES.get(kind, {})}
+                        "temperature": 0.8, "seed": rng.randrange(2**31), "stream": True,
+                        "stream_options": {"include_usage": True}, **SHAPES.get(kind, {})}
                 for m in (modes if r % 2 == 0 else modes[::-1]):  # the same request to each, in turns
-                    rec = asyncio.run(stream_once(servers[m].port, body, 120))
+                    rec = asyncio.run(stream_once(servers[m].port, body, 120, light=True))
                     if rec["error"]:
                         raise SystemExit(f"a --shapes request failed: {rec['error']}")
-                    t = rec["times"]
-                    if len(t) > 8:
-                        per_token[m, kind].append((t[-1] - t[0]) / (len(t) - 1))
+                    if rec["tokens"] > 8:
+                        per_token[m, kind].append(rec["timings"]["predicted_per_token_ms"] / 1e3)
+                        client[m, kind].append((rec["times"][-1] - rec["sent"]) / rec["tokens"])
         load = other_load(ticks, cpu_ticks(pids))
     finally:
         for server in servers.values():
             server.close()
     records = []
     for (m, kind), ts in per_token.items():
-        free = statistics.median(per_token[m, "free"])
-        med = statistics.median(ts)
+        free, med = statistics.median(per_token[m, "free"]), statistics.median(ts)
+        cfree, cmed = statistics.median(client[m, "free"]), statistics.median(client[m, kind])
         records.append({"model": which, "shape": kind, "overlap": m,
                         "threads": args.threads or len(os.sched_getaffinity(0)),
                         "requests": len(ts), "per_token_us": round(med * 1e6, 1), "vs_free": round(med / free, 4),
+                        "client_per_token_us": round(cmed * 1e6, 1), "client_vs_free": round(cmed / cfree, 4),
                         "other_load": round(load, 3), "per_request_us": [round(x * 1e6, 1) for x in ts]})
-        print(f"{which:>8} {kind:>12}, overlap {m:>3}: {med * 1e6:7.1f} us a served token (median of {len(ts)} "
-              f"requests), {med / free - 1:+6.1%} against free text", flush=True)
+        print(f"{which:>8} {kind:>12}, overlap {m:>3}: {med * 1e6:7.1f} us a served token (the server's timings, "
+              f"median of {len(ts)} requests), {med / free - 1:+6.1%} against free text; the client's "
+              f"{cmed * 1e6:7.1f} us, {cmed / cfree - 1:+6.1%}", flush=True)
     print(f"# other processes used {load:.0%} of the {len(os.sched_getaffinity(0))} cores meanwhile", flush=True)
     return records
 

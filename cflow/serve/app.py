@@ -92,9 +92,17 @@ class EventStream(StreamingResponse):
             tg.cancel_scope.cancel()
 
 
+def _answer(obj) -> dict:
+    """An answer's JSON object; llama-server's `timings` only where there are some."""
+    d = obj.model_dump() if hasattr(obj, "model_dump") else obj
+    if "timings" in d and d["timings"] is None:
+        del d["timings"]
+    return d
+
+
 def sse(obj) -> str:
     """One server-sent event. Chat deltas carry only the keys they set ({"content": "..."}, {} at the end)."""
-    d = obj.model_dump() if hasattr(obj, "model_dump") else obj
+    d = _answer(obj)
     for c in d.get("choices") or ():
         if "delta" in c:
             c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
@@ -295,13 +303,14 @@ class Routes:
         records: list[list] = [[] for _ in jobs]
         fins: list[Finish] = [None] * len(jobs)
         try:
-            async with contextlib.aclosing(_merged(jobs)) as events:
-                async for i, ev in events:
-                    if isinstance(ev, Piece):
-                        parts[i].append(ev.text)
-                        records[i] += ev.logprobs
-                    else:
-                        fins[i] = ev
+            async with contextlib.aclosing(_merged(jobs)) as batches:
+                async for batch in batches:
+                    for i, ev in batch:
+                        if isinstance(ev, Piece):
+                            parts[i].append(ev.text)
+                            records[i] += ev.logprobs
+                        else:
+                            fins[i] = ev
         finally:
             watcher.cancel()
             for job in jobs:
@@ -374,8 +383,9 @@ class Routes:
         choices = [CompletionChoice(index=i, text=text, finish_reason=fin.reason,
                                     logprobs=completion_logprobs(recs, strings, 0)[0] if strings else None)
                    for i, (text, recs, fin) in enumerate(done)]
-        return JSONResponse(CompletionResponse(id=rid, created=now, model=model_id, choices=choices,
-                                               usage=_usage([fin for _, _, fin in done])).model_dump())
+        return JSONResponse(_answer(CompletionResponse(id=rid, created=now, model=model_id, choices=choices,
+                                                       usage=_usage([fin for _, _, fin in done]),
+                                                       timings=_timings(done))))
 
     async def chat_completions(self, request: Request):
         check_api_key(request, self.key)
@@ -412,8 +422,9 @@ class Routes:
                                             calls))
         done = await self.collect(jobs, request)
         choices = [_chat_choice(i, text, recs, fin, strings, calls) for i, (text, recs, fin) in enumerate(done)]
-        return JSONResponse(ChatCompletionResponse(id=rid, created=now, model=model_id, choices=choices,
-                                                   usage=_usage([fin for _, _, fin in done])).model_dump())
+        return JSONResponse(_answer(ChatCompletionResponse(id=rid, created=now, model=model_id, choices=choices,
+                                                           usage=_usage([fin for _, _, fin in done]),
+                                                           timings=_timings(done))))
 
 
 def _chat_choice(i: int, text: str, recs: list, fin: Finish, strings, calls: tuple | None) -> ChatChoice:
@@ -464,15 +475,21 @@ def _usage(fins: list[Finish]) -> Usage:
                  total_tokens=fins[0].prompt_tokens + completion)
 
 
+def _timings(done: list) -> dict | None:
+    """llama-server's timings of a one-choice answer (with n > 1 each streamed choice has its own)."""
+    return done[0][2].timings if len(done) == 1 else None
+
+
 def _error_event(fin: Finish) -> str:
     return sse(error_body(f"generation failed: {fin.error}", "server_error"))
 
 
-async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, Piece | Finish]]:
-    """The events of a request's jobs as they come, each with its job's index; ends after every Finish."""
+async def _merged(jobs: list[Job]) -> AsyncIterator[list[tuple[int, Piece | Finish]]]:
+    """The events of a request's jobs as they come, each with its job's index, in lists of those that arrived
+    together (one write to the client for a list); ends after every Finish."""
     if len(jobs) == 1:
-        async for ev in jobs[0].events():
-            yield 0, ev
+        async for batch in jobs[0].batches():
+            yield [(0, ev) for ev in batch]
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -484,36 +501,67 @@ async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, Piece | Finish]]:
     try:
         left = len(jobs)
         while left:
-            i, ev = await queue.get()
-            left -= isinstance(ev, Finish)
-            yield i, ev
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            left -= sum(isinstance(ev, Finish) for _, ev in batch)
+            yield batch
     finally:
         for t in tasks:
             t.cancel()
 
 
+class TextEvents:
+    """The server-sent event of a chunk that carries only text for choice i, as `sse` writes it, from a template
+    made once per choice: `sse` of the chunk with a marker for the text, split where the marker's JSON string
+    is. Building and dumping the pydantic chunk takes 15-20 us, the template a few: most chunks are text only."""
+
+    MARK = "\x00cflow-text\x00"
+
+    def __init__(self, make):
+        self.make, self.parts = make, {}  # make(i, text): the chunk's event as sse() writes it
+
+    def __call__(self, i: int, text: str) -> str:
+        parts = self.parts.get(i)
+        if parts is None:
+            head, mark, tail = self.make(i, self.MARK).partition(json.dumps(self.MARK, ensure_ascii=False))
+            assert mark, "the text's place in the chunk"
+            parts = self.parts[i] = (head, tail)
+        return parts[0] + json.dumps(text, ensure_ascii=False) + parts[1]
+
+
 async def _completion_events(jobs: list[Job], engine: Engine, rid: str, created: int, model_id: str,
                              include_usage: bool, strings: TokenStrings | None) -> AsyncIterator[str]:
-    def chunk(choices: list, usage: Usage | None = None):
-        return sse(CompletionResponse(id=rid, created=created, model=model_id, usage=usage, choices=choices))
+    def chunk(choices: list, usage: Usage | None = None, timings: dict | None = None):
+        return sse(CompletionResponse(id=rid, created=created, model=model_id, usage=usage, choices=choices,
+                                      timings=timings))
 
+    text_event = TextEvents(lambda i, text: chunk([CompletionChoice(index=i, text=text)]))
     offsets, fins = [0] * len(jobs), {}
     try:
-        async with contextlib.aclosing(_merged(jobs)) as events:
-            async for i, ev in events:
-                if isinstance(ev, Piece):
-                    if ev.text or ev.logprobs:
-                        lp = None
-                        if strings is not None:
+        async with contextlib.aclosing(_merged(jobs)) as batches:
+            async for batch in batches:
+                out, failed = [], False
+                for i, ev in batch:
+                    if isinstance(ev, Piece):
+                        if ev.logprobs and strings is not None:
                             lp, offsets[i] = completion_logprobs(ev.logprobs, strings, offsets[i])
-                        yield chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp)])
-                elif ev.reason == "error":
-                    yield _error_event(ev)
+                            out.append(chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp)]))
+                        elif ev.text:
+                            out.append(text_event(i, ev.text))
+                    elif ev.reason == "error":
+                        out.append(_error_event(ev))
+                        failed = True
+                        break
+                    else:
+                        fins[i] = ev
+                        if ev.reason != "cancelled":
+                            out.append(chunk([CompletionChoice(index=i, text="", finish_reason=ev.reason)],
+                                             timings=ev.timings))
+                if out:
+                    yield "".join(out)
+                if failed:
                     break
-                else:
-                    fins[i] = ev
-                    if ev.reason != "cancelled":
-                        yield chunk([CompletionChoice(index=i, text="", finish_reason=ev.reason)])
         if include_usage and len(fins) == len(jobs):
             yield chunk([], usage=_usage(list(fins.values())))
         yield "data: [DONE]\n\n"
@@ -528,8 +576,9 @@ async def _chat_events(jobs: list[Job], engine: Engine, rid: str, created: int, 
     """The chunks of a chat answer; with `calls` (a tool-call format), content and tool calls parsed apart as they
     stream: each call one delta with its index, id, name and arguments when its block closes. calls: (format,
     function names) as ToolCallParser takes them."""
-    def chunk(choices: list, usage: Usage | None = None):
-        return sse(ChatCompletionChunk(id=rid, created=created, model=model_id, choices=choices, usage=usage))
+    def chunk(choices: list, usage: Usage | None = None, timings: dict | None = None):
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model_id, choices=choices, usage=usage,
+                                       timings=timings))
 
     parsers = [ToolCallParser(*calls) for _ in jobs] if calls is not None else None
     started, fins, made = set(), {}, [0] * len(jobs)
@@ -539,32 +588,49 @@ async def _chat_events(jobs: list[Job], engine: Engine, rid: str, created: int, 
         made[i] += len(found)
         return Delta(content=text if text or not deltas else None, tool_calls=deltas or None)
 
+    text_event = TextEvents(lambda i, text: chunk([ChatChunkChoice(index=i, delta=Delta(content=text))]))
+
+    def events(i: int, ev) -> list[str]:
+        """The chunks of one event of choice i."""
+        out = []
+        if i not in started:  # each choice opens with the assistant's role
+            started.add(i)
+            out.append(chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))]))
+        if isinstance(ev, Piece):
+            text, found = parsers[i].push(ev.text) if parsers else (ev.text, [])
+            if found or (ev.logprobs and strings is not None):
+                lp = chat_logprobs(ev.logprobs, strings) if strings is not None else None
+                out.append(chunk([ChatChunkChoice(index=i, delta=delta(i, text, found), logprobs=lp)]))
+            elif text:
+                out.append(text_event(i, text))
+            return out
+        fins[i] = ev
+        if ev.reason == "cancelled":
+            return out
+        reason = ev.reason
+        if parsers:
+            text, found = parsers[i].finish()
+            if text or found:
+                out.append(chunk([ChatChunkChoice(index=i, delta=delta(i, text, found))]))
+            if parsers[i].calls and reason == "stop":
+                reason = "tool_calls"
+        out.append(chunk([ChatChunkChoice(index=i, delta=Delta(), finish_reason=reason)], timings=ev.timings))
+        return out
+
     try:
-        async with contextlib.aclosing(_merged(jobs)) as events:
-            async for i, ev in events:
-                if isinstance(ev, Finish) and ev.reason == "error":
-                    yield _error_event(ev)
+        async with contextlib.aclosing(_merged(jobs)) as batches:
+            async for batch in batches:
+                out, failed = [], False
+                for i, ev in batch:
+                    if isinstance(ev, Finish) and ev.reason == "error":
+                        out.append(_error_event(ev))
+                        failed = True
+                        break
+                    out += events(i, ev)
+                if out:
+                    yield "".join(out)
+                if failed:
                     break
-                if i not in started:  # each choice opens with the assistant's role
-                    started.add(i)
-                    yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
-                if isinstance(ev, Piece):
-                    text, found = parsers[i].push(ev.text) if parsers else (ev.text, [])
-                    if text or found or ev.logprobs:
-                        lp = chat_logprobs(ev.logprobs, strings) if strings is not None else None
-                        yield chunk([ChatChunkChoice(index=i, delta=delta(i, text, found), logprobs=lp)])
-                    continue
-                fins[i] = ev
-                if ev.reason == "cancelled":
-                    continue
-                reason = ev.reason
-                if parsers:
-                    text, found = parsers[i].finish()
-                    if text or found:
-                        yield chunk([ChatChunkChoice(index=i, delta=delta(i, text, found))])
-                    if parsers[i].calls and reason == "stop":
-                        reason = "tool_calls"
-                yield chunk([ChatChunkChoice(index=i, delta=Delta(), finish_reason=reason)])
         if include_usage and len(fins) == len(jobs):
             yield chunk([], usage=_usage(list(fins.values())))
         yield "data: [DONE]\n\n"

@@ -190,7 +190,8 @@ class Engine:
                 self.backend.stop(slot)
                 self._done(job, "error", str(e))
                 continue
-            read = len(job.prompt_ids) - left - self._reused(slot)  # (a backend that read some in start)
+            job.cache_n = self._reused(slot)
+            read = len(job.prompt_ids) - left - job.cache_n  # (a backend that read some in start)
             if self.metrics is not None and read > 0:
                 self.metrics.prefill(read, time.perf_counter() - t0)
             with self._cond:
@@ -266,6 +267,7 @@ class Engine:
                 if self.metrics is not None:
                     self.metrics.itl.observe(now - job.last_token_at)
             job.last_token_at = now
+            job.steps += 1
             if self.metrics is not None:
                 self.metrics.generation_tokens.inc()
             reason = job._feed(tok)

@@ -8,8 +8,9 @@ a possible stop string) has its record delivered with the piece that shows that 
 shows (cut by a stop string, or an incomplete character at the end), with the job's last piece, whose text may
 be empty. Every generated token (usage's completion_tokens) so has exactly one record.
 
-A `Job` is created and read on the asyncio loop (`events`), and fed token by token by the engine thread, which
-hands each event over with `call_soon_threadsafe`.
+A `Job` is created and read on the asyncio loop (`events`, `batches`), and fed token by token by the engine
+thread, which hands each event over with `call_soon_threadsafe`. A loop that fell behind the engine takes what
+waits in one batch (one write to the client).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..runtime.choice import REPETITION_WINDOW, Chooser
 from ..runtime.stop_text import StopText
@@ -75,6 +76,8 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    # protocol.Timings' fields, where the job had a first token (a measurement, not part of what the job gave)
+    timings: dict | None = field(default=None, compare=False)
 
 
 class Detokenizer:
@@ -109,6 +112,8 @@ class Job:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.completion_tokens = 0
+        self.steps = 0  # tokens the model gave (completion_tokens and an end-of-text token not shown)
+        self.cache_n = 0  # prompt tokens its slot took from the prefix cache
         self._detok = Detokenizer(tokenizer, self.prompt_ids)
         self._stop = StopText(params.stops)
 
@@ -117,14 +122,26 @@ class Job:
 
     async def events(self) -> AsyncIterator[Piece | Finish]:
         """Pieces as they come, then one Finish."""
+        async for batch in self.batches():
+            for ev in batch:
+                yield ev
+
+    async def batches(self) -> AsyncIterator[list]:
+        """The events as they come, in lists of those that arrived together (the last list ends with the
+        Finish): a reader that fell behind gets everything waiting at once."""
         while True:
-            ev = await self.queue.get()
-            yield ev
-            if isinstance(ev, Finish):
+            batch = [await self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            yield batch
+            if isinstance(batch[-1], Finish):
                 return
 
     # --- engine thread --------------------------------------------------------------------------
     def _emit(self, ev) -> None:
+        # one wake-up of the loop an event: the write to the loop's pipe also lets the loop's thread take the
+        # interpreter lock now (an outbox that woke the loop once for what piled up did no better served, and left
+        # the loop waiting for the lock's switch interval)
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -155,4 +172,19 @@ class Job:
             # a tail held back for a stop string that never came was text; records of text never shown go last
             self._emit(Piece(rest, tuple(self._records)))
             self._records = []
-        self._emit(Finish(reason, len(self.prompt_ids), self.completion_tokens, error))
+        self._emit(Finish(reason, len(self.prompt_ids), self.completion_tokens, error, self.timings()))
+
+    def timings(self) -> dict | None:
+        """llama-server's timings of this job (protocol.Timings), once it has a first token."""
+        if self.first_token_at is None or self.started_at is None:
+            return None
+        read = len(self.prompt_ids) - self.cache_n
+        prompt_ms = 1e3 * (self.first_token_at - self.started_at)
+        predicted_ms = 1e3 * (self.last_token_at - self.first_token_at)
+        per_token = predicted_ms / (self.steps - 1) if self.steps > 1 else 0.0
+        return {"cache_n": self.cache_n, "prompt_n": read, "prompt_ms": round(prompt_ms, 3),
+                "prompt_per_token_ms": round(prompt_ms / max(1, read), 4),
+                "prompt_per_second": round(1e3 * read / prompt_ms, 2) if prompt_ms > 0 else 0.0,
+                "predicted_n": self.completion_tokens, "predicted_ms": round(predicted_ms, 3),
+                "predicted_per_token_ms": round(per_token, 4),
+                "predicted_per_second": round(1e3 / per_token, 2) if per_token > 0 else 0.0}

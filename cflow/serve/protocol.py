@@ -361,6 +361,23 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class Timings(BaseModel):
+    """llama-server's `timings` (its addition to OpenAI's answers, read by llama.cpp's tools), from the engine's
+    clock: the prompt from admission to the first token (the part of the prompt not taken from the prefix cache,
+    read, and the first token drawn), the answer from its first token to its last; predicted_per_token_ms is the
+    time between two tokens (the intervals, not the tokens, counted)."""
+
+    cache_n: int  # prompt tokens taken from the prefix cache
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -401,6 +418,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    timings: Timings | None = None  # llama-server's: on the last chunk of a choice, on a one-choice answer
 
 
 class AssistantMessage(BaseModel):
@@ -424,6 +442,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    timings: Timings | None = None  # llama-server's: on the last chunk of a choice, on a one-choice answer
 
 
 class Delta(BaseModel):
@@ -447,6 +466,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    timings: Timings | None = None  # llama-server's: on the last chunk of a choice, on a one-choice answer
 
 
 class ModelCard(BaseModel):

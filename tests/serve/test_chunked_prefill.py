@@ -3,6 +3,7 @@ for bit one batch_start, and the engine reads a long prompt piece by piece betwe
 stream, whose tokens stay m.generate's."""
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -40,10 +41,13 @@ def test_batch_extend_equals_one_batch_start(tiny_path):
 
 
 class Recorder:
-    """Passes a backend through and logs its prefill pieces and decode steps."""
+    """Passes a backend through and logs its prefill pieces and decode steps. hold_after: from that many decode
+    steps on, a step waits for `go` to be set (so that a request submitted from the loop after a stream's first
+    tokens finds it still decoding, however the threads are scheduled)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, hold_after: int | None = None):
         self.inner, self.slots, self.log = inner, inner.slots, []
+        self.hold_after, self.go = hold_after, threading.Event()
 
     @property
     def model(self):
@@ -59,6 +63,9 @@ class Recorder:
         return left
 
     def advance(self, slots):
+        steps = sum(e[0] == "advance" for e in self.log)
+        if self.hold_after is not None and steps >= self.hold_after:
+            assert self.go.wait(60), "the held step was never let go"
         self.log.append(("advance", tuple(slots)))
         return self.inner.advance(slots)
 
@@ -70,7 +77,7 @@ class Recorder:
 
 
 def test_long_prompt_interleaves_with_a_running_stream(tiny_path, ref_tiny):
-    be = Recorder(load_backend(tiny_path, threads=1, slots=2, prefill_block=8))
+    be = Recorder(load_backend(tiny_path, threads=1, slots=2, prefill_block=8), hold_after=10)
     metrics = ServeMetrics()
 
     async def main():
@@ -83,7 +90,8 @@ def test_long_prompt_interleaves_with_a_running_stream(tiny_path, ref_tiny):
             if isinstance(ev, Piece):
                 texts[a].append(ev.text)
                 if len(texts[a]) == 3:
-                    eng.submit(b)  # a long prompt arrives while a is decoding
+                    eng.submit(b)  # a long prompt arrives while a is decoding (held at its 10th step till now)
+                    be.go.set()
         async for ev in b.events():
             if isinstance(ev, Piece):
                 texts[b].append(ev.text)

@@ -58,6 +58,7 @@ def test_completion_equals_generate(text_server, ref_text):
     n_prompt = len(ref_text.tokenizer.encode(STORY))
     assert r.usage.prompt_tokens == n_prompt and r.usage.total_tokens == n_prompt + r.usage.completion_tokens
     assert r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 40 else "stop")
+    check_timings(r.model_extra["timings"], n_prompt, r.usage.completion_tokens)  # llama-server's addition
 
 
 def test_streamed_completion_equals_generate(text_server, ref_text):
@@ -229,6 +230,17 @@ def raw_events(url, path, body: dict) -> list[str]:
     return [e.removeprefix("data: ") for e in events[:-1]]
 
 
+def check_timings(t: dict, prompt_tokens: int, completion_tokens: int) -> None:
+    """llama-server's timings of one choice: the counts are the request's, the times positive and consistent."""
+    assert set(t) == {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
+                      "predicted_ms", "predicted_per_token_ms", "predicted_per_second"}
+    assert t["cache_n"] + t["prompt_n"] == prompt_tokens and t["predicted_n"] == completion_tokens
+    assert t["prompt_ms"] > 0 and t["prompt_per_token_ms"] == pytest.approx(t["prompt_ms"] / t["prompt_n"], rel=1e-2)
+    if completion_tokens > 2:
+        assert t["predicted_ms"] > 0 and t["predicted_per_second"] == pytest.approx(
+            1e3 / t["predicted_per_token_ms"], rel=1e-2)
+
+
 def test_raw_sse_completion_chunks_end_with_done(text_server, ref_text):
     url, _ = text_server
     body = {"model": "story", "prompt": STORY, "max_tokens": 24, "temperature": 0.8, "seed": 9, "stream": True,
@@ -246,6 +258,8 @@ def test_raw_sse_completion_chunks_end_with_done(text_server, ref_text):
         assert c["choices"][0]["index"] == 0 and c["choices"][0]["text"] and c["choices"][0]["finish_reason"] is None
         assert c["usage"] is None
     assert last["choices"][0]["text"] == "" and last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all("timings" not in c for c in text_chunks + [usage])
+    check_timings(last["timings"], len(ref_text.tokenizer.encode(STORY)), usage["usage"]["completion_tokens"])
     text = "".join(c["choices"][0]["text"] for c in text_chunks)
     assert text == ref_text.generate(STORY, 24, temperature=0.8, seed=9)
     n_prompt = len(ref_text.tokenizer.encode(STORY))
@@ -274,6 +288,8 @@ def test_raw_sse_chat_chunks_end_with_done(text_server, ref_text):
         assert list(c["choices"][0]["delta"]) == ["content"] and c["choices"][0]["finish_reason"] is None
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] in ("stop", "length")
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    assert all("timings" not in c for c in [first, *middle, usage])
+    check_timings(last["timings"], usage["usage"]["prompt_tokens"], usage["usage"]["completion_tokens"])
     assert "".join(c["choices"][0]["delta"]["content"] for c in middle) == _chat_reference(
         ref_text, messages, 24, temperature=0.7, seed=4)
 
