@@ -595,6 +595,7 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
                          extra=("--no-overlap",) if m == "off" else ()) for m in modes}
     per_token: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("free", *SHAPES)}
     client: dict[tuple[str, str], list[float]] = {key: [] for key in per_token}
+    ttft: dict[tuple[str, str], list[float]] = {key: [] for key in per_token}
     rng = random.Random(3)
     try:
         for server in servers.values():
@@ -614,6 +615,7 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
                     if rec["tokens"] > 8:
                         per_token[m, kind].append(rec["timings"]["predicted_per_token_ms"] / 1e3)
                         client[m, kind].append((rec["times"][-1] - rec["sent"]) / rec["tokens"])
+                        ttft[m, kind].append(rec["times"][0] - rec["sent"])
         load = other_load(ticks, cpu_ticks(pids))
     finally:
         for server in servers.values():
@@ -626,10 +628,12 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
                         "threads": args.threads or len(os.sched_getaffinity(0)),
                         "requests": len(ts), "per_token_us": round(med * 1e6, 1), "vs_free": round(med / free, 4),
                         "client_per_token_us": round(cmed * 1e6, 1), "client_vs_free": round(cmed / cfree, 4),
+                        "ttft_ms": round(statistics.median(ttft[m, kind]) * 1e3, 3),
                         "other_load": round(load, 3), "per_request_us": [round(x * 1e6, 1) for x in ts]})
         print(f"{which:>8} {kind:>12}, overlap {m:>3}: {med * 1e6:7.1f} us a served token (the server's timings, "
               f"median of {len(ts)} requests), {med / free - 1:+6.1%} against free text; the client's "
-              f"{cmed * 1e6:7.1f} us, {cmed / cfree - 1:+6.1%}", flush=True)
+              f"{cmed * 1e6:7.1f} us, {cmed / cfree - 1:+6.1%}; first token after "
+              f"{statistics.median(ttft[m, kind]) * 1e3:5.2f} ms", flush=True)
     print(f"# other processes used {load:.0%} of the {len(os.sched_getaffinity(0))} cores meanwhile", flush=True)
     return records
 
