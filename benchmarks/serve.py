@@ -584,10 +584,11 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
     `timings` of its last chunk, llama-server's: first to last token handed out / intervals; the HTTP side works on
     the same cores meanwhile) and as the client saw it (request sent to last token / tokens, the prompt included:
     the client is a third process on the same cores, and a server that falls behind writes several tokens'
-    events at once), medians compared. The texts differ (a grammar makes the model write something else), the
-    model's step per token does not: the difference is the sampler's and the grammar's work per token. Modes:
-    `on` (the server's default: where --threads leaves a core free, the next step runs while a token is handed
-    out), `off` (--no-overlap)."""
+    events at once), medians compared. Records from before 1400f46 have the client's first-to-last event in
+    per_token_us; from it on, the server's clock there and the client's in client_per_token_us. The texts
+    differ (a grammar makes the model write something else), the model's step per token does not: the
+    difference is the sampler's and the grammar's work per token. Modes: `on` (the server's default: where
+    --threads leaves a core free, the next step runs while a token is handed out), `off` (--no-overlap)."""
     from benchmarks.common.timing import cpu_ticks, other_load
 
     modes, label = args.overlap, os.path.basename(which)
@@ -612,6 +613,9 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
                     rec = asyncio.run(stream_once(servers[m].port, body, 120, light=True))
                     if rec["error"]:
                         raise SystemExit(f"a --shapes request failed: {rec['error']}")
+                    if rec.get("timings") is None:
+                        raise SystemExit("a --shapes answer carried no timings: the server predates them "
+                                         "(llama-server's timings, cflow/serve/job.py Job.timings)")
                     if rec["tokens"] > 8:
                         per_token[m, kind].append(rec["timings"]["predicted_per_token_ms"] / 1e3)
                         client[m, kind].append((rec["times"][-1] - rec["sent"]) / rec["tokens"])

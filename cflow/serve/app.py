@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import CflowError
 from ..runtime.choice import REPETITION_WINDOW
 from .engine import Engine, EngineStopped, QueueFull
-from .job import Finish, Job, Piece, SamplingParams
+from .job import Finish, Job, Piece, SamplingParams, drain
 from .logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from .protocol import (
     AssistantMessage,
@@ -501,14 +501,27 @@ async def _merged(jobs: list[Job]) -> AsyncIterator[list[tuple[int, Piece | Fini
     try:
         left = len(jobs)
         while left:
-            batch = [await queue.get()]
-            while not queue.empty():
-                batch.append(queue.get_nowait())
+            batch = await drain(queue)
             left -= sum(isinstance(ev, Finish) for _, ev in batch)
             yield batch
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _writes(jobs: list[Job], events) -> AsyncIterator[str]:
+    """What a stream writes for its jobs' events: the chunks `events(i, ev)` makes of each event of choice i, one
+    write for the events that arrived together; an error event ends it (the events after it are not shown)."""
+    async with contextlib.aclosing(_merged(jobs)) as batches:
+        async for batch in batches:
+            out = []
+            for i, ev in batch:
+                if isinstance(ev, Finish) and ev.reason == "error":
+                    yield "".join(out) + _error_event(ev)
+                    return
+                out += events(i, ev)
+            if out:
+                yield "".join(out)
 
 
 class TextEvents:
@@ -525,7 +538,8 @@ class TextEvents:
         parts = self.parts.get(i)
         if parts is None:
             head, mark, tail = self.make(i, self.MARK).partition(json.dumps(self.MARK, ensure_ascii=False))
-            assert mark, "the text's place in the chunk"
+            if not mark:
+                raise RuntimeError("TextEvents: the chunk does not hold its text as json.dumps writes it")
             parts = self.parts[i] = (head, tail)
         return parts[0] + json.dumps(text, ensure_ascii=False) + parts[1]
 
@@ -538,30 +552,23 @@ async def _completion_events(jobs: list[Job], engine: Engine, rid: str, created:
 
     text_event = TextEvents(lambda i, text: chunk([CompletionChoice(index=i, text=text)]))
     offsets, fins = [0] * len(jobs), {}
+
+    def events(i: int, ev) -> list[str]:
+        """The chunks of one event of choice i (an error is _writes')."""
+        if isinstance(ev, Piece):
+            if ev.logprobs and strings is not None:
+                lp, offsets[i] = completion_logprobs(ev.logprobs, strings, offsets[i])
+                return [chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp)])]
+            return [text_event(i, ev.text)] if ev.text else []
+        fins[i] = ev
+        if ev.reason == "cancelled":
+            return []
+        return [chunk([CompletionChoice(index=i, text="", finish_reason=ev.reason)], timings=ev.timings)]
+
     try:
-        async with contextlib.aclosing(_merged(jobs)) as batches:
-            async for batch in batches:
-                out, failed = [], False
-                for i, ev in batch:
-                    if isinstance(ev, Piece):
-                        if ev.logprobs and strings is not None:
-                            lp, offsets[i] = completion_logprobs(ev.logprobs, strings, offsets[i])
-                            out.append(chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp)]))
-                        elif ev.text:
-                            out.append(text_event(i, ev.text))
-                    elif ev.reason == "error":
-                        out.append(_error_event(ev))
-                        failed = True
-                        break
-                    else:
-                        fins[i] = ev
-                        if ev.reason != "cancelled":
-                            out.append(chunk([CompletionChoice(index=i, text="", finish_reason=ev.reason)],
-                                             timings=ev.timings))
-                if out:
-                    yield "".join(out)
-                if failed:
-                    break
+        async with contextlib.aclosing(_writes(jobs, events)) as writes:
+            async for text in writes:
+                yield text
         if include_usage and len(fins) == len(jobs):
             yield chunk([], usage=_usage(list(fins.values())))
         yield "data: [DONE]\n\n"
@@ -618,19 +625,9 @@ async def _chat_events(jobs: list[Job], engine: Engine, rid: str, created: int, 
         return out
 
     try:
-        async with contextlib.aclosing(_merged(jobs)) as batches:
-            async for batch in batches:
-                out, failed = [], False
-                for i, ev in batch:
-                    if isinstance(ev, Finish) and ev.reason == "error":
-                        out.append(_error_event(ev))
-                        failed = True
-                        break
-                    out += events(i, ev)
-                if out:
-                    yield "".join(out)
-                if failed:
-                    break
+        async with contextlib.aclosing(_writes(jobs, events)) as writes:
+            async for text in writes:
+                yield text
         if include_usage and len(fins) == len(jobs):
             yield chunk([], usage=_usage(list(fins.values())))
         yield "data: [DONE]\n\n"

@@ -257,8 +257,8 @@ class BatchedSlots:
         # The step runs on the other core; this thread's core is the one the HTTP side's loop has, and both of
         # them are busy (the step's worker, and this thread's Python or its wait for the step, which spins): a
         # loop woken for the token just handed out would wait for the scheduler to preempt one of them (ms: a
-        # first token 5.5-7 ms after the request on the bundled model, the events in bursts). Offering the core
-        # now lets it write while the step computes (1.7-4 ms; docs/serving.md).
+        # first token 5-7 ms after the request on the bundled model, the events in bursts). Offering the core
+        # now lets it write while the step computes (2-4.5 ms; docs/serving.md).
         os.sched_yield()  # (releases the interpreter lock)
         row = session.step_wait()
         t0 = clock()

@@ -94,6 +94,14 @@ class Detokenizer:
         return self.dec.push(token) if self.dec is not None else f" {token}"
 
 
+async def drain(queue: asyncio.Queue) -> list:
+    """The next item of the queue and every one waiting behind it."""
+    batch = [await queue.get()]
+    while not queue.empty():
+        batch.append(queue.get_nowait())
+    return batch
+
+
 class Job:
     """One request inside the engine. Created and read on the asyncio loop, advanced by the engine thread."""
 
@@ -130,9 +138,7 @@ class Job:
         """The events as they come, in lists of those that arrived together (the last list ends with the
         Finish): a reader that fell behind gets everything waiting at once."""
         while True:
-            batch = [await self.queue.get()]
-            while not self.queue.empty():
-                batch.append(self.queue.get_nowait())
+            batch = await drain(self.queue)
             yield batch
             if isinstance(batch[-1], Finish):
                 return
@@ -175,12 +181,14 @@ class Job:
         self._emit(Finish(reason, len(self.prompt_ids), self.completion_tokens, error, self.timings()))
 
     def timings(self) -> dict | None:
-        """llama-server's timings of this job (protocol.Timings), once it has a first token."""
-        if self.first_token_at is None or self.started_at is None:
+        """llama-server's timings of this job (protocol.Timings), once it was admitted to a slot. A job whose
+        first token ended it (end of text) read its prompt until now and predicted nothing."""
+        if self.started_at is None:
             return None
         read = len(self.prompt_ids) - self.cache_n
-        prompt_ms = 1e3 * (self.first_token_at - self.started_at)
-        predicted_ms = 1e3 * (self.last_token_at - self.first_token_at)
+        first = self.first_token_at if self.first_token_at is not None else time.monotonic()
+        prompt_ms = 1e3 * (first - self.started_at)
+        predicted_ms = 1e3 * ((self.last_token_at or first) - first)
         per_token = predicted_ms / (self.steps - 1) if self.steps > 1 else 0.0
         return {"cache_n": self.cache_n, "prompt_n": read, "prompt_ms": round(prompt_ms, 3),
                 "prompt_per_token_ms": round(prompt_ms / max(1, read), 4),

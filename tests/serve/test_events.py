@@ -4,6 +4,7 @@ writes, and events the engine thread makes while the loop is busy reach the read
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
@@ -52,5 +53,25 @@ def test_events_made_while_the_loop_is_busy_arrive_together():
         for ev in sent[:3] + [Finish("length", 1, 3)]:
             job._emit(ev)
             assert await anext(batches) == [ev]
+
+    asyncio.run(main())
+
+
+def test_timings_of_a_job_whose_first_token_ended_it():
+    async def main():
+        job = Job([1, 2, 3], SamplingParams(max_tokens=5))
+        assert job.timings() is None  # never admitted (cancelled while waiting)
+        job.started_at, job.cache_n = time.monotonic() - 0.002, 1
+        t = job.timings()
+        assert t["prompt_n"] == 2 and t["cache_n"] == 1 and t["prompt_ms"] >= 2.0
+        assert t["predicted_n"] == 0 and t["predicted_ms"] == 0 and t["predicted_per_second"] == 0
+        job.first_token_at = job.last_token_at = job.started_at + 0.001
+        job.steps, job.completion_tokens = 1, 1
+        t = job.timings()
+        assert t["prompt_ms"] == pytest.approx(1.0) and t["predicted_per_token_ms"] == 0
+        job.last_token_at, job.steps, job.completion_tokens = job.first_token_at + 0.004, 5, 5
+        t = job.timings()  # four intervals between five tokens
+        assert t["predicted_ms"] == pytest.approx(4.0) and t["predicted_per_token_ms"] == pytest.approx(1.0)
+        assert t["predicted_per_second"] == pytest.approx(1000.0, rel=1e-3)
 
     asyncio.run(main())
