@@ -35,9 +35,15 @@ class DetachedSteps:
         self.pos += 1
         self.slot_open[0] = True
 
+    def in_turn(self) -> bool:
+        """Is the detached step backing off under load (runtime/workers.py DetachedBackoff)? Then the caller
+        should not launch ahead: its calls run in turn on its own thread for now."""
+        backoff = getattr(self.native, "detached_backoff", None)
+        return backoff is not None and backoff.active()
+
     def step_wait(self) -> np.ndarray:
         """The logits of the launched step (a view, as step() gives), once it is done."""
-        self.native.wait()
+        self.native.wait(judge=True)
         return self.native.logits_view
 
     def step_drop(self) -> None:

@@ -19,7 +19,7 @@ from ..errors import RuntimeFault
 from ..ir.rope import rope_tables
 from ..layout.tile import aligned_empty
 from ..passes.schedule import Pool
-from .workers import Backoff, Workers, cores_taken
+from .workers import Backoff, DetachedBackoff, Workers, cores_taken
 
 
 def _zeros(nbytes: int, align: int = 4096) -> np.ndarray:
@@ -135,6 +135,7 @@ class NativeStep:
                         if self.threads > 1 or self.detached else None)
         self.backoff = (Backoff(busy=lambda n=self.threads: cores_taken(n)) if self.workers is not None
                         and self.adaptive and not self.detached else None)
+        self.detached_backoff = DetachedBackoff() if self.detached else None
 
     def _alloc(self) -> None:
         prog, cfg = self.program, self.config
@@ -178,8 +179,8 @@ class NativeStep:
     # --- running ----------------------------------------------------------------------------------
     def solo(self) -> bool:
         """Run the next call (the disk tiers: the next token's calls) on the caller's thread alone?"""
-        if self.detached:
-            return False
+        if self.detached:  # under load: in turn, on the caller's thread (DetachedBackoff)
+            return self.detached_backoff.solo()
         return self.workers is None or (self.backoff is not None and not self.hold_threads and self.backoff.solo())
 
     def run(self, solo: bool | None = None) -> None:
@@ -209,12 +210,17 @@ class NativeStep:
             raise RuntimeFault("launch() needs a detached step (Session(detached=True))")
         if self.workers.inflight:
             raise RuntimeFault("a step is already in flight: wait() for it first")
+        self.detached_backoff.launched()
         self.workers.launch()
 
-    def wait(self) -> None:
-        """Return once the launched call is done (at once if none is in flight)."""
-        if self.workers is not None:
+    def wait(self, judge: bool = False) -> None:
+        """Return once the launched call is done (at once if none is in flight). judge: the time from its launch
+        counts for DetachedBackoff (Session.step_wait's: the caller's own work between a launch and its wait;
+        not a call given up, nor one another call waits for after work of its own)."""
+        if self.workers is not None and self.workers.inflight:
             self.workers.wait()
+            if self.detached_backoff is not None:
+                self.detached_backoff.waited(judge)
 
     def abort(self) -> None:
         """Stop the launched call at its next stage boundary and wait for it (a one-thread step; with more
@@ -245,8 +251,10 @@ class NativeStep:
 
     @property
     def solo_calls(self) -> int:
-        """Native calls the default thread count ran on one thread because workers were descheduled (Backoff)."""
-        return self.backoff.solo_calls if self.backoff is not None else 0
+        """Native calls run on one thread because workers were descheduled (Backoff; a detached step's calls in
+        turn, DetachedBackoff)."""
+        backoff = self.backoff or self.detached_backoff
+        return backoff.solo_calls if backoff is not None else 0
 
     @property
     def barrier_naps(self) -> int:

@@ -123,6 +123,71 @@ class Backoff:
         self.calls = self.naps = 0
 
 
+class DetachedBackoff:
+    """A detached step under load: back off to steps in turn on the caller's thread while the step's worker is
+    being descheduled.
+
+    Detached, the step's worker and the caller both spin while they wait for each other (the worker for the next
+    launch, the caller for the step), which is what makes the overlap pay on a quiet host; with another process
+    busy on a core they take turns with it instead, and a token took 3.5x as long as steps in turn (the bundled
+    model served, docs/serving.md). The judge is the time from a launch to the end of its wait, against the
+    lowest mean any WINDOW of launches has shown (the quiet time, `floor`): a window's mean over FACTOR x floor
+    means the worker is being descheduled, and the calls of the next `backoff` seconds run on the caller's thread
+    alone (nthreads = 1: the same arithmetic, bit-identical results; the worker falls asleep), launching nothing
+    ahead (`solo()`). Then launches probe again; the backoff doubles up to MOST seconds while the load lasts and
+    resets after a window within the bound. A slower moment of the caller's own (a long prompt between two
+    launches, a collection) also trips it: that costs steps in turn for FIRST seconds."""
+
+    WINDOW = 32  # launches per judged window
+    FACTOR = 5.0  # a window this many times slower than the quiet floor means a descheduled worker
+    FIRST, MOST = 0.02, 2.0  # seconds in turn after a slow window, doubling
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.until = 0.0
+        self.backoff = self.FIRST
+        self.calls, self.total = 0, 0.0
+        self.floor: float | None = None  # the lowest mean seconds from launch to wait's end of any window
+        self.solo_calls = 0  # calls run in turn on the caller's thread since load
+        self.started: float | None = None
+
+    def active(self) -> bool:
+        """Backing off now (run calls in turn, launch nothing ahead)?"""
+        if self.until and self.clock() < self.until:
+            return True
+        self.until = 0.0
+        return False
+
+    def solo(self) -> bool:
+        """Run the next call in turn on the caller's thread? (counted)"""
+        if self.active():
+            self.solo_calls += 1
+            return True
+        return False
+
+    def launched(self) -> None:
+        self.started = self.clock()
+
+    def waited(self, judge: bool = True) -> None:
+        """After the wait for a launched call (judge=False: a call given up, whose wait says nothing)."""
+        if self.started is None or not judge:
+            self.started = None
+            return
+        self.total += self.clock() - self.started
+        self.started = None
+        self.calls += 1
+        if self.calls < self.WINDOW:
+            return
+        mean = self.total / self.calls
+        self.calls, self.total = 0, 0.0
+        if self.floor is not None and mean > self.FACTOR * self.floor:
+            self.until = self.clock() + self.backoff
+            self.backoff = min(2 * self.backoff, self.MOST)
+            return
+        self.backoff = self.FIRST
+        self.floor = mean if self.floor is None else min(self.floor, mean)
+
+
 # Workers that were still alive when their session closed (join timed out: a thread descheduled for long), with
 # everything they may still touch: the control block they wait on, the step's argument buffers and the JIT-compiled
 # code they run. Kept alive here, never freed under a running thread; entries go once all their threads have ended.

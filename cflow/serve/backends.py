@@ -236,7 +236,7 @@ class BatchedSlots:
         """Start slot 0's step for `tok` now, when it decodes alone and will ask for another token (detached
         models only): its logits wait for the next advance."""
         if (self.detached and slot == 0 and tok is not None and len(self._sampler) == 1 and not self._spec
-                and self._left.get(0, 0) > 0 and slot in self._seq):
+                and self._left.get(0, 0) > 0 and slot in self._seq and not self.model.session.in_turn()):
             try:
                 self.model.session.step_launch(tok)
             except Exception:  # noqa: BLE001 -- the context is full, say: the next advance's step says so

@@ -213,3 +213,37 @@ def test_cores_taken_reads_the_run_queue(monkeypatch):
         assert workers.cores_taken(2) is want  # 1: only this thread runs; 2: one other task wants a core
     monkeypatch.setattr(builtins, "open", lambda *a, **k: io.StringIO("garbage"))
     assert workers.cores_taken(2) is False  # unreadable: the probe decides
+
+
+def test_detached_backoff_policy_with_a_fake_clock():
+    """A detached step's calls in turn under load: windows of launches whose time to their wait's end is well
+    above the quietest window's mean back off for FIRST seconds, doubling up to MOST while it lasts; a window
+    within the bound resets it; a call given up is not judged."""
+    from cflow.runtime.workers import DetachedBackoff
+
+    now = [0.0]
+    b = DetachedBackoff(clock=lambda: now[0])
+
+    def window(each: float, judge: bool = True) -> None:
+        for _ in range(b.WINDOW):
+            assert not b.active()
+            b.launched()
+            now[0] += each
+            b.waited(judge)
+
+    window(100e-6)  # quiet: sets the floor
+    assert b.floor == pytest.approx(100e-6) and not b.solo()
+    window(4 * 100e-6)  # slower, within FACTOR x floor: not load
+    assert not b.active() and b.floor == pytest.approx(100e-6)
+    window(100e-6, judge=False)  # given up: says nothing
+    assert b.calls == 0
+    window(8 * 100e-6)  # a descheduled worker: in turn for FIRST seconds, counted
+    assert b.active() and b.solo() and b.solo_calls == 1
+    now[0] += b.FIRST + 1e-9
+    assert not b.active()
+    for _ in range(10):  # doubles up to MOST while the load lasts
+        window(8 * 100e-6)
+        now[0] += b.MOST + 1e-9
+    assert b.backoff == b.MOST
+    window(100e-6)  # a quiet window resets it
+    assert b.backoff == b.FIRST and not b.active()

@@ -166,6 +166,36 @@ def _run(be, jobs, join_at=None, stop_at=None):
     return out
 
 
+def test_a_detached_step_backing_off_runs_in_turn(tiny_path, text_path):
+    """Under load (runtime/workers.py DetachedBackoff says so) a detached session's calls run in turn on the
+    caller's thread, with the same bits as launched steps, and the server launches nothing ahead meanwhile."""
+    rows = {}
+    for backing in (False, True):
+        with cflow.load(tiny_path, threads=1, detached=True, max_seq=64) as m:
+            s = m.session
+            if backing:
+                s.native.detached_backoff.until = float("inf")
+            assert s.in_turn() == backing
+            out, tok = [s.prefill([1, 2, 3, 4, 5]).copy()], 7
+            for _ in range(20):
+                row = s.step(tok).copy() if backing else (s.step_launch(tok), s.step_wait())[1].copy()
+                out.append(row)
+                tok = int(np.argmax(row))
+            assert s.solo_calls == (21 if backing else 0)
+            rows[backing] = np.stack(out)
+    assert np.array_equal(rows[False], rows[True])
+    m = cflow.load(text_path, threads=1, detached=True)
+    be = BatchedSlots(m)
+    try:
+        m.session.native.detached_backoff.until = float("inf")
+        tok = m.tokenizer
+        job = _job(tok, tok.encode("Once upon a time"), max_tokens=12, temperature=0.8, seed=5, eos=min(m.eos_ids))
+        assert _run(be, [job])
+        assert be.ahead_steps == 0
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("case", ["plain", "greedy", "logprobs", "json_object", "person", "join", "stop",
                                   "person@2", "cached"])
 def test_overlapped_slots_give_the_same_tokens(text_path, case):
