@@ -26,7 +26,8 @@ class DetachedSteps:
     def step_launch(self, token: int) -> None:
         """Start step(token) and return while it runs: the caller does its own work meanwhile (the server: the
         token's text out, the next draw's bookkeeping) and takes the logits with step_wait(). The position
-        advances now."""
+        advances now. Launching while in_turn() says the step is backing off under load still works (and is
+        judged); the server does not."""
         if not self.detached:
             raise RuntimeFault("step_launch needs a session loaded with detached=True")
         self._set_token(token)

@@ -40,11 +40,13 @@ class NativeStep:
         self.max_seq, self.tmax, self.kv_dtype, self.n_slots = max_seq, tmax, kv, n_slots
         self.threads, self.profile, self.segmented, self.adaptive = threads, profile, segmented, adaptive
         # detached: every thread of the step is a worker (thread 0 too), so the caller may launch a call and do
-        # other work until it waits for it (Session.step_launch); no backoff to the caller's thread then
+        # other work until it waits for it (Session.step_launch); under load its calls run in turn instead
+        # (DetachedBackoff: on the caller's thread where the step has one thread)
         self.detached = detached
         self.ptrs = None  # the pointer table: None until bind()
         self.workers: Workers | None = None
         self.backoff: Backoff | None = None
+        self.detached_backoff: DetachedBackoff | None = None
         # True while this step shares the cores with another model of ours (a speculative draft model): its
         # workers' spinning makes this step's barriers nap, which is not load to back off from
         self.hold_threads = False
@@ -179,8 +181,8 @@ class NativeStep:
     # --- running ----------------------------------------------------------------------------------
     def solo(self) -> bool:
         """Run the next call (the disk tiers: the next token's calls) on the caller's thread alone?"""
-        if self.detached:  # under load: in turn, on the caller's thread (DetachedBackoff)
-            return self.detached_backoff.solo()
+        if self.detached:  # under load, a one-thread step's calls in turn on the caller's thread (DetachedBackoff)
+            return self.threads == 1 and self.detached_backoff is not None and self.detached_backoff.solo()
         return self.workers is None or (self.backoff is not None and not self.hold_threads and self.backoff.solo())
 
     def run(self, solo: bool | None = None) -> None:

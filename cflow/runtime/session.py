@@ -184,7 +184,8 @@ class Session(DetachedSteps, DiskSteps):
 
     @property
     def solo_calls(self) -> int:
-        """Native calls the default thread count ran on one thread because workers were descheduled (Backoff)."""
+        """Native calls run on one thread because workers were descheduled: the default thread count's (Backoff),
+        a detached one-thread step's calls in turn (DetachedBackoff)."""
         return self.native.solo_calls
 
     # --- running ----------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Worker threads 1..n-1 live in native code (the step's worker entry); Python starts them, kicks them each call
 through a futex in a control block, and stops them. Detached (Workers(detached=True)), thread 0 is a worker too
 and the caller joins the call's generation instead of running a share. Under load the default thread count backs
-off to the caller's thread alone (Backoff). Workers that outlive a close are parked with what they may still touch.
+off to the caller's thread alone (Backoff), and a detached step to calls in turn (DetachedBackoff). Workers that
+outlive a close are parked with what they may still touch.
 """
 
 from __future__ import annotations
@@ -124,19 +125,20 @@ class Backoff:
 
 
 class DetachedBackoff:
-    """A detached step under load: back off to steps in turn on the caller's thread while the step's worker is
-    being descheduled.
+    """A detached step under load: back off to calls in turn while the step's worker is being descheduled.
 
     Detached, the step's worker and the caller both spin while they wait for each other (the worker for the next
     launch, the caller for the step), which is what makes the overlap pay on a quiet host; with another process
     busy on a core they take turns with it instead, and a token took 3.5x as long as steps in turn (the bundled
     model served, docs/serving.md). The judge is the time from a launch to the end of its wait, against the
-    lowest mean any WINDOW of launches has shown (the quiet time, `floor`): a window's mean over FACTOR x floor
-    means the worker is being descheduled, and the calls of the next `backoff` seconds run on the caller's thread
-    alone (nthreads = 1: the same arithmetic, bit-identical results; the worker falls asleep), launching nothing
-    ahead (`solo()`). Then launches probe again; the backoff doubles up to MOST seconds while the load lasts and
-    resets after a window within the bound. A slower moment of the caller's own (a long prompt between two
-    launches, a collection) also trips it: that costs steps in turn for FIRST seconds."""
+    quickest launch seen (`floor`: no launch ends before its step is done): a WINDOW of launches whose mean is
+    over FACTOR x floor (decided as soon as its sum passes the bound) means the worker is being descheduled, and
+    for the next `backoff` seconds nothing is launched ahead (`active()`) and a one-thread step's calls run on the
+    caller's thread (nthreads = 1: the same arithmetic, bit-identical results; the worker falls asleep; a step of
+    more threads keeps them). Then launches probe again; the backoff doubles up to MOST seconds while the load
+    lasts and resets after a window within the bound. The caller's own work between a launch and its wait counts
+    too: a slower moment of its own (the interpreter lock held by another thread, a collection) can trip it,
+    which costs calls in turn for FIRST seconds."""
 
     WINDOW = 32  # launches per judged window
     FACTOR = 5.0  # a window this many times slower than the quiet floor means a descheduled worker
@@ -147,7 +149,7 @@ class DetachedBackoff:
         self.until = 0.0
         self.backoff = self.FIRST
         self.calls, self.total = 0, 0.0
-        self.floor: float | None = None  # the lowest mean seconds from launch to wait's end of any window
+        self.floor: float | None = None  # the fewest seconds from a launch to its wait's end seen
         self.solo_calls = 0  # calls run in turn on the caller's thread since load
         self.started: float | None = None
 
@@ -173,19 +175,23 @@ class DetachedBackoff:
         if self.started is None or not judge:
             self.started = None
             return
-        self.total += self.clock() - self.started
+        took = self.clock() - self.started
         self.started = None
+        # the floor is the quickest launch seen: no launch ends before its step is done, and even under load some
+        # run undisturbed, so a server started under load finds the step's own time too
+        self.floor = took if self.floor is None else min(self.floor, took)
+        self.total += took
         self.calls += 1
-        if self.calls < self.WINDOW:
-            return
-        mean = self.total / self.calls
-        self.calls, self.total = 0, 0.0
-        if self.floor is not None and mean > self.FACTOR * self.floor:
+        if self.total > self.FACTOR * self.floor * self.WINDOW:
+            # at once, not at the window's end: under load a probe should not cost a whole window
+            self.calls, self.total = 0, 0.0
             self.until = self.clock() + self.backoff
             self.backoff = min(2 * self.backoff, self.MOST)
             return
+        if self.calls < self.WINDOW:
+            return
+        self.calls, self.total = 0, 0.0  # a window within the bound: the load (if any) is gone
         self.backoff = self.FIRST
-        self.floor = mean if self.floor is None else min(self.floor, mean)
 
 
 # Workers that were still alive when their session closed (join timed out: a thread descheduled for long), with

@@ -438,8 +438,9 @@ def load_backend(path: str, threads: int | None = None, slots: int = 1, speculat
     # default a small model's step leaves that core (one thread fewer than the usable cores): its step is short
     # against the host's work per token, which then hides; a larger one takes every core.
     cores = len(os.sched_getaffinity(0))
-    # (Not with speculation: a lone sequence drafts instead, and never launches ahead.) An explicit thread count
-    # does not back off under load (runtime/workers.py Backoff): the price of the default here.
+    # (Not with speculation: a lone sequence drafts instead, and never launches ahead.) Under load the detached
+    # step stops launching ahead and, with one thread, runs its calls on the engine's thread (runtime/workers.py
+    # DetachedBackoff); a step of more threads keeps them (the barriers' Backoff is for the attached default).
     if (threads is None and overlap and not disk and not speculate and cores > 1
             and token_bytes(path) < OVERLAP_BELOW):
         threads = cores - 1

@@ -224,12 +224,16 @@ def test_detached_backoff_policy_with_a_fake_clock():
     now = [0.0]
     b = DetachedBackoff(clock=lambda: now[0])
 
-    def window(each: float, judge: bool = True) -> None:
-        for _ in range(b.WINDOW):
+    def window(each: float, judge: bool = True) -> int:
+        """Launches until the policy backs off, or a whole window; returns them."""
+        for k in range(1, b.WINDOW + 1):
             assert not b.active()
             b.launched()
             now[0] += each
             b.waited(judge)
+            if b.until:
+                return k
+        return b.WINDOW
 
     window(100e-6)  # quiet: sets the floor
     assert b.floor == pytest.approx(100e-6) and not b.solo()
@@ -237,13 +241,21 @@ def test_detached_backoff_policy_with_a_fake_clock():
     assert not b.active() and b.floor == pytest.approx(100e-6)
     window(100e-6, judge=False)  # given up: says nothing
     assert b.calls == 0
-    window(8 * 100e-6)  # a descheduled worker: in turn for FIRST seconds, counted
+    # a descheduled worker: decided once the window's sum passes the bound (5 x 32 x 100 us = 16 ms: the 18th
+    # launch of 900 us), then in turn for FIRST seconds, counted
+    assert window(9 * 100e-6) == 18
     assert b.active() and b.solo() and b.solo_calls == 1
     now[0] += b.FIRST + 1e-9
     assert not b.active()
     for _ in range(10):  # doubles up to MOST while the load lasts
-        window(8 * 100e-6)
+        window(9 * 100e-6)
         now[0] += b.MOST + 1e-9
     assert b.backoff == b.MOST
     window(100e-6)  # a quiet window resets it
     assert b.backoff == b.FIRST and not b.active()
+    # started under load: one launch that ran undisturbed gives the step's time, and the first window decides
+    b = DetachedBackoff(clock=lambda: now[0])
+    b.launched()
+    now[0] += 100e-6
+    b.waited()
+    assert window(9 * 100e-6) == 18 and b.active()
