@@ -136,9 +136,9 @@ class DetachedBackoff:
     for the next `backoff` seconds nothing is launched ahead (`active()`) and a one-thread step's calls run on the
     caller's thread (nthreads = 1: the same arithmetic, bit-identical results; the worker falls asleep; a step of
     more threads keeps them). Then launches probe again; the backoff doubles up to MOST seconds while the load
-    lasts and resets after a window within the bound. The caller's own work between a launch and its wait counts
-    too: a slower moment of its own (the interpreter lock held by another thread, a collection) can trip it,
-    which costs calls in turn for FIRST seconds."""
+    lasts and resets after a window within the bound. The caller's own work between a launch and its wait (its
+    thread's CPU time) is taken out: a grammar-heavy request is not load; the caller waiting for a core, for the
+    interpreter lock or for the worker is."""
 
     WINDOW = 32  # launches per judged window
     FACTOR = 5.0  # a window this many times slower than the quiet floor means a descheduled worker
@@ -170,8 +170,9 @@ class DetachedBackoff:
     def launched(self) -> None:
         self.started = self.clock()
 
-    def waited(self, judge: bool = True) -> None:
-        """After the wait for a launched call (judge=False: a call given up, whose wait says nothing)."""
+    def waited(self, judge: bool = True, own: float = 0.0) -> None:
+        """After the wait for a launched call (judge=False: a call given up, whose wait says nothing). own: the
+        CPU seconds the caller spent on its own work between the launch and the wait, which is not judged."""
         if self.started is None or not judge:
             self.started = None
             return
@@ -180,7 +181,9 @@ class DetachedBackoff:
         # the floor is the quickest launch seen: no launch ends before its step is done, and even under load some
         # run undisturbed, so a server started under load finds the step's own time too
         self.floor = took if self.floor is None else min(self.floor, took)
-        self.total += took
+        # judged: the time less the caller's own work (a grammar's, the HTTP side's), so that what is left is the
+        # wait for the worker and the time the caller itself was not running
+        self.total += max(took - own, 0.0)
         self.calls += 1
         if self.total > self.FACTOR * self.floor * self.WINDOW:
             # at once, not at the window's end: under load a probe should not cost a whole window
