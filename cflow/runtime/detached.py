@@ -39,7 +39,7 @@ class DetachedSteps:
     def in_turn(self) -> bool:
         """Is the detached step backing off under load (runtime/workers.py DetachedBackoff)? Then the caller
         should not launch ahead: its calls run in turn on its own thread for now."""
-        backoff = getattr(self.native, "detached_backoff", None)
+        backoff = self.native.detached_backoff
         return backoff is not None and backoff.active()
 
     def step_wait(self) -> np.ndarray:

@@ -11,7 +11,6 @@ pointer table it runs on, and the threads that run it.
 from __future__ import annotations
 
 import ctypes
-import time
 
 import numpy as np
 
@@ -48,7 +47,6 @@ class NativeStep:
         self.workers: Workers | None = None
         self.backoff: Backoff | None = None
         self.detached_backoff: DetachedBackoff | None = None
-        self._launch_cpu = 0.0
         # True while this step shares the cores with another model of ours (a speculative draft model): its
         # workers' spinning makes this step's barriers nap, which is not load to back off from
         self.hold_threads = False
@@ -215,7 +213,6 @@ class NativeStep:
         if self.workers.inflight:
             raise RuntimeFault("a step is already in flight: wait() for it first")
         self.detached_backoff.launched()
-        self._launch_cpu = time.thread_time()  # the caller's CPU from here to its wait is its own work
         self.workers.launch()
 
     def wait(self, judge: bool = False) -> None:
@@ -223,10 +220,12 @@ class NativeStep:
         counts for DetachedBackoff (Session.step_wait's: the caller's own work between a launch and its wait;
         not a call given up, nor one another call waits for after work of its own)."""
         if self.workers is not None and self.workers.inflight:
-            own = time.thread_time() - self._launch_cpu if judge else 0.0
+            backoff = self.detached_backoff
+            if backoff is not None:
+                backoff.waiting()
             self.workers.wait()
-            if self.detached_backoff is not None:
-                self.detached_backoff.waited(judge, own)
+            if backoff is not None:
+                backoff.waited(judge)
 
     def abort(self) -> None:
         """Stop the launched call at its next stage boundary and wait for it (a one-thread step; with more

@@ -53,7 +53,32 @@ def cores_taken(threads: int) -> bool:
     return running - 1 + threads > cores
 
 
-class Backoff:
+class _Doubling:
+    """The backing off both policies share: after a failed judgement, calls run alone until `until`, for
+    `backoff` seconds, doubling from FIRST up to MOST while the load lasts; a quiet judgement resets it."""
+
+    # FIRST is short because bursts of other work (another job for 50 ms) also trip a judgement, and running
+    # alone past their end costs; MOST is long because each probe under load costs a call that waits for a
+    # descheduled worker.
+    FIRST, MOST = 0.02, 2.0
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.until = 0.0  # run alone until this time
+        self.backoff = self.FIRST
+        self.solo_calls = 0  # calls run alone since load (reported by Session.solo_calls)
+
+    def trip(self, now: float | None = None) -> None:
+        """Back off from now (longer each time the load is still there)."""
+        self.until = (self.clock() if now is None else now) + self.backoff
+        self.backoff = min(2 * self.backoff, self.MOST)
+
+    def calm(self) -> None:
+        """A judgement found no load: the next backoff is FIRST again."""
+        self.backoff = self.FIRST
+
+
+class Backoff(_Doubling):
     """The default thread count under load: back off to one thread while the workers are being descheduled.
 
     With another process busy on a core, a stage barrier waits for a worker that is not running, once per stage, so
@@ -76,29 +101,20 @@ class Backoff:
 
     WINDOW = 8  # multi-threaded calls per probe window
     NAPS = 8  # barrier sleeps in a window that mean descheduled workers
-    # Seconds on one thread after a failed window, doubling from FIRST up to MOST. FIRST is short because bursts
-    # of other work (another job for 50 ms) also trip the window, and staying single-threaded past their end
-    # costs; MOST is long because each probe under load costs a call that waits for a descheduled worker.
-    FIRST, MOST = 0.02, 2.0
-
     def __init__(self, clock=time.perf_counter, busy=None):
-        self.clock = clock
+        super().__init__(clock)
         self.busy = busy if busy is not None else (lambda: False)  # other tasks runnable now? (skip a probe)
         self.skipped = 0  # probes skipped because `busy` said so
-        self.until = 0.0  # run single-threaded until this time
-        self.backoff = self.FIRST
         self.calls = self.naps = 0
         self.seen = 0  # BarrierWord.NAPS after the last multi-threaded call
         self.floor: float | None = None  # the lowest sleeps per call of any window: this model's quiet rate
-        self.solo_calls = 0  # calls run single-threaded since load (reported by Session.solo_calls)
 
     def solo(self) -> bool:
         """Run the next call on the caller's thread alone?"""
         if self.until:
             now = self.clock()
             if now >= self.until and self.busy():  # the load is still there: skip the probe, back off longer
-                self.until = now + self.backoff
-                self.backoff = min(2 * self.backoff, self.MOST)
+                self.trip(now)
                 self.skipped += 1
             if now < self.until:
                 self.solo_calls += 1
@@ -113,18 +129,17 @@ class Backoff:
         self.calls += 1
         limit = self.NAPS if self.floor is None else max(self.NAPS, (2 * self.floor + 1) * self.WINDOW)
         if self.naps >= limit:  # at once, not at the window's end: under load one call already shows it
-            self.until = self.clock() + self.backoff
-            self.backoff = min(2 * self.backoff, self.MOST)
+            self.trip()
         elif self.calls < self.WINDOW:
             return
         else:
-            self.backoff = self.FIRST
+            self.calm()
         rate = self.naps / self.calls
         self.floor = rate if self.floor is None else min(self.floor, rate)
         self.calls = self.naps = 0
 
 
-class DetachedBackoff:
+class DetachedBackoff(_Doubling):
     """A detached step under load: back off to calls in turn while the step's worker is being descheduled.
 
     Detached, the step's worker and the caller both spin while they wait for each other (the worker for the next
@@ -142,16 +157,14 @@ class DetachedBackoff:
 
     WINDOW = 32  # launches per judged window
     FACTOR = 5.0  # a window this many times slower than the quiet floor means a descheduled worker
-    FIRST, MOST = 0.02, 2.0  # seconds in turn after a slow window, doubling
 
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.until = 0.0
-        self.backoff = self.FIRST
+    def __init__(self, clock=time.perf_counter, cpu_clock=time.thread_time):
+        super().__init__(clock)
+        self.cpu_clock = cpu_clock  # the caller's thread's CPU time: its own work is not judged
         self.calls, self.total = 0, 0.0
         self.floor: float | None = None  # the fewest seconds from a launch to its wait's end seen
-        self.solo_calls = 0  # calls run in turn on the caller's thread since load
-        self.started: float | None = None
+        self.started: float | None = None  # the launch being timed: its wall clock, its caller's CPU clock
+        self.started_cpu = self.own = 0.0
 
     def active(self) -> bool:
         """Backing off now (run calls in turn, launch nothing ahead)?"""
@@ -168,11 +181,14 @@ class DetachedBackoff:
         return False
 
     def launched(self) -> None:
-        self.started = self.clock()
+        self.started, self.started_cpu = self.clock(), self.cpu_clock()
 
-    def waited(self, judge: bool = True, own: float = 0.0) -> None:
-        """After the wait for a launched call (judge=False: a call given up, whose wait says nothing). own: the
-        CPU seconds the caller spent on its own work between the launch and the wait, which is not judged."""
+    def waiting(self) -> None:
+        """The caller starts waiting for the launched call: its CPU since the launch was its own work."""
+        self.own = self.cpu_clock() - self.started_cpu
+
+    def waited(self, judge: bool = True) -> None:
+        """After the wait for a launched call (judge=False: a call given up, whose wait says nothing)."""
         if self.started is None or not judge:
             self.started = None
             return
@@ -183,18 +199,17 @@ class DetachedBackoff:
         self.floor = took if self.floor is None else min(self.floor, took)
         # judged: the time less the caller's own work (a grammar's, the HTTP side's), so that what is left is the
         # wait for the worker and the time the caller itself was not running
-        self.total += max(took - own, 0.0)
+        self.total += max(took - self.own, 0.0)
         self.calls += 1
         if self.total > self.FACTOR * self.floor * self.WINDOW:
             # at once, not at the window's end: under load a probe should not cost a whole window
             self.calls, self.total = 0, 0.0
-            self.until = self.clock() + self.backoff
-            self.backoff = min(2 * self.backoff, self.MOST)
+            self.trip()
             return
         if self.calls < self.WINDOW:
             return
         self.calls, self.total = 0, 0.0  # a window within the bound: the load (if any) is gone
-        self.backoff = self.FIRST
+        self.calm()
 
 
 # Workers that were still alive when their session closed (join timed out: a thread descheduled for long), with
