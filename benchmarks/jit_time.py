@@ -12,6 +12,19 @@ step (lines of LLVM IR), the distinct stage functions against the stages the sch
 multi-token body's are the same count), the seconds of each part and the whole cflow.load. One process at a
 time (run under the CPU lock on a shared machine).
 
+--files A.vflow,B.vflow: the same load (fresh subprocess, empty caches) of compiled files, --rounds times each (the
+bundled model: `cflowc cflow/data/default -o bundled.vflow` first); --baseline DIR: each load also with another
+cflow tree's package (e.g. `git worktree add DIR OLD_COMMIT`), in turns.
+
+--kernels: the tile kernels alone (kernels.emit_matvec / emit_matmat) over every ISA path x 9 weight types x mat-vec,
+gate+up, group loop, two planes, mat-mat, gate+up mat-mat: IR bytes, Python's seconds (emission and printing) and
+LLVM's (parse, optimisation, code generation) in all; --asm DIR also writes each kernel's optimised assembly to
+DIR/<path>_<type>_<kind>.s, so that two trees' code can be compared with `diff -r` (an emission change that should
+not change the code).
+
+    python -m benchmarks.jit_time --files /tmp/bundled.vflow --rounds 3 --baseline /tmp/cflow_old
+    python -m benchmarks.jit_time --kernels --asm /tmp/asm_new     # and PYTHONPATH=OLD_TREE ... --asm /tmp/asm_old
+
 --stages: no JIT and no weights; for presets and geometries at several depths, the lowered plan's stages, the
 distinct stage functions codegen/step.py keeps for both bodies, the IR lines and the seconds build_step takes
 (Python emission, which still emits every stage to compare its text), per executed layer.
@@ -81,13 +94,14 @@ def measure_one(path: str, prefill_block: int) -> dict:
     m = cflow.load(path, threads=1, prefill_block=prefill_block)
     total = time.perf_counter() - t0
     prog = m.session.program.module
-    ir_lines = (prog if isinstance(prog, str) else str(prog)).count("\n")
+    text = prog if isinstance(prog, str) else str(prog)
+    ir_lines = text.count("\n")
     stages, distinct = getattr(m.session.program, "stage_functions", {}).get("stage", (None, None))  # (older cflow)
     st = m.session.library.stats
     m.generate([1, 2], max_new_tokens=1)  # the step runs
     m.close()
-    return {"ir_lines": ir_lines, "stages": stages, "stage_functions": distinct, "emit_s": round(sum(emit), 2),
-            "optimise_s": round(st["optimise_s"], 2),
+    return {"ir_lines": ir_lines, "ir_bytes": len(text), "stages": stages, "stage_functions": distinct,
+            "emit_s": round(sum(emit), 2), "optimise_s": round(st["optimise_s"], 2),
             "codegen_s": round(st["codegen_s"], 2), "load_s": round(total, 2), "cache_hit": st["cache_hit"]}
 
 
@@ -139,6 +153,88 @@ def stages_table(prefill_block: int, json_path: str | None, run: Run) -> int:
     return 0
 
 
+KERNEL_TYPES = ("q4", "q8", "f16", "f32", "q4_k", "q6_k", "iq4_xs", "q5_0", "q2_k")
+KERNEL_KINDS = ("mv", "mvgu", "mvgl", "mv2", "mm", "mmgu")  # mat-vec, gate+up, group loop, two planes, mat-mats
+
+
+def kernels_table(asm_dir: str | None, json_path: str | None, run: Run) -> int:
+    """--kernels: emit, print and JIT the kernel set in this process; totals (and each kernel's assembly)."""
+    from llvmlite import ir
+
+    from cflow.codegen import kernels as K
+    from cflow.codegen.library import Library
+    from cflow.codegen.target import ISA, forced_env, host_target
+    from cflow.layout.tile import TileLayout
+
+    host = host_target(env=False)
+    isas = [i for i in (ISA.AVX512VNNI, ISA.AVXVNNI, ISA.AVX2, ISA.GENERIC) if i.runs_on(host.isa)]
+    if asm_dir:
+        os.makedirs(asm_dir, exist_ok=True)
+    py = llvm = 0.0
+    size = count = 0
+    for isa in isas:
+        env = forced_env(isa)  # each path built for the target forcing it gives (what a host of that kind runs)
+        target = host_target(env["CFLOW_CPU"] or None, env["CFLOW_FEATURES"] or None, env=False)
+        for dt in KERNEL_TYPES:
+            L = TileLayout(dt, 256, 512 if dt in ("q4_k", "q6_k", "iq4_xs", "q2_k") else 256, (128, 256))
+            for kind in KERNEL_KINDS:
+                if kind == "mv2" and dt not in ("q4", "q8", "q5_0"):
+                    continue  # two-plane activations: the 32-input types only
+                t0 = time.perf_counter()
+                m = ir.Module(name="k")
+                if kind.startswith("mv"):
+                    K.emit_matvec(m, "k", L, isa, gate_up=kind == "mvgu", group_loop=1 if kind == "mvgl" else None,
+                                  planes=2 if kind == "mv2" else 1)
+                else:
+                    K.emit_matmat(m, "k", L, isa, 2 * L.cols_p, gate_up=kind == "mmgu")
+                text = str(m)
+                t1 = time.perf_counter()
+                lib = Library(name="k", target=target, cache=False)
+                lib.add_ir(text)
+                lib.finalize()
+                t2 = time.perf_counter()
+                py, llvm, size, count = py + t1 - t0, llvm + t2 - t1, size + len(text), count + 1
+                if asm_dir:
+                    with open(os.path.join(asm_dir, f"{isa}_{dt}_{kind}.s"), "w") as f:
+                        f.write(lib.get_asm_str())
+    print(f"# {cpu_model()}; {count} kernels on {', '.join(map(str, isas))}: {size / 1e6:.1f} MB of IR text, "
+          f"{py:.1f} s emitting and printing it (Python), {llvm:.1f} s in LLVM (parse, optimise, codegen)"
+          + (f"; assembly in {asm_dir}" if asm_dir else ""))
+    run.write(json_path, [run.record(engine="cflow", model="kernels", quant="all", threads=1, variant="kernel set",
+                                     kernels=count, ir_bytes=size, python_s=round(py, 2), llvm_s=round(llvm, 2))])
+    return 0
+
+
+def files_table(paths: list[str], rounds: int, prefill_block: int, baseline: str | None, json_path: str | None,
+                run: Run) -> int:
+    """--files: measure_one on each file in a fresh subprocess with empty caches, `rounds` times, in turns (and with
+    the `baseline` tree's cflow)."""
+    print(f"# {cpu_model()}; prefill block {prefill_block}; 1 thread, empty caches, "
+          f"CFLOW_TUNE={os.environ.get('CFLOW_TUNE', 'off')}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cflow-jit-") as tmp:
+        trees: tuple = (None,)
+        if baseline:  # its cflow package alone on the path, so that the child's benchmarks are this tree's
+            os.makedirs(os.path.join(tmp, "baseline"))
+            os.symlink(os.path.join(os.path.abspath(baseline), "cflow"), os.path.join(tmp, "baseline", "cflow"))
+            trees = (None, os.path.join(tmp, "baseline"))
+        for r, path, tree in ((r, p, t) for r in range(rounds) for p in paths for t in trees):
+            env = child_env(tree, CFLOW_CACHE_DIR=tempfile.mkdtemp(dir=tmp),
+                            CFLOW_TUNE=os.environ.get("CFLOW_TUNE", "off"))
+            out = subprocess.run(module_command("benchmarks.jit_time", "--one", path, prefill_block),
+                                 capture_output=True, text=True, env=env, check=True)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            row.update(file=path, round=r, tree=baseline if tree else "this")
+            rows.append(row)
+            print(f"{os.path.basename(path):<20} {row['tree']:<20} IR {row['ir_bytes'] / 1e6:6.2f} MB, emit "
+                  f"{row['emit_s']:5.2f} s, optimise {row['optimise_s']:5.2f} s, codegen {row['codegen_s']:5.2f} s, "
+                  f"load {row['load_s']:5.2f} s", flush=True)
+    run.write(json_path, [run.record(engine="cflow", model=os.path.basename(r["file"]), quant="file", threads=1,
+                                     variant=f"load on empty caches, round {r['round']}", prefill_block=prefill_block,
+                                     **{k: v for k, v in r.items() if k != "file"}) for r in rows])
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefill-block", type=int, default=64,
@@ -146,6 +242,11 @@ def main(argv=None) -> int:
                     "(default 64, what cflow.load uses)")
     add_json_argument(ap, "also write one record per row")
     ap.add_argument("--stages", action="store_true", help="stage functions and emit time only (no JIT)")
+    ap.add_argument("--files", default=None, help="comma-separated compiled files: their load on empty caches")
+    ap.add_argument("--rounds", type=int, default=1, help="--files: loads of each file, in turns (default 1)")
+    ap.add_argument("--baseline", default=None, metavar="DIR", help="--files: also load with DIR's cflow, in turns")
+    ap.add_argument("--kernels", action="store_true", help="the tile kernel set: IR size, Python and LLVM seconds")
+    ap.add_argument("--asm", default=None, metavar="DIR", help="--kernels: write each kernel's assembly to DIR")
     ap.add_argument("--one", nargs=2, metavar=("FILE", "PREFILL_BLOCK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -154,6 +255,10 @@ def main(argv=None) -> int:
     run = Run("jit_time", argv)
     if args.stages:
         return stages_table(args.prefill_block, args.json, run)
+    if args.kernels:
+        return kernels_table(args.asm, args.json, run)
+    if args.files:
+        return files_table(args.files.split(","), args.rounds, args.prefill_block, args.baseline, args.json, run)
     print(f"# {cpu_model()}; prefill block {args.prefill_block}; tiny geometry, q4, 1 thread, empty caches, "
           f"CFLOW_TUNE={os.environ.get('CFLOW_TUNE', 'off')}")
     print(f"{'what':<10} {'preset':<17} {'layers':>6} {'blocks':>6} {'tile':>7} {'fns/stages':>10} {'IR lines':>9} "

@@ -488,6 +488,19 @@ class UnitActivation:
                 sums = [_asum16(b, aptr, h) for h in range(2)] if fmt.sub == 16 else [b.load(ptr(b, xs, k), align=4)]
             self.blocks.append((aptr, da, sums))
 
+    def values(self) -> list:
+        """Its IR values in one flat list (block by block: bytes, scale, sums), for passing it as arguments."""
+        return [v for aptr, da, sums in self.blocks for v in (aptr, da, *sums)]
+
+    @classmethod
+    def of_values(cls, fmt: BlockFormat, values, planes: int = 1) -> UnitActivation:
+        """The activation values() gave, as received (the arguments of kernels._unit_function's function)."""
+        act = cls.__new__(cls)
+        act.planes = planes
+        n = len(values) // (fmt.qk // BLOCK)  # values per block: bytes, scale and one or two sums
+        act.blocks = [(values[i], values[i + 1], list(values[i + 2: i + n])) for i in range(0, len(values), n)]
+        return act
+
 
 class _Lazy:
     """f(items[i]), made on first use and kept: a chunk's codes (its fields, its bitcast, its code-book lookup)

@@ -288,3 +288,30 @@ def test_gate_up_kernel_calls_nothing(dtype, act):
     lib.add_ir(mod)
     lib.finalize()
     assert "call" not in lib.get_asm_str()
+
+
+@pytest.mark.parametrize("kind", ["mv", "mm"])
+@pytest.mark.parametrize("dtype", ["q4", "q8", "q4_k", "f16"])
+def test_a_groups_code_is_emitted_once_and_inlined(dtype, kind):
+    """The tile-row loop calls one always-inlined function per kernel for each group x unrolled unit (x token), so
+    the IR text holds a group's code once (kernels._group_function); after optimisation nothing of it is left as a
+    function or a call. F16 / F32 units stay inline (their groups interleave input by input)."""
+    L = T.TileLayout(dtype, 256, 512, (128, 256))
+    mod = ir.Module("k")
+    if kind == "mv":
+        K.emit_matvec(mod, "k", L, HOST.isa, unroll=2)
+    else:
+        K.emit_matmat(mod, "k", L, HOST.isa, 1024)
+    text = str(mod)
+    groups = [line for line in text.splitlines() if line.startswith("define") and ".group" in line]
+    if dtype == "f16":
+        assert groups == []
+        return
+    assert len(groups) == (1 if kind == "mv" else 2)  # a mat-mat's own, and its one-token tail's
+    assert all("alwaysinline" in line for line in groups)
+    calls = text.count('@"k.group"(') + text.count('@"k_tail.group"(') + text.count('@"k.group.mm"(')
+    assert calls >= L.groups_per_tile  # every group of a tile-row is a call
+    lib = Library(name="k", target=HOST, cache=False)
+    lib.add_ir(mod)
+    lib.finalize()
+    assert ".group" not in lib.get_llvm_str()
