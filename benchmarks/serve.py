@@ -47,13 +47,17 @@ turns (what serving one slot with BatchedSlots costs).
 --shapes (server, HTTP): what structured output costs per served token: free text against a JSON schema,
 json_object and a GBNF grammar, --rounds requests of each, one at a time in turns, per token by the server's
 clock (its `timings`) and the client's (the share of the cores other processes used meanwhile is printed and
-recorded); --overlap on,off: a server each way (--no-overlap), requests alternating. With --engine-only, the
+recorded); --overlap on,off: a server each way (--no-overlap), requests alternating; --load none,spin: the
+same with another process busy (benchmarks/load.py's `spin`, started before the servers: what a shared host does
+to the overlap, its back-off and the first token), a set of servers per load. With --engine-only, the
 engine's side of it in this process (the server's Job and Chooser over a one-slot BatchedSlots): --overlap off,
 steps in turn, in thread CPU time per token; on, the step detached, in wall time per token with the host's work
 between a step's end and the next one's start.
 
     python -m benchmarks.serve --shapes --models bundled --threads 1 --rounds 401 --max-tokens 64 \
         --overlap on,off --json
+    python -m benchmarks.serve --shapes --models bundled --threads 1 --rounds 101 --max-tokens 64 \
+        --overlap on,off --load none,spin --json
     python -m benchmarks.serve --shapes --engine-only --models bundled --threads 1 --rounds 60 --max-tokens 64 \
         --overlap on,off --json
 
@@ -577,7 +581,7 @@ SHAPES = {
 }
 
 
-def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
+def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> list[dict]:
     """What structured output costs per served token: one server (--max-batch 1) per --overlap mode, requests one
     at a time in turns (the modes alternating request by request), free text and each shape of SHAPES, the same
     prompts, temperature 0.8, fresh seeds; per request the time between two tokens by the server's clock (the
@@ -588,21 +592,26 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
     per_token_us; from it on, the server's clock there and the client's in client_per_token_us. The texts
     differ (a grammar makes the model write something else), the model's step per token does not: the
     difference is the sampler's and the grammar's work per token. Modes: `on` (the server's default: where
-    --threads leaves a core free, the next step runs while a token is handed out), `off` (--no-overlap)."""
+    --threads leaves a core free, the next step runs while a token is handed out), `off` (--no-overlap). load:
+    benchmarks/load.py's (`none`, `spin`, `spin-pinned`), running from before the servers start to the end; the
+    share of the cores other processes used leaves it out."""
     from benchmarks.common.timing import cpu_ticks, other_load
+    from benchmarks.load import start_load, stop_load
 
     modes, label = args.overlap, os.path.basename(which)
-    servers = {m: Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{label}_shapes_{m}.log"),
-                         extra=("--no-overlap",) if m == "off" else ()) for m in modes}
+    spinner, servers = start_load(load), {}
     per_token: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("free", *SHAPES)}
     client: dict[tuple[str, str], list[float]] = {key: [] for key in per_token}
     ttft: dict[tuple[str, str], list[float]] = {key: [] for key in per_token}
     rng = random.Random(3)
     try:
+        for m in modes:
+            servers[m] = Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{label}_shapes_{m}.log"),
+                                extra=("--no-overlap",) if m == "off" else ())
         for server in servers.values():
             asyncio.run(stream_once(server.port, {"model": "m", "prompt": "Once", "max_tokens": 8, "stream": True},
                                     60))
-        pids = tuple(server.p.pid for server in servers.values())
+        pids = tuple(server.p.pid for server in servers.values()) + ((spinner.pid,) if spinner else ())
         ticks = cpu_ticks(pids)
         for r in range(args.rounds):
             for kind in ("free", *SHAPES):
@@ -620,25 +629,26 @@ def shape_cost(which: str, path: str, args, tmp: str) -> list[dict]:
                         per_token[m, kind].append(rec["timings"]["predicted_per_token_ms"] / 1e3)
                         client[m, kind].append((rec["times"][-1] - rec["sent"]) / rec["tokens"])
                         ttft[m, kind].append(rec["times"][0] - rec["sent"])
-        load = other_load(ticks, cpu_ticks(pids))
+        busy = other_load(ticks, cpu_ticks(pids))
     finally:
         for server in servers.values():
             server.close()
+        stop_load(spinner)
     records = []
     for (m, kind), ts in per_token.items():
         free, med = statistics.median(per_token[m, "free"]), statistics.median(ts)
         cfree, cmed = statistics.median(client[m, "free"]), statistics.median(client[m, kind])
-        records.append({"model": which, "shape": kind, "overlap": m,
+        records.append({"model": which, "shape": kind, "overlap": m, "load": load,
                         "threads": args.threads or len(os.sched_getaffinity(0)),
                         "requests": len(ts), "per_token_us": round(med * 1e6, 1), "vs_free": round(med / free, 4),
                         "client_per_token_us": round(cmed * 1e6, 1), "client_vs_free": round(cmed / cfree, 4),
                         "ttft_ms": round(statistics.median(ttft[m, kind]) * 1e3, 3),
-                        "other_load": round(load, 3), "per_request_us": [round(x * 1e6, 1) for x in ts]})
-        print(f"{which:>8} {kind:>12}, overlap {m:>3}: {med * 1e6:7.1f} us a served token (the server's timings, "
-              f"median of {len(ts)} requests), {med / free - 1:+6.1%} against free text; the client's "
-              f"{cmed * 1e6:7.1f} us, {cmed / cfree - 1:+6.1%}; first token after "
+                        "other_load": round(busy, 3), "per_request_us": [round(x * 1e6, 1) for x in ts]})
+        print(f"{which:>8} {kind:>12}, overlap {m:>3}, load {load:>4}: {med * 1e6:7.1f} us a served token (the "
+              f"server's timings, median of {len(ts)} requests), {med / free - 1:+6.1%} against free text; the "
+              f"client's {cmed * 1e6:7.1f} us, {cmed / cfree - 1:+6.1%}; first token after "
               f"{statistics.median(ttft[m, kind]) * 1e3:5.2f} ms", flush=True)
-    print(f"# other processes used {load:.0%} of the {len(os.sched_getaffinity(0))} cores meanwhile", flush=True)
+    print(f"# other processes used {busy:.0%} of the {len(os.sched_getaffinity(0))} cores meanwhile", flush=True)
     return records
 
 
@@ -937,6 +947,9 @@ def main(argv=None) -> int:
                    "default: the next step runs while a token is handed out, where --threads leaves a core free), "
                    "off (--no-overlap); with --engine-only: on, the step detached (wall time), off, in turn (thread "
                    "CPU time); e.g. on,off (default on)")
+    p.add_argument("--load", default="none",
+                   help="--shapes: comma-separated background loads, a set of servers each: none, spin, spin-pinned "
+                   "(benchmarks/load.py's; default none)")
     p.add_argument("--rounds", type=int, default=5, help="--prefix, --shapes: requests each way (default 5)")
     p.add_argument("--repeat", type=int, default=1,
                    help="--engine-only, --chunked-prefill: runs, every one recorded (default 1)")
@@ -975,7 +988,8 @@ def main(argv=None) -> int:
                     records += (shape_cost_overlap if mode == "on" else shape_cost_engine)(which, path, args)
                 continue
             if args.shapes:
-                records += shape_cost(which, path, args, tmp)
+                for load in args.load.split(","):
+                    records += shape_cost(which, path, args, tmp, load)
                 continue
             if args.one_slot:
                 for r in range(args.repeat):
@@ -1008,7 +1022,9 @@ def schema_record(run: Run, r: dict) -> dict:
     elif "shape" in r and r.get("engine_only"):
         variant, tok_s = f"engine, max-batch 1, output {r['shape']}, thread CPU", 1e6 / r["cpu_turn_us"]
     elif "shape" in r:
-        variant, tok_s = f"server, max-batch 1, output {r['shape']}, overlap {r['overlap']}", 1e6 / r["per_token_us"]
+        variant = f"server, max-batch 1, output {r['shape']}, overlap {r['overlap']}"
+        variant += f", load {r['load']}" if r.get("load", "none") != "none" else ""
+        tok_s = 1e6 / r["per_token_us"]
     elif "split" in r:
         variant, tok_s = f"server, max-batch 1, {r['threads']} threads ({r['split']})", 1e6 / r["per_token_us"]
     elif r.get("path") == "one slot":
