@@ -505,6 +505,18 @@ def chunked_prefill(which: str, path: str, threads: int | None, prompt_len: int,
     return records
 
 
+OVERLAP_COUNTERS = ("cflow_steps_ahead_total", "cflow_steps_ahead_dropped_total", "cflow_backoffs_total",
+                    "cflow_calls_in_turn_total")
+
+
+def _counters(port: int, names=OVERLAP_COUNTERS) -> dict[str, float]:
+    """Several of a server's /metrics samples in one request (0 for a name it does not report)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        found = dict(line.rsplit(" ", 1) for line in r.read().decode().splitlines()
+                     if line.split(" ", 1)[0] in names)
+    return {n: float(found.get(n, 0)) for n in names}
+
+
 def _metric(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
@@ -603,6 +615,7 @@ def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> lis
     per_token: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("free", *SHAPES)}
     client: dict[tuple[str, str], list[float]] = {key: [] for key in per_token}
     ttft: dict[tuple[str, str], list[float]] = {key: [] for key in per_token}
+    counts: dict[tuple[str, str], dict[str, float]] = {key: dict.fromkeys(OVERLAP_COUNTERS, 0.0) for key in per_token}
     rng = random.Random(3)
     try:
         for m in modes:
@@ -619,7 +632,10 @@ def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> lis
                         "temperature": 0.8, "seed": rng.randrange(2**31), "stream": True,
                         "stream_options": {"include_usage": True}, **SHAPES.get(kind, {})}
                 for m in (modes if r % 2 == 0 else modes[::-1]):  # the same request to each, in turns
+                    before = _counters(servers[m].port)
                     rec = asyncio.run(stream_once(servers[m].port, body, 120, light=True))
+                    for n, v in _counters(servers[m].port).items():
+                        counts[m, kind][n] += v - before[n]
                     if rec["error"]:
                         raise SystemExit(f"a --shapes request failed: {rec['error']}")
                     if rec.get("timings") is None:
@@ -636,6 +652,7 @@ def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> lis
         stop_load(spinner)
     records = []
     for (m, kind), ts in per_token.items():
+        c = counts[m, kind]  # this kind's requests' share of the server's overlap counters
         free, med = statistics.median(per_token[m, "free"]), statistics.median(ts)
         cfree, cmed = statistics.median(client[m, "free"]), statistics.median(client[m, kind])
         records.append({"model": which, "shape": kind, "overlap": m, "load": load,
@@ -643,11 +660,15 @@ def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> lis
                         "requests": len(ts), "per_token_us": round(med * 1e6, 1), "vs_free": round(med / free, 4),
                         "client_per_token_us": round(cmed * 1e6, 1), "client_vs_free": round(cmed / cfree, 4),
                         "ttft_ms": round(statistics.median(ttft[m, kind]) * 1e3, 3),
-                        "other_load": round(busy, 3), "per_request_us": [round(x * 1e6, 1) for x in ts]})
+                        "other_load": round(busy, 3), "per_request_us": [round(x * 1e6, 1) for x in ts],
+                        **{n.removeprefix("cflow_").removesuffix("_total"): int(v) for n, v in c.items()}})
         print(f"{which:>8} {kind:>12}, overlap {m:>3}, load {load:>4}: {med * 1e6:7.1f} us a served token (the "
               f"server's timings, median of {len(ts)} requests), {med / free - 1:+6.1%} against free text; the "
               f"client's {cmed * 1e6:7.1f} us, {cmed / cfree - 1:+6.1%}; first token after "
               f"{statistics.median(ttft[m, kind]) * 1e3:5.2f} ms", flush=True)
+        print(f"{'':>22} steps launched ahead {int(c['cflow_steps_ahead_total'])}, dropped "
+              f"{int(c['cflow_steps_ahead_dropped_total'])}; backed off {int(c['cflow_backoffs_total'])} times, "
+              f"{int(c['cflow_calls_in_turn_total'])} calls in turn", flush=True)
     print(f"# other processes used {busy:.0%} of the {len(os.sched_getaffinity(0))} cores meanwhile", flush=True)
     return records
 

@@ -262,6 +262,12 @@ class NativeStep:
         return backoff.solo_calls if backoff is not None else 0
 
     @property
+    def backoffs(self) -> int:
+        """Times the step backed off under load (Backoff, DetachedBackoff: each trip)."""
+        backoff = self.backoff or self.detached_backoff
+        return backoff.trips if backoff is not None else 0
+
+    @property
     def barrier_naps(self) -> int:
         """Times a thread waiting at a stage barrier stopped spinning and slept (BarrierWord.NAPS, counted since
         bind)."""

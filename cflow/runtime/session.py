@@ -188,6 +188,12 @@ class Session(DetachedSteps, DiskSteps):
         a detached one-thread step's calls in turn (DetachedBackoff)."""
         return self.native.solo_calls
 
+    @property
+    def backoffs(self) -> int:
+        """Times the step backed off under load (the default thread count's Backoff or a detached step's
+        DetachedBackoff), each for a while (their solo_calls ran then)."""
+        return self.native.backoffs
+
     # --- running ----------------------------------------------------------------------------------
     @property
     def pos(self) -> int:

@@ -67,9 +67,11 @@ class _Doubling:
         self.until = 0.0  # run alone until this time
         self.backoff = self.FIRST
         self.solo_calls = 0  # calls run alone since load (reported by Session.solo_calls)
+        self.trips = 0  # times it backed off (reported by Session.backoffs)
 
     def trip(self, now: float | None = None) -> None:
         """Back off from now (longer each time the load is still there)."""
+        self.trips += 1
         self.until = (self.clock() if now is None else now) + self.backoff
         self.backoff = min(2 * self.backoff, self.MOST)
 

@@ -72,6 +72,7 @@ class Engine:
         if metrics is not None:
             metrics.slots.set(backend.slots)
             metrics.watch_prefix_cache(getattr(backend, "prefix_cache", None))
+            metrics.watch_backend(backend)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -22,6 +22,10 @@
     cflow_prefix_cache_bytes                bytes of keys and values the cache holds
     cflow_prefix_cache_blocks               blocks it holds (16 tokens each)
     cflow_prefix_cache_budget_bytes         its budget (--cache-mb; 0: off)
+    cflow_steps_ahead_total                 decode steps launched before their token was handed out (the overlap)
+    cflow_steps_ahead_dropped_total         of them, dropped: a refused guess, a request joining or stopping
+    cflow_backoffs_total                    times the step backed off under load (runtime/workers.py)
+    cflow_calls_in_turn_total               native calls run on the engine's thread alone while backing off
 """
 
 from __future__ import annotations
@@ -87,6 +91,30 @@ class _PrefixCacheMetrics:
             yield GaugeMetricFamily(f"cflow_prefix_cache_{name}{suffix}", doc, value=getattr(c, name) if c else 0)
 
 
+class _OverlapMetrics:
+    """The overlap's and the back-off's counters, read from the backend and its model's session when /metrics is
+    rendered (zeros where a backend has none: StreamSlots launches nothing ahead)."""
+
+    COUNTERS = (("steps_ahead", "decode steps launched before their token was handed out"),
+                ("steps_ahead_dropped", "steps launched ahead and dropped (a refused guess, a join, a stop)"),
+                ("backoffs", "times the step backed off under load"),
+                ("calls_in_turn", "native calls run on the engine's thread alone while backing off"))
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def values(self) -> dict[str, int]:
+        be = self.backend
+        session = getattr(getattr(be, "model", None), "session", None)
+        return {"steps_ahead": getattr(be, "ahead_steps", 0), "steps_ahead_dropped": getattr(be, "ahead_dropped", 0),
+                "backoffs": getattr(session, "backoffs", 0), "calls_in_turn": getattr(session, "solo_calls", 0)}
+
+    def collect(self):
+        v = self.values()
+        for name, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"cflow_{name}", doc, value=v[name])
+
+
 class ServeMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -118,6 +146,10 @@ class ServeMetrics:
     def watch_prefix_cache(self, cache) -> None:
         """Report `cache`'s counters (a PrefixCache, or None: zeros) under cflow_prefix_cache_*."""
         self.registry.register(_PrefixCacheMetrics(cache))
+
+    def watch_backend(self, backend) -> None:
+        """Report the backend's overlap and back-off counters (cflow_steps_ahead_*, cflow_backoffs, ...)."""
+        self.registry.register(_OverlapMetrics(backend))
 
     # --- called by the engine thread --------------------------------------------------------------
     def prefill(self, tokens: int, seconds: float) -> None:

@@ -196,6 +196,39 @@ def test_a_detached_step_backing_off_runs_in_turn(tiny_path, text_path):
         be.close()
 
 
+def test_metrics_report_the_overlap_and_the_backoff(text_path):
+    """/metrics' cflow_steps_ahead_total, cflow_steps_ahead_dropped_total, cflow_backoffs_total and
+    cflow_calls_in_turn_total are the backend's and its session's counters: steps launched ahead while quiet, none
+    and calls in turn once the step has backed off."""
+    from cflow.serve.metrics import ServeMetrics
+
+    m = cflow.load(text_path, threads=1, detached=True)
+    be = BatchedSlots(m)
+    metrics = ServeMetrics()
+    metrics.watch_backend(be)
+
+    def sample(name):
+        lines = metrics.render().decode().splitlines()
+        return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
+
+    tok = m.tokenizer
+    kw = dict(max_tokens=12, temperature=0.8, seed=5, eos=min(m.eos_ids))
+    try:
+        backoff = m.session.native.detached_backoff
+        backoff.FACTOR = float("inf")  # quiet, whatever the load
+        assert _run(be, [_job(tok, tok.encode("Once upon a time"), "json_object", **kw)])
+        ahead = sample("cflow_steps_ahead_total")
+        assert ahead == be.ahead_steps >= 5 and sample("cflow_steps_ahead_dropped_total") == be.ahead_dropped
+        assert sample("cflow_backoffs_total") == 0 and sample("cflow_calls_in_turn_total") == 0
+        backoff.trip()
+        backoff.until = float("inf")
+        assert _run(be, [_job(tok, tok.encode("The dog"), **kw)])
+        assert sample("cflow_backoffs_total") == 1 and sample("cflow_calls_in_turn_total") >= 5
+        assert sample("cflow_steps_ahead_total") == ahead
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("case", ["plain", "greedy", "logprobs", "json_object", "person", "join", "stop",
                                   "person@2", "cached"])
 def test_overlapped_slots_give_the_same_tokens(text_path, case):
