@@ -47,7 +47,8 @@ turns (what serving one slot with BatchedSlots costs).
 --shapes (server, HTTP): what structured output costs per served token: free text against a JSON schema,
 json_object and a GBNF grammar, --rounds requests of each, one at a time in turns, per token by the server's
 clock (its `timings`) and the client's (the share of the cores other processes used meanwhile is printed and
-recorded); --overlap on,off: a server each way (--no-overlap), requests alternating; --load none,spin: the
+recorded); --overlap on,off: a server each way (--no-overlap), requests alternating; --baseline DIR: each
+mode also served by another checkout's cflow (MODE@base), requests alternating over all; --load none,spin: the
 same with another process busy (benchmarks/load.py's `spin`, started before the servers: what a shared host does
 to the overlap, its back-off and the first token), a set of servers per load. With --engine-only, the
 engine's side of it in this process (the server's Job and Chooser over a one-slot BatchedSlots): --overlap off,
@@ -146,7 +147,7 @@ def rss_mb(pid: int) -> float:
 
 class Server:
     def __init__(self, path: str, threads: int | None, max_batch: int, max_queue: int, log: str,
-                 speculate: str | None = None, extra: tuple[str, ...] = ()):
+                 speculate: str | None = None, extra: tuple[str, ...] = (), tree: str | None = None):
         self.port = free_port()
         cmd = [sys.executable, "-c", "from cflow.cli import cflow_main; raise SystemExit(cflow_main())"]
         cmd += ["serve", path, "--port", str(self.port), "--max-batch", str(max_batch), "--max-queue", str(max_queue),
@@ -154,7 +155,12 @@ class Server:
         cmd += ["--speculate", speculate] if speculate else []
         cmd += list(extra)
         self.log = open(log, "w")
-        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        env = None
+        if tree:  # another cflow checkout's package first on the path (benchmarks/common/process.py child_env)
+            from benchmarks.common.process import child_env
+
+            env = child_env(tree)
+        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 180
         while True:
@@ -610,7 +616,9 @@ def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> lis
     from benchmarks.common.timing import cpu_ticks, other_load
     from benchmarks.load import start_load, stop_load
 
-    modes, label = args.overlap, os.path.basename(which)
+    label = os.path.basename(which)
+    # --baseline: each mode also served by that tree's cflow ("on@base"), requests alternating over all of them
+    modes = args.overlap + ([f"{m}@base" for m in args.overlap] if args.baseline else [])
     spinner, servers = start_load(load), {}
     per_token: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in ("free", *SHAPES)}
     client: dict[tuple[str, str], list[float]] = {key: [] for key in per_token}
@@ -620,7 +628,8 @@ def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> lis
     try:
         for m in modes:
             servers[m] = Server(path, args.threads, 1, args.max_queue, os.path.join(tmp, f"{label}_shapes_{m}.log"),
-                                extra=("--no-overlap",) if m == "off" else ())
+                                extra=("--no-overlap",) if m.startswith("off") else (),
+                                tree=args.baseline if m.endswith("@base") else None)
         for server in servers.values():
             asyncio.run(stream_once(server.port, {"model": "m", "prompt": "Once", "max_tokens": 8, "stream": True},
                                     60))
@@ -662,7 +671,7 @@ def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> lis
                         "ttft_ms": round(statistics.median(ttft[m, kind]) * 1e3, 3),
                         "other_load": round(busy, 3), "per_request_us": [round(x * 1e6, 1) for x in ts],
                         **{n.removeprefix("cflow_").removesuffix("_total"): int(v) for n, v in c.items()}})
-        print(f"{which:>8} {kind:>12}, overlap {m:>3}, load {load:>4}: {med * 1e6:7.1f} us a served token (the "
+        print(f"{which:>8} {kind:>12}, overlap {m:>7}, load {load:>4}: {med * 1e6:7.1f} us a served token (the "
               f"server's timings, median of {len(ts)} requests), {med / free - 1:+6.1%} against free text; the "
               f"client's {cmed * 1e6:7.1f} us, {cmed / cfree - 1:+6.1%}; first token after "
               f"{statistics.median(ttft[m, kind]) * 1e3:5.2f} ms", flush=True)
@@ -968,6 +977,9 @@ def main(argv=None) -> int:
                    "default: the next step runs while a token is handed out, where --threads leaves a core free), "
                    "off (--no-overlap); with --engine-only: on, the step detached (wall time), off, in turn (thread "
                    "CPU time); e.g. on,off (default on)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="--shapes: each --overlap mode also served by DIR's cflow (another checkout), requests "
+                   "alternating; recorded as MODE@base (default: off)")
     p.add_argument("--load", default="none",
                    help="--shapes: comma-separated background loads, a set of servers each: none, spin, spin-pinned "
                    "(benchmarks/load.py's; default none)")
