@@ -505,7 +505,7 @@ def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_l
 
 
 def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2, unpack=0,
-                   pf_stride=64, planes: int = 1):
+                   pf_stride=64, planes: int = 1, group_calls: bool = True):
     """outs[a][0:TR] = (one tile-row of W) x_a for every activation a, where w_row points at the tile-row's
     first unit and acts[a] = (x, xq, xd, xs).
 
@@ -534,7 +534,8 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                     prefetch_lines(b, unit, [prefetch + off for off in range(0, UB, pf_stride)], pf_locality)
                 for a, act in enumerate(acts):
                     accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
-                    _unit(b, L, isa, unit, kb, groups, accs, act, unpack, planes, one_token=na == 1, calls=True)
+                    _unit(b, L, isa, unit, kb, groups, accs, act, unpack, planes, one_token=na == 1,
+                          calls=group_calls)
                     for k, g in enumerate(groups):
                         b.store(accs[g], slots[a * gp + k])
         for a in range(na):
@@ -561,7 +562,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
                 max_groups: int = MAX_GROUPS, unroll: int = DEFAULT_UNROLL, prefetch: int | None = None,
                 prefetch_locality: int | None = None, gate_up: bool = False,
                 act: str = "silu", vector_bits: int = 0, unpack: int = 0, prefetch_stride: int = 64,
-                group_loop: int | None = None, planes: int = 1) -> ir.Function:
+                group_loop: int | None = None, planes: int = 1, group_calls: bool = True) -> ir.Function:
     """Emit `name`: y[r0*TR:r1*TR] = W x over tile-rows [r0, r1) of `layout` (see module docstring).
 
     Args:
@@ -585,6 +586,8 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
             `unroll` units per iteration, groups in passes of max_groups; None: builtin_knobs' or 0 (the tuner
             tries both).
         planes: the activation's int8 planes (emit_quantize_act): 2 for quant.TWO_PLANE_TYPES only.
+        group_calls: a quantised unit's groups as calls of one always-inlined function (_group_function); False
+            emits each inline, the twin the tests compare its assembly with.
     """
     isa = _check_isa(isa)
     _check_act(act)
@@ -617,7 +620,7 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
                              prefetch_stride, planes)
         else:
             _emit_tile_row(b, L, isa, w_row, [(x, xq, xd, xs)], slots, [out], unroll, prefetch, prefetch_locality,
-                           unpack, prefetch_stride, planes)
+                           unpack, prefetch_stride, planes, group_calls)
 
     with Loop(b, r0, r1, "t") as t:
         w_row = ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))

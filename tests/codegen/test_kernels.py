@@ -315,3 +315,22 @@ def test_a_groups_code_is_emitted_once_and_inlined(dtype, kind):
     lib.add_ir(mod)
     lib.finalize()
     assert ".group" not in lib.get_llvm_str()
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2"])
+@pytest.mark.parametrize("dtype", ["q4", "q4_k"])
+def test_group_calls_give_the_inline_code(dtype, isa):
+    """The group function (kernels._group_function) is an emission change, not a code change: inlined by LLVM, it
+    gives the assembly of the same kernel emitted with every group inline (benchmarks/jit_time.py --kernels
+    compares 192 kernels this way against the tree before it)."""
+    target = isa_target(isa)
+    L = T.TileLayout(dtype, 256, 512, (128, 256))
+    asm = {}
+    for calls in (True, False):
+        mod = ir.Module("k")
+        K.emit_matvec(mod, "k", L, isa, unroll=2, group_calls=calls)
+        lib = Library(name="k", target=target, cache=False)
+        lib.add_ir(mod)
+        lib.finalize()
+        asm[calls] = lib.get_asm_str()
+    assert asm[True] == asm[False]
