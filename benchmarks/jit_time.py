@@ -24,6 +24,7 @@ not change the code).
 
     python -m benchmarks.jit_time --files /tmp/bundled.vflow --rounds 3 --baseline /tmp/cflow_old
     python -m benchmarks.jit_time --kernels --asm /tmp/asm_new     # and PYTHONPATH=OLD_TREE ... --asm /tmp/asm_old
+    python -m benchmarks.jit_time --kernels --inline --asm /tmp/asm_inline   # the in-tree twin, then diff -r
 
 --stages: no JIT and no weights; for presets and geometries at several depths, the lowered plan's stages, the
 distinct stage functions codegen/step.py keeps for both bodies, the IR lines and the seconds build_step takes
@@ -157,8 +158,9 @@ KERNEL_TYPES = ("q4", "q8", "f16", "f32", "q4_k", "q6_k", "iq4_xs", "q5_0", "q2_
 KERNEL_KINDS = ("mv", "mvgu", "mvgl", "mv2", "mm", "mmgu")  # mat-vec, gate+up, group loop, two planes, mat-mats
 
 
-def kernels_table(asm_dir: str | None, json_path: str | None, run: Run) -> int:
-    """--kernels: emit, print and JIT the kernel set in this process; totals (and each kernel's assembly)."""
+def kernels_table(asm_dir: str | None, json_path: str | None, run: Run, inline: bool = False) -> int:
+    """--kernels: emit, print and JIT the kernel set in this process; totals (and each kernel's assembly). inline:
+    every group emitted inline (group_calls=False, the twin of the always-inlined group function)."""
     from llvmlite import ir
 
     from cflow.codegen import kernels as K
@@ -184,9 +186,9 @@ def kernels_table(asm_dir: str | None, json_path: str | None, run: Run) -> int:
                 m = ir.Module(name="k")
                 if kind.startswith("mv"):
                     K.emit_matvec(m, "k", L, isa, gate_up=kind == "mvgu", group_loop=1 if kind == "mvgl" else None,
-                                  planes=2 if kind == "mv2" else 1)
+                                  planes=2 if kind == "mv2" else 1, group_calls=not inline)
                 else:
-                    K.emit_matmat(m, "k", L, isa, 2 * L.cols_p, gate_up=kind == "mmgu")
+                    K.emit_matmat(m, "k", L, isa, 2 * L.cols_p, gate_up=kind == "mmgu", group_calls=not inline)
                 text = str(m)
                 t1 = time.perf_counter()
                 lib = Library(name="k", target=target, cache=False)
@@ -197,7 +199,8 @@ def kernels_table(asm_dir: str | None, json_path: str | None, run: Run) -> int:
                 if asm_dir:
                     with open(os.path.join(asm_dir, f"{isa}_{dt}_{kind}.s"), "w") as f:
                         f.write(lib.get_asm_str())
-    print(f"# {cpu_model()}; {count} kernels on {', '.join(map(str, isas))}: {size / 1e6:.1f} MB of IR text, "
+    what = f"{count} kernels{' (every group inline)' if inline else ''} on {', '.join(map(str, isas))}"
+    print(f"# {cpu_model()}; {what}: {size / 1e6:.1f} MB of IR text, "
           f"{py:.1f} s emitting and printing it (Python), {llvm:.1f} s in LLVM (parse, optimise, codegen)"
           + (f"; assembly in {asm_dir}" if asm_dir else ""))
     run.write(json_path, [run.record(engine="cflow", model="kernels", quant="all", threads=1, variant="kernel set",
@@ -247,6 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default=None, metavar="DIR", help="--files: also load with DIR's cflow, in turns")
     ap.add_argument("--kernels", action="store_true", help="the tile kernel set: IR size, Python and LLVM seconds")
     ap.add_argument("--asm", default=None, metavar="DIR", help="--kernels: write each kernel's assembly to DIR")
+    ap.add_argument("--inline", action="store_true",
+                    help="--kernels: every group emitted inline (the group function's twin; diff -r its --asm)")
     ap.add_argument("--one", nargs=2, metavar=("FILE", "PREFILL_BLOCK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -256,7 +261,7 @@ def main(argv=None) -> int:
     if args.stages:
         return stages_table(args.prefill_block, args.json, run)
     if args.kernels:
-        return kernels_table(args.asm, args.json, run)
+        return kernels_table(args.asm, args.json, run, args.inline)
     if args.files:
         return files_table(args.files.split(","), args.rounds, args.prefill_block, args.baseline, args.json, run)
     print(f"# {cpu_model()}; prefill block {args.prefill_block}; tiny geometry, q4, 1 thread, empty caches, "

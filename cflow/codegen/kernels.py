@@ -645,7 +645,8 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
                 tail: ir.Function | None = None, linkage: str = "external", token_group: int | None = None,
                 max_groups: int | None = None, unroll: int = 1, prefetch: int | None = None,
                 prefetch_locality: int | None = None, gate_up: bool = False,
-                act: str = "silu", act_blocks: int | None = None, planes: int = 1) -> ir.Function:
+                act: str = "silu", act_blocks: int | None = None, planes: int = 1,
+                group_calls: bool = True) -> ir.Function:
     """Emit `name`: y[t][r0*TR : r1*TR] = W x_t for tokens t in [0, ntok) over tile-rows [r0, r1).
 
     The multi-token twin of emit_matvec (its arguments, plus ntok, x_stride, y_stride): token t's int8
@@ -670,7 +671,8 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
                            f"{planes * L.cols_p}, and {nblk} blocks >= {L.cols_p // BLOCK}")
     if tail is None:  # None knobs: the mat-vec's built-ins (builtin_knobs)
         tail = emit_matvec(module, f"{name}_tail", layout, isa, linkage="internal", gate_up=gate_up, unroll=unroll,
-                           prefetch=prefetch, prefetch_locality=prefetch_locality, act=act, planes=planes)
+                           prefetch=prefetch, prefetch_locality=prefetch_locality, act=act, planes=planes,
+                           group_calls=group_calls)
     prefetch_locality = DEFAULT_PREFETCH_LOCALITY if prefetch_locality is None else prefetch_locality
     fn = new_function(module, name, MATMAT_ARGS, linkage,
                       ("w", "x", "xq", "xd", "xs", "y", "r0", "r1", "ntok", "x_stride", "y_stride"), noalias=False)
@@ -702,10 +704,10 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
         acts = [token_act(t) for t in ts]
         w_row = ptr(b, w, b.mul(r, ir.Constant(i64, row_bytes)))
         _emit_tile_row(b, L, isa, w_row, acts, acc_slots, rows[:n], unroll, prefetch, prefetch_locality,
-                       planes=planes)
+                       planes=planes, group_calls=group_calls)
         if gate_up:
             _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), acts, acc_slots, ups[:n], unroll, prefetch,
-                           prefetch_locality, planes=planes)
+                           prefetch_locality, planes=planes, group_calls=group_calls)
         for k, t in enumerate(ts):
             y_row = ptr(b, y, b.add(b.mul(t, y_stride), b.mul(r, ir.Constant(i64, L.tr))), V(f32, 16))
             for g in range(L.groups_per_tile):
