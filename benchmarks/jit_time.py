@@ -216,18 +216,14 @@ def files_table(paths: list[str], rounds: int, prefill_block: int, baseline: str
           f"CFLOW_TUNE={os.environ.get('CFLOW_TUNE', 'off')}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="cflow-jit-") as tmp:
-        trees: tuple = (None,)
-        if baseline:  # its cflow package alone on the path, so that the child's benchmarks are this tree's
-            os.makedirs(os.path.join(tmp, "baseline"))
-            os.symlink(os.path.join(os.path.abspath(baseline), "cflow"), os.path.join(tmp, "baseline", "cflow"))
-            trees = (None, os.path.join(tmp, "baseline"))
+        trees = (None, baseline) if baseline else (None,)
         for r, path, tree in ((r, p, t) for r in range(rounds) for p in paths for t in trees):
             env = child_env(tree, CFLOW_CACHE_DIR=tempfile.mkdtemp(dir=tmp),
                             CFLOW_TUNE=os.environ.get("CFLOW_TUNE", "off"))
             out = subprocess.run(module_command("benchmarks.jit_time", "--one", path, prefill_block),
                                  capture_output=True, text=True, env=env, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
-            row.update(file=path, round=r, tree=baseline if tree else "this")
+            row.update(file=path, round=r, tree=tree or "this")
             rows.append(row)
             print(f"{os.path.basename(path):<20} {row['tree']:<20} IR {row['ir_bytes'] / 1e6:6.2f} MB, emit "
                   f"{row['emit_s']:5.2f} s, optimise {row['optimise_s']:5.2f} s, codegen {row['codegen_s']:5.2f} s, "

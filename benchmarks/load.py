@@ -104,7 +104,7 @@ def worker(path: str, threads: int, tokens: int, seconds: float, spin: int, excl
     out = {"threads": m.threads, "tok_s": done / spent, "tokens": done, "seconds": spent,
            "other_load": other_load(a, z), "naps_per_token": naps / max(done, 1),
            "solo_share": solo / max(done, 1),
-           "cflow": os.path.dirname(cflow.__file__)}
+           "cflow": os.path.dirname(os.path.realpath(cflow.__file__))}
     m.close()
     return out
 

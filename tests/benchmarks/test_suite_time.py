@@ -21,3 +21,4 @@ def test_unknown_paths_are_refused(capsys):
 
     with pytest.raises(SystemExit, match="unknown path"):
         main(["--paths", "own,avx3"])
+
