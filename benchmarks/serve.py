@@ -515,20 +515,16 @@ OVERLAP_COUNTERS = ("cflow_steps_ahead_total", "cflow_steps_ahead_dropped_total"
                     "cflow_calls_in_turn_total")
 
 
-def _counters(port: int, names=OVERLAP_COUNTERS) -> dict[str, float]:
-    """Several of a server's /metrics samples in one request (0 for a name it does not report)."""
+def _metrics(port: int, names, missing: float = float("nan")) -> dict[str, float]:
+    """Samples of a server's /metrics, one request for all (`missing` for a name it does not report)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         found = dict(line.rsplit(" ", 1) for line in r.read().decode().splitlines()
                      if line.split(" ", 1)[0] in names)
-    return {n: float(found.get(n, 0)) for n in names}
+    return {n: float(found.get(n, missing)) for n in names}
 
 
 def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return float("nan")
+    return _metrics(port, (name,))[name]
 
 
 def _ttft(port: int, ids: list[int]) -> float:
@@ -633,6 +629,9 @@ def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> lis
         for server in servers.values():
             asyncio.run(stream_once(server.port, {"model": "m", "prompt": "Once", "max_tokens": 8, "stream": True},
                                     60))
+        # the overlap counters after each server's last request (0 where a server predates them): a request's
+        # share is the difference after it, one /metrics read a request, between requests
+        seen = {m: _metrics(servers[m].port, OVERLAP_COUNTERS, 0.0) for m in modes}
         pids = tuple(server.p.pid for server in servers.values()) + ((spinner.pid,) if spinner else ())
         ticks = cpu_ticks(pids)
         for r in range(args.rounds):
@@ -641,10 +640,11 @@ def shape_cost(which: str, path: str, args, tmp: str, load: str = "none") -> lis
                         "temperature": 0.8, "seed": rng.randrange(2**31), "stream": True,
                         "stream_options": {"include_usage": True}, **SHAPES.get(kind, {})}
                 for m in (modes if r % 2 == 0 else modes[::-1]):  # the same request to each, in turns
-                    before = _counters(servers[m].port)
                     rec = asyncio.run(stream_once(servers[m].port, body, 120, light=True))
-                    for n, v in _counters(servers[m].port).items():
-                        counts[m, kind][n] += v - before[n]
+                    now = _metrics(servers[m].port, OVERLAP_COUNTERS, 0.0)
+                    for n, v in now.items():
+                        counts[m, kind][n] += v - seen[m][n]
+                    seen[m] = now
                     if rec["error"]:
                         raise SystemExit(f"a --shapes request failed: {rec['error']}")
                     if rec.get("timings") is None:
