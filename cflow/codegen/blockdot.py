@@ -494,7 +494,7 @@ class UnitActivation:
 
     @classmethod
     def of_values(cls, fmt: BlockFormat, values, planes: int = 1) -> UnitActivation:
-        """The activation values() gave, as received (the arguments of kernels._unit_function's function)."""
+        """The activation values() gave, as received (the arguments of kernels._group_function's function)."""
         act = cls.__new__(cls)
         act.planes = planes
         n = len(values) // (fmt.qk // BLOCK)  # values per block: bytes, scale and one or two sums

@@ -68,51 +68,56 @@ class _Rate:
         return tok / sec if sec > 0 else 0.0
 
 
-class _PrefixCacheMetrics:
-    """The prefix cache's counters, read from the cache when /metrics is rendered (zeros without one)."""
+class _ReadAtRender:
+    """Counters and gauges whose values are read from the objects that keep them when /metrics is rendered:
+    read() -> {metric name: value}; counters and gauges: (metric name, help) pairs."""
 
-    COUNTERS = (("hits", "requests whose prompt started with cached blocks"),
-                ("hit_tokens", "prompt tokens copied from the prefix cache instead of read"),
-                ("misses", "requests that found no cached block"),
-                ("evictions", "prefix cache blocks evicted to stay within the budget"))
-    GAUGES = (("bytes", "bytes of keys and values the prefix cache holds"),
-              ("blocks", "blocks the prefix cache holds"),
-              ("budget", "the prefix cache's budget in bytes (0: off)"))
-
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, read, counters=(), gauges=()):
+        self.read, self.counters, self.gauges = read, counters, gauges
 
     def collect(self):
-        c = self.cache
-        for name, doc in self.COUNTERS:
-            yield CounterMetricFamily(f"cflow_prefix_cache_{name}", doc, value=getattr(c, name) if c else 0)
-        for name, doc in self.GAUGES:
-            suffix = "_bytes" if name == "budget" else ""
-            yield GaugeMetricFamily(f"cflow_prefix_cache_{name}{suffix}", doc, value=getattr(c, name) if c else 0)
+        v = self.read()
+        for name, doc in self.counters:
+            yield CounterMetricFamily(name, doc, value=v[name])
+        for name, doc in self.gauges:
+            yield GaugeMetricFamily(name, doc, value=v[name])
 
 
-class _OverlapMetrics:
-    """The overlap's and the back-off's counters, read from the backend and its model's session when /metrics is
-    rendered (zeros where a backend has none: StreamSlots launches nothing ahead)."""
+# the prefix cache's: (PrefixCache attribute, metric name, help); zeros without a cache
+_PREFIX_COUNTERS = (("hits", "cflow_prefix_cache_hits", "requests whose prompt started with cached blocks"),
+                    ("hit_tokens", "cflow_prefix_cache_hit_tokens",
+                     "prompt tokens copied from the prefix cache instead of read"),
+                    ("misses", "cflow_prefix_cache_misses", "requests that found no cached block"),
+                    ("evictions", "cflow_prefix_cache_evictions",
+                     "prefix cache blocks evicted to stay within the budget"))
+_PREFIX_GAUGES = (("bytes", "cflow_prefix_cache_bytes", "bytes of keys and values the prefix cache holds"),
+                  ("blocks", "cflow_prefix_cache_blocks", "blocks the prefix cache holds"),
+                  ("budget", "cflow_prefix_cache_budget_bytes", "the prefix cache's budget in bytes (0: off)"))
 
-    COUNTERS = (("steps_ahead", "decode steps launched before their token was handed out"),
-                ("steps_ahead_dropped", "steps launched ahead and dropped (a refused guess, a join, a stop)"),
-                ("backoffs", "times the step backed off under load"),
-                ("calls_in_turn", "native calls run on the engine's thread alone while backing off"))
 
-    def __init__(self, backend):
-        self.backend = backend
+def _prefix_cache_metrics(cache) -> _ReadAtRender:
+    def read():
+        return {name: getattr(cache, attr) if cache else 0 for attr, name, _ in _PREFIX_COUNTERS + _PREFIX_GAUGES}
 
-    def values(self) -> dict[str, int]:
-        be = self.backend
-        session = getattr(getattr(be, "model", None), "session", None)
-        return {"steps_ahead": getattr(be, "ahead_steps", 0), "steps_ahead_dropped": getattr(be, "ahead_dropped", 0),
-                "backoffs": getattr(session, "backoffs", 0), "calls_in_turn": getattr(session, "solo_calls", 0)}
+    return _ReadAtRender(read, [(name, doc) for _, name, doc in _PREFIX_COUNTERS],
+                         [(name, doc) for _, name, doc in _PREFIX_GAUGES])
 
-    def collect(self):
-        v = self.values()
-        for name, doc in self.COUNTERS:
-            yield CounterMetricFamily(f"cflow_{name}", doc, value=v[name])
+
+def _overlap_metrics(backend) -> _ReadAtRender:
+    """The overlap's and the back-off's counters, from the backend and its model's session (zeros where a backend
+    has none: StreamSlots launches nothing ahead)."""
+    def read():
+        session = getattr(getattr(backend, "model", None), "session", None)
+        return {"cflow_steps_ahead": getattr(backend, "ahead_steps", 0),
+                "cflow_steps_ahead_dropped": getattr(backend, "ahead_dropped", 0),
+                "cflow_backoffs": getattr(session, "backoffs", 0),
+                "cflow_calls_in_turn": getattr(session, "solo_calls", 0)}
+
+    return _ReadAtRender(read, [
+        ("cflow_steps_ahead", "decode steps launched before their token was handed out"),
+        ("cflow_steps_ahead_dropped", "steps launched ahead and dropped (a refused guess, a join, a stop)"),
+        ("cflow_backoffs", "times the step backed off under load"),
+        ("cflow_calls_in_turn", "native calls run on the engine's thread alone while backing off")])
 
 
 class ServeMetrics:
@@ -145,11 +150,11 @@ class ServeMetrics:
 
     def watch_prefix_cache(self, cache) -> None:
         """Report `cache`'s counters (a PrefixCache, or None: zeros) under cflow_prefix_cache_*."""
-        self.registry.register(_PrefixCacheMetrics(cache))
+        self.registry.register(_prefix_cache_metrics(cache))
 
     def watch_backend(self, backend) -> None:
         """Report the backend's overlap and back-off counters (cflow_steps_ahead_*, cflow_backoffs, ...)."""
-        self.registry.register(_OverlapMetrics(backend))
+        self.registry.register(_overlap_metrics(backend))
 
     # --- called by the engine thread --------------------------------------------------------------
     def prefill(self, tokens: int, seconds: float) -> None:
