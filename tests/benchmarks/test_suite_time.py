@@ -22,3 +22,9 @@ def test_unknown_paths_are_refused(capsys):
     with pytest.raises(SystemExit, match="unknown path"):
         main(["--paths", "own,avx3"])
 
+
+
+def test_jit_records_the_libraries_the_tests_compile():
+    r = run_suite("own", "none", ["-n", "0", "tests/codegen/test_kernels.py", "-k", "emitted_once and q4 and mv"],
+                  jit=True)
+    assert r["returncode"] == 0 and r["jit_compiled"] >= 1 and r["jit_llvm_s"] > 0 and r["jit_ir_mb"] > 0
