@@ -453,7 +453,8 @@ def _group_function(m: ir.Module, kernel: str, L: TileLayout, isa, shared_types,
     and the values a unit's groups share are still made once per unit by the caller, in the same order: of 192
     kernels compared against inline emission (4 paths x 9 types x mat-vec, gate+up, group loop, two planes,
     mat-mat, gate+up mat-mat), 186 gave the same assembly, the other six (AVX2 / generic Q8 and generic IQ4_XS
-    mat-mats) the same instructions with other address registers and offsets."""
+    mat-mats) the same instructions with other address registers and offsets (benchmarks/jit_time.py --kernels
+    --asm, with and without --inline; tests/codegen/test_kernels.py checks Q4 and Q4_K mat-vecs)."""
     name = f"{kernel}.group" + ("" if one_token else ".mm")
     fn = m.globals.get(name)
     if fn is None:
