@@ -165,18 +165,18 @@ def kernels_table(asm_dir: str | None, json_path: str | None, run: Run, inline: 
 
     from cflow.codegen import kernels as K
     from cflow.codegen.library import Library
-    from cflow.codegen.target import ISA, forced_env, host_target
+    from cflow.codegen.target import ISA, forced_target
     from cflow.layout.tile import TileLayout
 
-    host = host_target(env=False)
-    isas = [i for i in (ISA.AVX512VNNI, ISA.AVXVNNI, ISA.AVX2, ISA.GENERIC) if i.runs_on(host.isa)]
+    # each path built for the target that forcing it gives (what a host of that kind runs)
+    targets = {i: forced_target(i) for i in (ISA.AVX512VNNI, ISA.AVXVNNI, ISA.AVX2, ISA.GENERIC)}
+    isas = [i for i, t in targets.items() if t is not None]
     if asm_dir:
         os.makedirs(asm_dir, exist_ok=True)
     py = llvm = 0.0
     size = count = 0
     for isa in isas:
-        env = forced_env(isa)  # each path built for the target forcing it gives (what a host of that kind runs)
-        target = host_target(env["CFLOW_CPU"] or None, env["CFLOW_FEATURES"] or None, env=False)
+        target = targets[isa]
         for dt in KERNEL_TYPES:
             L = TileLayout(dt, 256, 512 if dt in ("q4_k", "q6_k", "iq4_xs", "q2_k") else 256, (128, 256))
             for kind in KERNEL_KINDS:

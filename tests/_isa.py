@@ -6,18 +6,14 @@ kernels. A path the host cannot run (AVX-VNNI on a Zen 4 or an Ice Lake, anythin
 skipped.
 """
 
-from cflow.codegen.target import FORCE_FEATURES, ISA, forced_env, generic_target, host_target
+from cflow.codegen.target import forced_env, forced_target, host_target
 
 HOST = host_target(env=False)
 
 
 def isa_target(isa):
     """A target whose .isa is `isa` on this host, or None."""
-    isa = ISA.parse(isa)
-    if isa == ISA.GENERIC:
-        return generic_target()
-    t = HOST.with_features(FORCE_FEATURES[isa]) if FORCE_FEATURES[isa] else HOST
-    return t if t.isa == isa else None
+    return forced_target(isa)
 
 
 def isa_env(isa) -> dict[str, str]:

@@ -205,6 +205,17 @@ def forced_env(isa: ISA | str) -> dict[str, str]:
     return {"CFLOW_CPU": "", "CFLOW_FEATURES": FORCE_FEATURES[isa]}
 
 
+def forced_target(isa: ISA | str) -> Target | None:
+    """The target this host builds `isa`'s kernels for when forced (forced_env's edits on the plain host; generic:
+    generic_target), or None where the host cannot run that path (forcing only takes features away)."""
+    isa = ISA.parse(isa)
+    if isa == ISA.GENERIC:
+        return generic_target()
+    host = host_target(env=False)
+    t = host.with_features(FORCE_FEATURES[isa]) if FORCE_FEATURES[isa] else host
+    return t if t.isa == isa else None
+
+
 def isa_path() -> str:
     """The ISA path this process's kernels are built for, as benchmarks record it beside the CPU: e.g.
     'avx512vnni', or 'avx2 (forced: CFLOW_FEATURES=-avx512f,-avxvnni)' when CFLOW_CPU / CFLOW_FEATURES make this
