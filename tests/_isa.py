@@ -1,9 +1,9 @@
 """The ISA paths a test can force on this host, each as a target whose auto-selected kernels are that path's.
 
 The paths below the host's best are forced with feature edits (target.FORCE_FEATURES, CFLOW_FEATURES in a Session
-or a CLI run): '-avx512f' leaves AVX-VNNI's 32-byte vpdpbusd where the CPU has it, '-avx512f,-avxvnni' the AVX2
-kernels. A path the host cannot run (AVX-VNNI on a Zen 4 or an Ice Lake, anything above AVX2 on a Zen 3) is None:
-skipped.
+or a CLI run): '-avx512f' leaves AVX-VNNI's 32-byte vpdpbusd where the CPU has it, '-avx512f,-avxvnni,-gfni' the AVX2
+kernels (without GFNI, as the CPUs of that path). A path the host cannot run (AVX-VNNI on a Zen 4 or an Ice Lake,
+anything above AVX2 on a Zen 3) is None: skipped.
 """
 
 from cflow.codegen.target import forced_env, forced_target, host_target

@@ -6,7 +6,7 @@ from benchmarks.suite_time import main, path_env, run_suite
 def test_each_path_is_forced_as_users_force_it(monkeypatch):
     monkeypatch.setenv("CFLOW_FEATURES", "-avx512f")  # a caller's own setting does not leak into the runs
     assert "CFLOW_FEATURES" not in path_env("own") and "CFLOW_CPU" not in path_env("own")
-    assert path_env("avx2")["CFLOW_FEATURES"] == "-avx512f,-avxvnni"
+    assert path_env("avx2")["CFLOW_FEATURES"] == "-avx512f,-avxvnni,-gfni"
     assert path_env("generic")["CFLOW_CPU"] == "generic"
 
 

@@ -69,3 +69,18 @@ def test_isa_path_names_a_forced_path(monkeypatch):
             for k, v in forced_env(isa).items():
                 monkeypatch.setenv(k, v)
             assert isa_path().startswith(f"{isa} (forced: CFLOW_")
+
+
+
+def test_forced_avx2_is_built_as_the_cpus_of_that_path():
+    """Forcing AVX2 drops GFNI too (Zen 2 / 3 and Intel client cores before Alder Lake lack it): with it LLVM
+    unpacks nibbles with vgf2p8affineqb, one instruction where those CPUs take two."""
+    from cflow.codegen.target import FORCE_FEATURES, forced_target
+
+    rich = host_target(env=False).with_features("+avx,+avx2,+fma,+f16c,+gfni,+avx512f,+avx512bw,+avx512vl,"
+                                                "+avx512vnni,+avxvnni")
+    t = rich.with_features(FORCE_FEATURES["avx2"])
+    assert t.isa == "avx2" and not t.has("gfni") and not t.has("avx512f") and not t.has("avxvnni")
+    assert rich.with_features(FORCE_FEATURES["avxvnni"]).has("gfni")  # Alder Lake has both
+    forced = forced_target("avx2")
+    assert forced is None or not forced.has("gfni")
