@@ -303,12 +303,12 @@ DEFAULT_PREFETCH = 2304  # bytes ahead of the unit being read
 DEFAULT_PREFETCH_LOCALITY = 3  # prefetcht0
 
 
-def default_prefetch(L: TileLayout, isa=None) -> int:
+def default_prefetch(L: TileLayout, isa=None, gate_up: bool = False) -> int:
     """The built-in prefetch distance: one unit ahead, or the units BUILTIN_KNOBS gives the type on `isa`'s path.
     For Q4/Q8/F16/F32 the measured 2304 bytes (one Q4 unit of 128 rows); a GGUF block type's unit is a whole block
     (8x as many inputs for the K-quants), and 2304 bytes ahead of it fell inside the unit being read: the K-quants
     streamed at 0.6x Q4_0's rate from DRAM with it, at Q4_0's one unit ahead (benchmarks/gguf_types.py)."""
-    units = _builtin(L, isa).get("prefetch_units") if isa is not None else None
+    units = _builtin(L, isa, gate_up).get("prefetch_units") if isa is not None else None
     if units:  # whole lines (a quarter unit of a 64-row tile is not)
         return max(64, int(units * L.unit_nbytes) // 64 * 64)
     return L.unit_nbytes if L.is_block_type else DEFAULT_PREFETCH
@@ -346,16 +346,29 @@ BUILTIN_KNOBS = {
     ISA.AVXVNNI: {DType.Q2_K: _GL, DType.Q3_K: _GL, DType.Q3_128: _GL, DType.Q3_192: _GL, DType.Q4_K: _GL2,
                   DType.Q5_K: _GL2Q, DType.Q6_K: _GL2Q, DType.IQ4_XS: _GL2, DType.Q4: _PF2, DType.Q8: _PF2},
 }
+# The fused gate+up kernels where they differ from the type's (BUILTIN_KNOBS). AVX-512, Q5_K and Q3_K: the group
+# loop with the L2 prefetch. Their unit loops are the largest kernels (a unit's 8 groups x 8 blocks of decode,
+# 4,300-4,600 instructions with a third of them stack traffic, twice that for gate+up before the halves shared one
+# loop, below). End to end on Qwen2.5-Coder-1.5B's files (model 207, with the halves loop, against the tree before,
+# two rounds alternating): Q5_K_M 1.03-1.07x / 1.08-1.13x at 1 / 2 threads, Q3_K_M 1.01x / 1.06-1.08x; Q4_K and
+# IQ4_XS lost 1-6% with the group loop in their gate+up and keep the unit loop (docs/performance.md, "The fused
+# gate+up kernel").
+BUILTIN_GATE_UP_KNOBS = {
+    ISA.AVX512VNNI: {DType.Q5_K: _GL2, DType.Q3_K: _GL2},
+}
 
 
-def _builtin(L: TileLayout, isa) -> dict:
-    return BUILTIN_KNOBS.get(_check_isa(isa), {}).get(L.dtype, {})
+def _builtin(L: TileLayout, isa, gate_up: bool = False) -> dict:
+    isa = _check_isa(isa)
+    fused = BUILTIN_GATE_UP_KNOBS.get(isa, {}).get(L.dtype) if gate_up else None
+    return fused if fused is not None else BUILTIN_KNOBS.get(isa, {}).get(L.dtype, {})
 
 
-def builtin_knobs(L: TileLayout, isa) -> dict:
-    """The loop knobs a layout's type takes by default on an ISA path beyond the kernel's own (BUILTIN_KNOBS): {} or
-    group_loop and prefetch_locality (its prefetch distance: default_prefetch)."""
-    return {k: v for k, v in _builtin(L, isa).items() if k != "prefetch_units"}
+def builtin_knobs(L: TileLayout, isa, gate_up: bool = False) -> dict:
+    """The loop knobs a layout's type takes by default on an ISA path beyond the kernel's own (BUILTIN_KNOBS, and
+    for a fused gate+up kernel BUILTIN_GATE_UP_KNOBS): {} or group_loop and prefetch_locality (its prefetch
+    distance: default_prefetch)."""
+    return {k: v for k, v in _builtin(L, isa, gate_up).items() if k != "prefetch_units"}
 
 
 def _check_isa(isa: str) -> ISA:
@@ -593,8 +606,8 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
     isa = _check_isa(isa)
     _check_act(act)
     _check_layout_planes(layout, planes)
-    prefetch = default_prefetch(layout, isa) if prefetch is None else prefetch
-    builtin = builtin_knobs(layout, isa)
+    prefetch = default_prefetch(layout, isa, gate_up) if prefetch is None else prefetch
+    builtin = builtin_knobs(layout, isa, gate_up)
     group_loop = builtin.get("group_loop", 0) if group_loop is None else group_loop
     if prefetch_locality is None:
         prefetch_locality = builtin.get("prefetch_locality", DEFAULT_PREFETCH_LOCALITY)
@@ -625,9 +638,19 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
 
     with Loop(b, r0, r1, "t") as t:
         w_row = ptr(b, w, b.mul(t, ir.Constant(i64, row_bytes)))
-        tile_row(w_row, tmp)
-        if gate_up:  # the up tile-row follows the gate tile-row
-            tile_row(ptr(b, w_row, L.tile_row_nbytes), up)
+        if gate_up and not group_loop and L.is_block_type:
+            # the up tile-row follows the gate tile-row: a block type's unit loop takes both halves in one loop,
+            # not two copies of its code, which LLVM spilled more (on AVX-512 its unit loop, timed by `cflow tune`
+            # over copies of one matrix: Q4_K 1.07-1.18x, Q5_K 1.11-1.17x, IQ4_XS 1.07-1.11x, Q3_K 1.04-1.09x; end
+            # to end on Qwen2.5-Coder-1.5B's Q4_K_M / IQ4_XS files 0.96-1.04x at 1 thread, 1.00-1.10x at 2; the
+            # legacy types, whose units are small, tie; Q4 / Q8, 3-7% slower on AVX2 with it, keep two copies)
+            with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, 2), "half") as h:
+                gate = b.icmp_signed("==", h, ir.Constant(i64, 0))
+                tile_row(ptr(b, w_row, b.mul(h, ir.Constant(i64, L.tile_row_nbytes))), b.select(gate, tmp, up))
+        else:
+            tile_row(w_row, tmp)
+            if gate_up:  # the up tile-row follows the gate tile-row
+                tile_row(ptr(b, w_row, L.tile_row_nbytes), up)
         y_row = ptr(b, y, b.mul(t, ir.Constant(i64, L.tr)), V(f32, 16))
         for g in range(L.groups_per_tile):
             v = load(b, tmp, 16 * g, V(f32, 16), align=4)
@@ -665,7 +688,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     _check_act(act)
     L = layout
     _check_layout_planes(L, planes)
-    prefetch = default_prefetch(L, isa) if prefetch is None else prefetch
+    prefetch = default_prefetch(L, isa, gate_up) if prefetch is None else prefetch
     nblk = act_stride // BLOCK if act_blocks is None else act_blocks
     if act_stride % BLOCK or act_stride < planes * L.cols_p or nblk < L.cols_p // BLOCK:
         raise CodegenError(f"matmat: activation stride {act_stride} must be a multiple of {BLOCK} >= "

@@ -67,18 +67,21 @@ DEFAULT = {"unroll": K.DEFAULT_UNROLL, "prefetch": K.DEFAULT_PREFETCH,
 SEEDS = (DEFAULT, {**DEFAULT, "group_loop": 1})
 
 
-def default_for(layout, isa) -> dict:
+def default_for(layout, isa, gate_up: bool = False) -> dict:
     """The kernel's built-in knobs for a layout on an ISA path (DEFAULT, with the prefetch distance one unit ahead
-    for a GGUF block type, kernels.default_prefetch, and its type's kernels.builtin_knobs on that path)."""
-    return _normal({**DEFAULT, "prefetch": K.default_prefetch(layout, isa), **K.builtin_knobs(layout, isa)})
+    for a GGUF block type, kernels.default_prefetch, and its type's kernels.builtin_knobs on that path, a fused
+    gate+up kernel's where they differ)."""
+    return _normal({**DEFAULT, "prefetch": K.default_prefetch(layout, isa, gate_up),
+                    **K.builtin_knobs(layout, isa, gate_up)})
 # 2: vector_bits and unpack; 3: prefetch_stride and the coordinate descent; 4: group_loop; 5: a descent per loop
 # kind, prefetch distances one line past a unit multiple, the timed set page-aligned and past the last-level cache;
 # 6: a quarter and half a unit; 7: a GGUF block type's default prefetch one unit ahead; 8: per-ISA built-in knobs for
 # the block types (kernels.BUILTIN_KNOBS: a record searched from the older built-in would pin it); 9: Q6_K's group
 # loop on AVX-512 (the same); 10: Q6_K's unit loop on AVX-512 again; 11: Q4 / Q8 two units ahead on the 256-bit
-# paths (kernels.BUILTIN_KNOBS' prefetch_units); 12: Q5_K / Q6_K a quarter unit ahead there (older tables: searched
-# again)
-SCHEMA = 12
+# paths (kernels.BUILTIN_KNOBS' prefetch_units); 12: Q5_K / Q6_K a quarter unit ahead there; 13: a fused gate+up
+# kernel's own built-ins (kernels.BUILTIN_GATE_UP_KNOBS) and a block type's unit loop taking its halves in one loop
+# (older tables: searched again)
+SCHEMA = 13
 
 
 def enabled() -> bool:
@@ -464,7 +467,7 @@ def _shipped(layout, gate_up: bool, target) -> dict | None:
 def start_for(layout, gate_up: bool, target) -> dict:
     """Where a load starts without a cached record, and a search starts its first descent: the choice shipped for
     this host's microarchitecture family (tune_defaults), else the built-in default_for(layout, isa)."""
-    return _shipped(layout, gate_up, target) or default_for(layout, target.isa)
+    return _shipped(layout, gate_up, target) or default_for(layout, target.isa, gate_up)
 
 
 def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | None = None,
@@ -481,7 +484,7 @@ def search(layout, gate_up: bool, target, rounds: int = ROUNDS, nbytes: int | No
     nbytes = nbytes or MIN_BYTES
     wset = WeightSet(layout, gate_up, nbytes, span=stream_span(nbytes))
     log, ends = [], []
-    base, start = default_for(layout, target.isa), start_for(layout, gate_up, target)
+    base, start = default_for(layout, target.isa, gate_up), start_for(layout, gate_up, target)
     seeds = [start] + [_normal({**seed, "prefetch": base["prefetch"]}) for seed in SEEDS
                        if seed["group_loop"] != start["group_loop"]]
     last = 0.0  # seconds the last pass took: a pass is not started unless one as long would end by the deadline
@@ -564,7 +567,7 @@ def choices(tensors, target, search: bool = False, force: bool = False, rounds: 
         return {}
     shapes = kernel_shapes(tensors)
     return cached_choices(
-        target, shapes, _valid_choice, lambda key: default_for(shapes[key][0], target.isa),
+        target, shapes, _valid_choice, lambda key: default_for(shapes[key][0], target.isa, shapes[key][1]),
         lambda shape, deadline: tune_kernel(shape[0], shape[1], target, rounds=rounds, nbytes=nbytes, passes=passes,
                                             deadline=deadline),
         lambda n: f"mat-vec kernel variants for {n} kernel shape{'s' * (n != 1)}",

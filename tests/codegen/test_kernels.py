@@ -317,6 +317,20 @@ def test_a_groups_code_is_emitted_once_and_inlined(dtype, kind):
     assert ".group" not in lib.get_llvm_str()
 
 
+@pytest.mark.parametrize("dtype", ["q4_k", "q4_1"])
+def test_a_fused_unit_loop_holds_its_tile_row_code_once(dtype):
+    """A block type's unit loop in the fused gate+up kernel runs its two halves through one loop (kernels.
+    emit_matvec): as many calls of the group's code as the plain kernel, not twice as many. Q4 / Q8 keep two
+    copies (3-7% faster on AVX2)."""
+    def group_calls(gate_up, dt=dtype):
+        mod = ir.Module("k")
+        K.emit_matvec(mod, "k", T.TileLayout(dt, 256, 512, (128, 256)), "avx512vnni", gate_up=gate_up, group_loop=0)
+        return sum('call' in line and '@"k.group"(' in line for line in str(mod).splitlines())
+
+    assert group_calls(True) == group_calls(False) > 0
+    assert group_calls(True, "q4") == 2 * group_calls(False, "q4")
+
+
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx2"])
 @pytest.mark.parametrize("dtype", ["q4", "q4_k"])
 def test_group_calls_give_the_inline_code(dtype, isa):

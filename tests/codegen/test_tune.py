@@ -576,6 +576,17 @@ def test_the_built_in_loop_kind_per_isa_path():
         assert L.unit_nbytes == unit
         for isa, want in (("avx2", 2 * unit), ("avxvnni", 2 * unit), ("avx512vnni", 2304), ("generic", 2304)):
             assert tune.default_for(L, isa)["prefetch"] == want == K.default_prefetch(L, isa), (dt, isa)
+    # a fused gate+up kernel's own built-ins where they differ (kernels.BUILTIN_GATE_UP_KNOBS): on AVX-512 Q5_K and
+    # Q3_K take the group loop with the L2 prefetch there, their plain kernels the unit loop
+    for dt, isa, gl, loc in (("q5_k", "avx512vnni", 1, 2), ("q3_k", "avx512vnni", 1, 2), ("q4_k", "avx512vnni", 0, 3),
+                             ("q5_k", "avx2", 1, 2), ("q3_k", "avx2", 1, 3)):
+        L = TileLayout(dt, 256, 2048, (128, 256))
+        d = tune.default_for(L, isa, gate_up=True)
+        assert (d["group_loop"], d["prefetch_locality"]) == (gl, loc), (dt, isa)
+        assert d["prefetch"] == K.default_prefetch(L, isa, gate_up=True)
+        assert {**{"group_loop": 0, "prefetch_locality": 3}, **K.builtin_knobs(L, isa, gate_up=True)} == {
+            "group_loop": gl, "prefetch_locality": loc}
+    assert tune.default_for(TileLayout("q5_k", 256, 2048, (128, 256)), "avx512vnni")["group_loop"] == 0
     # Q5_K / Q6_K a quarter unit ahead on the 256-bit paths, in whole lines (a 64-row tile's quarter is not one);
     # one unit on AVX-512 and for Q4_K everywhere
     for dt, rows, quarter in (("q5_k", 128, 5632), ("q6_k", 128, 6720), ("q6_k", 64, 3328), ("q4_k", 128, None)):
