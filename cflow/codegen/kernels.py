@@ -352,16 +352,17 @@ BUILTIN_KNOBS = {
 # loop, below). End to end on Qwen2.5-Coder-1.5B's files (model 207, with the halves loop, against the tree before,
 # two rounds alternating): Q5_K_M 1.03-1.07x / 1.08-1.13x at 1 / 2 threads, Q3_K_M 1.01x / 1.06-1.08x; Q4_K and
 # IQ4_XS lost 1-6% with the group loop in their gate+up and keep the unit loop (docs/performance.md, "The fused
-# gate+up kernel").
+# gate+up kernel"). Measured on model 207 only (Zen 4 / 5 not yet).
 BUILTIN_GATE_UP_KNOBS = {
     ISA.AVX512VNNI: {DType.Q5_K: _GL2, DType.Q3_K: _GL2},
 }
 
 
 def _builtin(L: TileLayout, isa, gate_up: bool = False) -> dict:
+    """The type's BUILTIN_KNOBS, with a fused kernel's BUILTIN_GATE_UP_KNOBS over them."""
     isa = _check_isa(isa)
-    fused = BUILTIN_GATE_UP_KNOBS.get(isa, {}).get(L.dtype) if gate_up else None
-    return fused if fused is not None else BUILTIN_KNOBS.get(isa, {}).get(L.dtype, {})
+    own = BUILTIN_KNOBS.get(isa, {}).get(L.dtype, {})
+    return {**own, **BUILTIN_GATE_UP_KNOBS.get(isa, {}).get(L.dtype, {})} if gate_up else own
 
 
 def builtin_knobs(L: TileLayout, isa, gate_up: bool = False) -> dict:
@@ -641,9 +642,10 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
         if gate_up and not group_loop and L.is_block_type:
             # the up tile-row follows the gate tile-row: a block type's unit loop takes both halves in one loop,
             # not two copies of its code, which LLVM spilled more (on AVX-512 its unit loop, timed by `cflow tune`
-            # over copies of one matrix: Q4_K 1.07-1.18x, Q5_K 1.11-1.17x, IQ4_XS 1.07-1.11x, Q3_K 1.04-1.09x; end
-            # to end on Qwen2.5-Coder-1.5B's Q4_K_M / IQ4_XS files 0.96-1.04x at 1 thread, 1.00-1.10x at 2; the
-            # legacy types, whose units are small, tie; Q4 / Q8, 3-7% slower on AVX2 with it, keep two copies)
+            # over copies of one matrix in scratch runs: Q4_K 1.07-1.18x, Q5_K 1.11-1.17x, IQ4_XS 1.07-1.11x, Q3_K
+            # 1.04-1.09x; end to end on Qwen2.5-Coder-1.5B's Q4_K_M / IQ4_XS files 0.96-1.04x at 1 thread,
+            # 1.00-1.10x at 2; the legacy types, whose units are small, tie; Q4 / Q8, 3-7% slower on AVX2 with it,
+            # keep two copies)
             with Loop(b, ir.Constant(i64, 0), ir.Constant(i64, 2), "half") as h:
                 gate = b.icmp_signed("==", h, ir.Constant(i64, 0))
                 tile_row(ptr(b, w_row, b.mul(h, ir.Constant(i64, L.tile_row_nbytes))), b.select(gate, tmp, up))

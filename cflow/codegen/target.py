@@ -195,7 +195,8 @@ class Target:
 # them (forcing only takes features away), so the result is checked: forced_env(isa) then host_target().isa.
 # AVX2 also drops GFNI: the CPUs of that path (AMD Zen 2 / 3, Intel client cores before Alder Lake) lack it, and
 # with it LLVM turns each byte shift of the nibble unpack into one vgf2p8affineqb where they take vpsrlw + vpand
-# (4-9% fewer instructions in the Q4 and K-quant kernels: a forced figure would flatter the path).
+# (5-10% fewer instructions in the Q4 and Q4_K inner loops, benchmarks/kernel_asm.py: a forced figure would flatter
+# the path).
 FORCE_FEATURES = {"avx512vnni": "", "avxvnni": "-avx512f", "avx2": "-avx512f,-avxvnni,-gfni"}
 
 
