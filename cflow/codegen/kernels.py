@@ -520,7 +520,7 @@ def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_l
 
 
 def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2, unpack=0,
-                   pf_stride=64, planes: int = 1, group_calls: bool = True):
+                   pf_stride=64, planes: int = 1, group_calls: bool = True, row_ahead=None):
     """outs[a][0:TR] = (one tile-row of W) x_a for every activation a, where w_row points at the tile-row's
     first unit and acts[a] = (x, xq, xd, xs).
 
@@ -547,6 +547,9 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                 unit = ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
                 if prefetch:  # one per `pf_stride` bytes of the unit, `prefetch` bytes ahead
                     prefetch_lines(b, unit, [prefetch + off for off in range(0, UB, pf_stride)], pf_locality)
+                if row_ahead:  # this pass's lines of the next tile-row, into L2, in the row's last token group
+                    with b.if_then(row_ahead[1]):
+                        prefetch_lines(b, unit, _pass_lines(b, L, groups, row_ahead[0]), 2)
                 for a, act in enumerate(acts):
                     accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
                     _unit(b, L, isa, unit, kb, groups, accs, act, unpack, planes, one_token=na == 1,
@@ -564,6 +567,17 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
         return
     for g0 in range(0, ng, gp):
         one_pass(list(range(g0, min(ng, g0 + gp))), g0)
+
+
+def _pass_lines(b, L: TileLayout, groups, ahead: int) -> list:
+    """Offsets (from a unit, `ahead` bytes on) in each 64-byte line that `groups` read of it: their codes (one
+    every 64 bytes and the last byte, for a group that is not whole lines: Q3_K's 1,760 bytes), and for Q4/Q8 their
+    scales (two groups a line)."""
+    gb = L.group_nbytes
+    offs = [_goff(b, g, gb, ahead + off) for g in groups for off in [*range(0, gb, 64)] + ([gb - 1] if gb % 64 else [])]
+    if L.code_nbytes:
+        offs += [_goff(b, g, 32, ahead + L.scales_offset) for g in (groups[::2] if len(groups) % 2 == 0 else groups)]
+    return offs
 
 
 def _pick_unroll(nunits: int, unroll: int) -> int:
@@ -672,7 +686,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
                 max_groups: int | None = None, unroll: int = 1, prefetch: int | None = None,
                 prefetch_locality: int | None = None, gate_up: bool = False,
                 act: str = "silu", act_blocks: int | None = None, planes: int = 1,
-                group_calls: bool = True) -> ir.Function:
+                group_calls: bool = True, next_row: int = 1) -> ir.Function:
     """Emit `name`: y[t][r0*TR : r1*TR] = W x_t for tokens t in [0, ntok) over tile-rows [r0, r1).
 
     The multi-token twin of emit_matvec (its arguments, plus ntok, x_stride, y_stride): token t's int8
@@ -680,7 +694,11 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     act_stride/32), its float input (F16/F32 weights) at x + t*x_stride floats, its output at y + t*y_stride
     floats.
     Each tile-row is streamed from memory once and multiplied against every token while it sits in
-    L1/L2, `token_group` tokens per pass; the last ntok mod token_group tokens go through `tail` (the
+    L1/L2, `token_group` tokens per pass; while its last token group runs, the lines of the next tile-row are
+    asked for into L2 (`next_row`), so that the first pass over a row does not wait for DRAM either (asked for in
+    the first group instead, the next row would share L2 with the current one for the whole row: the same speed in
+    scratch A/Bs on AVX2, batches of 8 and 512-token prompts). The last ntok mod token_group tokens go through
+    `tail` (the
     layout's mat-vec, one tile-row per call; emitted here if not given). Per output the per-block
     arithmetic and its order are the decode kernel's, so every token's result is bit-identical to a
     mat-vec of it alone. Nothing here depends on the number of rows: one kernel serves every matrix
@@ -724,16 +742,18 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
         return (ptr(b, x, b.mul(t, x_stride)), ptr(b, xq, b.mul(t, ir.Constant(i64, act_stride))),
                 ptr(b, xd, b.mul(t, ir.Constant(i64, nblk))), ptr(b, xs, b.mul(t, ir.Constant(i64, nblk))))
 
-    def tokens(r, t0, n, acc_slots):
-        """Tile-row r for tokens t0 .. t0 + n - 1 (n a constant)."""
+    def tokens(r, t0, n, acc_slots, last=None):
+        """Tile-row r for tokens t0 .. t0 + n - 1 (n a constant); `last` (i1): the row's last token group, which
+        asks for the next tile-row's lines."""
         ts = [b.add(t0, ir.Constant(i64, k)) for k in range(n)]
         acts = [token_act(t) for t in ts]
         w_row = ptr(b, w, b.mul(r, ir.Constant(i64, row_bytes)))
+        ahead = (row_bytes, last) if last is not None and next_row else None
         _emit_tile_row(b, L, isa, w_row, acts, acc_slots, rows[:n], unroll, prefetch, prefetch_locality,
-                       planes=planes, group_calls=group_calls)
+                       planes=planes, group_calls=group_calls, row_ahead=ahead)
         if gate_up:
             _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), acts, acc_slots, ups[:n], unroll, prefetch,
-                           prefetch_locality, planes=planes, group_calls=group_calls)
+                           prefetch_locality, planes=planes, group_calls=group_calls, row_ahead=ahead)
         for k, t in enumerate(ts):
             y_row = ptr(b, y, b.add(b.mul(t, y_stride), b.mul(r, ir.Constant(i64, L.tr))), V(f32, 16))
             for g in range(L.groups_per_tile):
@@ -745,7 +765,8 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     full = b.sdiv(ntok, ir.Constant(i64, tg))
     with Loop(b, r0, r1, "r") as r:  # NOTE: tile-rows outside, tokens inside: each tile-row is read from DRAM once
         with Loop(b, ir.Constant(i64, 0), full, "tg") as q:
-            tokens(r, b.mul(q, ir.Constant(i64, tg)), tg, slots)
+            last = b.icmp_unsigned("==", q, b.sub(full, ir.Constant(i64, 1)))
+            tokens(r, b.mul(q, ir.Constant(i64, tg)), tg, slots, last)
         with Loop(b, b.mul(full, ir.Constant(i64, tg)), ntok, "t1") as t:
             xt, xqt, xdt, xst = token_act(t)
             b.call(tail, [w, xt, xqt, xdt, xst, ptr(b, y, b.mul(t, y_stride)), r, b.add(r, ir.Constant(i64, 1))])

@@ -98,3 +98,29 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
             assert np.abs(g[rows]).max() > 1.0  # the activations differ where the test looks
             ref = _act_ref(g, act) * u
             np.testing.assert_allclose(got[t, rows], ref[rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["q4", "q8", "f16", "f32", "Q4_K", "Q3_K", "Q5_K", "IQ4_XS"])
+def test_next_row_prefetch_asks_for_every_line_of_a_unit(dtype):
+    """While a tile-row's last token group runs, each pass asks for its groups' lines of the next tile-row
+    (kernels._pass_lines): over the passes of one token group every 64-byte line of a unit is asked for, codes and
+    scales, also where a group's bytes are not whole lines (Q3_K: 1,760 bytes a 16-row group)."""
+    from cflow.layout.quant import DType
+    L = TileLayout(DType.parse(dtype), 256, 2048, (128, 256))
+    for gp in ((2, 4) if L.dtype in (DType.Q4, DType.Q8) else (1,)):  # row groups a pass (emit_matmat)
+        offs = [off for g0 in range(0, L.groups_per_tile, gp)
+                for off in K._pass_lines(None, L, list(range(g0, g0 + gp)), 0)]
+        assert {off // 64 for off in offs} == set(range(-(-L.unit_nbytes // 64))), (dtype, gp)
+        assert all(0 <= off < L.unit_nbytes for off in offs)
+
+
+@pytest.mark.parametrize("next_row", [0, 1])
+def test_a_matmat_asks_for_the_next_tile_row_in_its_last_token_group(next_row):
+    """The mat-mat's pass over a tile-row asks for its groups' lines of the next tile-row into L2 (locality 2), under
+    the last token group's branch; next_row=0 leaves them out (the decode mat-vec never has them)."""
+    L = TileLayout("q4", 256, 512, (128, 256))
+    mod = ir.Module("k")
+    K.emit_matmat(mod, "k", L, ISA.AVX2, 1024, next_row=next_row, tail=K.emit_matvec(mod, "mv", L, ISA.AVX2))
+    l2 = [line for line in str(mod).splitlines() if "llvm.prefetch" in line and "i32 0, i32 2, i32 1" in line]
+    gp = K.MATMAT_GROUPS // 4  # AVX2: 4 tokens a group, 4 row groups a pass
+    assert len(l2) == next_row * len(K._pass_lines(None, L, list(range(gp)), 0))
