@@ -71,6 +71,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--blockdot", default=None, metavar="FILE",
                     help="a version of cflow/codegen/blockdot.py to build the block types' kernels from, as "
                          "benchmarks/blockdot_ab.py takes it (default: the tree's)")
+    ap.add_argument("--matmat", action="store_true",
+                    help="count the multi-token (mat-mat) kernel's inner loop instead: instructions per 64-byte line "
+                         "and token (one iteration: one unit's row groups of a pass x the path's token group)")
     add_json_argument(ap, "write one record per kernel (a static count: tok_s is null)")
     args = ap.parse_args(argv)
     run = Run("kernel_asm", argv)
@@ -94,12 +97,21 @@ def main(argv=None) -> list[dict]:
         knobs = {**tune.default_for(L, target.isa), **given}
         m = ir.Module(name="asm")
         with using(other or blockdot):  # another version of the block types' decoder, where asked (--blockdot)
-            K.emit_matvec(m, "mv", L, target.isa, **knobs)
+            if args.matmat:  # the mat-mat takes the built-in knobs only (step_context.matmat_fn)
+                K.emit_matmat(m, "mm", L, target.isa, L.cols_p)
+            else:
+                K.emit_matvec(m, "mv", L, target.isa, **knobs)
         ops = count(m, target)
-        unroll = K._pick_unroll(L.n_units, 1 if L.is_block_type else knobs["unroll"])
-        # a group loop's iteration is one 16-row group of one unit; otherwise `unroll` whole units
-        lines = (L.unit_nbytes / L.groups_per_tile if knobs["group_loop"] else unroll * L.unit_nbytes) / 64
-        rows.append({"kernel": dt.gguf_name if L.is_block_type else dt.label, "knobs": tune.label(knobs),
+        if args.matmat:  # one iteration: one unit of a pass's row groups for each token of the token group
+            tg, gp = K.matmat_groups(L, target.isa)
+            knobs = {"tokens": tg, "row_groups": gp}
+            lines = gp / L.groups_per_tile * L.unit_nbytes / 64 * tg
+        else:
+            unroll = K._pick_unroll(L.n_units, 1 if L.is_block_type else knobs["unroll"])
+            # a group loop's iteration is one 16-row group of one unit; otherwise `unroll` whole units
+            lines = (L.unit_nbytes / L.groups_per_tile if knobs["group_loop"] else unroll * L.unit_nbytes) / 64
+        rows.append({"kernel": dt.gguf_name if L.is_block_type else dt.label,
+                     "knobs": tune.label(knobs) if not args.matmat else ",".join(f"{k}={v}" for k, v in knobs.items()),
                      "instructions": len(ops), "lines": lines, "per_line": len(ops) / lines,
                      "top": collections.Counter(ops).most_common(8)})
     ops = count(read_kernel_module(), target)
@@ -108,10 +120,13 @@ def main(argv=None) -> list[dict]:
                  "top": collections.Counter(ops).most_common(8)})
     for r in rows:
         top = ", ".join(f"{op} {n}" for op, n in r["top"])
-        print(f"{r['kernel']:<10} {r['instructions']:4d} instructions per iteration of {r['lines']:g} lines = "
-              f"{r['per_line']:.1f} per 64-byte line   [{r.get('knobs', '')}] ({top})")
+        mm = args.matmat and r["kernel"] != "read loop"
+        print(f"{r['kernel']:<10} {r['instructions']:4d} instructions per iteration of {r['lines']:g} "
+              f"{'(line, token) pairs' if mm else 'lines'} = {r['per_line']:.1f} per 64-byte line"
+              f"{' and token' if mm else ''}   [{r.get('knobs', '')}] ({top})")
     loop = "read loop"
-    run.write(args.json, [run.record(engine=loop if r["kernel"] == loop else "mat-vec", model=f"128x{args.cols}",
+    kind = "mat-mat" if args.matmat else "mat-vec"
+    run.write(args.json, [run.record(engine=loop if r["kernel"] == loop else kind, model=f"128x{args.cols}",
                                      quant=None if r["kernel"] == loop else r["kernel"], variant=r.get("knobs"),
                                      **{k: v for k, v in r.items() if k != "knobs"})
                           for r in rows])

@@ -381,16 +381,20 @@ def _lookup(b, isa, codes_i8, table_values):
     return b.call(internal_function(b.module, key, (V(i8, 64),), build, ret=V(i8, 64)), [codes_i8])
 
 
-def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int):
-    """sum over chunks c in cs of chunks[c] (bytes) . activation bytes 4c .. 4c+3: <16 x i32>, exact.
-    Unsigned codes on VNNI; signed codes are shifted by +128 there (the caller subtracts 128 * sum(a))."""
+def _idot(b, isa, chunks, aptrs, cs, signed: bool, umax: int) -> list:
+    """For each activation in aptrs: sum over chunks c in cs of chunks[c] (bytes) . its bytes 4c .. 4c+3, a
+    <16 x i32>, exact. Unsigned codes on VNNI; signed codes are shifted by +128 there (the caller subtracts
+    128 * sum(a)). Chunk by chunk, every activation in turn: a chunk is made once and used at once by each (a
+    mat-mat's tokens; one activation is the mat-vec), each activation's sums in the same order as alone."""
+    n = len(aptrs)
     if isa.vnni:
         from .kernels import Dots
 
-        acc = Dots(b, isa)
+        accs = [Dots(b, isa) for _ in range(n)]
         for c in cs:
-            acc.add(chunks[c], aptr, 4 * c)
-        return acc.total()
+            for acc, aptr in zip(accs, aptrs):
+                acc.add(chunks[c], aptr, 4 * c)
+        return [acc.total() for acc in accs]
     if isa == ISA.AVX2:
         mad = intrinsic(b.module, "llvm.x86.avx2.pmadd.ub.sw", V(i16, 16), [V(i8, 32), V(i8, 32)])
         wd = intrinsic(b.module, "llvm.x86.avx2.pmadd.wd", V(i32, 8), [V(i16, 16), V(i16, 16)])
@@ -400,43 +404,53 @@ def _idot(b, isa, chunks, aptr, cs, signed: bool, umax: int):
             absb = intrinsic(b.module, "llvm.abs.v32i8", V(i8, 32), [V(i8, 32), i1])
         # i16 pair sums stay exact while n * 2 * max|code| * 128 <= 32767
         per = 1 if signed else max(1, 32767 // (2 * umax * 128))
-        r, s16, n = [None, None], [None, None], 0
+        r = [[None, None] for _ in range(n)]
+        s16 = [[None, None] for _ in range(n)]
+        k = 0
 
-        def flush(h):
-            v = b.call(wd, [s16[h], ones])
-            r[h] = v if r[h] is None else b.add(r[h], v)
-            s16[h] = None
+        def flush(t, h):
+            v = b.call(wd, [s16[t][h], ones])
+            r[t][h] = v if r[t][h] is None else b.add(r[t][h], v)
+            s16[t][h] = None
 
         # chunk by chunk, both halves (rows 0-7, 8-15) of each: a chunk's codes are used as soon as they are made
         # (all of a block's chunks live at once spill AVX2's 16 registers)
         for c in cs:
-            a = _act4(b, aptr, 4 * c, 8)
-            if signed:  # |a| . (w with a's sign): one abs a chunk for every row group of the unit. Exact: |a| <= 128
-                # read unsigned (vpabsb(-128) = 0x80), w in [-127, 113] (the code book has no -128 to negate), so a
-                # pair sums to at most 2 * 128 * 127 = 32512, below vpmaddubsw's saturation
-                a_abs = b.call(absb, [a, ir.Constant(i1, 0)])
-            for h in range(2):
-                w = shuffle(b, chunks[c], range(h * 32, h * 32 + 32))
-                p = b.call(mad, [a_abs, b.call(sign, [w, a])]) if signed else b.call(mad, [w, a])
-                s16[h] = p if s16[h] is None else b.add(s16[h], p)
-            n += 1
-            if n == per:
-                flush(0)
-                flush(1)
-                n = 0
-        if s16[0] is not None:
-            flush(0)
-            flush(1)
-        return b.shuffle_vector(r[0], r[1], ir.Constant(V(i32, 16), list(range(16))))
+            halves = [shuffle(b, chunks[c], range(h * 32, h * 32 + 32)) for h in range(2)]
+            for t, aptr in enumerate(aptrs):
+                a = _act4(b, aptr, 4 * c, 8)
+                if signed:  # |a| . (w with a's sign): one abs a chunk for every row group of the unit. Exact: |a| <=
+                    # 128 read unsigned (vpabsb(-128) = 0x80), w in [-127, 113] (the code book has no -128 to negate),
+                    # so a pair sums to at most 2 * 128 * 127 = 32512, below vpmaddubsw's saturation
+                    a_abs = b.call(absb, [a, ir.Constant(i1, 0)])
+                for h, w in enumerate(halves):
+                    p = b.call(mad, [a_abs, b.call(sign, [w, a])]) if signed else b.call(mad, [w, a])
+                    s16[t][h] = p if s16[t][h] is None else b.add(s16[t][h], p)
+            k += 1
+            if k == per:
+                for t in range(n):
+                    flush(t, 0)
+                    flush(t, 1)
+                k = 0
+        out = []
+        for t in range(n):
+            if s16[t][0] is not None:
+                flush(t, 0)
+                flush(t, 1)
+            out.append(b.shuffle_vector(r[t][0], r[t][1], ir.Constant(V(i32, 16), list(range(16)))))
+        return out
     # portable: byte products in i16 (|u8 x s8| <= 32640: exact, and SSE2 multiplies i16 lanes natively, not i32),
     # widened to i32 before they are summed
-    acc = None
-    for c in cs:
-        w = b.sext(chunks[c], V(i16, 64)) if signed else b.zext(chunks[c], V(i16, 64))
-        p = b.sext(b.mul(w, b.sext(_act4(b, aptr, 4 * c, 16), V(i16, 64))), V(i32, 64))
-        acc = p if acc is None else b.add(acc, p)
-    s = b.add(shuffle(b, acc, range(0, 64, 2)), shuffle(b, acc, range(1, 64, 2)))
-    return b.add(shuffle(b, s, range(0, 32, 2)), shuffle(b, s, range(1, 32, 2)))
+    out = []
+    for aptr in aptrs:
+        acc = None
+        for c in cs:
+            w = b.sext(chunks[c], V(i16, 64)) if signed else b.zext(chunks[c], V(i16, 64))
+            p = b.sext(b.mul(w, b.sext(_act4(b, aptr, 4 * c, 16), V(i16, 64))), V(i32, 64))
+            acc = p if acc is None else b.add(acc, p)
+        s = b.add(shuffle(b, acc, range(0, 64, 2)), shuffle(b, acc, range(1, 64, 2)))
+        out.append(b.add(shuffle(b, s, range(0, 32, 2)), shuffle(b, s, range(1, 32, 2))))
+    return out
 
 
 def _asum16(b, aptr, h: int):
@@ -518,42 +532,56 @@ class _Lazy:
 def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks=None, vnni_signed_bias: int = 128,
                reload: bool = True):
     """acc (<16 x float>) + this group's share of W x over the unit's activation blocks `blocks` (default: all, QK
-    inputs; module docstring). (Blocks outside and groups inside, so that each activation block is live for one
-    sweep, measured no faster on an AMX Xeon: LLVM schedules the unrolled unit as one block either way.)
-    reload: Decoder.next_block between blocks (a mat-vec). Off in the mat-mat kernel, whose tokens take turns on
-    the same unit and share its decode, which the reload's opaque pointers would make each token redo (on AVX2 the
-    Q4_K / Q5_K / Q6_K mat-mat loop grew from 3,314 / 4,035 / 4,923 to 4,099 / 6,051 / 6,432 instructions)."""
+    inputs; module docstring): block_units of one activation."""
+    return block_units(b, isa, fmt, group, [act], [acc], blocks, vnni_signed_bias, reload)[0]
+
+
+def block_units(b, isa, fmt: BlockFormat, group, acts: list, accs: list, blocks=None, vnni_signed_bias: int = 128,
+                reload: bool = True) -> list:
+    """accs[t] + this group's share of W x_t for each activation acts[t] (a mat-mat's tokens; one is the mat-vec).
+    The unit is decoded once, chunk by chunk, and each chunk dotted with every activation in turn (_idot); per
+    activation the arithmetic and its order are those of the activation alone, so each result is bit-identical
+    to a mat-vec of it. (Blocks outside and groups inside, so that each activation block is live for one sweep,
+    measured no faster on an AMX Xeon: LLVM schedules the unrolled unit as one block either way.)
+    reload: Decoder.next_block between blocks (a mat-vec). Off in the mat-mat kernel, where the reload's opaque
+    pointers would make the decoder's fields be loaded again for nothing."""
     isa = ISA.parse(isa)
     dec = DECODERS[fmt.dtype](b, fmt, group, isa)
     nsub = BLOCK // fmt.sub
     cper = 8 // nsub  # chunks per sub-block
     fma = isa != ISA.GENERIC
     by_parts = isa.vnni and not fmt.signed
+    planes = acts[0].planes
+    accs = list(accs)
 
-    def dot(j, codes, aptr, h):
-        """The exact integer dot of sub-block h of block j (over both planes of a two-plane activation)."""
-        from .kernels import plane_dot
+    def dots(j, codes, aptrs, h):
+        """The exact integer dots of sub-block h of block j with each activation (over both planes of a two-plane
+        activation: kernels.plane_dot's sum)."""
+        if planes == 1:
+            return dot1(j, codes, aptrs, h)
+        hi = dot1(j, codes, aptrs, h)
+        lo = dot1(j, codes, [ptr(b, a, BLOCK) for a in aptrs], h)
+        return [b.add(b.shl(x, const_vec(i32, 16, 8)), y) for x, y in zip(hi, lo)]
 
-        return plane_dot(b, lambda ap: dot1(j, codes, ap, h), aptr, act.planes)
-
-    def dot1(j, codes, aptr, h):
+    def dot1(j, codes, aptrs, h):
         """... over one plane: of its parts (by_parts) or of its assembled codes."""
         cs = range(h * cper, (h + 1) * cper)
         if codes is not None:
-            return _idot(b, isa, codes, aptr, cs, fmt.signed and not isa.vnni, fmt.umax)
+            return _idot(b, isa, codes, aptrs, cs, fmt.signed and not isa.vnni, fmt.umax)
         total = None
         for chunks, rsh, lsh in parts:
-            p = _idot(b, isa, _Lazy(chunks, lambda v: b.bitcast(v, V(i8, 64))), aptr, cs, False, 255)
-            p = b.ashr(p, _k(rsh)) if rsh else p
-            p = b.shl(p, _k(lsh)) if lsh else p
-            total = p if total is None else b.add(total, p)
+            ps = _idot(b, isa, _Lazy(chunks, lambda v: b.bitcast(v, V(i8, 64))), aptrs, cs, False, 255)
+            ps = [b.ashr(p, _k(rsh)) if rsh else p for p in ps]
+            ps = [b.shl(p, _k(lsh)) if lsh else p for p in ps]
+            total = ps if total is None else [b.add(x, p) for x, p in zip(total, ps)]
         return total
 
-    for j, (aptr, da, sums) in enumerate(act.blocks):
+    for j in range(len(acts[0].blocks)):
         if blocks is not None and j not in blocks:
             continue
         if j and reload:
             dec.next_block()
+        aptrs = [act.blocks[j][0] for act in acts]
         parts = dec.parts(j) if by_parts else None
         # each chunk made where its dot first uses it (a block's chunks all live at once spill AVX2's registers)
         codes = None if by_parts else _Lazy(range(8), lambda c, j=j: b.bitcast(dec.chunk(j, c), V(i8, 64)))
@@ -562,34 +590,36 @@ def block_unit(b, isa, fmt: BlockFormat, group, act: UnitActivation, acc, blocks
             table = [t - 256 if t > 127 else t for t in table]
             codes = _Lazy(codes, lambda c, table=table: _lookup(b, isa, c, table))
         bias = fmt.bias + (vnni_signed_bias if fmt.signed and isa.vnni else 0)
-        ds = splat(b, da, 16)
         if nsub == 2 and dec.int_combine:  # two 16-input sub-blocks share da: integer sums times integer scales
             (sc0, m0), (sc1, m1) = dec.int_scales(j)
             D, Dm = dec.supers()
-            isum = None
-            msum = None
+            isum, msum = [None] * len(acts), [None] * len(acts)
             for h, (sc, m) in enumerate(((sc0, m0), (sc1, m1))):
-                part = dot(j, codes, aptr, h)
-                if bias:
-                    part = b.sub(part, splat(b, b.mul(sums[h], ir.Constant(i32, bias)), 16))
-                part = b.mul(part, sc)
-                isum = part if isum is None else b.add(isum, part)
-                if m is not None:
-                    mp = b.mul(m, splat(b, sums[h], 16))
-                    msum = mp if msum is None else b.add(msum, mp)
-            acc = muladd(b, b.sitofp(isum, VF), b.fmul(D, ds), acc, fma)
-            if msum is not None:
-                acc = muladd(b, b.sitofp(msum, VF), b.fmul(Dm, ds), acc, fma)
+                for t, part in enumerate(dots(j, codes, aptrs, h)):
+                    sums = acts[t].blocks[j][2]
+                    if bias:
+                        part = b.sub(part, splat(b, b.mul(sums[h], ir.Constant(i32, bias)), 16))
+                    part = b.mul(part, sc)
+                    isum[t] = part if isum[t] is None else b.add(isum[t], part)
+                    if m is not None:
+                        mp = b.mul(m, splat(b, sums[h], 16))
+                        msum[t] = mp if msum[t] is None else b.add(msum[t], mp)
+            for t, act in enumerate(acts):
+                ds = splat(b, act.blocks[j][1], 16)
+                accs[t] = muladd(b, b.sitofp(isum[t], VF), b.fmul(D, ds), accs[t], fma)
+                if msum[t] is not None:
+                    accs[t] = muladd(b, b.sitofp(msum[t], VF), b.fmul(Dm, ds), accs[t], fma)
             continue
         for h, (S, M) in enumerate(dec.scales(j)):
-            isum = dot(j, codes, aptr, h)
-            asum = sums[h] if nsub == len(sums) else sums[0]
-            if bias:
-                isum = b.sub(isum, splat(b, b.mul(asum, ir.Constant(i32, bias)), 16))
-            acc = muladd(b, b.sitofp(isum, VF), b.fmul(S, ds), acc, fma)
-            if M is not None:
-                acc = muladd(b, M, splat(b, b.fmul(da, b.sitofp(asum, f32)), 16), acc, fma)
-    return acc
+            for t, isum in enumerate(dots(j, codes, aptrs, h)):
+                _, da, sums = acts[t].blocks[j]
+                asum = sums[h] if nsub == len(sums) else sums[0]
+                if bias:
+                    isum = b.sub(isum, splat(b, b.mul(asum, ir.Constant(i32, bias)), 16))
+                accs[t] = muladd(b, b.sitofp(isum, VF), b.fmul(S, splat(b, da, 16)), accs[t], fma)
+                if M is not None:
+                    accs[t] = muladd(b, M, splat(b, b.fmul(da, b.sitofp(asum, f32)), 16), accs[t], fma)
+    return accs
 
 
 

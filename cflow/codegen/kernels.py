@@ -456,6 +456,52 @@ def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0, planes: int =
             accs[g] = _group(b, L, isa, unit, g, shared, accs[g], unpack, planes, one_token)
 
 
+def _block_units(b, L: TileLayout, isa, unit, kb, groups, accs, acts, planes: int, calls: bool) -> None:
+    """A GGUF block type's unit for `groups` and several activations (a mat-mat's token group): accs[k][a] +=
+    group k's share of W x_a. The unit is decoded once per group and each decoded chunk dotted with every token's
+    activation at once (blockdot.block_units), instead of each token's group code in turn sharing the decode
+    through LLVM's common subexpressions, which kept a whole unit's decoded chunks live and spilled them. calls:
+    as one always-inlined function per kernel (_group_function)."""
+    shared = [_unit_shared(b, L, isa, kb, act, planes) for act in acts]
+    flat = [v for vs in shared for v in vs]
+    fn = None
+    if calls:
+        name = f"{b.function.name}.group.mm{len(acts)}"
+        fn = b.module.globals.get(name)
+        if fn is None:
+            rt = ir.LiteralStructType([V(f32, 16)] * len(acts))
+            fn = ir.Function(b.module, ir.FunctionType(rt, [P(i8), i64, *[v.type for v in flat],
+                                                            *[V(f32, 16)] * len(acts)]), name)
+            fn.linkage = "internal"
+            fn.attributes.add("nounwind")
+            fn.attributes.add("alwaysinline")
+            fb = ir.IRBuilder(fn.append_basic_block("entry"))
+            funit, fg, *rest = fn.args
+            out = _block_units_body(fb, L, isa, funit, fg, rest[: len(flat)], [len(v) for v in shared],
+                                    rest[len(flat):], planes)
+            agg = ir.Constant(rt, ir.Undefined)
+            for a, v in enumerate(out):
+                agg = fb.insert_value(agg, v, a)
+            fb.ret(agg)
+    for k, g in enumerate(groups):
+        if fn is not None:
+            gv = g if isinstance(g, ir.Value) else ir.Constant(i64, g)
+            res = b.call(fn, [unit, gv, *flat, *accs[k]])
+            accs[k] = [b.extract_value(res, a) for a in range(len(acts))]
+        else:
+            accs[k] = _block_units_body(b, L, isa, unit, g, flat, [len(v) for v in shared], accs[k], planes)
+
+
+def _block_units_body(b, L: TileLayout, isa, unit, g, flat, sizes, accs, planes: int) -> list:
+    """blockdot.block_units of group g over the activations whose _unit_shared values are `flat` (`sizes` each)."""
+    acts, i = [], 0
+    for n in sizes:
+        acts.append(blockdot.UnitActivation.of_values(L.format, flat[i : i + n], planes))
+        i += n
+    return blockdot.block_units(b, isa, L.format, ptr(b, unit, _goff(b, g, L.group_nbytes)), acts, accs,
+                                reload=False)
+
+
 def _group_function(m: ir.Module, kernel: str, L: TileLayout, isa, shared_types, unpack: int, planes: int,
                     one_token: bool) -> ir.Function:
     """_group for a kernel as an internal, always-inlined function (unit, g, *shared, acc) -> acc, emitted once.
@@ -550,6 +596,13 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                 if row_ahead:  # this pass's lines of the next tile-row, into L2, in the row's last token group
                     with b.if_then(row_ahead[1]):
                         prefetch_lines(b, unit, _pass_lines(b, L, groups, row_ahead[0]), 2)
+                if na > 1 and L.is_block_type:  # every token's dot of each decoded chunk in turn (_block_units)
+                    accs = [[b.load(slots[a * gp + k]) for a in range(na)] for k in range(len(groups))]
+                    _block_units(b, L, isa, unit, kb, groups, accs, acts, planes, calls=group_calls)
+                    for k in range(len(groups)):
+                        for a in range(na):
+                            b.store(accs[k][a], slots[a * gp + k])
+                    continue
                 for a, act in enumerate(acts):
                     accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
                     _unit(b, L, isa, unit, kb, groups, accs, act, unpack, planes, one_token=na == 1,
@@ -681,6 +734,14 @@ MATMAT_ARGS = MATVEC_ARGS + (i64, i64, i64)  # ..., r0, r1, ntok, x_stride, y_st
 MATMAT_GROUPS = 16  # Q4 / Q8 mat-mat accumulators per pass (token groups x row groups): emit_matmat
 
 
+def matmat_groups(L: TileLayout, isa, token_group: int | None = None, max_groups: int | None = None) -> tuple:
+    """(tokens per token group, 16-row groups per pass) of emit_matmat's kernel for L on `isa` (None: built-in)."""
+    isa = ISA.parse(isa)
+    tg = token_group or (8 if isa == ISA.AVX512VNNI else 4)
+    max_groups = max_groups or (MATMAT_GROUPS if L.dtype in (DType.Q4, DType.Q8) else tg)
+    return tg, max(1, max_groups // tg)
+
+
 def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_stride: int, *,
                 tail: ir.Function | None = None, linkage: str = "external", token_group: int | None = None,
                 max_groups: int | None = None, unroll: int = 1, prefetch: int | None = None,
@@ -729,9 +790,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     # (benchmarks/matmat.py, docs/results/intel-amx/matmat_groups_intel.txt): AVX2 Q4 / Q8 1.07x / 1.08x, AVX-VNNI
     # 1.10x / 1.57x, AVX-512 1.26x / 1.21x, the block types 0.98-1.03x (an earlier pick on a loaded Zen 4 had found
     # one group best, with passes unrolled).
-    tg = token_group or (8 if isa == ISA.AVX512VNNI else 4)
-    max_groups = max_groups or (MATMAT_GROUPS if L.dtype in (DType.Q4, DType.Q8) else tg)
-    per_tok = max(1, max_groups // tg)
+    tg, per_tok = matmat_groups(L, isa, token_group, max_groups)
     slots = [b.alloca(V(f32, 16), name=f"acc{g}") for g in range(tg * min(per_tok, L.groups_per_tile))]
     rows = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"rows{t}"), P(f32)) for t in range(tg)]
     ups = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"up{t}"), P(f32)) for t in range(tg)] if gate_up else []
