@@ -48,3 +48,21 @@ def test_counts_another_version_of_the_decoder(tmp_path):
     alt = kernel_asm.main(["--cols", "512", "--types", "Q3_K", "--blockdot", str(other)])[0]
     assert base["kernel"] == alt["kernel"] == "Q3_K" and base["instructions"] != alt["instructions"]
     assert K.blockdot is blockdot
+
+
+def test_counts_the_matmat_loops(capsys):
+    """--matmat counts the multi-token kernel's inner loop: one unit of a pass's row groups for each token of the
+    path's token group (kernels.matmat_groups), per 64-byte line and token."""
+    from cflow.codegen import kernels as K
+    from cflow.codegen.target import host_target
+    from cflow.layout.tile import TileLayout
+
+    rows = {r["kernel"]: r for r in kernel_asm.main(["--cols", "512", "--types", "q4,Q4_K", "--matmat"])}
+    assert set(rows) == {"q4", "Q4_K", "read loop"}
+    isa = host_target().isa
+    for name, dt in (("q4", "q4"), ("Q4_K", "q4_k")):
+        L = TileLayout(dt, 128, 512, (128, 256))
+        tg, gp = K.matmat_groups(L, isa)
+        assert rows[name]["knobs"] == f"tokens={tg},row_groups={gp}"
+        assert rows[name]["lines"] == gp / L.groups_per_tile * L.unit_nbytes / 64 * tg
+    assert "per 64-byte line and token" in capsys.readouterr().out
