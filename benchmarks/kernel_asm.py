@@ -1,7 +1,7 @@
 """Instructions per 64-byte line of weights in the mat-vec kernel's inner loop, from the JIT's own assembly.
 
     python -m benchmarks.kernel_asm [--cols 5632] [--knobs unroll=1,prefetch=4608] [--types q4,q8,Q4_K,IQ4_192]
-                                    [--blockdot FILE]
+                                    [--blockdot FILE] [--matmat]
 
 Builds the decode mat-vec (codegen.kernels.emit_matvec, this host's ISA or the one CFLOW_FEATURES leaves) for
 each type (default Q4 and Q8; GGUF block types and cflow's own by name, a block --cols does not hold whole in the
@@ -13,6 +13,10 @@ prints its instruction count, the count per 64-byte line of weights the iteratio
 opcodes. Next to it, the read loop of codegen.bandwidth (the bandwidth reference) counted the same way. --blockdot
 builds the block types' kernels from another version of codegen/blockdot.py (a before / after of a decoder change).
 A static count, not a timing: how many instructions the core must issue per line it streams.
+--matmat counts the multi-token (mat-mat) kernel's unit loop instead (codegen.kernels.emit_matmat, built-in
+knobs, without the next tile-row's prefetch, whose branch would split the loop's block): one iteration is one unit
+of a pass's row groups for each token of the path's token group (kernels.matmat_groups), counted per 64-byte line
+and token.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ def main(argv=None) -> list[dict]:
                          "and token (one iteration: one unit's row groups of a pass x the path's token group)")
     add_json_argument(ap, "write one record per kernel (a static count: tok_s is null)")
     args = ap.parse_args(argv)
+    if args.matmat and args.knobs:
+        ap.error("--knobs: the mat-mat takes its built-in knobs only (--matmat)")
     run = Run("kernel_asm", argv)
     given = {}
     for kv in filter(None, args.knobs.split(",")):
@@ -98,7 +104,7 @@ def main(argv=None) -> list[dict]:
         m = ir.Module(name="asm")
         with using(other or blockdot):  # another version of the block types' decoder, where asked (--blockdot)
             if args.matmat:  # the mat-mat takes the built-in knobs only (step_context.matmat_fn)
-                K.emit_matmat(m, "mm", L, target.isa, L.cols_p)
+                K.emit_matmat(m, "mm", L, target.isa, L.cols_p, next_row=0)
             else:
                 K.emit_matvec(m, "mv", L, target.isa, **knobs)
         ops = count(m, target)

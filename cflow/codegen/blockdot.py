@@ -1,6 +1,7 @@
 """Mat-vec units of the GGUF block types (layout/blocks.py): one block of QK inputs for a 16-row group.
 
-Stage: codegen (called by kernels._unit for every kernel: mat-vec, mat-mat, gate+up, the embedding row lookup).
+Stage: codegen (called by kernels._unit for the mat-vec and gate+up kernels, by kernels._block_units for the
+mat-mat, and for the embedding row lookup).
 Every type computes the same arithmetic (blocks.matvec_twin):
 
     acc += sum over 32-input activation blocks j, sub-blocks s of j:
@@ -385,7 +386,8 @@ def _idot(b, isa, chunks, aptrs, cs, signed: bool, umax: int) -> list:
     """For each activation in aptrs: sum over chunks c in cs of chunks[c] (bytes) . its bytes 4c .. 4c+3, a
     <16 x i32>, exact. Unsigned codes on VNNI; signed codes are shifted by +128 there (the caller subtracts
     128 * sum(a)). Chunk by chunk, every activation in turn: a chunk is made once and used at once by each (a
-    mat-mat's tokens; one activation is the mat-vec), each activation's sums in the same order as alone."""
+    mat-mat's tokens; one activation is the mat-vec), each activation's sums in the same order as alone (the
+    portable path, activation by activation)."""
     n = len(aptrs)
     if isa.vnni:
         from .kernels import Dots
@@ -402,7 +404,7 @@ def _idot(b, isa, chunks, aptrs, cs, signed: bool, umax: int) -> list:
         if signed:
             sign = intrinsic(b.module, "llvm.x86.avx2.psign.b", V(i8, 32), [V(i8, 32), V(i8, 32)])
             absb = intrinsic(b.module, "llvm.abs.v32i8", V(i8, 32), [V(i8, 32), i1])
-        # i16 pair sums stay exact while n * 2 * max|code| * 128 <= 32767
+        # i16 pair sums stay exact while (chunks summed) * 2 * max|code| * 128 <= 32767
         per = 1 if signed else max(1, 32767 // (2 * umax * 128))
         r = [[None, None] for _ in range(n)]
         s16 = [[None, None] for _ in range(n)]
@@ -543,8 +545,10 @@ def block_units(b, isa, fmt: BlockFormat, group, acts: list, accs: list, blocks=
     activation the arithmetic and its order are those of the activation alone, so each result is bit-identical
     to a mat-vec of it. (Blocks outside and groups inside, so that each activation block is live for one sweep,
     measured no faster on an AMX Xeon: LLVM schedules the unrolled unit as one block either way.)
-    reload: Decoder.next_block between blocks (a mat-vec). Off in the mat-mat kernel, where the reload's opaque
-    pointers would make the decoder's fields be loaded again for nothing."""
+    reload: Decoder.next_block between blocks (a mat-vec). Off in the mat-mat kernel, where before block_units each
+    token redid the unit's decode behind the reload's opaque pointers (on AVX2 the Q4_K / Q5_K / Q6_K mat-mat loop
+    grew from 3,314 / 4,035 / 4,923 to 4,099 / 6,051 / 6,432 instructions); with the decode now made once for all
+    tokens, a reload there would cost one load of the fields a block (not measured)."""
     isa = ISA.parse(isa)
     dec = DECODERS[fmt.dtype](b, fmt, group, isa)
     nsub = BLOCK // fmt.sub
@@ -556,12 +560,10 @@ def block_units(b, isa, fmt: BlockFormat, group, acts: list, accs: list, blocks=
 
     def dots(j, codes, aptrs, h):
         """The exact integer dots of sub-block h of block j with each activation (over both planes of a two-plane
-        activation: kernels.plane_dot's sum)."""
-        if planes == 1:
-            return dot1(j, codes, aptrs, h)
-        hi = dot1(j, codes, aptrs, h)
-        lo = dot1(j, codes, [ptr(b, a, BLOCK) for a in aptrs], h)
-        return [b.add(b.shl(x, const_vec(i32, 16, 8)), y) for x, y in zip(hi, lo)]
+        activation)."""
+        from .kernels import plane_dots
+
+        return plane_dots(b, lambda ps: dot1(j, codes, ps, h), aptrs, planes)
 
     def dot1(j, codes, aptrs, h):
         """... over one plane: of its parts (by_parts) or of its assembled codes."""

@@ -157,9 +157,16 @@ def plane_dot(b, one, aptr, planes: int):
     256 one(q1) + one(q2) over the two planes of a two-plane block (quant.quantize_activation_q8x2). Each plane is
     one int8 vector as before (vpdpbusd, vpmaddubsw's i16 pair sums and the widening products keep their ranges);
     the combined sums stay below 2^31: 256 x (32 x 255 x 127) + 32 x 255 x 127 < 2.7e8."""
+    return plane_dots(b, lambda aptrs: [one(aptrs[0])], [aptr], planes)[0]
+
+
+def plane_dots(b, many, aptrs, planes: int) -> list:
+    """plane_dot for several activation blocks at once: many(aptrs) gives each one's dot over one plane (a
+    mat-mat's tokens, blockdot.block_units)."""
     if planes == 1:
-        return one(aptr)
-    return b.add(b.shl(one(aptr), const_vec(i32, 16, 8)), one(ptr(b, aptr, BLOCK)))
+        return many(aptrs)
+    hi, lo = many(aptrs), many([ptr(b, a, BLOCK) for a in aptrs])
+    return [b.add(b.shl(x, const_vec(i32, 16, 8)), y) for x, y in zip(hi, lo)]
 
 
 # -- integer block dots: one 32-input block of one 16-row group -> <16 x i32> ----------------
@@ -440,9 +447,10 @@ def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0, planes: int =
           calls: bool = False) -> None:
     """One unit for `groups` of any dtype: _q_group (Q4/Q8), _f_unit (F16/F32) or a GGUF block type's
     (blockdot.block_unit, one block of QK inputs); act = (x, xq, xd, xs), xq of `planes` int8 planes. one_token:
-    the unit is dotted with this activation only (a mat-vec), not with several in turn (a mat-mat, whose tokens
-    share one decode of the unit: blockdot.block_unit's `reload` is off there). calls: a quantised type's groups
-    as calls of _group_function's function."""
+    the unit is dotted with this activation only (a mat-vec), not with several in turn (a Q4/Q8 mat-mat, whose
+    tokens share the unpacked codes through LLVM's common subexpressions; its group function is named apart; a
+    block type's mat-mat takes _block_units instead). calls: a quantised type's groups as calls of
+    _group_function's function."""
     if not L.dtype.quantised:
         _f_unit(b, L, isa, unit, kb, groups, accs, act[0])
         return
@@ -461,28 +469,23 @@ def _block_units(b, L: TileLayout, isa, unit, kb, groups, accs, acts, planes: in
     group k's share of W x_a. The unit is decoded once per group and each decoded chunk dotted with every token's
     activation at once (blockdot.block_units), instead of each token's group code in turn sharing the decode
     through LLVM's common subexpressions, which kept a whole unit's decoded chunks live and spilled them. calls:
-    as one always-inlined function per kernel (_group_function)."""
+    as one always-inlined function per kernel (_inline_function), returning the tokens' sums as a struct."""
     shared = [_unit_shared(b, L, isa, kb, act, planes) for act in acts]
-    flat = [v for vs in shared for v in vs]
+    flat, sizes, n = [v for vs in shared for v in vs], [len(v) for v in shared], len(acts)
     fn = None
     if calls:
-        name = f"{b.function.name}.group.mm{len(acts)}"
-        fn = b.module.globals.get(name)
-        if fn is None:
-            rt = ir.LiteralStructType([V(f32, 16)] * len(acts))
-            fn = ir.Function(b.module, ir.FunctionType(rt, [P(i8), i64, *[v.type for v in flat],
-                                                            *[V(f32, 16)] * len(acts)]), name)
-            fn.linkage = "internal"
-            fn.attributes.add("nounwind")
-            fn.attributes.add("alwaysinline")
-            fb = ir.IRBuilder(fn.append_basic_block("entry"))
-            funit, fg, *rest = fn.args
-            out = _block_units_body(fb, L, isa, funit, fg, rest[: len(flat)], [len(v) for v in shared],
-                                    rest[len(flat):], planes)
+        rt = ir.LiteralStructType([V(f32, 16)] * n)
+
+        def body(fb, funit, fg, *rest):
             agg = ir.Constant(rt, ir.Undefined)
-            for a, v in enumerate(out):
+            for a, v in enumerate(_block_units_body(fb, L, isa, funit, fg, rest[:-n], sizes, rest[-n:], planes)):
                 agg = fb.insert_value(agg, v, a)
             fb.ret(agg)
+
+        fn = _inline_function(b.module, f"{b.function.name}.group.mm{n}", rt,
+                              [P(i8), i64, *[v.type for v in flat], *[V(f32, 16)] * n],
+                              ["unit", "g", *(f"a{k}" for k in range(len(flat))), *(f"acc{a}" for a in range(n))],
+                              body)
     for k, g in enumerate(groups):
         if fn is not None:
             gv = g if isinstance(g, ir.Value) else ir.Constant(i64, g)
@@ -502,6 +505,21 @@ def _block_units_body(b, L: TileLayout, isa, unit, g, flat, sizes, accs, planes:
                                 reload=False)
 
 
+def _inline_function(m: ir.Module, name: str, ret, args: list, names: list, body) -> ir.Function:
+    """An internal, always-inlined function `name` of m (ret <- args), its body emitted once by body(builder,
+    *arguments); the existing one if m has it."""
+    fn = m.globals.get(name)
+    if fn is None:
+        fn = ir.Function(m, ir.FunctionType(ret, args), name)
+        fn.linkage = "internal"
+        fn.attributes.add("nounwind")
+        fn.attributes.add("alwaysinline")
+        for a, n in zip(fn.args, names):
+            a.name = n
+        body(ir.IRBuilder(fn.append_basic_block("entry")), *fn.args)
+    return fn
+
+
 def _group_function(m: ir.Module, kernel: str, L: TileLayout, isa, shared_types, unpack: int, planes: int,
                     one_token: bool) -> ir.Function:
     """_group for a kernel as an internal, always-inlined function (unit, g, *shared, acc) -> acc, emitted once.
@@ -515,19 +533,12 @@ def _group_function(m: ir.Module, kernel: str, L: TileLayout, isa, shared_types,
     mat-mat, gate+up mat-mat), 186 gave the same assembly, the other six (AVX2 / generic Q8 and generic IQ4_XS
     mat-mats) the same instructions with other address registers and offsets (benchmarks/jit_time.py --kernels
     --asm, with and without --inline; tests/codegen/test_kernels.py checks Q4 and Q4_K mat-vecs)."""
-    name = f"{kernel}.group" + ("" if one_token else ".mm")
-    fn = m.globals.get(name)
-    if fn is None:
-        fn = ir.Function(m, ir.FunctionType(V(f32, 16), [P(i8), i64, *shared_types, V(f32, 16)]), name)
-        fn.linkage = "internal"
-        fn.attributes.add("nounwind")
-        fn.attributes.add("alwaysinline")
-        unit, g, *shared, acc = fn.args
-        for a, n in zip(fn.args, ["unit", "g", *(f"a{k}" for k in range(len(shared))), "acc"]):
-            a.name = n
-        b = ir.IRBuilder(fn.append_basic_block("entry"))
-        b.ret(_group(b, L, isa, unit, g, shared, acc, unpack, planes, one_token))
-    return fn
+    def body(b, unit, g, *rest):
+        b.ret(_group(b, L, isa, unit, g, rest[:-1], rest[-1], unpack, planes, one_token))
+
+    return _inline_function(m, f"{kernel}.group" + ("" if one_token else ".mm"), V(f32, 16),
+                            [P(i8), i64, *shared_types, V(f32, 16)],
+                            ["unit", "g", *(f"a{k}" for k in range(len(shared_types))), "acc"], body)
 
 
 def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_locality, unpack, pf_stride,
@@ -576,7 +587,8 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
     weight vector once per unit for all activations (the multi-token kernels: the tile stays in L1/L2).
     One activation is the decode mat-vec; per output the arithmetic is the same for any number of them.
     Several activations run the passes as a loop over their first group (one pass's code to JIT, not one per
-    pass)."""
+    pass); for a GGUF block type they take each unit's groups together (_block_units). row_ahead = (bytes, i1):
+    where the i1 holds, each unit also asks for its pass's lines `bytes` on (the next tile-row) into L2."""
     ng, UB = L.groups_per_tile, L.unit_nbytes
     nunits = L.n_units
     na = len(acts)
@@ -602,13 +614,13 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                     for k in range(len(groups)):
                         for a in range(na):
                             b.store(accs[k][a], slots[a * gp + k])
-                    continue
-                for a, act in enumerate(acts):
-                    accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
-                    _unit(b, L, isa, unit, kb, groups, accs, act, unpack, planes, one_token=na == 1,
-                          calls=group_calls)
-                    for k, g in enumerate(groups):
-                        b.store(accs[g], slots[a * gp + k])
+                else:
+                    for a, act in enumerate(acts):
+                        accs = {g: b.load(slots[a * gp + k]) for k, g in enumerate(groups)}
+                        _unit(b, L, isa, unit, kb, groups, accs, act, unpack, planes, one_token=na == 1,
+                              calls=group_calls)
+                        for k, g in enumerate(groups):
+                            b.store(accs[g], slots[a * gp + k])
         for a in range(na):
             for k, g in enumerate(groups):
                 b.store(b.load(slots[a * gp + k]), ptr(b, outvs[a], g), align=4)
@@ -624,12 +636,12 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
 
 def _pass_lines(b, L: TileLayout, groups, ahead: int) -> list:
     """Offsets (from a unit, `ahead` bytes on) in each 64-byte line that `groups` read of it: their codes (one
-    every 64 bytes and the last byte, for a group that is not whole lines: Q3_K's 1,760 bytes), and for Q4/Q8 their
-    scales (two groups a line)."""
+    every 64 bytes, and the last byte where a group is not whole lines), and for Q4/Q8 each group's 32 bytes of
+    scales (two groups share a line where the unit is line-aligned; asked for twice then, which costs little)."""
     gb = L.group_nbytes
     offs = [_goff(b, g, gb, ahead + off) for g in groups for off in [*range(0, gb, 64)] + ([gb - 1] if gb % 64 else [])]
     if L.code_nbytes:
-        offs += [_goff(b, g, 32, ahead + L.scales_offset) for g in (groups[::2] if len(groups) % 2 == 0 else groups)]
+        offs += [_goff(b, g, 32, ahead + L.scales_offset) for g in groups]
     return offs
 
 
@@ -756,11 +768,10 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     floats.
     Each tile-row is streamed from memory once and multiplied against every token while it sits in
     L1/L2, `token_group` tokens per pass; while its last token group runs, the lines of the next tile-row are
-    asked for into L2 (`next_row`), so that the first pass over a row does not wait for DRAM either (asked for in
-    the first group instead, the next row would share L2 with the current one for the whole row: the same speed in
-    scratch A/Bs on AVX2, batches of 8 and 512-token prompts). The last ntok mod token_group tokens go through
-    `tail` (the
-    layout's mat-vec, one tile-row per call; emitted here if not given). Per output the per-block
+    asked for into L2 (`next_row`; not past r1), so that the first pass over a row does not wait for DRAM either
+    (asked for in the first group instead, the next row would share L2 with the current one for the whole row: the
+    same speed in A/Bs on AVX2, batches of 8 and 512-token prompts). The last ntok mod token_group tokens go
+    through `tail` (the layout's mat-vec, one tile-row per call; emitted here if not given). Per output the per-block
     arithmetic and its order are the decode kernel's, so every token's result is bit-identical to a
     mat-vec of it alone. Nothing here depends on the number of rows: one kernel serves every matrix
     of a width.
@@ -824,7 +835,9 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     full = b.sdiv(ntok, ir.Constant(i64, tg))
     with Loop(b, r0, r1, "r") as r:  # NOTE: tile-rows outside, tokens inside: each tile-row is read from DRAM once
         with Loop(b, ir.Constant(i64, 0), full, "tg") as q:
-            last = b.icmp_unsigned("==", q, b.sub(full, ir.Constant(i64, 1)))
+            # the row's last token group, and a next row that is this call's (not another thread's, another matrix)
+            last = b.and_(b.icmp_unsigned("==", q, b.sub(full, ir.Constant(i64, 1))),
+                          b.icmp_signed("<", b.add(r, ir.Constant(i64, 1)), r1))
             tokens(r, b.mul(q, ir.Constant(i64, tg)), tg, slots, last)
         with Loop(b, b.mul(full, ir.Constant(i64, tg)), ntok, "t1") as t:
             xt, xqt, xdt, xst = token_act(t)

@@ -104,14 +104,19 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
 def test_next_row_prefetch_asks_for_every_line_of_a_unit(dtype):
     """While a tile-row's last token group runs, each pass asks for its groups' lines of the next tile-row
     (kernels._pass_lines): over the passes of one token group every 64-byte line of a unit is asked for, codes and
-    scales, also where a group's bytes are not whole lines (Q3_K: 1,760 bytes a 16-row group)."""
+    scales (Q3_K's 16-row group is 1,760 bytes, not whole lines), also where a unit is not line-aligned (80-row
+    tiles: 1,440-byte Q4 units) or a pass's first group is odd (passes of three)."""
     from cflow.layout.quant import DType
-    L = TileLayout(DType.parse(dtype), 256, 2048, (128, 256))
-    for gp in ((2, 4) if L.dtype in (DType.Q4, DType.Q8) else (1,)):  # row groups a pass (emit_matmat)
-        offs = [off for g0 in range(0, L.groups_per_tile, gp)
-                for off in K._pass_lines(None, L, list(range(g0, g0 + gp)), 0)]
-        assert {off // 64 for off in offs} == set(range(-(-L.unit_nbytes // 64))), (dtype, gp)
-        assert all(0 <= off < L.unit_nbytes for off in offs)
+    for tr in (128, 80):
+        L = TileLayout(DType.parse(dtype), 256, 2048, (tr, 256))
+        for gp in ((2, 3, 4) if L.dtype in (DType.Q4, DType.Q8) else (1,)):  # row groups a pass (emit_matmat)
+            for u in range(2):  # a unit's lines, at u x its size (line-aligned or not)
+                base = u * L.unit_nbytes
+                offs = [base + off for g0 in range(0, L.groups_per_tile, gp)
+                        for off in K._pass_lines(None, L, list(range(g0, min(g0 + gp, L.groups_per_tile))), 0)]
+                want = set(range(base // 64, (base + L.unit_nbytes - 1) // 64 + 1))
+                assert {off // 64 for off in offs} == want, (dtype, tr, gp, u)
+                assert all(base <= off < base + L.unit_nbytes for off in offs)
 
 
 @pytest.mark.parametrize("next_row", [0, 1])
@@ -124,3 +129,49 @@ def test_a_matmat_asks_for_the_next_tile_row_in_its_last_token_group(next_row):
     l2 = [line for line in str(mod).splitlines() if "llvm.prefetch" in line and "i32 0, i32 2, i32 1" in line]
     gp = K.MATMAT_GROUPS // 4  # AVX2: 4 tokens a group, 4 row groups a pass
     assert len(l2) == next_row * len(K._pass_lines(None, L, list(range(gp)), 0))
+
+
+BLOCK_GU = [(isa, dt) for isa in ISA for dt in ("Q4_K", "IQ4_XS")]
+
+
+@pytest.mark.parametrize("isa, dtype", BLOCK_GU, ids=[f"{i}-{d}" for i, d in BLOCK_GU])
+def test_a_block_types_gate_up_matmat_equals_its_matvec(isa, dtype):
+    """A GGUF block type's fused gate+up mat-mat (both halves through kernels._block_units, every token of a pass
+    dotted with each decoded chunk) gives each token the bits of the fused mat-vec on it alone; a thread's share
+    of the tile-rows, and tokens past the token groups through the tail."""
+    from cflow.layout.blocks import random_blocks
+    from cflow.layout.quant import DType
+
+    target = _target(isa)
+    if target is None:
+        pytest.skip(f"host lacks {isa}")
+    rng = np.random.default_rng(1)
+    M, Kd, tile = 96, 512, (32, 256)
+    dt = DType.parse(dtype)
+    L = TileLayout(dt, M, Kd, tile)
+    w = T.pack_gate_up(random_blocks(dt, M, Kd, rng, Kd**-0.5), random_blocks(dt, M, Kd, rng, Kd**-0.5), dt, tile)
+    stride, ys = L.cols_p + 64, L.rows_p + 16
+    mod = ir.Module("t")
+    K.emit_quantize_act(mod, "q", Kd, L.cols_p)
+    mv_fn = K.emit_matvec(mod, "mv", L, isa, gate_up=True)
+    K.emit_matmat(mod, "mm", L, isa, stride, gate_up=True, act_blocks=stride // 32, tail=mv_fn)
+    lib = Library(name="t", target=target, cache=False)
+    lib.add_ir(mod)
+    lib.finalize()
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    q = lib.get_cfunc("q", None, vp, vp, vp, vp)
+    mv = lib.get_cfunc("mv", None, vp, vp, vp, vp, vp, vp, i64, i64)
+    mm = lib.get_cfunc("mm", None, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64)
+    n = 11
+    X = np.zeros((n, stride), np.float32)
+    X[:, :Kd] = rng.standard_normal((n, Kd))
+    XQ, XD, XS = np.zeros((n, stride), np.int8), np.zeros((n, stride // 32), np.float32), np.zeros((n, stride // 32),
+                                                                                                  np.int32)
+    for t in range(n):
+        q(_p(X[t]), _p(XQ[t]), _p(XD[t]), _p(XS[t]))
+    got, want = np.full((n, ys), 7.0, np.float32), np.full((n, ys), 7.0, np.float32)
+    mm(_p(w), _p(X), _p(XQ), _p(XD), _p(XS), _p(got), 1, L.n_tile_rows, n, stride, ys)
+    for t in range(n):
+        mv(_p(w), _p(X[t]), _p(XQ[t]), _p(XD[t]), _p(XS[t]), _p(want[t]), 1, L.n_tile_rows)
+    assert np.array_equal(got, want)
+    assert np.abs(got[:, L.tr : L.rows]).max() > 0
