@@ -603,7 +603,9 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
             for u in range(unroll):
                 kb = b.add(b.mul(it, ir.Constant(i64, unroll)), ir.Constant(i64, u))
                 unit = ptr(b, w_row, b.mul(kb, ir.Constant(i64, UB)))
-                if prefetch:  # one per `pf_stride` bytes of the unit, `prefetch` bytes ahead
+                if prefetch and na > 1:  # this pass's lines, `prefetch` bytes ahead (not the whole unit each pass)
+                    prefetch_lines(b, unit, _pass_lines(b, L, groups, prefetch), pf_locality)
+                elif prefetch:  # one per `pf_stride` bytes of the unit, `prefetch` bytes ahead
                     prefetch_lines(b, unit, [prefetch + off for off in range(0, UB, pf_stride)], pf_locality)
                 if row_ahead:  # this pass's lines of the next tile-row, into L2, in the row's last token group
                     with b.if_then(row_ahead[1]):

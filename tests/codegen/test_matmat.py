@@ -126,9 +126,14 @@ def test_a_matmat_asks_for_the_next_tile_row_in_its_last_token_group(next_row):
     L = TileLayout("q4", 256, 512, (128, 256))
     mod = ir.Module("k")
     K.emit_matmat(mod, "k", L, ISA.AVX2, 1024, next_row=next_row, tail=K.emit_matvec(mod, "mv", L, ISA.AVX2))
-    l2 = [line for line in str(mod).splitlines() if "llvm.prefetch" in line and "i32 0, i32 2, i32 1" in line]
+    mm = str(mod).split('define external void @"k"(')[1].split("define ")[0]  # the mat-mat's body, not its tail's
+    l2 = [line for line in mm.splitlines() if "llvm.prefetch" in line and "i32 0, i32 2, i32 1" in line]
     gp = K.MATMAT_GROUPS // 4  # AVX2: 4 tokens a group, 4 row groups a pass
-    assert len(l2) == next_row * len(K._pass_lines(None, L, list(range(gp)), 0))
+    pass_lines = len(K._pass_lines(None, L, list(range(gp)), 0))
+    assert len(l2) == next_row * pass_lines
+    # the in-row prefetch (into L1) also asks for the pass's lines only, not the whole unit in each pass
+    l1 = [line for line in mm.splitlines() if "llvm.prefetch" in line and "i32 0, i32 3, i32 1" in line]
+    assert len(l1) == pass_lines < L.unit_nbytes // 64
 
 
 BLOCK_GU = [(isa, dt) for isa in ISA for dt in ("Q4_K", "IQ4_XS")]
