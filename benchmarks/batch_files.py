@@ -7,40 +7,18 @@ batch's aggregate tok/s and a prompt's, per file and thread count, in interleave
 benchmarks/prefill.py measures the same three on random weights of a geometry against the machine's limits; this
 runs them on the files users bring, whose GGUF block types have mat-mat kernels of their own (docs/performance.md,
 "Prompts and batches"). Each number is the best of two repetitions inside its round (benchmarks.prefill's
-cflow_single and cflow_batch, and a prompt of ids inside the file's vocabulary); the summary keeps each file's best
-round.
+cflow_single, cflow_batch and cflow_prompt, whose ids stay inside the file's vocabulary); the summary keeps each
+file's best round.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
-import numpy as np
-
-import cflow
 from benchmarks.common.record import Run, add_json_argument
-from benchmarks.prefill import cflow_batch, cflow_single
+from benchmarks.prefill import cflow_batch, cflow_prompt, cflow_single
 from cflow.codegen.target import cpu_model, isa_path
-
-
-def cflow_prompt(path, threads: int, n: int, reps: int = 2) -> float:
-    """A prompt of n token ids drawn inside the file's vocabulary (benchmarks.prefill's are for its geometries):
-    its tok/s, the best of `reps`, after a warm-up prompt of 16."""
-    with cflow.load(path, threads=threads, max_seq=max(n, 16)) as m:
-        s = m.session
-        vocab = s.config.vocab_size
-        ids = [int(x) for x in np.random.default_rng(n).integers(min(10, vocab - 1), vocab, n)]
-        s.reset()
-        s.prefill(ids[:16])
-        best = 0.0
-        for _ in range(reps):
-            s.reset()
-            t0 = time.perf_counter()
-            s.prefill(ids)
-            best = max(best, n / (time.perf_counter() - t0))
-    return best
 
 
 def main(argv=None) -> list[dict]:
@@ -65,7 +43,7 @@ def main(argv=None) -> list[dict]:
             for t in threads:
                 single = cflow_single(f, t, 2 * args.steps, 2)
                 batch = cflow_batch(f, t, args.batch, args.steps, 2)
-                prompt = cflow_prompt(f, t, args.prompt)
+                prompt = cflow_prompt(f, t, args.prompt, 64, 2)
                 print(f"round {r + 1}  {Path(f).name:<28} {t} thread(s): single {single:6.1f}  batch {args.batch} "
                       f"{batch:6.1f} ({batch / single:4.2f}x)  prompt {prompt:6.1f} tok/s", flush=True)
                 k = (f, t)

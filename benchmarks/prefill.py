@@ -128,15 +128,17 @@ def int8_peak(threads: int, seconds: float = 0.5) -> float:
 WARM = 8  # warm-up prompt tokens after loading, for both engines (the JIT / first-touch of the pages)
 
 
-def prompt_ids(n: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(n).integers(10, 30000, n)]
+def prompt_ids(n: int, vocab: int = 30000) -> list[int]:
+    """n token ids drawn from [10, min(vocab, 30000)) (the same ids for every geometry of a vocabulary that large)."""
+    return [int(x) for x in np.random.default_rng(n).integers(min(10, vocab - 1), min(vocab, 30000), n)]
 
 
 def cflow_prompt(path, threads: int, n: int, block: int, reps: int) -> float:
-    ids = prompt_ids(n)
+    """A prompt's tok/s, the best of `reps`, its ids inside the file's vocabulary (benchmarks.batch_files' files)."""
     best = 0.0
     with cflow.load(path, threads=threads, prefill_block=block, max_seq=max(n, 16)) as m:
         s = m.session
+        ids = prompt_ids(n, s.config.vocab_size)
         s.reset()
         s.prefill(ids[:WARM])
         for _ in range(reps):

@@ -18,6 +18,16 @@ def _p(a):
     return ctypes.c_void_p(a.ctypes.data)
 
 
+def _kernels(mod, target):
+    """mod JIT-compiled: its library and the quantiser q, mat-vec mv and mat-mat mm as C functions."""
+    lib = Library(name="t", target=target, cache=False)
+    lib.add_ir(mod)
+    lib.finalize()
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    return lib, (lib.get_cfunc("q", None, vp, vp, vp, vp), lib.get_cfunc("mv", None, vp, vp, vp, vp, vp, vp, i64, i64),
+                 lib.get_cfunc("mm", None, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64))
+
+
 ACTS = [(False, "silu"), (True, "silu"), (True, "gelu_tanh")]
 
 
@@ -63,13 +73,7 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
                   planes=planes, tail=mv_fn)
     if gate_up:
         K.emit_matvec(mod, "plain", L, isa, planes=planes)  # W x alone: the gate and up projections for the reference
-    lib = Library(name="t", target=target, cache=False)
-    lib.add_ir(mod)
-    lib.finalize()
-    vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    q = lib.get_cfunc("q", None, vp, vp, vp, vp)
-    mv = lib.get_cfunc("mv", None, vp, vp, vp, vp, vp, vp, i64, i64)
-    mm = lib.get_cfunc("mm", None, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64)
+    lib, (q, mv, mm) = _kernels(mod, target)
     n = 11  # a full group of 8 (or two of 4) and a tail
     X = np.zeros((n, stride), np.float32)
     X[:, :Kd] = rng.standard_normal((n, Kd))
@@ -87,6 +91,7 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
     assert np.array_equal(got, want)
     assert (got[:, : r0 * L.tr] == 7.0).all()  # rows of other threads untouched
     if gate_up:  # act(gate x) * (up x), with gate x and up x from the plain kernel on each half of the stream
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
         plain = lib.get_cfunc("plain", None, vp, vp, vp, vp, vp, vp, i64, i64)
         pairs = w.reshape(L.n_tile_rows, 2, L.tile_row_nbytes)
         halves = [np.ascontiguousarray(pairs[:, h]).reshape(-1) for h in range(2)]
@@ -160,13 +165,7 @@ def test_a_block_types_gate_up_matmat_equals_its_matvec(isa, dtype):
     K.emit_quantize_act(mod, "q", Kd, L.cols_p)
     mv_fn = K.emit_matvec(mod, "mv", L, isa, gate_up=True)
     K.emit_matmat(mod, "mm", L, isa, stride, gate_up=True, act_blocks=stride // 32, tail=mv_fn)
-    lib = Library(name="t", target=target, cache=False)
-    lib.add_ir(mod)
-    lib.finalize()
-    vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    q = lib.get_cfunc("q", None, vp, vp, vp, vp)
-    mv = lib.get_cfunc("mv", None, vp, vp, vp, vp, vp, vp, i64, i64)
-    mm = lib.get_cfunc("mm", None, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64)
+    lib, (q, mv, mm) = _kernels(mod, target)
     n = 11
     X = np.zeros((n, stride), np.float32)
     X[:, :Kd] = rng.standard_normal((n, Kd))
