@@ -1,6 +1,6 @@
 """Mat-vec units of the GGUF block types (layout/blocks.py): one block of QK inputs for a 16-row group.
 
-Stage: codegen (called by kernels._unit for the mat-vec and gate+up kernels, by kernels._block_units for the
+Stage: codegen (called by kernels._unit for the mat-vec and gate+up kernels, by kernels._units_at_once for the
 mat-mat, and for the embedding row lookup).
 Every type computes the same arithmetic (blocks.matvec_twin):
 

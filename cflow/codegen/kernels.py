@@ -272,6 +272,24 @@ def _q4_block_int(b, isa, codes, aptr, unpack: int = 0):
     return _sum4(b, acc)
 
 
+def _q_block_ints(b, L: TileLayout, isa, codes, aptrs) -> list:
+    """Q4 / Q8 on the VNNI paths for several activations (a mat-mat's token group): _q4_block_int's (unpack 1) or
+    _q8_block_int's exact integer sum for each of aptrs. Each 64-byte chunk is loaded and unpacked once and
+    dotted with every activation in turn, each activation's sums in one accumulator (Q4's high nibbles shifted
+    down, so both halves of a byte add into it): the same integers in another order."""
+    dots = [Dots(b, isa) for _ in aptrs]
+    lo_m, flip = const_vec(i8, 64, 0x0F), const_vec(i8, 64, 0x80)
+    q4 = L.dtype == DType.Q4
+    for c in range(4 if q4 else 8):
+        v = load(b, codes, 64 * c, V(i8, 64))
+        parts = ([(b.and_(v, lo_m), 4 * c), (b.lshr(v, const_vec(i8, 64, 4)), 16 + 4 * c)] if q4
+                 else [(b.xor(v, flip), 4 * c)])
+        for w, off in parts:
+            for d, aptr in zip(dots, aptrs):
+                d.add(w, aptr, off)
+    return [d.total() for d in dots]
+
+
 def _q8_block_int(b, isa, codes, aptr):
     """Q8: 8 chunks of 64 B of int8 codes (inputs 4c..4c+3). VNNI returns sum (q+128)*a (the
     caller subtracts 128 * sum(a)); the other paths return sum q*a exactly."""
@@ -425,6 +443,24 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
             accs[g] = _fma(b, wv, xk, accs[g], isa)
 
 
+def _q_units_body(b, L: TileLayout, isa, unit, g, flat, sizes, accs, planes: int) -> list:
+    """Q4 / Q8 group g of one unit for the activations whose _q_act values are `flat` (`sizes` each) on a VNNI
+    path: _q_group's arithmetic per activation, the codes unpacked once for all (_q_block_ints)."""
+    shared, i = [], 0
+    for n in sizes:
+        shared.append(flat[i : i + n])
+        i += n
+    codes = ptr(b, unit, _goff(b, g, L.code_nbytes))
+    isums = plane_dots(b, lambda aptrs: _q_block_ints(b, L, isa, codes, aptrs), [s[0] for s in shared], planes)
+    ws = half_to_float(b, load(b, unit, _goff(b, g, 32, L.scales_offset), V(i16, 16)), isa)
+    out = []
+    for (_, ad, *corr), isum, acc in zip(shared, isums, accs):
+        if corr:
+            isum = b.sub(isum, corr[0])
+        out.append(_fma(b, b.sitofp(isum, V(f32, 16)), b.fmul(ws, ad), acc, isa))
+    return out
+
+
 def _unit_shared(b, L, isa, kb, act, planes: int = 1) -> list:
     """The activation values the groups of one quantised unit share (Q4/Q8: _q_act; a GGUF block type: its
     UnitActivation's), made once per unit and activation."""
@@ -449,7 +485,7 @@ def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0, planes: int =
     (blockdot.block_unit, one block of QK inputs); act = (x, xq, xd, xs), xq of `planes` int8 planes. one_token:
     the unit is dotted with this activation only (a mat-vec), not with several in turn (a Q4/Q8 mat-mat, whose
     tokens share the unpacked codes through LLVM's common subexpressions; its group function is named apart; a
-    block type's mat-mat takes _block_units instead). calls: a quantised type's groups as calls of
+    block type's mat-mat, and a chunk-major Q4 / Q8 one, take _units_at_once instead). calls: a quantised type's groups as calls of
     _group_function's function."""
     if not L.dtype.quantised:
         _f_unit(b, L, isa, unit, kb, groups, accs, act[0])
@@ -464,21 +500,23 @@ def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0, planes: int =
             accs[g] = _group(b, L, isa, unit, g, shared, accs[g], unpack, planes, one_token)
 
 
-def _block_units(b, L: TileLayout, isa, unit, kb, groups, accs, acts, planes: int, calls: bool) -> None:
-    """A GGUF block type's unit for `groups` and several activations (a mat-mat's token group): accs[k][a] +=
-    group k's share of W x_a. The unit is decoded once per group and each decoded chunk dotted with every token's
-    activation at once (blockdot.block_units), instead of each token's group code in turn sharing the decode
-    through LLVM's common subexpressions, which kept a whole unit's decoded chunks live and spilled them. calls:
-    as one always-inlined function per kernel (_inline_function), returning the tokens' sums as a struct."""
+def _units_at_once(b, L: TileLayout, isa, unit, kb, groups, accs, acts, planes: int, calls: bool) -> None:
+    """One unit for `groups` and several activations (a mat-mat's token group): accs[k][a] += group k's share of
+    W x_a. The unit is decoded once per group and each decoded chunk dotted with every token's activation at once
+    (a GGUF block type's blockdot.block_units; Q4 / Q8 chunk-major, _q_units_body), instead of each token's group
+    code in turn sharing the decode through LLVM's common subexpressions, which kept a whole unit's decoded chunks
+    live and spilled them. calls: as one always-inlined function per kernel (_inline_function), returning the
+    tokens' sums as a struct."""
     shared = [_unit_shared(b, L, isa, kb, act, planes) for act in acts]
     flat, sizes, n = [v for vs in shared for v in vs], [len(v) for v in shared], len(acts)
+    body_fn = _block_units_body if L.is_block_type else _q_units_body
     fn = None
     if calls:
         rt = ir.LiteralStructType([V(f32, 16)] * n)
 
         def body(fb, funit, fg, *rest):
             agg = ir.Constant(rt, ir.Undefined)
-            for a, v in enumerate(_block_units_body(fb, L, isa, funit, fg, rest[:-n], sizes, rest[-n:], planes)):
+            for a, v in enumerate(body_fn(fb, L, isa, funit, fg, rest[:-n], sizes, rest[-n:], planes)):
                 agg = fb.insert_value(agg, v, a)
             fb.ret(agg)
 
@@ -492,7 +530,7 @@ def _block_units(b, L: TileLayout, isa, unit, kb, groups, accs, acts, planes: in
             res = b.call(fn, [unit, gv, *flat, *accs[k]])
             accs[k] = [b.extract_value(res, a) for a in range(len(acts))]
         else:
-            accs[k] = _block_units_body(b, L, isa, unit, g, flat, [len(v) for v in shared], accs[k], planes)
+            accs[k] = body_fn(b, L, isa, unit, g, flat, sizes, accs[k], planes)
 
 
 def _block_units_body(b, L: TileLayout, isa, unit, g, flat, sizes, accs, planes: int) -> list:
@@ -577,7 +615,7 @@ def _emit_group_loop(b, L: TileLayout, isa, w_row, act, arr, out, prefetch, pf_l
 
 
 def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, prefetch, pf_locality=2, unpack=0,
-                   pf_stride=64, planes: int = 1, group_calls: bool = True, row_ahead=None):
+                   pf_stride=64, planes: int = 1, group_calls: bool = True, row_ahead=None, q_units: bool = False):
     """outs[a][0:TR] = (one tile-row of W) x_a for every activation a, where w_row points at the tile-row's
     first unit and acts[a] = (x, xq, xd, xs).
 
@@ -587,8 +625,9 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
     weight vector once per unit for all activations (the multi-token kernels: the tile stays in L1/L2).
     One activation is the decode mat-vec; per output the arithmetic is the same for any number of them.
     Several activations run the passes as a loop over their first group (one pass's code to JIT, not one per
-    pass); for a GGUF block type they take each unit's groups together (_block_units). row_ahead = (bytes, i1):
-    where the i1 holds, each unit also asks for its pass's lines `bytes` on (the next tile-row) into L2."""
+    pass); for a GGUF block type, and Q4 / Q8 where q_units, they take each unit's groups together
+    (_units_at_once). row_ahead = (bytes, i1): where the i1 holds, each unit also asks for its pass's lines
+    `bytes` on (the next tile-row) into L2."""
     ng, UB = L.groups_per_tile, L.unit_nbytes
     nunits = L.n_units
     na = len(acts)
@@ -610,9 +649,9 @@ def _emit_tile_row(b, L: TileLayout, isa, w_row, acts, slots, outs, unroll, pref
                 if row_ahead:  # this pass's lines of the next tile-row, into L2, in the row's last token group
                     with b.if_then(row_ahead[1]):
                         prefetch_lines(b, unit, _pass_lines(b, L, groups, row_ahead[0]), 2)
-                if na > 1 and L.is_block_type:  # every token's dot of each decoded chunk in turn (_block_units)
+                if na > 1 and (L.is_block_type or q_units):  # each decoded chunk dotted with every token in turn
                     accs = [[b.load(slots[a * gp + k]) for a in range(na)] for k in range(len(groups))]
-                    _block_units(b, L, isa, unit, kb, groups, accs, acts, planes, calls=group_calls)
+                    _units_at_once(b, L, isa, unit, kb, groups, accs, acts, planes, calls=group_calls)
                     for k in range(len(groups)):
                         for a in range(na):
                             b.store(accs[k][a], slots[a * gp + k])
@@ -748,11 +787,26 @@ MATMAT_ARGS = MATVEC_ARGS + (i64, i64, i64)  # ..., r0, r1, ntok, x_stride, y_st
 MATMAT_GROUPS = 16  # Q4 / Q8 mat-mat accumulators per pass (token groups x row groups): emit_matmat
 
 
-def matmat_groups(L: TileLayout, isa, token_group: int | None = None, max_groups: int | None = None) -> tuple:
+def matmat_q_units(L: TileLayout, isa, q_units: int | None = None) -> bool:
+    """Does emit_matmat's kernel for L on `isa` take Q4 / Q8 units chunk-major (_q_units_body; a VNNI path; None:
+    the built-in, AVX-VNNI's)? With 16 registers, each token's units in turn shared the decoded chunks through
+    LLVM's common subexpressions and spilled them (AVX-VNNI Q4: 14.2 instructions per 64-byte line and token, 11.7
+    chunk-major; in cache 1.22x / 1.32x for Q4 / Q8, benchmarks/matmat.py). AVX-512 keeps them token by token,
+    its 32 registers holding two row groups' work: chunk-major was 1.01-1.08x in cache but 0.94-0.95x for batches
+    of 8 end to end (docs/performance.md, "Prompts and batches")."""
+    isa = ISA.parse(isa)
+    if L.dtype not in (DType.Q4, DType.Q8) or not isa.vnni:
+        return False
+    return isa == ISA.AVXVNNI if q_units is None else bool(q_units)
+
+
+def matmat_groups(L: TileLayout, isa, token_group: int | None = None, max_groups: int | None = None,
+                  q_units: int | None = None) -> tuple:
     """(tokens per token group, 16-row groups per pass) of emit_matmat's kernel for L on `isa` (None: built-in)."""
     isa = ISA.parse(isa)
     tg = token_group or (8 if isa == ISA.AVX512VNNI else 4)
-    max_groups = max_groups or (MATMAT_GROUPS if L.dtype in (DType.Q4, DType.Q8) else tg)
+    several = L.dtype in (DType.Q4, DType.Q8) and not matmat_q_units(L, isa, q_units)
+    max_groups = max_groups or (MATMAT_GROUPS if several else tg)
     return tg, max(1, max_groups // tg)
 
 
@@ -761,7 +815,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
                 max_groups: int | None = None, unroll: int = 1, prefetch: int | None = None,
                 prefetch_locality: int | None = None, gate_up: bool = False,
                 act: str = "silu", act_blocks: int | None = None, planes: int = 1,
-                group_calls: bool = True, next_row: int = 1) -> ir.Function:
+                group_calls: bool = True, next_row: int = 1, q_units: int | None = None) -> ir.Function:
     """Emit `name`: y[t][r0*TR : r1*TR] = W x_t for tokens t in [0, ntok) over tile-rows [r0, r1).
 
     The multi-token twin of emit_matvec (its arguments, plus ntok, x_stride, y_stride): token t's int8
@@ -799,11 +853,13 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     isa = ISA.parse(isa)
     # Tokens per group: 8 on AVX-512 (32 registers), 4 elsewhere (16 registers, each <16 x f32> two of them).
     # Row groups per pass: Q4 / Q8 take MATMAT_GROUPS // tg (2 or 4) 16-row groups per pass over a tile-row, the
-    # GGUF block types one (their unit is up to 8x longer). In cache on an AMX Xeon, against one group per pass
+    # GGUF block types one (their unit is up to 8x longer), and so do Q4 / Q8 where they run chunk-major
+    # (matmat_q_units: AVX-VNNI). In cache on an AMX Xeon, against one group per pass
     # (benchmarks/matmat.py, docs/results/intel-amx/matmat_groups_intel.txt): AVX2 Q4 / Q8 1.07x / 1.08x, AVX-VNNI
     # 1.10x / 1.57x, AVX-512 1.26x / 1.21x, the block types 0.98-1.03x (an earlier pick on a loaded Zen 4 had found
     # one group best, with passes unrolled).
-    tg, per_tok = matmat_groups(L, isa, token_group, max_groups)
+    tg, per_tok = matmat_groups(L, isa, token_group, max_groups, q_units)
+    q_units = matmat_q_units(L, isa, q_units)
     slots = [b.alloca(V(f32, 16), name=f"acc{g}") for g in range(tg * min(per_tok, L.groups_per_tile))]
     rows = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"rows{t}"), P(f32)) for t in range(tg)]
     ups = [b.bitcast(b.alloca(ir.ArrayType(f32, L.tr), name=f"up{t}"), P(f32)) for t in range(tg)] if gate_up else []
@@ -822,10 +878,11 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
         w_row = ptr(b, w, b.mul(r, ir.Constant(i64, row_bytes)))
         ahead = (row_bytes, last) if last is not None and next_row else None
         _emit_tile_row(b, L, isa, w_row, acts, acc_slots, rows[:n], unroll, prefetch, prefetch_locality,
-                       planes=planes, group_calls=group_calls, row_ahead=ahead)
+                       planes=planes, group_calls=group_calls, row_ahead=ahead, q_units=q_units)
         if gate_up:
             _emit_tile_row(b, L, isa, ptr(b, w_row, L.tile_row_nbytes), acts, acc_slots, ups[:n], unroll, prefetch,
-                           prefetch_locality, planes=planes, group_calls=group_calls, row_ahead=ahead)
+                           prefetch_locality, planes=planes, group_calls=group_calls, row_ahead=ahead,
+                           q_units=q_units)
         for k, t in enumerate(ts):
             y_row = ptr(b, y, b.add(b.mul(t, y_stride), b.mul(r, ir.Constant(i64, L.tr))), V(f32, 16))
             for g in range(L.groups_per_tile):

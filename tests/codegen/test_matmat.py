@@ -38,19 +38,26 @@ def _act_ref(g, act):
     return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
 
 
-CASES = [(isa, dt, gu, act, 1) for isa in ISA for dt in ("q4", "q8", "f16", "f32") for gu, act in ACTS]
+CASES = [(isa, dt, gu, act, 1, {}) for isa in ISA for dt in ("q4", "q8", "f16", "f32") for gu, act in ACTS]
 # two-plane activations (q8x2): the strides and a gate on the vector paths (portable: tests/codegen/test_kernels.py)
-CASES += [(ISA.AVX512VNNI, "q4", False, "silu", 2), (ISA.AVX512VNNI, "q8", True, "gelu_tanh", 2),
-          (ISA.AVXVNNI, "q8", False, "silu", 2), (ISA.AVX2, "q4", True, "silu", 2)]
+CASES += [(ISA.AVX512VNNI, "q4", False, "silu", 2, {}), (ISA.AVX512VNNI, "q8", True, "gelu_tanh", 2, {}),
+          (ISA.AVXVNNI, "q8", False, "silu", 2, {}), (ISA.AVX2, "q4", True, "silu", 2, {})]
+# the VNNI paths' Q4 / Q8 units both ways whatever the built-in: token by token (q_units 0, several row groups a
+# pass) and chunk-major (q_units 1), one and several row groups a pass
+CASES += [(isa, dt, False, "silu", 1, knobs) for isa in (ISA.AVXVNNI, ISA.AVX512VNNI) for dt in ("q4", "q8")
+          for knobs in ({"q_units": 0}, {"q_units": 1}, {"q_units": 1, "max_groups": 16})]
+CASES += [(ISA.AVXVNNI, "q4", True, "silu", 2, {"q_units": 0})]
 
 
-@pytest.mark.parametrize("isa, dtype, gate_up, act, planes", CASES,
-                         ids=[f"{i}-{d}-{a if g else 'matrix'}" + "-x2" * (p == 2) for i, d, g, a, p in CASES])
-def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
+@pytest.mark.parametrize("isa, dtype, gate_up, act, planes, knobs", CASES,
+                         ids=[f"{i}-{d}-{a if g else 'matrix'}" + "-x2" * (p == 2)
+                              + "".join(f"-{k}{v}" for k, v in kn.items()) for i, d, g, a, p, kn in CASES])
+def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes, knobs):
     """Every token of the multi-token kernel (full token groups of 8 or 4 and a tail) equals the decode kernel on
     it alone, and a gate kernel's output is its activation of the gate times the up projection: gate values of
     order 1 (where SiLU and tanh-GELU differ by up to 0.2), so a kernel computing the wrong one fails by far.
-    planes 2: two-plane activations, their stride (2 x the one-plane's) apart from the scales' (blocks)."""
+    planes 2: two-plane activations, their stride (2 x the one-plane's) apart from the scales' (blocks). knobs:
+    emit_matmat's, over its built-ins."""
     target = _target(isa)
     if target is None:
         pytest.skip(f"host lacks {isa}")
@@ -70,7 +77,7 @@ def test_matmat_equals_matvec_per_token(isa, dtype, gate_up, act, planes):
     # (step_context.matmat_fn)
     mv_fn = K.emit_matvec(mod, "mv", L, isa, gate_up=gate_up, act=act, planes=planes)
     K.emit_matmat(mod, "mm", L, isa, planes * stride, gate_up=gate_up, act=act, act_blocks=stride // 32,
-                  planes=planes, tail=mv_fn)
+                  planes=planes, tail=mv_fn, **knobs)
     if gate_up:
         K.emit_matvec(mod, "plain", L, isa, planes=planes)  # W x alone: the gate and up projections for the reference
     lib, (q, mv, mm) = _kernels(mod, target)
@@ -146,7 +153,7 @@ BLOCK_GU = [(isa, dt) for isa in ISA for dt in ("Q4_K", "IQ4_XS")]
 
 @pytest.mark.parametrize("isa, dtype", BLOCK_GU, ids=[f"{i}-{d}" for i, d in BLOCK_GU])
 def test_a_block_types_gate_up_matmat_equals_its_matvec(isa, dtype):
-    """A GGUF block type's fused gate+up mat-mat (both halves through kernels._block_units, every token of a pass
+    """A GGUF block type's fused gate+up mat-mat (both halves through kernels._units_at_once, every token of a pass
     dotted with each decoded chunk) gives each token the bits of the fused mat-vec on it alone; a thread's share
     of the tile-rows, and tokens past the token groups through the tail."""
     from cflow.layout.blocks import random_blocks
