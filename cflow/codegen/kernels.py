@@ -354,7 +354,8 @@ def default_prefetch(L: TileLayout, isa=None, gate_up: bool = False) -> int:
 # - Q4 and Q8 on the 256-bit paths: two units ahead (4,608 / 8,704 bytes at 128-row tiles). With each path forced on
 #   an AMX Xeon (model 207) `cflow tune` chose two units for every Q8 shape (1.12-1.26x over 2,304 bytes in its
 #   timing) and for Q4 on AVX2 (1.07-1.09x; AVX-VNNI: its gate+up, a tie on the rest); end to end (TinyLlama
-#   geometry) Q8 went from 78-85% to 99-104% of the read bandwidth (docs/performance.md "Decode on each ISA path").
+#   geometry) Q8 went from 78-85% to 99-104% of the read bandwidth (docs/journal/performance.md, "Decode on each
+#   path, change by change").
 #   Not measured on an AVX2-only CPU.
 # - Q5_K and Q6_K on the 256-bit paths: a quarter unit ahead (their group loop prefetching into L2), 1.01-1.05x over
 #   one unit from DRAM at 1 and 2 threads with each path forced on model 207; Q4_K 0.92-0.93x and IQ4_XS 0.93-0.99x
@@ -793,7 +794,7 @@ def matmat_q_units(L: TileLayout, isa, q_units: int | None = None) -> bool:
     LLVM's common subexpressions and spilled them (AVX-VNNI Q4: 14.2 instructions per 64-byte line and token, 11.7
     chunk-major; in cache 1.22x / 1.32x for Q4 / Q8, benchmarks/matmat.py). AVX-512 keeps them token by token,
     its 32 registers holding two row groups' work: chunk-major was 1.01-1.08x in cache but 0.94-0.95x for batches
-    of 8 end to end (docs/performance.md, "Prompts and batches")."""
+    of 8 end to end (docs/journal/performance.md, "Prompts and batches, kernel by kernel")."""
     isa = ISA.parse(isa)
     if L.dtype not in (DType.Q4, DType.Q8) or not isa.vnni:
         return False
@@ -927,7 +928,7 @@ def _gate_mul(b, g, u, act: str = "silu"):
     # exp in vector ops (cgutils.exp_vec, ~1 ulp), not llvm.exp: without a vector math library LLVM lowers that
     # to 16 libm calls a vector, and the calls cost more than their time: every vector register live across them
     # is spilled, so the tile loop's constants came back from memory. With Q6_K's loop beside it, Qwen2.5-Coder-1.5B's
-    # Q4_K_M file decoded 3-11% faster at 1 thread (docs/performance.md, "The gate's exp").
+    # Q4_K_M file decoded 3-11% faster at 1 thread (docs/journal/performance.md, "The gate's exp").
     return b.fmul(b.fdiv(g, b.fadd(one, exp_vec(b, b.fsub(ir.Constant(vt, [0.0] * 16), z)))), u)
 
 

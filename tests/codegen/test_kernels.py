@@ -280,7 +280,7 @@ def test_two_plane_activations(rng, isa, dtype):
 def test_gate_up_kernel_calls_nothing(dtype, act):
     """The fused gate+up's activation is vector ops (cgutils.exp_vec), not llvm.exp: that lowered to 16 libm calls a
     vector, 128 a tile-row, and every vector register live across them was spilled (Q4_K's gate+up 1.07-1.18x
-    faster without them, docs/performance.md "The gate's exp")."""
+    faster without them, docs/journal/performance.md "The gate's exp")."""
     L = T.gate_up_layout(256, 512, dtype, (128, 256))
     mod = ir.Module("gu")
     K.emit_matvec(mod, "mv", L, HOST.isa, gate_up=True, act=act)
