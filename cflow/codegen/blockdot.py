@@ -150,9 +150,12 @@ class Decoder:
         sum (field >> rshift) << lshift; chunks made where first used, as chunk(). On VNNI each part is dotted as it
         lies in its bytes (vpdpbusd sums into i32: no intermediate saturation) and its sum shifted after: exact,
         since every masked byte is a multiple of 2^rshift, and the shifts and ORs of the field assembly move from
-        every chunk to one per sub-block. Default: the assembled codes (one part). Only Q4_K overrides it (its high
-        nibbles, 1.03-1.05x from DRAM on an AMX Xeon); a part per extra bit (Q5_K, Q6_K, Q3_K) or per 2-bit plane
-        (Q2_K) costs a second dot per chunk and measured 0.85-0.93x, so those assemble their codes."""
+        every chunk to one per sub-block. Default: the assembled codes (one part). Q4_K overrides it (its high
+        nibbles, 1.03-1.05x from DRAM on an AMX Xeon). A part per extra bit (Q5_K, Q3_K) costs a second dot per
+        chunk, which measured 0.85-0.93x on AVX-512 (one 512-bit dot a cycle); on AVX-VNNI (two 256-bit dots a
+        cycle) Q3_K, Q5_K and Q2_K (its 2-bit codes masked in place) take parts, 1.02-1.09x from DRAM, and Q6_K
+        assembles its codes (0.97-1.00x as parts: benchmarks/blockdot_ab, docs/performance.md "Decode on each ISA
+        path")."""
         return [(_Lazy(range(8), lambda c: self.chunk(j, c)), 0, 0)]
 
     def scales(self, j: int) -> list:
@@ -202,9 +205,12 @@ class _Q4K(Decoder):
     def parts(self, j):
         n, hi = divmod(j, 2)
         mask = 0xF0F0F0F0 if hi else 0x0F0F0F0F
-        if "qh" in self.offs:  # Q5_K: a fifth bit as a part of its own costs a second dot per chunk (measured 0.91x)
+        nib = (_Lazy(range(8), lambda c: self.b.and_(self.word("qs", 8 * n + c), _ku(mask))), 4 * hi, 0)
+        if "qh" not in self.offs:
+            return [nib]
+        if self.isa != ISA.AVXVNNI:  # Q5_K's fifth bit as a part costs a second dot per chunk (AVX-512: 0.91x)
             return super().parts(j)
-        return [(_Lazy(range(8), lambda c: self.b.and_(self.word("qs", 8 * n + c), _ku(mask))), 4 * hi, 0)]
+        return [nib, (_Lazy(range(8), lambda c: self.b.and_(self.word("qh", c), _ku(0x01010101 << j))), j, 4)]
 
     def sbyte(self, k: int):
         return self.byte(self.word("scales", k // 4), k % 4)
@@ -253,6 +259,13 @@ class _Q2K(Decoder):
         n, q = divmod(j, 4)
         return self.mask(self.shr(self.word("qs", 8 * n + c), 2 * q), 0x03030303)
 
+    def parts(self, j):
+        if self.isa != ISA.AVXVNNI:
+            return super().parts(j)
+        n, q = divmod(j, 4)
+        return [(_Lazy(range(8), lambda c: self.b.and_(self.word("qs", 8 * n + c), _ku(0x03030303 << (2 * q)))),
+                 2 * q, 0)]
+
     def int_scales(self, j):
         n, q = divmod(j, 4)
         out = []
@@ -278,6 +291,14 @@ class _Q3K(Decoder):
         b = self.b
         return b.or_(self.mask(self.shr(self.word("qs", 8 * n + c), 2 * q), 0x03030303),
                      b.shl(self.mask(self.shr(self.word("hmask", c), j), 0x01010101), _k(2)))
+
+    def parts(self, j):
+        if self.isa != ISA.AVXVNNI:
+            return super().parts(j)
+        n, q = divmod(j, 4)
+        b = self.b
+        return [(_Lazy(range(8), lambda c: b.and_(self.word("qs", 8 * n + c), _ku(0x03030303 << (2 * q)))), 2 * q, 0),
+                (_Lazy(range(8), lambda c: b.and_(self.word("hmask", c), _ku(0x01010101 << j))), j, 2)]
 
     def aux(self, k: int):
         key = ("aux", k)

@@ -486,8 +486,8 @@ def _unit(b, L, isa, unit, kb, groups, accs, act, unpack: int = 0, planes: int =
     (blockdot.block_unit, one block of QK inputs); act = (x, xq, xd, xs), xq of `planes` int8 planes. one_token:
     the unit is dotted with this activation only (a mat-vec), not with several in turn (a Q4/Q8 mat-mat, whose
     tokens share the unpacked codes through LLVM's common subexpressions; its group function is named apart; a
-    block type's mat-mat, and a chunk-major Q4 / Q8 one, take _units_at_once instead). calls: a quantised type's groups as calls of
-    _group_function's function."""
+    block type's mat-mat, and a chunk-major Q4 / Q8 one, take _units_at_once instead). calls: a quantised type's
+    groups as calls of _group_function's function."""
     if not L.dtype.quantised:
         _f_unit(b, L, isa, unit, kb, groups, accs, act[0])
         return
