@@ -14,9 +14,9 @@ opcodes. Next to it, the read loop of codegen.bandwidth (the bandwidth reference
 builds the block types' kernels from another version of codegen/blockdot.py (a before / after of a decoder change).
 A static count, not a timing: how many instructions the core must issue per line it streams.
 --matmat counts the multi-token (mat-mat) kernel's unit loop instead (codegen.kernels.emit_matmat, built-in
-knobs, without the next tile-row's prefetch, whose branch would split the loop's block): one iteration is one unit
-of a pass's row groups for each token of the path's token group (kernels.matmat_groups), counted per 64-byte line
-and token.
+knobs, without the next tile-row's prefetch, whose branch would split the loop's block, and with an empty tail, so
+that the listing's largest loop is the mat-mat's and not its tail mat-vec's): one iteration is one unit of a pass's
+row groups for each token of the path's token group (kernels.matmat_groups), counted per 64-byte line and token.
 """
 
 from __future__ import annotations

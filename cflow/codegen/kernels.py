@@ -425,9 +425,15 @@ def _q_group(b, L, isa, unit, g, shared, acc, unpack: int = 0, planes: int = 1):
     codes = ptr(b, unit, _goff(b, g, L.code_nbytes))
     isum = plane_dot(b, lambda ap: (_q4_block_int(b, isa, codes, ap, unpack) if L.dtype == DType.Q4
                                     else _q8_block_int(b, isa, codes, ap)), aptr, planes)
+    ws = half_to_float(b, load(b, unit, _goff(b, g, 32, L.scales_offset), V(i16, 16)), isa)
+    return _q_scaled(b, isa, isum, corr, ws, ad, acc)
+
+
+def _q_scaled(b, isa, isum, corr, ws, ad, acc):
+    """acc + (isum - corr) * ws * ad: a Q4 / Q8 group's float work on its exact integer sum, one token (the mat-vec's
+    and the chunk-major mat-mat's, so that both give each token the same bits)."""
     if corr:  # unsigned-code trick: sum((q - bias) * a) = sum(q * a) - bias * sum(a)
         isum = b.sub(isum, corr[0])
-    ws = half_to_float(b, load(b, unit, _goff(b, g, 32, L.scales_offset), V(i16, 16)), isa)
     return _fma(b, b.sitofp(isum, V(f32, 16)), b.fmul(ws, ad), acc, isa)
 
 
@@ -447,18 +453,19 @@ def _f_unit(b, L, isa, unit, kb, groups, accs, x):
 def _q_units_body(b, L: TileLayout, isa, unit, g, flat, sizes, accs, planes: int) -> list:
     """Q4 / Q8 group g of one unit for the activations whose _q_act values are `flat` (`sizes` each) on a VNNI
     path: _q_group's arithmetic per activation, the codes unpacked once for all (_q_block_ints)."""
-    shared, i = [], 0
-    for n in sizes:
-        shared.append(flat[i : i + n])
-        i += n
+    shared = _split(flat, sizes)
     codes = ptr(b, unit, _goff(b, g, L.code_nbytes))
     isums = plane_dots(b, lambda aptrs: _q_block_ints(b, L, isa, codes, aptrs), [s[0] for s in shared], planes)
     ws = half_to_float(b, load(b, unit, _goff(b, g, 32, L.scales_offset), V(i16, 16)), isa)
-    out = []
-    for (_, ad, *corr), isum, acc in zip(shared, isums, accs):
-        if corr:
-            isum = b.sub(isum, corr[0])
-        out.append(_fma(b, b.sitofp(isum, V(f32, 16)), b.fmul(ws, ad), acc, isa))
+    return [_q_scaled(b, isa, isum, corr, ws, ad, acc) for (_, ad, *corr), isum, acc in zip(shared, isums, accs)]
+
+
+def _split(flat: list, sizes: list) -> list:
+    """flat cut into consecutive lists of `sizes` (several activations' shared values passed as one argument list)."""
+    out, i = [], 0
+    for n in sizes:
+        out.append(flat[i : i + n])
+        i += n
     return out
 
 
@@ -536,10 +543,7 @@ def _units_at_once(b, L: TileLayout, isa, unit, kb, groups, accs, acts, planes: 
 
 def _block_units_body(b, L: TileLayout, isa, unit, g, flat, sizes, accs, planes: int) -> list:
     """blockdot.block_units of group g over the activations whose _unit_shared values are `flat` (`sizes` each)."""
-    acts, i = [], 0
-    for n in sizes:
-        acts.append(blockdot.UnitActivation.of_values(L.format, flat[i : i + n], planes))
-        i += n
+    acts = [blockdot.UnitActivation.of_values(L.format, vs, planes) for vs in _split(flat, sizes)]
     return blockdot.block_units(b, isa, L.format, ptr(b, unit, _goff(b, g, L.group_nbytes)), acts, accs,
                                 reload=False)
 
@@ -785,18 +789,20 @@ def emit_matvec(module: ir.Module, name: str, layout: TileLayout, isa: str, *, l
 
 
 MATMAT_ARGS = MATVEC_ARGS + (i64, i64, i64)  # ..., r0, r1, ntok, x_stride, y_stride
-MATMAT_GROUPS = 16  # Q4 / Q8 mat-mat accumulators per pass (token groups x row groups): emit_matmat
+MATMAT_GROUPS = 16  # token-by-token Q4 / Q8 mat-mat accumulators per pass (token groups x row groups): emit_matmat
 
 
 def matmat_q_units(L: TileLayout, isa, q_units: int | None = None) -> bool:
     """Does emit_matmat's kernel for L on `isa` take Q4 / Q8 units chunk-major (_q_units_body; a VNNI path; None:
     the built-in, AVX-VNNI's)? With 16 registers, each token's units in turn shared the decoded chunks through
     LLVM's common subexpressions and spilled them (AVX-VNNI Q4: 14.2 instructions per 64-byte line and token, 11.7
-    chunk-major; in cache 1.22x / 1.32x for Q4 / Q8, benchmarks/matmat.py). AVX-512 keeps them token by token,
-    its 32 registers holding two row groups' work: chunk-major was 1.01-1.08x in cache but 0.94-0.95x for batches
-    of 8 end to end (docs/journal/performance.md, "Prompts and batches, kernel by kernel")."""
+    chunk-major; in cache 1.22x / 1.32x for Q4 / Q8 in scratch runs of benchmarks/matmat.py). AVX-512 keeps them
+    token by token, its 32 registers holding two row groups' work: chunk-major was 1.01-1.08x in cache (scratch) but
+    0.94-0.95x for batches of 8 end to end (docs/journal/performance.md, "Prompts and batches, kernel by kernel")."""
     isa = ISA.parse(isa)
     if L.dtype not in (DType.Q4, DType.Q8) or not isa.vnni:
+        if q_units:
+            raise CodegenError(f"q_units: Q4 / Q8 chunk-major is a VNNI path's ({L.dtype.label} on {isa} has none)")
         return False
     return isa == ISA.AVXVNNI if q_units is None else bool(q_units)
 
@@ -855,7 +861,7 @@ def emit_matmat(module: ir.Module, name: str, layout: TileLayout, isa: str, act_
     # Tokens per group: 8 on AVX-512 (32 registers), 4 elsewhere (16 registers, each <16 x f32> two of them).
     # Row groups per pass: Q4 / Q8 take MATMAT_GROUPS // tg (2 or 4) 16-row groups per pass over a tile-row, the
     # GGUF block types one (their unit is up to 8x longer), and so do Q4 / Q8 where they run chunk-major
-    # (matmat_q_units: AVX-VNNI). In cache on an AMX Xeon, against one group per pass
+    # (matmat_q_units: AVX-VNNI). Token by token, in cache on an AMX Xeon, against one group per pass
     # (benchmarks/matmat.py, docs/results/intel-amx/matmat_groups_intel.txt): AVX2 Q4 / Q8 1.07x / 1.08x, AVX-VNNI
     # 1.10x / 1.57x, AVX-512 1.26x / 1.21x, the block types 0.98-1.03x (an earlier pick on a loaded Zen 4 had found
     # one group best, with passes unrolled).

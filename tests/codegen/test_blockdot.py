@@ -27,10 +27,11 @@ from tests._isa import isa_target as _target
 from tests.runtime._gguf_blocks import random_blocks
 
 GENERIC_TYPES = {DType.Q5_1, DType.IQ4_NL, DType.Q2_K}  # unsigned and signed dots, the lookup, a 16-input sub-block
-# AVX-VNNI differs from AVX-512 VNNI only in the dot's width and the code-book lookup (AVX2's): the types that reach
-# each of its branches (a legacy and a K-quant unsigned dot, Q4_K's dot of parts, Q6_K's integer combine, the signed
-# code book, a 16-input sub-block)
-VNNI256_TYPES = {DType.Q5_1, DType.Q4_K, DType.Q6_K, DType.IQ4_XS, DType.Q2_K}
+# AVX-VNNI differs from AVX-512 VNNI in the dot's width, the code-book lookup (AVX2's) and the K-quants dotted as
+# parts (Decoder.parts): the types that reach each of its branches (a legacy unsigned dot, Q4_K's dot of parts, Q6_K's
+# integer combine of assembled codes, the signed code book, Q2_K's one part of a 16-input sub-block, Q3_K's two parts
+# under the integer combine, Q5_K's two parts beside a min)
+VNNI256_TYPES = {DType.Q5_1, DType.Q4_K, DType.Q6_K, DType.IQ4_XS, DType.Q2_K, DType.Q3_K, DType.Q5_K}
 SUBSETS = {ISA.GENERIC: GENERIC_TYPES, ISA.AVXVNNI: VNNI256_TYPES}
 CASES = [(dt, isa, 1) for dt in B.FORMATS for isa in ISA if dt in SUBSETS.get(isa, B.FORMATS)]
 # two-plane activations (activations='q8x2', kernels.plane_dot: each plane the one-plane dot): the 32-input types on

@@ -46,7 +46,9 @@ CASES += [(ISA.AVX512VNNI, "q4", False, "silu", 2, {}), (ISA.AVX512VNNI, "q8", T
 # pass) and chunk-major (q_units 1), one and several row groups a pass
 CASES += [(isa, dt, False, "silu", 1, knobs) for isa in (ISA.AVXVNNI, ISA.AVX512VNNI) for dt in ("q4", "q8")
           for knobs in ({"q_units": 0}, {"q_units": 1}, {"q_units": 1, "max_groups": 16})]
-CASES += [(ISA.AVXVNNI, "q4", True, "silu", 2, {"q_units": 0})]
+CASES += [(ISA.AVXVNNI, "q4", True, "silu", 2, {"q_units": 0}),
+          (ISA.AVX512VNNI, "q4", False, "silu", 2, {"q_units": 1}),
+          (ISA.AVXVNNI, "q8", True, "silu", 1, {"group_calls": False})]  # chunk-major inline, not as a call
 
 
 @pytest.mark.parametrize("isa, dtype, gate_up, act, planes, knobs", CASES,
@@ -186,3 +188,18 @@ def test_a_block_types_gate_up_matmat_equals_its_matvec(isa, dtype):
         mv(_p(w), _p(X[t]), _p(XQ[t]), _p(XD[t]), _p(XS[t]), _p(want[t]), 1, L.n_tile_rows)
     assert np.array_equal(got, want)
     assert np.abs(got[:, L.tr : L.rows]).max() > 0
+
+
+def test_q_units_is_refused_where_it_does_not_apply():
+    """The chunk-major knob names Q4 / Q8 on a VNNI path; asked for elsewhere it is an error, not a silent no-op (a
+    benchmark variant would time the token-by-token kernel under its name). 0 or None is the built-in anywhere."""
+    from cflow.errors import CodegenError
+
+    q4, q4k = TileLayout("q4", 64, 256, (32, 256)), TileLayout("Q4_K", 64, 256, (32, 256))
+    assert K.matmat_q_units(q4, ISA.AVXVNNI) and not K.matmat_q_units(q4, ISA.AVX512VNNI)
+    assert K.matmat_groups(q4, ISA.AVXVNNI) == (4, 1) and K.matmat_groups(q4, ISA.AVXVNNI, q_units=0) == (4, 4)
+    assert K.matmat_groups(q4, ISA.AVX512VNNI) == (8, 2) and K.matmat_groups(q4, ISA.AVX512VNNI, q_units=1) == (8, 1)
+    assert not K.matmat_q_units(q4, ISA.AVX2, 0) and not K.matmat_q_units(q4k, ISA.AVXVNNI)
+    for L, isa in ((q4, ISA.AVX2), (q4, ISA.GENERIC), (q4k, ISA.AVXVNNI)):
+        with pytest.raises(CodegenError, match="q_units"):
+            K.matmat_q_units(L, isa, 1)
