@@ -42,10 +42,11 @@ CASES = [(isa, dt, gu, act, 1, {}) for isa in ISA for dt in ("q4", "q8", "f16", 
 # two-plane activations (q8x2): the strides and a gate on the vector paths (portable: tests/codegen/test_kernels.py)
 CASES += [(ISA.AVX512VNNI, "q4", False, "silu", 2, {}), (ISA.AVX512VNNI, "q8", True, "gelu_tanh", 2, {}),
           (ISA.AVXVNNI, "q8", False, "silu", 2, {}), (ISA.AVX2, "q4", True, "silu", 2, {})]
-# the VNNI paths' Q4 / Q8 units both ways whatever the built-in: token by token (q_units 0, several row groups a
-# pass) and chunk-major (q_units 1), one and several row groups a pass
-CASES += [(isa, dt, False, "silu", 1, knobs) for isa in (ISA.AVXVNNI, ISA.AVX512VNNI) for dt in ("q4", "q8")
-          for knobs in ({"q_units": 0}, {"q_units": 1}, {"q_units": 1, "max_groups": 16})]
+# the VNNI paths' Q4 / Q8 units the way their built-in does not take them (kernels.matmat_q_units: AVX-VNNI chunk-major,
+# AVX-512 token by token), and chunk-major with several row groups a pass
+OTHER_WAY = {ISA.AVXVNNI: {"q_units": 0}, ISA.AVX512VNNI: {"q_units": 1}}
+CASES += [(isa, dt, False, "silu", 1, knobs) for isa in OTHER_WAY for dt in ("q4", "q8")
+          for knobs in (OTHER_WAY[isa], {"q_units": 1, "max_groups": 16})]
 CASES += [(ISA.AVXVNNI, "q4", True, "silu", 2, {"q_units": 0}),
           (ISA.AVX512VNNI, "q4", False, "silu", 2, {"q_units": 1}),
           (ISA.AVXVNNI, "q8", True, "silu", 1, {"group_calls": False})]  # chunk-major inline, not as a call
