@@ -23,23 +23,40 @@ def files(tmp_path_factory):
     return out
 
 
-def _run(path, block, threads, ids, steps=4, activations="q8"):
+def _greedy(s, logits, steps):
+    """`steps` greedy decode steps after `logits`: each step's logits (copies)."""
+    rest = [s.step(int(np.argmax(logits))).copy()]
+    for _ in range(steps - 1):
+        rest.append(s.step(int(np.argmax(rest[-1]))).copy())
+    return rest
+
+
+def _run(path, block, threads, ids, steps=4, activations="q8", by_token=False):
+    """The prompt in blocks of `block` tokens, its last logits and `steps` greedy steps after it; by_token: first
+    the same from one decode step a token in the same session (what a block must equal: its decode steps are the
+    program's own, so the reference needs no program of its own), returned after the blocks' result."""
     with Session(str(path), threads=threads, prefill_block=block, activations=activations) as s:
+        ref = None
+        if by_token:
+            for t in ids:
+                logits = s.step(int(t))
+            logits = logits.copy()
+            ref = (logits, _greedy(s, logits, steps))
+            s.reset()
         logits = s.prefill(ids)
-        rest = [s.step(int(np.argmax(logits))).copy()]
-        for _ in range(steps - 1):
-            rest.append(s.step(int(np.argmax(rest[-1]))).copy())
-        return logits, rest
+        got = (logits, _greedy(s, logits, steps))
+        return (got, ref) if by_token else got
 
 
 @pytest.mark.parametrize("name,quant", [(p, "q4") for p in PRESETS] + [("arch2_4_combined", "f16"),
                                                                           ("arch5_shared", "f16")])
 def test_prefill_bit_identical_to_token_by_token(files, name, quant):
     ids = list(np.random.default_rng(5).integers(0, 256, 45))
-    want, want_rest = _run(files[name, quant], 1, 1, ids)
-    for block, threads in ((16, 1), (16, 2)):  # 45 tokens: two full calls and a partial one; 1 and 2 threads
-        got, rest = _run(files[name, quant], block, threads, ids)
-        assert np.array_equal(got, want), (block, threads)
+    (got, rest), (want, want_rest) = _run(files[name, quant], 16, 1, ids, by_token=True)
+    for threads in (1, 2):  # 45 tokens in blocks of 16: two full calls and a partial one; 1 and 2 threads
+        if threads == 2:
+            got, rest = _run(files[name, quant], 16, threads, ids)
+        assert np.array_equal(got, want), threads
         for a, b in zip(rest, want_rest):  # the KV cache the block wrote is the one decode continues from
             assert np.array_equal(a, b)
 
@@ -70,7 +87,7 @@ def test_two_plane_activations_in_blocks(files):
     """activations='q8x2' on an MoE with a shared expert (a prompt block groups the experts' tokens and gathers their
     two-plane inputs): the block equals token by token bit for bit, and both the interpreter's twin."""
     path, ids = files["arch5_shared", "q4"], list(np.random.default_rng(7).integers(0, 256, 21))
-    want, _ = _run(path, 1, 1, ids, steps=1, activations="q8x2")
+    _, (want, _) = _run(path, 16, 2, ids, steps=1, activations="q8x2", by_token=True)
     with cflow.load(path, threads=2, prefill_block=16, activations="q8x2") as m:
         got = m.session.prefill(ids)
         ref = Interpreter(m.ir, act_quant="q8x2", kv=m.kv).prefill(ids)[-1]
