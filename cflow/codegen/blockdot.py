@@ -160,6 +160,15 @@ class Decoder:
         path")."""
         return [(_Lazy(range(8), lambda c: self.chunk(j, c)), 0, 0)]
 
+    @property
+    def split_fields(self) -> bool:
+        """Are a K-quant's extra bits dotted as parts of their own here (parts(): AVX-VNNI only)?"""
+        return self.isa == ISA.AVXVNNI
+
+    def field_part(self, field: str, word, mask: int, rshift: int, lshift: int = 0):
+        """One part for parts(): chunk c is word word(c) of `field` masked in place by `mask`."""
+        return (_Lazy(range(8), lambda c: self.b.and_(self.word(field, word(c)), _ku(mask))), rshift, lshift)
+
     def scales(self, j: int) -> list:
         """[(S, M or None)] per sub-block of activation block j (one for 32-input sub-blocks, two for 16); by default
         D * sc and Dmin * m of int_scales and supers."""
@@ -212,12 +221,12 @@ class _Q4K(Decoder):
     def parts(self, j):
         n, hi = divmod(j, 2)
         mask = 0xF0F0F0F0 if hi else 0x0F0F0F0F
-        nib = (_Lazy(range(8), lambda c: self.b.and_(self.word("qs", 8 * n + c), _ku(mask))), 4 * hi, 0)
+        nib = self.field_part("qs", lambda c: 8 * n + c, mask, 4 * hi)
         if "qh" not in self.offs:
             return [nib]
-        if self.isa != ISA.AVXVNNI:  # Q5_K's fifth bit as a part costs a second dot per chunk (AVX-512: 0.91x)
+        if not self.split_fields:  # Q5_K's fifth bit as a part costs a second dot per chunk (AVX-512: 0.91x)
             return super().parts(j)
-        return [nib, (_Lazy(range(8), lambda c: self.b.and_(self.word("qh", c), _ku(0x01010101 << j))), j, 4)]
+        return [nib, self.field_part("qh", lambda c: c, 0x01010101 << j, j, 4)]
 
     def sbyte(self, k: int):
         return self.byte(self.word("scales", k // 4), k % 4)
@@ -267,11 +276,10 @@ class _Q2K(Decoder):
         return self.mask(self.shr(self.word("qs", 8 * n + c), 2 * q), 0x03030303)
 
     def parts(self, j):
-        if self.isa != ISA.AVXVNNI:
+        if not self.split_fields:
             return super().parts(j)
         n, q = divmod(j, 4)
-        return [(_Lazy(range(8), lambda c: self.b.and_(self.word("qs", 8 * n + c), _ku(0x03030303 << (2 * q)))),
-                 2 * q, 0)]
+        return [self.field_part("qs", lambda c: 8 * n + c, 0x03030303 << (2 * q), 2 * q)]
 
     def int_scales(self, j):
         n, q = divmod(j, 4)
@@ -300,12 +308,11 @@ class _Q3K(Decoder):
                      b.shl(self.mask(self.shr(self.word("hmask", c), j), 0x01010101), _k(2)))
 
     def parts(self, j):
-        if self.isa != ISA.AVXVNNI:
+        if not self.split_fields:
             return super().parts(j)
         n, q = divmod(j, 4)
-        b = self.b
-        return [(_Lazy(range(8), lambda c: b.and_(self.word("qs", 8 * n + c), _ku(0x03030303 << (2 * q)))), 2 * q, 0),
-                (_Lazy(range(8), lambda c: b.and_(self.word("hmask", c), _ku(0x01010101 << j))), j, 2)]
+        return [self.field_part("qs", lambda c: 8 * n + c, 0x03030303 << (2 * q), 2 * q),
+                self.field_part("hmask", lambda c: c, 0x01010101 << j, j, 2)]
 
     def aux(self, k: int):
         key = ("aux", k)
@@ -367,7 +374,7 @@ class _Q3Super(_IQ4Super):
     """cflow's Q3_128 / Q3_192 (layout/blocks.py): 3-bit codes under the IQ4_128 / IQ4_192 scales; chunk c of
     sub-block j is qs word 2j + c % 2 at shift 2 (c // 2) and qh word j at shift c."""
 
-    order = None
+    order = None  # chunks in order: a qs word serves four chunks here (c % 2), not an IQ4 word's two (c, c + 4)
 
     def chunk(self, j, c):
         b = self.b

@@ -276,7 +276,8 @@ def _q_block_ints(b, L: TileLayout, isa, codes, aptrs) -> list:
     """Q4 / Q8 on the VNNI paths for several activations (a mat-mat's token group): _q4_block_int's (unpack 1) or
     _q8_block_int's exact integer sum for each of aptrs. Each 64-byte chunk is loaded and unpacked once and
     dotted with every activation in turn, each activation's sums in one accumulator (Q4's high nibbles shifted
-    down, so both halves of a byte add into it): the same integers in another order."""
+    down, so both halves of a byte add into it): the same integers in another order. (The mat-vec keeps its own:
+    two accumulators a token there, for the dot chain's latency, and Q4's tuned `unpack` knob.)"""
     dots = [Dots(b, isa) for _ in aptrs]
     lo_m, flip = const_vec(i8, 64, 0x0F), const_vec(i8, 64, 0x80)
     q4 = L.dtype == DType.Q4

@@ -31,31 +31,29 @@ def _greedy(s, logits, steps):
     return rest
 
 
-def _run(path, block, threads, ids, steps=4, activations="q8", by_token=False):
-    """The prompt in blocks of `block` tokens, its last logits and `steps` greedy steps after it; by_token: first
-    the same from one decode step a token in the same session (what a block must equal: its decode steps are the
-    program's own, so the reference needs no program of its own), returned after the blocks' result."""
-    with Session(str(path), threads=threads, prefill_block=block, activations=activations) as s:
-        ref = None
-        if by_token:
-            for t in ids:
-                logits = s.step(int(t))
-            logits = logits.copy()
-            ref = (logits, _greedy(s, logits, steps))
-            s.reset()
+def _prompt(s, ids, steps=4, by_token=False):
+    """The prompt from position 0 in session s, its last logits and `steps` greedy steps after it: in prompt blocks,
+    or by_token one decode step a token (the reference a block must equal; the session's own decode steps, so it
+    needs no program of its own)."""
+    s.reset()
+    if by_token:
+        for t in ids:
+            logits = s.step(int(t))
+        logits = logits.copy()
+    else:
         logits = s.prefill(ids)
-        got = (logits, _greedy(s, logits, steps))
-        return (got, ref) if by_token else got
+    return logits, _greedy(s, logits, steps)
 
 
 @pytest.mark.parametrize("name,quant", [(p, "q4") for p in PRESETS] + [("arch2_4_combined", "f16"),
                                                                           ("arch5_shared", "f16")])
 def test_prefill_bit_identical_to_token_by_token(files, name, quant):
     ids = list(np.random.default_rng(5).integers(0, 256, 45))
-    (got, rest), (want, want_rest) = _run(files[name, quant], 16, 1, ids, by_token=True)
     for threads in (1, 2):  # 45 tokens in blocks of 16: two full calls and a partial one; 1 and 2 threads
-        if threads == 2:
-            got, rest = _run(files[name, quant], 16, threads, ids)
+        with Session(str(files[name, quant]), threads=threads, prefill_block=16) as s:
+            if threads == 1:
+                want, want_rest = _prompt(s, ids, by_token=True)
+            got, rest = _prompt(s, ids)
         assert np.array_equal(got, want), threads
         for a, b in zip(rest, want_rest):  # the KV cache the block wrote is the one decode continues from
             assert np.array_equal(a, b)
@@ -87,9 +85,9 @@ def test_two_plane_activations_in_blocks(files):
     """activations='q8x2' on an MoE with a shared expert (a prompt block groups the experts' tokens and gathers their
     two-plane inputs): the block equals token by token bit for bit, and both the interpreter's twin."""
     path, ids = files["arch5_shared", "q4"], list(np.random.default_rng(7).integers(0, 256, 21))
-    _, (want, _) = _run(path, 16, 2, ids, steps=1, activations="q8x2", by_token=True)
     with cflow.load(path, threads=2, prefill_block=16, activations="q8x2") as m:
-        got = m.session.prefill(ids)
+        want, _ = _prompt(m.session, ids, steps=1, by_token=True)
+        got, _ = _prompt(m.session, ids, steps=1)
         ref = Interpreter(m.ir, act_quant="q8x2", kv=m.kv).prefill(ids)[-1]
     assert np.array_equal(got, want)
     assert np.abs(got - ref).max() < 1e-3 * np.abs(ref).max() and int(np.argmax(got)) == int(np.argmax(ref))
